@@ -1,0 +1,247 @@
+"""Plain, frozen records that travel between ranks and into the JSON report.
+
+Every record round-trips through JSON (``to_dict`` / ``from_dict``); nothing here is pickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping, TypeVar
+
+SCHEMA = "fsdpcheck.report/1"
+
+T = TypeVar("T")
+
+
+def to_dict(record: Any) -> Any:
+    """A JSON-ready view of a record (dataclasses, tuples and mappings, recursively)."""
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
+        return {f.name: to_dict(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    if isinstance(record, (list, tuple)):
+        return [to_dict(item) for item in record]
+    if isinstance(record, Mapping):
+        return {str(key): to_dict(value) for key, value in record.items()}
+    return record
+
+
+def from_dict(cls: type[T], data: Any) -> T:
+    """Rebuild a record of type ``cls`` from :func:`to_dict` output."""
+    return _convert(cls, data)
+
+
+def _convert(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return _convert(options[0], value) if len(options) == 1 else value
+    if dataclasses.is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        known = {f.name for f in dataclasses.fields(hint)}
+        return hint(**{k: _convert(hints[k], v) for k, v in value.items() if k in known})
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], item) for item in value)
+        return tuple(_convert(arg, item) for arg, item in zip(args, value))
+    if origin in (dict, Mapping, typing.Mapping) or hint in (dict, Mapping):
+        return dict(value)
+    return value
+
+
+def dumps(record: Any) -> str:
+    return json.dumps(to_dict(record), sort_keys=True, separators=(",", ":"))
+
+
+def short_digest(*parts: str, size: int = 16) -> str:
+    h = hashlib.blake2b(digest_size=size)
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One parameter or buffer as one rank sees it, in iteration order."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    persistent: bool | None = None  # buffers only
+    digest: str | None = None  # of the values, when materialised (not on meta)
+    placements: tuple[str, ...] | None = None  # DTensor placements, after wrapping
+    local_shape: tuple[int, ...] | None = None  # this rank's shard, after wrapping
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def layout(self) -> tuple:
+        """What must agree across ranks (not values, devices or per-rank shard sizes)."""
+        return (self.name, self.shape, self.dtype, self.persistent, self.placements)
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A rank's tensors at one stage of the audit (``pre-wrap`` or ``post-wrap``)."""
+
+    stage: str
+    buffers: tuple[TensorRecord, ...]
+    params: tuple[TensorRecord, ...]
+    state_dict_keys: tuple[str, ...] = ()  # ``model.state_dict()`` order, as loaders walk it
+
+    def layout_digest(self) -> str:
+        return short_digest(
+            self.stage,
+            repr([t.layout() for t in self.buffers]),
+            repr([t.layout() for t in self.params]),
+            repr(self.state_dict_keys),
+        )
+
+
+@dataclass(frozen=True)
+class EnvRecord:
+    """A rank's environment, from an allowlist only (no arbitrary variables, no secrets)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    backend: str
+    python: str
+    torch: str
+    transformers: str | None
+    hash_seed: str  # PYTHONHASHSEED as set, or "random"
+
+    def versions(self) -> tuple[str, str, str | None, str]:
+        return (self.python, self.torch, self.transformers, self.backend)
+
+
+@dataclass(frozen=True)
+class RankError:
+    rank: int
+    stage: str
+    message: str
+    kind: str = "runtime"  # "input" (exit 2) or "runtime" (exit 3)
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """Everything one rank contributes to the gather."""
+
+    env: EnvRecord
+    pre_wrap: Fingerprint | None = None
+    post_wrap: Fingerprint | None = None
+    error: RankError | None = None
+
+    def group_digest(self) -> str:
+        """Equal for ranks that must be treated alike: same layouts, same versions, no error."""
+        if self.error is not None:
+            return short_digest("error", str(self.env.rank), self.error.stage, self.error.message)
+        return short_digest(
+            repr(self.env.versions()),
+            self.pre_wrap.layout_digest() if self.pre_wrap else "-",
+            self.post_wrap.layout_digest() if self.post_wrap else "-",
+        )
+
+
+@dataclass(frozen=True)
+class Group:
+    """Ranks whose records share one digest; ``representative`` is the lowest rank."""
+
+    ranks: tuple[int, ...]
+    digest: str
+    hosts: tuple[str, ...] = ()
+
+    @property
+    def representative(self) -> int:
+        return self.ranks[0]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One cross-rank difference. ``kind`` comes from :data:`FINDING_KINDS`."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    reference_rank: int
+    stage: str  # "pre-wrap" | "post-wrap" | "load" | "probe"
+    cause: str  # see CAUSES
+    summary: str
+    tensors: tuple[str, ...] = ()
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+FINDING_KINDS = {
+    "buffer-order": "same buffers on both sides, iterated in a different order",
+    "buffer-set": "buffer names present on one side only",
+    "buffer-shape": "a buffer with the same name has a different shape",
+    "buffer-dtype": "a buffer with the same name has a different dtype",
+    "buffer-persistence": "a buffer is persistent on one side and not on the other",
+    "param-order": "same parameters, iterated in a different order",
+    "param-set": "parameter names present on one side only",
+    "param-shape": "a parameter with the same name has a different shape",
+    "param-dtype": "a parameter with the same name has a different dtype",
+    "param-placement": "a parameter is sharded differently after wrapping",
+    "state-dict-order": "the same state-dict keys, walked in a different order",
+    "env": "library or interpreter versions differ between ranks",
+}
+
+CAUSES = {
+    "construction-time": "already present before wrapping: the model was built differently",
+    "wrapping": "appeared only after fully_shard",
+    "environment": "the ranks run different software",
+    "configuration": "how the audit was asked to run",
+}
+
+
+@dataclass(frozen=True)
+class WrapPlan:
+    requested: tuple[str, ...]
+    source: str  # "--wrap-class" | "_no_split_modules" | "none"
+    found: tuple[str, ...]
+    missing: tuple[str, ...]
+    wrapped: tuple[str, ...]  # module names passed to fully_shard, root last
+    fallback: bool
+    min_params: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    spec: str  # what the user passed to --model
+    kind: str  # "preset" | "local" | "hub"
+    name: str
+    path: str | None
+    architecture: str | None
+    dtype: str | None
+    init: str
+    checkpoint: bool  # weights came from a checkpoint (else random init)
+    text_only: bool = False
+
+
+@dataclass(frozen=True)
+class Report:
+    verdict: str  # "consistent" | "inconsistent" | "error"
+    exit_code: int
+    world_size: int
+    model: ModelInfo | None
+    wrap: WrapPlan | None
+    groups: tuple[Group, ...]
+    findings: tuple[Finding, ...]
+    errors: tuple[RankError, ...]
+    warnings: tuple[str, ...] = ()
+    environment: tuple[EnvRecord, ...] = ()  # one per group representative
+    options: Mapping[str, Any] = field(default_factory=dict)
+    timings: Mapping[str, float] = field(default_factory=dict)
+    schema: str = SCHEMA
