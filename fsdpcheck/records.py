@@ -203,6 +203,7 @@ CAUSES = {
     "wrapping": "appeared only after fully_shard",
     "environment": "the ranks run different software",
     "configuration": "how the audit was asked to run",
+    "unknown": "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
 }
 
 

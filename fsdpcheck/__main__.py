@@ -1,0 +1,3 @@
+from fsdpcheck.cli import main
+
+main()

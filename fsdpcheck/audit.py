@@ -1,0 +1,124 @@
+"""The audit, one rank's view: resolve → build → fingerprint → wrap → fingerprint → gather →
+analyse → report. Library code: takes options, returns data, never prints."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, TypeVar
+
+from fsdpcheck import distributed
+from fsdpcheck.errors import EXIT_RUNTIME, FsdpcheckError
+from fsdpcheck.records import ModelInfo, RankError, RankRecord, Report, WrapPlan
+from fsdpcheck.wrap import DEFAULT_MIN_PARAMS
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    model: str
+    backend: str = "auto"
+    timeout: float = 60.0
+    init: str = "rank0"
+    dtype: str | None = None
+    seed: int = 0
+    text_only: bool = False
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    wrap_classes: tuple[str, ...] = ()
+    min_params: int = DEFAULT_MIN_PARAMS
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    rank: int
+    exit_code: int
+    report: Report | None  # rank 0 only
+    own_error: RankError | None = None  # this rank's failure, for it to print
+
+
+@dataclass
+class _RankState:
+    """What one rank learns on its way to the gather."""
+
+    rank: int
+    timings: dict[str, float] = field(default_factory=dict)
+    error: RankError | None = None
+    model_info: ModelInfo | None = None
+    wrap_plan: WrapPlan | None = None
+
+    def stage(self, name: str, fn: Callable[[], T]) -> T | None:
+        """Run one stage unless an earlier one failed; record its time or its error."""
+        if self.error is not None:
+            return None
+        start = time.perf_counter()
+        try:
+            return fn()
+        except FsdpcheckError as exc:
+            self.error = RankError(self.rank, name, str(exc), exc.kind)
+        except Exception as exc:  # any failure must reach the gather, not strand the others
+            self.error = RankError(self.rank, name, f"{type(exc).__name__}: {exc}", "runtime")
+        finally:
+            self.timings[name] = round(time.perf_counter() - start, 4)
+        return None
+
+
+def run_audit(options: AuditOptions) -> AuditResult:
+    """Run the audit on this rank; every rank of the job must call it."""
+    ctx = distributed.init(options.backend, options.timeout)
+    try:
+        return _audit(options, ctx)
+    finally:
+        distributed.shutdown(ctx)
+
+
+def _audit(options: AuditOptions, ctx: distributed.DistContext) -> AuditResult:
+    from fsdpcheck import build, fingerprint, resolve, wrap
+    from fsdpcheck.gather import broadcast_codes, gather_records
+
+    state = _RankState(ctx.rank)
+    env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
+    resolved = state.stage(
+        "resolve",
+        lambda: resolve.resolve(options.model, rank=ctx.rank, allow_pickle=options.allow_pickle),
+    )
+    built = state.stage(
+        "build",
+        lambda: build.build(
+            resolved,
+            rank=ctx.rank,
+            init=options.init,
+            dtype=options.dtype,
+            seed=options.seed,
+            text_only=options.text_only,
+            trust_remote_code=options.trust_remote_code,
+        ),
+    )
+    pre = state.stage("fingerprint-pre", lambda: fingerprint.fingerprint(built.model, "pre-wrap"))
+    planned = state.stage(
+        "wrap-plan",
+        lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
+    )
+    state.stage("wrap", lambda: wrap.apply(planned[1], ctx.mesh))
+    post = state.stage("fingerprint-post", lambda: fingerprint.fingerprint(built.model, "post-wrap"))
+    if built is not None:
+        state.model_info = built.info
+    if planned is not None:
+        state.wrap_plan = planned[0]
+
+    record = RankRecord(env=env, pre_wrap=pre, post_wrap=post, error=state.error)
+    start = time.perf_counter()
+    gathered = gather_records(record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size)
+    state.timings["gather"] = round(time.perf_counter() - start, 4)
+
+    report = None
+    code = EXIT_RUNTIME
+    if gathered is not None:
+        from fsdpcheck.report import assemble
+
+        report = assemble(gathered, options, state.model_info, state.wrap_plan, state.timings)
+        code = report.exit_code
+    [code] = broadcast_codes([code], ctx.meta_group)
+    return AuditResult(ctx.rank, code, report, state.error)
+

@@ -1,0 +1,179 @@
+"""The command line: parse, call the library, render. Nothing here runs collectives itself."""
+
+from __future__ import annotations
+
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    help="Find cross-rank buffer/parameter mismatches before FSDP2 training does.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+)
+
+_REEXEC_MARK = "FSDPCHECK_HASH_SEED_VARIED"
+
+AUDIT_EPILOG = """
+[bold]Examples[/]
+
+  torchrun --nproc-per-node 2 -m fsdpcheck audit --model tiny-gemma4 --json report.json
+
+  torchrun --nproc-per-node 2 -m fsdpcheck audit --model hazard --vary-hash-seed
+
+  torchrun --nproc-per-node 8 -m fsdpcheck audit --model /ckpt/my-model --dtype bfloat16
+
+  fsdpcheck audit --model google/gemma-3-1b-it --init meta   [dim](one rank, from the HF cache)[/]
+
+[bold]Exit codes[/]: 0 consistent · 1 findings · 2 bad usage or input · 3 runtime failure or timeout.
+"""
+
+
+class Backend(str, Enum):
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class Init(str, Enum):
+    rank0 = "rank0"
+    meta = "meta"
+    all = "all"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@app.command(epilog=AUDIT_EPILOG)
+def audit(
+    model: str = typer.Option(
+        "hazard", "--model", "-m", help="Preset name, local model directory, or cached hub id."
+    ),
+    backend: Backend = typer.Option(
+        Backend.auto, help="Process-group backend (auto: nccl with CUDA, else gloo)."
+    ),
+    timeout: float = typer.Option(
+        60.0, min=1.0, help="Seconds any collective may wait before the audit gives up."
+    ),
+    init: Init = typer.Option(
+        Init.rank0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
+    ),
+    dtype: Optional[DType] = typer.Option(None, help="Build dtype [default: the config's]."),
+    seed: int = typer.Option(0, help="Random-init seed when the model has no checkpoint."),
+    wrap_class: list[str] = typer.Option(
+        [], "--wrap-class", help="Layer class to fully_shard (repeatable) [default: _no_split_modules]."
+    ),
+    min_params: int = typer.Option(
+        100_000_000, help="Size-based wrapping threshold, used when no wrap class is present."
+    ),
+    text_only: bool = typer.Option(False, help="Build only the text model of a multimodal config."),
+    trust_remote_code: bool = typer.Option(
+        False, help="Allow the model's own Python code (off: never runs remote code)."
+    ),
+    allow_pickle: bool = typer.Option(
+        False, help="Allow pickle weights (*.bin, *.pt); safetensors only by default."
+    ),
+    vary_hash_seed: bool = typer.Option(
+        False,
+        help="Give each rank its own PYTHONHASHSEED (= its rank), so a hash-order dependence "
+        "shows up as a real cross-rank divergence every run.",
+    ),
+    json_path: Optional[Path] = typer.Option(
+        None, "--json", help="Write the machine-readable report here (rank 0)."
+    ),
+) -> None:
+    """Build MODEL on every rank, fully_shard it, and compare every rank's buffers and params."""
+    if vary_hash_seed and os.environ.get(_REEXEC_MARK) != "1":
+        _reexec_with_rank_hash_seed()
+
+    from fsdpcheck.audit import AuditOptions, run_audit
+    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.records import RankError
+    from fsdpcheck.render import render
+    from fsdpcheck.report import write_json
+
+    options = AuditOptions(
+        model=model,
+        backend=backend.value,
+        timeout=timeout,
+        init=init.value,
+        dtype=dtype.value if dtype else None,
+        seed=seed,
+        text_only=text_only,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
+        wrap_classes=tuple(wrap_class),
+        min_params=min_params,
+    )
+    rank = int(os.environ.get("RANK", "0") or 0)
+    try:
+        result = run_audit(options)
+    except FsdpcheckError as exc:
+        _fail(RankError(rank, "launch", str(exc), exc.kind), exc.exit_code, json_path, options)
+    except Exception as exc:  # a peer died or timed out mid-collective
+        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        _fail(RankError(rank, "collective", message, "runtime"), 3, json_path, options)
+
+    if result.report is not None:
+        render(result.report, Console())
+        if json_path is not None:
+            write_json(result.report, json_path)
+    elif result.own_error is not None:
+        _stderr().print(f"[bold red]rank {rank} failed at {result.own_error.stage}[/]: "
+                        f"{result.own_error.message}", highlight=False)
+    raise typer.Exit(result.exit_code)
+
+
+def _stderr() -> Console:
+    return Console(stderr=True)
+
+
+def _fail(error: RankError, exit_code: int, json_path: Optional[Path], options: object) -> None:
+    from fsdpcheck.report import error_report, write_json
+
+    _stderr().print(f"[bold red]fsdpcheck: rank {error.rank}: {error.stage}[/]: {error.message}",
+                    highlight=False)
+    if json_path is not None and error.rank == 0:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        write_json(error_report(error, world, options), json_path)
+    raise typer.Exit(exit_code)
+
+
+def _reexec_with_rank_hash_seed() -> None:
+    """Restart this interpreter with PYTHONHASHSEED = RANK, before anything is hashed for real."""
+    env = dict(os.environ)
+    env["PYTHONHASHSEED"] = env.get("RANK", "0")
+    env[_REEXEC_MARK] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "fsdpcheck", *sys.argv[1:]], env)
+
+
+@app.command()
+def presets() -> None:
+    """List the built-in models."""
+    from rich.table import Table
+
+    from fsdpcheck.presets import PRESETS
+
+    table = Table(title="fsdpcheck presets")
+    table.add_column("name", style="bold")
+    table.add_column("architecture")
+    table.add_column("what it shows")
+    for preset in PRESETS.values():
+        table.add_row(preset.name, preset.architecture, preset.description)
+    Console().print(table)
+
+
+def main() -> None:
+    app()

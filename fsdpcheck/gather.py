@@ -1,0 +1,95 @@
+"""Stage 6: bring every rank's record to rank 0 over the gloo side channel.
+
+Built for thousands of ranks: every rank first shares a fixed-size slot (its record's group
+digest and its host); then only one representative per distinct digest sends its full record.
+When all ranks agree, each rank sends the same few bytes whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fsdpcheck.records import RankRecord, from_dict, to_dict
+
+_DIGEST_BYTES = 16
+_HOST_BYTES = 64
+SLOT_BYTES = _DIGEST_BYTES + _HOST_BYTES
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What rank 0 holds after the gather: every rank's digest and host, and one record per
+    distinct digest (keyed by its representative, the lowest rank with that digest)."""
+
+    digests: dict[int, str]
+    hosts: dict[int, str]
+    records: dict[int, RankRecord]
+    bytes_sent: int  # by this rank
+
+
+def _slot(digest: str, host: str) -> torch.Tensor:
+    raw = bytes.fromhex(digest)[:_DIGEST_BYTES].ljust(_DIGEST_BYTES, b"\0")
+    raw += host.encode()[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _unslot(slot: torch.Tensor) -> tuple[str, str]:
+    raw = slot.numpy().tobytes()
+    return raw[:_DIGEST_BYTES].hex(), raw[_DIGEST_BYTES:].rstrip(b"\0").decode(errors="replace")
+
+
+def representatives(digests: dict[int, str]) -> dict[str, int]:
+    """digest → lowest rank holding it."""
+    reps: dict[str, int] = {}
+    for rank in sorted(digests):
+        reps.setdefault(digests[rank], rank)
+    return reps
+
+
+def gather_records(record: RankRecord, group: object, *, rank: int, world_size: int) -> Gathered | None:
+    """Collective over ``group``: returns :class:`Gathered` on rank 0 and ``None`` elsewhere."""
+    digest = record.group_digest()
+    mine = _slot(digest, record.env.host)
+    slots = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(slots, mine, group=group)
+    digests, hosts = {}, {}
+    for r, slot in enumerate(slots):
+        digests[r], hosts[r] = _unslot(slot)
+    reps = representatives(digests)
+    sent = SLOT_BYTES
+    records: dict[int, RankRecord] = {}
+    if rank == 0:
+        records[0] = record
+        for rep in sorted(reps.values()):
+            if rep != 0:
+                records[rep] = _recv_record(rep, group)
+        return Gathered(digests, hosts, records, sent)
+    if reps[digests[rank]] == rank:
+        sent += _send_record(record, group)
+    return None
+
+
+def _send_record(record: RankRecord, group: object) -> int:
+    payload = json.dumps(to_dict(record)).encode()
+    dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=0, group=group)
+    dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0, group=group)
+    return 8 + len(payload)
+
+
+def _recv_record(src: int, group: object) -> RankRecord:
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src=src, group=group)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, src=src, group=group)
+    return from_dict(RankRecord, json.loads(payload.numpy().tobytes()))
+
+
+def broadcast_codes(values: list[int], group: object) -> list[int]:
+    """Rank 0's small integer decision, shared with every rank."""
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.broadcast(tensor, src=0, group=group)
+    return [int(v) for v in tensor.tolist()]

@@ -1,0 +1,94 @@
+"""Console rendering of a :class:`Report` with rich. Only the CLI calls this, on rank 0."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from fsdpcheck.records import Report
+
+_VERDICT_STYLE = {"consistent": "bold green", "inconsistent": "bold red", "error": "bold red"}
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"0-2,5"``."""
+    ordered = sorted(set(ranks))
+    parts: list[str] = []
+    start = prev = None
+    for r in ordered + [None]:
+        if start is not None and (r is None or r != prev + 1):
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if r is not None and start is None:
+            start = r
+        prev = r
+    return ",".join(parts)
+
+
+def render(report: Report, console: Console) -> None:
+    model = report.model
+    title = Text("fsdpcheck audit", style="bold")
+    if model is not None:
+        title.append(f" · {model.name} ({model.architecture}, {model.kind})")
+        title.append(f" · init {model.init} · {model.dtype}")
+    title.append(f" · {report.world_size} rank{'s' if report.world_size != 1 else ''}")
+    console.print(title)
+
+    if report.wrap is not None:
+        w = report.wrap
+        line = (
+            f"wrap: {len(w.wrapped)} fully_shard calls"
+            f" ({'size-based fallback' if w.fallback else ', '.join(w.found)}"
+            f"{'' if w.fallback else ' + root'}); classes from {w.source}"
+        )
+        if w.missing:
+            line += f"; missing: {', '.join(w.missing)}"
+        console.print(line, style="dim")
+
+    if report.groups:
+        table = Table(title="rank groups (identical fingerprints)", title_justify="left")
+        for column in ("group", "ranks", "hosts", "hash seed", "digest"):
+            table.add_column(column)
+        seeds = {env.rank: env.hash_seed for env in report.environment}
+        for i, group in enumerate(report.groups):
+            table.add_row(
+                str(i),
+                rank_ranges(group.ranks),
+                ", ".join(group.hosts),
+                seeds.get(group.ranks[0], "?"),
+                group.digest[:12],
+            )
+        console.print(table)
+
+    for finding in report.findings:
+        console.print(
+            f"[bold red]✗ {finding.kind}[/] ranks {rank_ranges(finding.ranks)} vs "
+            f"rank {finding.reference_rank} · {finding.stage} · [italic]{finding.cause}[/]"
+        )
+        console.print(f"  {finding.summary}", highlight=False)
+
+    for warning in report.warnings:
+        console.print(f"[yellow]! {warning}[/]", highlight=False)
+
+    for error in report.errors:
+        console.print(
+            f"[bold red]✗ rank {error.rank} failed at {error.stage}[/]: {error.message}",
+            highlight=False,
+        )
+
+    style = _VERDICT_STYLE.get(report.verdict, "bold")
+    console.print(
+        Text.assemble(("verdict: ", "bold"), (report.verdict, style), f" (exit {report.exit_code})")
+    )
+    headline = report_headline(report)
+    if headline:
+        console.print(headline, highlight=False)
+
+
+def report_headline(report: Report) -> str:
+    from fsdpcheck.analyse import headline
+
+    return headline(report.findings, report.errors, report.world_size)

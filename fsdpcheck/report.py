@@ -1,0 +1,94 @@
+"""Stage 9: assemble the report from gathered records, and write it as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fsdpcheck.analyse import analyse, group_ranks, verdict
+from fsdpcheck.records import ModelInfo, RankError, Report, WrapPlan, from_dict, to_dict
+
+if TYPE_CHECKING:
+    from fsdpcheck.audit import AuditOptions
+    from fsdpcheck.gather import Gathered
+
+
+def assemble(
+    gathered: Gathered,
+    options: AuditOptions,
+    model: ModelInfo | None,
+    wrap_plan: WrapPlan | None,
+    timings: dict[str, float],
+) -> Report:
+    groups = group_ranks(gathered.digests, gathered.hosts)
+    records = gathered.records
+    findings = analyse(groups, records)
+    errors = tuple(
+        sorted((r.error for r in records.values() if r.error is not None), key=lambda e: e.rank)
+    )
+    warnings = wrap_warnings(wrap_plan)
+    name, code = verdict(findings, errors)
+    return Report(
+        verdict=name,
+        exit_code=code,
+        world_size=len(gathered.digests),
+        model=model,
+        wrap=wrap_plan,
+        groups=tuple(groups),
+        findings=tuple(findings),
+        errors=errors,
+        warnings=warnings,
+        environment=tuple(records[g.representative].env for g in groups),
+        options=to_dict(options),
+        timings=timings,
+    )
+
+
+def wrap_warnings(wrap_plan: WrapPlan | None) -> tuple[str, ...]:
+    if wrap_plan is None:
+        return ()
+    warnings = []
+    if wrap_plan.missing:
+        warnings.append(
+            f"wrap classes not in this model: {', '.join(wrap_plan.missing)} "
+            f"(from {wrap_plan.source}); skipped"
+        )
+    if wrap_plan.fallback and wrap_plan.requested:
+        warnings.append(
+            "none of the requested wrap classes is present: fell back to size-based wrapping "
+            f"(--min-params {wrap_plan.min_params:,})"
+        )
+    return tuple(warnings)
+
+
+def error_report(error: RankError, world_size: int, options: AuditOptions | None) -> Report:
+    """A report for a run that could not reach the gather (this rank's own failure)."""
+    return Report(
+        verdict="error",
+        exit_code=2 if error.kind == "input" else 3,
+        world_size=world_size,
+        model=None,
+        wrap=None,
+        groups=(),
+        findings=(),
+        errors=(error,),
+        options=to_dict(options) if options is not None else {},
+    )
+
+
+def write_json(report: Report, path: Path) -> None:
+    """Write atomically, so a reader never sees half a report."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as out:
+        json.dump(to_dict(report), out, indent=2, sort_keys=False)
+        out.write("\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Report:
+    return from_dict(Report, json.loads(Path(path).read_text()))
