@@ -141,8 +141,8 @@ def headline(findings: Sequence[Finding], errors: Sequence[RankError], world_siz
         if world_size <= 1:
             return "1 rank: nothing to compare across ranks"
         return f"all {world_size} ranks consistent"
-    first = min(findings, key=lambda f: (KIND_ORDER.get(f.kind, len(KIND_ORDER)), min(f.ranks)))
-    same = [f for f in findings if f.kind == first.kind]
+    first = min(findings, key=_headline_key)
+    same = [f for f in findings if (f.kind, f.cause) == (first.kind, first.cause)]
     ranks = {r for f in same for r in f.ranks}
     line = f"{PHRASES.get(first.kind, first.kind)} on {ranks_label(ranks)} ({first.cause})"
     rest = len(findings) - len(same)
@@ -152,6 +152,11 @@ def headline(findings: Sequence[Finding], errors: Sequence[RankError], world_siz
 
 
 # ---------------------------------------------------------------- internals
+
+
+def _headline_key(f: Finding) -> tuple:
+    stage = STAGES.index(f.stage) if f.stage in STAGES else len(STAGES)
+    return KIND_ORDER.get(f.kind, len(KIND_ORDER)), stage, min(f.ranks, default=0)
 
 
 def _has_record(group: Group, records: Mapping[int, RankRecord]) -> bool:

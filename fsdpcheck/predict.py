@@ -332,6 +332,8 @@ def _ddp_pair(a: Sequence[TensorRecord], b: Sequence[TensorRecord], ref_rank: in
             )
             return _Issue("hang", i, a[i], b[j], group.representative, summary)
         for start, end, i in spans_a:
+            if start == end:
+                continue  # an empty tensor receives nothing
             lands = next(s for s in spans_b if s[0] <= start < s[1])
             if (lands[0], lands[1]) == (start, end) and _same(a[i], b[lands[2]]):
                 continue
@@ -444,19 +446,31 @@ def _dcp(reference: Group, ref: RankRecord, pairs, records, meta_ranks) -> Loade
     return _aggregate("dcp-broadcast", results, ok)
 
 
-def _first_name_difference(a: Fingerprint, b: Fingerprint):
+def _first_name_difference(a: Fingerprint, b: Fingerprint, ref_rank: int, group: Group):
     """(index, reference, other, what) for the first mismatch by sorted name, or None."""
+    mine, theirs = f"rank {ref_rank}", _who(group)
     for kind, xs, ys in (("buffer", a.buffers, b.buffers), ("parameter", a.params, b.params)):
         left, right = {t.name: t for t in xs}, {t.name: t for t in ys}
         for i, name in enumerate(sorted(left.keys() | right.keys())):
             x, y = left.get(name), right.get(name)
             if x is None or y is None:
-                return i, x, y, f"{kind} {name} exists on one side only"
-            if _layout(x) != _layout(y):
-                return i, x, y, f"{kind} {name} is {_layout(x)} vs {_layout(y)}"
-            if x.persistent != y.persistent:
-                return i, x, y, f"{kind} {name} is persistent on one side only"
+                where = mine if y is None else theirs
+                what = f"{kind} {describe(x or y)} exists only on {where}"
+            elif _layout(x) != _layout(y):
+                what = f"{kind} {name} is {_layout(x)} on {mine} but {_layout(y)} on {theirs}"
+            elif x.persistent != y.persistent:
+                what = (
+                    f"{kind} {name} is {_persistence(x)} on {mine} but {_persistence(y)} on "
+                    f"{theirs}"
+                )
+            else:
+                continue
+            return i, x, y, what
     return None
+
+
+def _persistence(t: TensorRecord) -> str:
+    return {True: "persistent", False: "non-persistent"}.get(t.persistent, "of unknown persistence")
 
 
 def _sorted_names(reference: Group, ref: RankRecord, pairs) -> LoaderPrediction:
@@ -465,14 +479,11 @@ def _sorted_names(reference: Group, ref: RankRecord, pairs) -> LoaderPrediction:
         views = _views(ref, other, prefer="post_wrap")
         if views is None:
             continue
-        found = _first_name_difference(*views)
+        found = _first_name_difference(*views, reference.representative, group)
         issue = None
         if found is not None:
             index, x, y, what = found
-            summary = (
-                f"rank {reference.representative} vs {_who(group)}: {what} → the loader stops "
-                "with a clear error before any broadcast"
-            )
+            summary = f"{what} → the loader stops with a clear error before any broadcast"
             issue = _Issue("refused", index, x, y, group.representative, summary)
         results.append((group.ranks, issue))
     ok = "names, shapes and dtypes agree on every rank; buffers broadcast in name order"

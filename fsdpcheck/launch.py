@@ -1,0 +1,112 @@
+"""Run one command as N local ranks with the env:// variables, bounded in time.
+
+Used by the test-suite, the benchmarks and ``--reproduce``: unlike torchrun it can give each
+rank its own environment (``PYTHONHASHSEED``), keeps every rank's exit code, and kills the whole
+process group of every rank when the time is up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    rank: int
+    returncode: int | None  # None: killed at the deadline
+    stdout: str
+    stderr: str
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    ranks: tuple[RankOutcome, ...]
+    elapsed: float
+    timed_out: bool
+
+    @property
+    def codes(self) -> list[int | None]:
+        return [r.returncode for r in self.ranks]
+
+    def output(self, rank: int = 0) -> str:
+        return self.ranks[rank].stdout + self.ranks[rank].stderr
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    argv: Sequence[str],
+    nprocs: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    rank_env: Callable[[int], Mapping[str, str]] | None = None,
+    timeout: float = 120.0,
+    cwd: str | None = None,
+    port: int | None = None,
+) -> LaunchResult:
+    """Start ``python -m <argv...>``-style commands (``argv`` after the interpreter) as ranks."""
+    port = port or free_port()
+    base = {**os.environ, **(env or {})}
+    procs: list[tuple[subprocess.Popen, object, object]] = []
+    start = time.monotonic()
+    for rank in range(nprocs):
+        rank_vars = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen(
+            [sys.executable, *argv],
+            env={**base, **rank_vars, **(rank_env(rank) if rank_env else {})},
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        procs.append((proc, out, err))
+    deadline = start + timeout
+    timed_out = False
+    while any(p.poll() is None for p, _, _ in procs):
+        if time.monotonic() > deadline:
+            timed_out = True
+            break
+        time.sleep(0.05)
+    killed = set()
+    for rank, (proc, _, _) in enumerate(procs):
+        if proc.poll() is None:
+            _kill_group(proc)
+            killed.add(rank)
+    outcomes = []
+    for rank, (proc, out, err) in enumerate(procs):
+        code = None if rank in killed else proc.returncode
+        out.seek(0)
+        err.seek(0)
+        outcomes.append(RankOutcome(rank, code, out.read(), err.read()))
+        out.close()
+        err.close()
+    return LaunchResult(tuple(outcomes), time.monotonic() - start, timed_out)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)

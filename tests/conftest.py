@@ -1,0 +1,63 @@
+"""Shared helpers: run fsdpcheck as real ranks, build local checkpoints and HF cache layouts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fsdpcheck.launch import LaunchResult, launch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_ranks(
+    args: list[str],
+    nprocs: int = 2,
+    *,
+    seeds: list[int] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> LaunchResult:
+    """``python -m fsdpcheck <args>`` on ``nprocs`` ranks; ``seeds`` sets PYTHONHASHSEED per rank."""
+    base = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", **(env or {})}
+    rank_env = (lambda r: {"PYTHONHASHSEED": str(seeds[r])}) if seeds else None
+    return launch(["-m", "fsdpcheck", *args], nprocs, env=base, rank_env=rank_env,
+                  timeout=timeout, cwd=str(REPO))
+
+
+def read_report(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama saved as safetensors (config.json + model.safetensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdpcheck.presets import PRESETS
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(PRESETS["tiny-llama"].make_config())
+    model.save_pretrained(path)
+    assert any(p.suffix == ".safetensors" for p in path.iterdir())
+    return path
+
+
+@pytest.fixture()
+def hf_home(tmp_path: Path, llama_checkpoint: Path) -> Path:
+    """A Hugging Face cache holding ``acme/tiny-llama`` in the hub layout, built offline."""
+    home = tmp_path / "hf-home"
+    repo = home / "hub" / "models--acme--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for file in llama_checkpoint.iterdir():
+        shutil.copy(file, snapshot / file.name)
+    return home

@@ -1,0 +1,122 @@
+"""The audit end to end, on real processes (CPU, gloo)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import read_report, run_ranks
+
+
+def test_hazard_with_different_hash_seeds_reports_buffer_order(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    result = run_ranks(["audit", "--model", "hazard", "--json", str(out)], seeds=[0, 1])
+    assert result.codes == [1, 1], result.output(0) + result.output(1)
+    report = read_report(out)
+    assert report["schema"] == "fsdpcheck.report/1"
+    assert report["verdict"] == "inconsistent"
+    assert [g["ranks"] for g in report["groups"]] == [[0], [1]]
+    [finding] = [f for f in report["findings"] if f["kind"] == "buffer-order"]
+    assert finding["ranks"] == [1]
+    assert finding["cause"] == "construction-time"
+    first = finding["details"]["first_divergence"]
+    assert first["index"] == 0
+    # Under PYTHONHASHSEED=0 the set yields full_attention first, under 1 sliding_attention.
+    assert first["reference"]["name"] == "model.rotary_emb.full_attention_inv_freq"
+    assert first["reference"]["shape"] == [16]
+    assert first["other"]["name"] == "model.rotary_emb.sliding_attention_inv_freq"
+    assert first["other"]["shape"] == [8]
+    assert "buffer-order" in result.ranks[0].stdout
+    assert result.ranks[1].stdout == ""  # only rank 0 renders
+
+
+def test_hazard_with_equal_hash_seeds_is_consistent(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    result = run_ranks(["audit", "--model", "hazard", "--json", str(out)], seeds=[1, 1])
+    assert result.codes == [0, 0], result.output(0)
+    report = read_report(out)
+    assert report["verdict"] == "consistent"
+    assert report["findings"] == []
+    assert len(report["groups"]) == 1 and report["groups"][0]["ranks"] == [0, 1]
+
+
+def test_tiny_llama_is_consistent_whatever_the_seeds(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    result = run_ranks(["audit", "--model", "tiny-llama", "--json", str(out)], seeds=[0, 1])
+    assert result.codes == [0, 0], result.output(0)
+    report = read_report(out)
+    assert report["verdict"] == "consistent"
+    assert report["model"]["architecture"] == "LlamaForCausalLM"
+    assert report["wrap"]["found"] == ["LlamaDecoderLayer"]
+    assert report["wrap"]["wrapped"][-1] == "<root>"
+
+
+def test_vary_hash_seed_turns_hazard_into_a_divergence(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    result = run_ranks(
+        ["audit", "--model", "hazard", "--vary-hash-seed", "--json", str(out)], seeds=[7, 7]
+    )
+    assert result.codes == [1, 1], result.output(0)
+    report = read_report(out)
+    assert [env["hash_seed"] for env in report["environment"]] == ["0", "1"]
+    assert [f["kind"] for f in report["findings"]] == ["buffer-order"]
+
+
+def test_local_safetensors_directory(tmp_path: Path, llama_checkpoint: Path) -> None:
+    out = tmp_path / "report.json"
+    result = run_ranks(["audit", "--model", str(llama_checkpoint), "--json", str(out)])
+    assert result.codes == [0, 0], result.output(0)
+    model = read_report(out)["model"]
+    assert model["kind"] == "local"
+    assert model["checkpoint"] is True
+    assert model["path"] == str(llama_checkpoint)
+
+
+def test_hub_id_from_local_cache(tmp_path: Path, hf_home: Path) -> None:
+    out = tmp_path / "report.json"
+    result = run_ranks(
+        ["audit", "--model", "acme/tiny-llama", "--json", str(out)], env={"HF_HOME": str(hf_home)}
+    )
+    assert result.codes == [0, 0], result.output(0)
+    model = read_report(out)["model"]
+    assert model["kind"] == "hub"
+    assert model["checkpoint"] is True
+    assert "models--acme--tiny-llama" in model["path"]
+
+
+def test_hub_id_missing_from_cache_is_bad_input(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    home = tmp_path / "empty-home"
+    result = run_ranks(
+        ["audit", "--model", "acme/absent-model", "--json", str(out)],
+        env={"HF_HOME": str(home)},
+        timeout=60,
+    )
+    assert result.codes == [2, 2], result.output(0)
+    report = read_report(out)
+    assert report["verdict"] == "error"
+    assert {e["rank"] for e in report["errors"]} == {0, 1}
+    message = report["errors"][0]["message"]
+    assert "acme/absent-model" in message and str(home / "hub") in message
+
+
+def test_missing_wrap_class_warns_and_falls_back(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    result = run_ranks(
+        ["audit", "--model", "tiny-qwen3", "--wrap-class", "SiglipEncoderLayer",
+         "--min-params", "10000", "--json", str(out)]
+    )
+    assert result.codes == [0, 0], result.output(0)
+    report = read_report(out)
+    wrap = report["wrap"]
+    assert wrap["missing"] == ["SiglipEncoderLayer"] and wrap["found"] == []
+    assert wrap["fallback"] is True
+    assert len(wrap["wrapped"]) > 1  # size-based targets, then the root
+    assert any("SiglipEncoderLayer" in w for w in report["warnings"])
+    assert "SiglipEncoderLayer" in result.ranks[0].stdout
+
+
+def test_single_process_without_launcher(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    result = run_ranks(["audit", "--model", "hazard", "--json", str(out)], nprocs=1)
+    assert result.codes == [0], result.output(0)
+    assert read_report(out)["world_size"] == 1
