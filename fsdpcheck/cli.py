@@ -125,7 +125,7 @@ def audit(
         _fail(RankError(rank, "collective", message, "runtime"), 3, json_path, options)
 
     if result.report is not None:
-        render(result.report, Console())
+        render(result.report, Console(soft_wrap=True))
         if json_path is not None:
             write_json(result.report, json_path)
     elif result.own_error is not None:

@@ -84,7 +84,7 @@ def predict_loaders(
     pairs = [(g, records[g.representative]) for g in others]
     return [
         _sequential("named-buffers-order", reference, ref, pairs, _buffer_slots, "buffer"),
-        _sequential("state-dict-order", reference, ref, pairs, _state_dict_slots, "entry"),
+        _sequential("state-dict-order", reference, ref, pairs, _state_dict_slots, "state-dict"),
         _ddp(reference, ref, pairs),
         _dcp(reference, ref, pairs, records, meta_ranks),
         _sorted_names(reference, ref, pairs),
@@ -317,20 +317,15 @@ def _ddp_pair(a: Sequence[TensorRecord], b: Sequence[TensorRecord], ref_rank: in
     for k, (ia, ib) in enumerate(zip(buckets_a, buckets_b, strict=False)):
         spans_a, spans_b = _spans(a, ia), _spans(b, ib)
         if spans_a[-1][1] != spans_b[-1][1]:
-            i, j = next(
-                (
-                    (x, y)
-                    for (_, _, x), (_, _, y) in zip(spans_a, spans_b, strict=False)
-                    if not _same(a[x], b[y])
-                ),
-                (ia[0], ib[0]),
-            )
+            x, y = _first_unlike(a, ia, b, ib)
+            ra, rb = (a[x] if x is not None else None), (b[y] if y is not None else None)
             summary = (
-                f"bucket {k}: rank {ref_rank} broadcasts {spans_a[-1][1]} bytes, {_who(group)} "
-                f"{spans_b[-1][1]}; first difference at index {i}: {describe(a[i])} vs "
-                f"{describe(b[j])} → {_HANG}"
+                f"bucket {k}: rank {ref_rank} broadcasts {spans_a[-1][1]} bytes, "
+                f"{_plural(group, 'broadcasts', 'broadcast')} {spans_b[-1][1]}; first difference: "
+                f"{describe(ra)} vs {describe(rb)} → {_HANG}"
             )
-            return _Issue("hang", i, a[i], b[j], group.representative, summary)
+            index = x if x is not None else y
+            return _Issue("hang", index, ra, rb, group.representative, summary)
         for start, end, i in spans_a:
             if start == end:
                 continue  # an empty tensor receives nothing
@@ -353,6 +348,16 @@ def _ddp_pair(a: Sequence[TensorRecord], b: Sequence[TensorRecord], ref_rank: in
     )
     index = buckets_a[k][0] if k < len(buckets_a) else len(a)
     return _Issue("hang", index, ra, rb, group.representative, summary)
+
+
+def _first_unlike(a, ia: Sequence[int], b, ib: Sequence[int]) -> tuple[int | None, int | None]:
+    """Indices of the first pair of bucket members that differ (None past a bucket's end)."""
+    for p in range(max(len(ia), len(ib))):
+        x = ia[p] if p < len(ia) else None
+        y = ib[p] if p < len(ib) else None
+        if x is None or y is None or not _same(a[x], b[y]):
+            return x, y
+    return ia[0], ib[0]  # same members, so this is unreachable for buckets of unequal size
 
 
 def _ddp(reference: Group, ref: RankRecord, pairs) -> LoaderPrediction:
@@ -439,7 +444,7 @@ def _dcp(reference: Group, ref: RankRecord, pairs, records, meta_ranks) -> Loade
         )
         results.append((hits, _Issue("uninitialized", index, buffer, buffer, hits[0], summary)))
     if volatile:
-        tail = f"all {len(volatile)} non-persistent buffers were built for real on every rank"
+        tail = f"its {len(volatile)} non-persistent buffers were built for real on every rank"
     else:
         tail = "the model has no non-persistent buffers"
     ok = f"keyed by rank 0's state-dict names, so order does not matter; {tail}"

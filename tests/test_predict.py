@@ -153,7 +153,8 @@ def test_all_ranks_on_meta_are_all_uninitialised():
 
 
 def test_equal_size_swap_is_silent_corruption():
-    out = predict({0: record(0), 1: record(1, buffers(HAZARD, sliding=(16,)))})
+    # Gemma3-style: both RoPE tables (16,), different bases.
+    out = predict({0: record(0, buffers(sliding=(16,))), 1: record(1, buffers(HAZARD, (16,)))})
     named = out["named-buffers-order"]
     assert named.verdict == "silent-corruption"
     assert "same byte size, wrong tensor" in named.summary
@@ -175,7 +176,9 @@ def test_buffer_set_difference():
     assert refused.verdict == "refused"
     assert f"buffer {SLIDING} (8,) float32 exists only on rank 0" in refused.summary
     assert out["dcp-broadcast"].verdict == "ok"  # the missing buffer is not in the state dict
-    assert out["ddp-sync"].verdict == "hang"
+    ddp = out["ddp-sync"]
+    assert ddp.verdict == "hang"
+    assert (ddp.first_issue["reference_name"], ddp.first_issue["other_name"]) == (SLIDING, None)
 
 
 def test_extra_state_dict_entry_is_a_count_mismatch():
@@ -183,7 +186,9 @@ def test_extra_state_dict_entry_is_a_count_mismatch():
     out = predict({0: record(0), 1: record(1, (*buffers(), extra))})
     sd = out["state-dict-order"]
     assert sd.verdict == "hang"
-    assert sd.summary.startswith("count mismatch: rank 0 makes 4 entry broadcasts, rank 1 makes 5")
+    assert sd.summary.startswith(
+        "count mismatch: rank 0 makes 4 state-dict broadcasts, rank 1 makes 5"
+    )
     assert sd.first_issue["other_name"] == "model.norm.bias"
     assert out["dcp-broadcast"].verdict == "refused"
     assert "extra state-dict key model.norm.bias" in out["dcp-broadcast"].summary
@@ -228,13 +233,14 @@ def test_shape_difference_hangs_ddp_and_is_refused_by_name_keyed_loaders():
 
 
 def test_worst_verdict_over_groups_names_its_first_offender():
-    per_rank = {r: record(r) for r in (0, 1)}
-    per_rank.update({r: record(r, buffers(HAZARD, sliding=(16,))) for r in (2, 3)})  # corrupt
-    per_rank.update({r: record(r, buffers(HAZARD)) for r in (4, 5, 6, 7)})  # hang
+    per_rank = {r: record(r, buffers(sliding=(16,))) for r in (0, 1)}
+    per_rank.update({r: record(r, buffers(HAZARD, (16,))) for r in (2, 3)})  # equal sizes
+    per_rank.update({r: record(r, buffers((FULL, SCALE, SLIDING), (16,))) for r in (4, 5, 6, 7)})
     named = predict(per_rank)["named-buffers-order"]
     assert named.verdict == "hang"
     assert named.first_issue["rank"] == 4
     assert named.ranks == (2, 3, 4, 5, 6, 7)
+    assert named.first_issue["index"] == 0
     assert "ranks 4-7 receive into" in named.summary
 
 
