@@ -4,8 +4,9 @@ analyse → report. Library code: takes options, returns data, never prints."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from fsdpcheck import distributed
 from fsdpcheck.errors import EXIT_RUNTIME, FsdpcheckError
@@ -101,7 +102,9 @@ def _audit(options: AuditOptions, ctx: distributed.DistContext) -> AuditResult:
         lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
     )
     state.stage("wrap", lambda: wrap.apply(planned[1], ctx.mesh))
-    post = state.stage("fingerprint-post", lambda: fingerprint.fingerprint(built.model, "post-wrap"))
+    post = state.stage(
+        "fingerprint-post", lambda: fingerprint.fingerprint(built.model, "post-wrap")
+    )
     if built is not None:
         state.model_info = built.info
     if planned is not None:
@@ -121,4 +124,3 @@ def _audit(options: AuditOptions, ctx: distributed.DistContext) -> AuditResult:
         code = report.exit_code
     [code] = broadcast_codes([code], ctx.meta_group)
     return AuditResult(ctx.rank, code, report, state.error)
-

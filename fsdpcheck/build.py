@@ -7,8 +7,9 @@ other ranks build on ``meta``; ``meta``: every rank on meta; ``all``: every rank
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn

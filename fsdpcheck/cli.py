@@ -6,10 +6,13 @@ import os
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from fsdpcheck.records import RankError
 
 app = typer.Typer(
     help="Find cross-rank buffer/parameter mismatches before FSDP2 training does.",
@@ -32,7 +35,7 @@ AUDIT_EPILOG = """
 
   fsdpcheck audit --model google/gemma-3-1b-it --init meta   [dim](one rank, from the HF cache)[/]
 
-[bold]Exit codes[/]: 0 consistent · 1 findings · 2 bad usage or input · 3 runtime failure or timeout.
+[bold]Exit codes[/]: 0 consistent · 1 findings · 2 bad usage or input · 3 runtime failure.
 """
 
 
@@ -68,10 +71,12 @@ def audit(
     init: Init = typer.Option(
         Init.rank0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
     ),
-    dtype: Optional[DType] = typer.Option(None, help="Build dtype [default: the config's]."),
+    dtype: DType | None = typer.Option(None, help="Build dtype [default: the config's]."),
     seed: int = typer.Option(0, help="Random-init seed when the model has no checkpoint."),
     wrap_class: list[str] = typer.Option(
-        [], "--wrap-class", help="Layer class to fully_shard (repeatable) [default: _no_split_modules]."
+        [],
+        "--wrap-class",
+        help="Layer class to fully_shard (repeatable) [default: _no_split_modules].",
     ),
     min_params: int = typer.Option(
         100_000_000, help="Size-based wrapping threshold, used when no wrap class is present."
@@ -88,7 +93,7 @@ def audit(
         help="Give each rank its own PYTHONHASHSEED (= its rank), so a hash-order dependence "
         "shows up as a real cross-rank divergence every run.",
     ),
-    json_path: Optional[Path] = typer.Option(
+    json_path: Path | None = typer.Option(
         None, "--json", help="Write the machine-readable report here (rank 0)."
     ),
 ) -> None:
@@ -125,24 +130,34 @@ def audit(
         _fail(RankError(rank, "collective", message, "runtime"), 3, json_path, options)
 
     if result.report is not None:
-        render(result.report, Console(soft_wrap=True))
+        render(result.report, _stdout())
         if json_path is not None:
             write_json(result.report, json_path)
     elif result.own_error is not None:
-        _stderr().print(f"[bold red]rank {rank} failed at {result.own_error.stage}[/]: "
-                        f"{result.own_error.message}", highlight=False)
+        _stderr().print(
+            f"[bold red]rank {rank} failed at {result.own_error.stage}[/]: "
+            f"{result.own_error.message}",
+            highlight=False,
+        )
     raise typer.Exit(result.exit_code)
+
+
+def _stdout() -> Console:
+    # Logs and CI capture are not terminals: give tables room instead of rich's 80 columns.
+    return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
 
 
 def _stderr() -> Console:
     return Console(stderr=True)
 
 
-def _fail(error: RankError, exit_code: int, json_path: Optional[Path], options: object) -> None:
+def _fail(error: RankError, exit_code: int, json_path: Path | None, options: object) -> None:
     from fsdpcheck.report import error_report, write_json
 
-    _stderr().print(f"[bold red]fsdpcheck: rank {error.rank}: {error.stage}[/]: {error.message}",
-                    highlight=False)
+    _stderr().print(
+        f"[bold red]fsdpcheck: rank {error.rank}: {error.stage}[/]: {error.message}",
+        highlight=False,
+    )
     if json_path is not None and error.rank == 0:
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         write_json(error_report(error, world, options), json_path)

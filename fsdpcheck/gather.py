@@ -17,7 +17,8 @@ from fsdpcheck.records import RankRecord, from_dict, to_dict
 
 _DIGEST_BYTES = 16
 _HOST_BYTES = 64
-SLOT_BYTES = _DIGEST_BYTES + _HOST_BYTES
+_FLAG_META = 1  # this rank built (some of) the model on meta
+SLOT_BYTES = 1 + _DIGEST_BYTES + _HOST_BYTES
 
 
 @dataclass(frozen=True)
@@ -29,17 +30,24 @@ class Gathered:
     hosts: dict[int, str]
     records: dict[int, RankRecord]
     bytes_sent: int  # by this rank
+    meta_ranks: tuple[int, ...] = ()  # ranks whose tensors were on meta before loading
 
 
-def _slot(digest: str, host: str) -> torch.Tensor:
-    raw = bytes.fromhex(digest)[:_DIGEST_BYTES].ljust(_DIGEST_BYTES, b"\0")
+def _slot(digest: str, host: str, flags: int) -> torch.Tensor:
+    raw = bytes([flags]) + bytes.fromhex(digest)[:_DIGEST_BYTES].ljust(_DIGEST_BYTES, b"\0")
     raw += host.encode()[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def _unslot(slot: torch.Tensor) -> tuple[str, str]:
+def _unslot(slot: torch.Tensor) -> tuple[int, str, str]:
     raw = slot.numpy().tobytes()
-    return raw[:_DIGEST_BYTES].hex(), raw[_DIGEST_BYTES:].rstrip(b"\0").decode(errors="replace")
+    digest, host = raw[1 : 1 + _DIGEST_BYTES], raw[1 + _DIGEST_BYTES :]
+    return raw[0], digest.hex(), host.rstrip(b"\0").decode(errors="replace")
+
+
+def _built_on_meta(record: RankRecord) -> bool:
+    fp = record.pre_wrap
+    return fp is not None and any(t.device == "meta" for t in (*fp.buffers, *fp.params))
 
 
 def representatives(digests: dict[int, str]) -> dict[str, int]:
@@ -50,15 +58,19 @@ def representatives(digests: dict[int, str]) -> dict[str, int]:
     return reps
 
 
-def gather_records(record: RankRecord, group: object, *, rank: int, world_size: int) -> Gathered | None:
+def gather_records(
+    record: RankRecord, group: object, *, rank: int, world_size: int
+) -> Gathered | None:
     """Collective over ``group``: returns :class:`Gathered` on rank 0 and ``None`` elsewhere."""
     digest = record.group_digest()
-    mine = _slot(digest, record.env.host)
+    mine = _slot(digest, record.env.host, _FLAG_META if _built_on_meta(record) else 0)
     slots = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(slots, mine, group=group)
-    digests, hosts = {}, {}
+    digests, hosts, meta_ranks = {}, {}, []
     for r, slot in enumerate(slots):
-        digests[r], hosts[r] = _unslot(slot)
+        flags, digests[r], hosts[r] = _unslot(slot)
+        if flags & _FLAG_META:
+            meta_ranks.append(r)
     reps = representatives(digests)
     sent = SLOT_BYTES
     records: dict[int, RankRecord] = {}
@@ -67,7 +79,7 @@ def gather_records(record: RankRecord, group: object, *, rank: int, world_size: 
         for rep in sorted(reps.values()):
             if rep != 0:
                 records[rep] = _recv_record(rep, group)
-        return Gathered(digests, hosts, records, sent)
+        return Gathered(digests, hosts, records, sent, tuple(meta_ranks))
     if reps[digests[rank]] == rank:
         sent += _send_record(record, group)
     return None

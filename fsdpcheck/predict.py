@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdpcheck.analyse import describe, format_shape, ranks_label, reference_group, usable_groups
-from fsdpcheck.records import Fingerprint, Group, RankRecord, TensorRecord
+from fsdpcheck.records import Fingerprint, Group, LoaderPrediction, RankRecord, TensorRecord
 
 LOADERS: dict[str, str] = {
     "named-buffers-order": "one broadcast per buffer in each rank's own named_buffers() order "
@@ -42,15 +42,6 @@ ITEMSIZE = {
 
 _HANG = "size mismatch: NCCL blocks until its watchdog, gloo aborts"
 _NO_PARTNER = "no partner: NCCL blocks until its watchdog, gloo times out"
-
-
-@dataclass(frozen=True)
-class LoaderPrediction:
-    name: str  # one of LOADERS
-    verdict: str  # one of VERDICTS
-    summary: str  # one sentence
-    ranks: tuple[int, ...] = ()  # ranks affected
-    first_issue: Mapping[str, Any] | None = None
 
 
 def itemsize(dtype: str | None) -> int | None:

@@ -5,8 +5,9 @@ Configs are built lazily so that listing presets never imports torch or transfor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fsdpcheck.errors import InputError
 
@@ -101,8 +102,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "hazard-equal",
             "HazardForCausalLM",
-            "the fixture with equal RoPE sizes and different bases "
-            "(a mismatch corrupts silently)",
+            "the fixture with equal RoPE sizes and different bases (a mismatch corrupts silently)",
             _hazard_equal,
         ),
         Preset(

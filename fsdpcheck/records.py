@@ -10,8 +10,9 @@ import hashlib
 import json
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 SCHEMA = "fsdpcheck.report/1"
 
@@ -49,7 +50,7 @@ def _convert(hint: Any, value: Any) -> Any:
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(args[0], item) for item in value)
-        return tuple(_convert(arg, item) for arg, item in zip(args, value))
+        return tuple(_convert(arg, item) for arg, item in zip(args, value, strict=True))
     if origin in (dict, Mapping, typing.Mapping) or hint in (dict, Mapping):
         return dict(value)
     return value
@@ -195,6 +196,7 @@ FINDING_KINDS = {
     "param-dtype": "a parameter with the same name has a different dtype",
     "param-placement": "a parameter is sharded differently after wrapping",
     "state-dict-order": "the same state-dict keys, walked in a different order",
+    "hash-seed": "tensor order depends on the interpreter's string-hash seed (PYTHONHASHSEED)",
     "env": "library or interpreter versions differ between ranks",
 }
 
@@ -205,6 +207,17 @@ CAUSES = {
     "configuration": "how the audit was asked to run",
     "unknown": "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
 }
+
+
+@dataclass(frozen=True)
+class LoaderPrediction:
+    """What one known loader would do on these ranks (see ``fsdpcheck.predict.LOADERS``)."""
+
+    name: str
+    verdict: str  # "ok" | "uninitialized" | "silent-corruption" | "refused" | "hang"
+    summary: str
+    ranks: tuple[int, ...] = ()  # ranks affected
+    first_issue: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -241,6 +254,7 @@ class Report:
     groups: tuple[Group, ...]
     findings: tuple[Finding, ...]
     errors: tuple[RankError, ...]
+    loaders: tuple[LoaderPrediction, ...] = ()
     warnings: tuple[str, ...] = ()
     environment: tuple[EnvRecord, ...] = ()  # one per group representative
     options: Mapping[str, Any] = field(default_factory=dict)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from rich.console import Console
 from rich.table import Table
@@ -70,6 +70,8 @@ def render(report: Report, console: Console) -> None:
         )
         console.print(f"  {finding.summary}", highlight=False)
 
+    _render_loaders(report, console)
+
     for warning in report.warnings:
         console.print(f"[yellow]! {warning}[/]", highlight=False)
 
@@ -88,7 +90,36 @@ def render(report: Report, console: Console) -> None:
         console.print(headline, highlight=False)
 
 
+_LOADER_STYLE = {
+    "ok": "green",
+    "uninitialized": "yellow",
+    "silent-corruption": "bold red",
+    "refused": "yellow",
+    "hang": "bold red",
+}
+
+
+def _render_loaders(report: Report, console: Console) -> None:
+    if not report.loaders:
+        return
+    if all(p.verdict == "ok" for p in report.loaders):
+        console.print(f"loaders: all {len(report.loaders)} known loaders would load these ranks")
+        return
+    table = Table(title="what each loader would do on these ranks", title_justify="left")
+    table.add_column("loader", style="bold")
+    table.add_column("verdict")
+    table.add_column("why", overflow="fold")
+    for p in report.loaders:
+        table.add_row(p.name, Text(p.verdict, style=_LOADER_STYLE.get(p.verdict, "")), p.summary)
+    console.print(table)
+
+
 def report_headline(report: Report) -> str:
+    """The one line a person can act on."""
     from fsdpcheck.analyse import headline
 
-    return headline(report.findings, report.errors, report.world_size)
+    line = headline(report.findings, report.errors, report.world_size)
+    bad = [f"{p.name} → {p.verdict}" for p in report.loaders if p.verdict != "ok"]
+    if bad and report.findings:
+        line += ": " + ", ".join(bad)
+    return line

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdpcheck.analyse import analyse, group_ranks, verdict
+from fsdpcheck.predict import predict_loaders
 from fsdpcheck.records import ModelInfo, RankError, Report, WrapPlan, from_dict, to_dict
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ def assemble(
     groups = group_ranks(gathered.digests, gathered.hosts)
     records = gathered.records
     findings = analyse(groups, records)
+    loaders = predict_loaders(groups, records, gathered.meta_ranks)
     errors = tuple(
         sorted((r.error for r in records.values() if r.error is not None), key=lambda e: e.rank)
     )
@@ -40,6 +42,7 @@ def assemble(
         groups=tuple(groups),
         findings=tuple(findings),
         errors=errors,
+        loaders=tuple(loaders),
         warnings=warnings,
         environment=tuple(records[g.representative].env for g in groups),
         options=to_dict(options),

@@ -6,7 +6,8 @@ when none is present the plan falls back to size-based wrapping.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from torch import nn
 

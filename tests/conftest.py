@@ -21,11 +21,17 @@ def run_ranks(
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
 ) -> LaunchResult:
-    """``python -m fsdpcheck <args>`` on ``nprocs`` ranks; ``seeds`` sets PYTHONHASHSEED per rank."""
+    """``python -m fsdpcheck <args>`` as ``nprocs`` ranks; ``seeds``: PYTHONHASHSEED per rank."""
     base = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", **(env or {})}
     rank_env = (lambda r: {"PYTHONHASHSEED": str(seeds[r])}) if seeds else None
-    return launch(["-m", "fsdpcheck", *args], nprocs, env=base, rank_env=rank_env,
-                  timeout=timeout, cwd=str(REPO))
+    return launch(
+        ["-m", "fsdpcheck", *args],
+        nprocs,
+        env=base,
+        rank_env=rank_env,
+        timeout=timeout,
+        cwd=str(REPO),
+    )
 
 
 def read_report(path: Path) -> dict:

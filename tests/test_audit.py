@@ -102,8 +102,17 @@ def test_hub_id_missing_from_cache_is_bad_input(tmp_path: Path) -> None:
 def test_missing_wrap_class_warns_and_falls_back(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     result = run_ranks(
-        ["audit", "--model", "tiny-qwen3", "--wrap-class", "SiglipEncoderLayer",
-         "--min-params", "10000", "--json", str(out)]
+        [
+            "audit",
+            "--model",
+            "tiny-qwen3",
+            "--wrap-class",
+            "SiglipEncoderLayer",
+            "--min-params",
+            "10000",
+            "--json",
+            str(out),
+        ]
     )
     assert result.codes == [0, 0], result.output(0)
     report = read_report(out)

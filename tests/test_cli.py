@@ -13,10 +13,17 @@ from fsdpcheck.launch import free_port
 
 
 def _run(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120):
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     return subprocess.run(
-        args, cwd=REPO, env={**clean, **(env or {})}, capture_output=True, text=True,
+        args,
+        cwd=REPO,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
 
@@ -51,8 +58,9 @@ def test_unknown_preset_is_bad_input_on_one_rank() -> None:
 
 def test_single_rank_without_any_launcher_variables(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    result = _run([sys.executable, "-m", "fsdpcheck", "audit", "--model", "tiny-gemma4",
-                   "--json", str(out)])
+    result = _run(
+        [sys.executable, "-m", "fsdpcheck", "audit", "--model", "tiny-gemma4", "--json", str(out)]
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(out)
     assert report["world_size"] == 1 and report["verdict"] == "consistent"
@@ -61,8 +69,22 @@ def test_single_rank_without_any_launcher_variables(tmp_path: Path) -> None:
 def test_torchrun_as_the_readme_says(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     torchrun = Path(sys.executable).with_name("torchrun")
-    result = _run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()),
-                   "-m", "fsdpcheck", "audit", "--model", "tiny-gemma4", "--json", str(out)])
+    result = _run(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "fsdpcheck",
+            "audit",
+            "--model",
+            "tiny-gemma4",
+            "--json",
+            str(out),
+        ]
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(out)
     assert report["world_size"] == 2
