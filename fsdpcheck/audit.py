@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from fsdpcheck import distributed
 from fsdpcheck.errors import EXIT_RUNTIME, FsdpcheckError
+from fsdpcheck.faults import maybe_inject
 from fsdpcheck.records import ModelInfo, RankError, RankRecord, Report, WrapPlan
 from fsdpcheck.wrap import DEFAULT_MIN_PARAMS
 
@@ -29,6 +30,7 @@ class AuditOptions:
     allow_pickle: bool = False
     wrap_classes: tuple[str, ...] = ()
     min_params: int = DEFAULT_MIN_PARAMS
+    mesh: tuple[int, ...] | None = None  # (replicate, shard) for HSDP; default: 1-D, all ranks
 
 
 @dataclass(frozen=True)
@@ -37,13 +39,14 @@ class AuditResult:
     exit_code: int
     report: Report | None  # rank 0 only
     own_error: RankError | None = None  # this rank's failure, for it to print
+    headline: str = ""  # rank 0's one-line conclusion, known on every rank
 
 
 @dataclass
 class _RankState:
     """What one rank learns on its way to the gather."""
 
-    rank: int
+    ctx: distributed.DistContext
     timings: dict[str, float] = field(default_factory=dict)
     error: RankError | None = None
     model_info: ModelInfo | None = None
@@ -53,13 +56,16 @@ class _RankState:
         """Run one stage unless an earlier one failed; record its time or its error."""
         if self.error is not None:
             return None
+        rank = self.ctx.rank
+        distributed.mark_stage(self.ctx, name)
         start = time.perf_counter()
         try:
+            maybe_inject(rank, name)
             return fn()
         except FsdpcheckError as exc:
-            self.error = RankError(self.rank, name, str(exc), exc.kind)
+            self.error = RankError(rank, name, str(exc), exc.kind)
         except Exception as exc:  # any failure must reach the gather, not strand the others
-            self.error = RankError(self.rank, name, f"{type(exc).__name__}: {exc}", "runtime")
+            self.error = RankError(rank, name, f"{type(exc).__name__}: {exc}", "runtime")
         finally:
             self.timings[name] = round(time.perf_counter() - start, 4)
         return None
@@ -67,7 +73,7 @@ class _RankState:
 
 def run_audit(options: AuditOptions) -> AuditResult:
     """Run the audit on this rank; every rank of the job must call it."""
-    ctx = distributed.init(options.backend, options.timeout)
+    ctx = distributed.init(options.backend, options.timeout, mesh_shape=options.mesh)
     try:
         return _audit(options, ctx)
     finally:
@@ -76,9 +82,8 @@ def run_audit(options: AuditOptions) -> AuditResult:
 
 def _audit(options: AuditOptions, ctx: distributed.DistContext) -> AuditResult:
     from fsdpcheck import build, fingerprint, resolve, wrap
-    from fsdpcheck.gather import broadcast_codes, gather_records
 
-    state = _RankState(ctx.rank)
+    state = _RankState(ctx)
     env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     resolved = state.stage(
         "resolve",
@@ -109,18 +114,43 @@ def _audit(options: AuditOptions, ctx: distributed.DistContext) -> AuditResult:
         state.model_info = built.info
     if planned is not None:
         state.wrap_plan = planned[0]
-
     record = RankRecord(env=env, pre_wrap=pre, post_wrap=post, error=state.error)
+    return _conclude(options, ctx, state, record)
+
+
+def _conclude(
+    options: AuditOptions,
+    ctx: distributed.DistContext,
+    state: _RankState,
+    record: RankRecord,
+) -> AuditResult:
+    """Gather, analyse on rank 0, and agree on one exit code; a dead peer ends it with exit 3."""
+    from fsdpcheck.gather import broadcast_decision, gather_records
+    from fsdpcheck.render import report_headline
+    from fsdpcheck.report import assemble, error_report
+
+    distributed.mark_stage(ctx, "gather")
     start = time.perf_counter()
-    gathered = gather_records(record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size)
-    state.timings["gather"] = round(time.perf_counter() - start, 4)
+    try:
+        maybe_inject(ctx.rank, "gather")
+        gathered = gather_records(record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size)
+        state.timings["gather"] = round(time.perf_counter() - start, 4)
+        report = None
+        code, headline = EXIT_RUNTIME, ""
+        if gathered is not None:
+            report = assemble(gathered, options, state.model_info, state.wrap_plan, state.timings)
+            code, headline = report.exit_code, report_headline(report)
+        code, headline = broadcast_decision(code, headline, ctx.meta_group)
+        return AuditResult(ctx.rank, code, report, state.error, headline)
+    except Exception as exc:  # a peer died or timed out: name it from the store's stage marks
+        errors = distributed.diagnose_peers(ctx, exc, own=state.error)
+        report = error_report(errors, ctx.world_size, options) if ctx.rank == 0 else None
+        own = next((e for e in errors if e.rank == ctx.rank), None) or RankError(
+            ctx.rank, "gather", f"{type(exc).__name__}: {_first_line(exc)}", "runtime"
+        )
+        return AuditResult(ctx.rank, EXIT_RUNTIME, report, own, errors[0].message)
 
-    report = None
-    code = EXIT_RUNTIME
-    if gathered is not None:
-        from fsdpcheck.report import assemble
 
-        report = assemble(gathered, options, state.model_info, state.wrap_plan, state.timings)
-        code = report.exit_code
-    [code] = broadcast_codes([code], ctx.meta_group)
-    return AuditResult(ctx.rank, code, report, state.error)
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""

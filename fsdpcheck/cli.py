@@ -93,6 +93,9 @@ def audit(
         help="Give each rank its own PYTHONHASHSEED (= its rank), so a hash-order dependence "
         "shows up as a real cross-rank divergence every run.",
     ),
+    mesh: str | None = typer.Option(
+        None, help="REPLICATE,SHARD for HSDP (a 2-D mesh whose product is the world size)."
+    ),
     json_path: Path | None = typer.Option(
         None, "--json", help="Write the machine-readable report here (rank 0)."
     ),
@@ -119,15 +122,13 @@ def audit(
         allow_pickle=allow_pickle,
         wrap_classes=tuple(wrap_class),
         min_params=min_params,
+        mesh=_parse_mesh(mesh),
     )
     rank = int(os.environ.get("RANK", "0") or 0)
     try:
         result = run_audit(options)
-    except FsdpcheckError as exc:
+    except FsdpcheckError as exc:  # raised before any gather: bad input, unreachable rendezvous
         _fail(RankError(rank, "launch", str(exc), exc.kind), exc.exit_code, json_path, options)
-    except Exception as exc:  # a peer died or timed out mid-collective
-        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        _fail(RankError(rank, "collective", message, "runtime"), 3, json_path, options)
 
     if result.report is not None:
         render(result.report, _stdout())
@@ -135,11 +136,22 @@ def audit(
             write_json(result.report, json_path)
     elif result.own_error is not None:
         _stderr().print(
-            f"[bold red]rank {rank} failed at {result.own_error.stage}[/]: "
+            f"[bold red]fsdpcheck: rank {rank} failed at {result.own_error.stage}[/]: "
             f"{result.own_error.message}",
             highlight=False,
         )
+    if result.exit_code != 0:
+        _tell_torchrun(result.headline or "fsdpcheck audit failed; see rank 0's report")
     raise typer.Exit(result.exit_code)
+
+
+def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(part) for part in text.replace("x", ",").split(","))
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: expected REPLICATE,SHARD, e.g. 2,4") from None
 
 
 def _stdout() -> Console:
@@ -148,7 +160,7 @@ def _stdout() -> Console:
 
 
 def _stderr() -> Console:
-    return Console(stderr=True)
+    return Console(stderr=True, soft_wrap=True)
 
 
 def _fail(error: RankError, exit_code: int, json_path: Path | None, options: object) -> None:
@@ -160,8 +172,25 @@ def _fail(error: RankError, exit_code: int, json_path: Path | None, options: obj
     )
     if json_path is not None and error.rank == 0:
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        write_json(error_report(error, world, options), json_path)
+        write_json(error_report([error], world, options), json_path)
+    _tell_torchrun(error.message)
     raise typer.Exit(exit_code)
+
+
+class AuditFailed(Exception):
+    """What torchrun's failure summary shows as the root cause."""
+
+
+def _tell_torchrun(message: str) -> None:
+    """Write torch elastic's error file, so torchrun's summary names the cause, not exit codes."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    try:
+        raise AuditFailed(message)
+    except AuditFailed as exc:
+        ErrorHandler().record_exception(exc)
 
 
 def _reexec_with_rank_hash_seed() -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpcheck.errors import InputError
-from fsdpcheck.records import EnvRecord
+from fsdpcheck.records import EnvRecord, RankError
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -33,15 +33,8 @@ class DistContext:
     timeout: float
     meta_group: Any
     owns_default_group: bool
-    _mesh: Any = None
-
-    @property
-    def mesh(self) -> Any:
-        if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self._mesh = init_device_mesh(self.device_type, (self.world_size,))
-        return self._mesh
+    mesh: Any = None
+    store: Any = None  # the default group's store, for stage marks; None when unavailable
 
     @property
     def device(self) -> torch.device:
@@ -92,26 +85,35 @@ def resolve_backend(requested: str) -> str:
     return requested
 
 
-def init(backend: str = "auto", timeout: float = 60.0) -> DistContext:
-    """Join (or reuse) the default process group and create the gloo side channel."""
+def init(
+    backend: str = "auto", timeout: float = 60.0, *, mesh_shape: tuple[int, ...] | None = None
+) -> DistContext:
+    """Join (or reuse) the default process group, create the gloo side channel and the mesh.
+
+    Everything that can be checked without a peer is checked first, so bad input never leaves
+    another rank waiting in a rendezvous.
+    """
     rank, local_rank, world_size = launch_env()
     backend = resolve_backend(backend)
+    shape = _mesh_shape(mesh_shape, world_size, rank)
     device_type = "cuda" if backend == "nccl" else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     owns = not dist.is_initialized()
     wait = timedelta(seconds=timeout)
     if owns:
-        if world_size == 1 and "MASTER_ADDR" not in os.environ:
-            dist.init_process_group(
-                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=wait
-            )
-        else:
-            dist.init_process_group(backend, timeout=wait)
+        _init_default_group(backend, rank, world_size, wait, timeout)
     else:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())
+        shape = _mesh_shape(mesh_shape, world_size, rank)
     meta_group = dist.new_group(backend="gloo", timeout=wait)
+    # Every rank builds the mesh here, before any stage can fail, because building a 2-D mesh
+    # is itself a collective.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     return DistContext(
         rank=rank,
         local_rank=local_rank,
@@ -121,7 +123,108 @@ def init(backend: str = "auto", timeout: float = 60.0) -> DistContext:
         timeout=timeout,
         meta_group=meta_group,
         owns_default_group=owns,
+        mesh=mesh,
+        store=_default_store(),
     )
+
+
+def _mesh_shape(requested: tuple[int, ...] | None, world_size: int, rank: int) -> tuple[int, ...]:
+    if not requested:
+        return (world_size,)
+    product = 1
+    for d in requested:
+        product *= d
+    if len(requested) > 2 or product != world_size or min(requested) < 1:
+        raise InputError(
+            f"rank {rank}: --mesh {','.join(map(str, requested))} needs "
+            f"{product} ranks but WORLD_SIZE is {world_size}; pass REPLICATE,SHARD whose "
+            "product is the world size (e.g. --mesh 2,4 on 8 ranks), or omit --mesh."
+        )
+    return tuple(requested)
+
+
+def _init_default_group(
+    backend: str, rank: int, world_size: int, wait: timedelta, timeout: float
+) -> None:
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
+        return
+    try:
+        dist.init_process_group(backend, timeout=wait)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(
+            f"rank {rank}: could not join the rendezvous at {where} within {timeout:g}s "
+            f"({first}). Check MASTER_ADDR/MASTER_PORT, that rank 0 is running, and that the "
+            "port is reachable from this host."
+        ) from None
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # private API: stage marks are a nicety, never a requirement
+        return None
+
+
+_STAGE_KEY = "fsdpcheck/stage/{}"
+
+
+def mark_stage(ctx: DistContext, stage: str) -> None:
+    """Leave this rank's current stage in the store, so a failed gather can name who is missing."""
+    if ctx.store is None:
+        return
+    try:
+        ctx.store.set(_STAGE_KEY.format(ctx.rank), stage)
+    except Exception:
+        ctx.store = None
+
+
+def last_stages(ctx: DistContext) -> dict[int, str | None]:
+    """Each rank's last marked stage; empty when the store is gone (its host died)."""
+    if ctx.store is None:
+        return {}
+    stages: dict[int, str | None] = {}
+    try:
+        for r in range(ctx.world_size):
+            key = _STAGE_KEY.format(r)
+            stages[r] = ctx.store.get(key).decode() if ctx.store.check([key]) else None
+    except Exception:
+        return {}
+    return stages
+
+
+def diagnose_peers(
+    ctx: DistContext, exc: BaseException, *, own: RankError | None
+) -> list[RankError]:
+    """Turn a failed collective into errors that name the rank(s) that never arrived."""
+    text = str(exc).strip()
+    cause = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    errors = [own] if own is not None else []
+    stages = last_stages(ctx)
+    for r, stage in sorted(stages.items()):
+        if r != ctx.rank and stage != "gather":
+            errors.append(
+                RankError(
+                    r,
+                    stage or "launch",
+                    f"rank {r} never reached the gather: it died or hangs in stage "
+                    f"'{stage or 'launch'}' (rank {ctx.rank} gave up: {cause})",
+                    "runtime",
+                )
+            )
+    if len(errors) == (1 if own else 0):
+        errors.append(
+            RankError(
+                ctx.rank,
+                "gather",
+                f"the gather failed on rank {ctx.rank} ({cause}); a peer died or timed out "
+                f"during the exchange (--timeout {ctx.timeout:g}s)",
+                "runtime",
+            )
+        )
+    return errors
 
 
 def shutdown(ctx: DistContext) -> None:

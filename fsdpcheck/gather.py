@@ -100,8 +100,12 @@ def _recv_record(src: int, group: object) -> RankRecord:
     return from_dict(RankRecord, json.loads(payload.numpy().tobytes()))
 
 
-def broadcast_codes(values: list[int], group: object) -> list[int]:
-    """Rank 0's small integer decision, shared with every rank."""
-    tensor = torch.tensor(values, dtype=torch.int64)
-    dist.broadcast(tensor, src=0, group=group)
-    return [int(v) for v in tensor.tolist()]
+def broadcast_decision(code: int, headline: str, group: object) -> tuple[int, str]:
+    """Rank 0's exit code and one-line conclusion, shared with every rank."""
+    text = headline.encode()[:4096]
+    header = torch.tensor([code, len(text)], dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group)
+    payload = torch.frombuffer(bytearray(text.ljust(int(header[1]), b"\0")), dtype=torch.uint8)
+    if int(header[1]):
+        dist.broadcast(payload, src=0, group=group)
+    return int(header[0]), payload.numpy().tobytes().decode(errors="replace")

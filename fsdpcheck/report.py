@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,17 +68,19 @@ def wrap_warnings(wrap_plan: WrapPlan | None) -> tuple[str, ...]:
     return tuple(warnings)
 
 
-def error_report(error: RankError, world_size: int, options: AuditOptions | None) -> Report:
-    """A report for a run that could not reach the gather (this rank's own failure)."""
+def error_report(
+    errors: Sequence[RankError], world_size: int, options: AuditOptions | None
+) -> Report:
+    """A report for a run that could not finish the gather."""
     return Report(
         verdict="error",
-        exit_code=2 if error.kind == "input" else 3,
+        exit_code=2 if all(e.kind == "input" for e in errors) else 3,
         world_size=world_size,
         model=None,
         wrap=None,
         groups=(),
         findings=(),
-        errors=(error,),
+        errors=tuple(errors),
         options=to_dict(options) if options is not None else {},
     )
 
