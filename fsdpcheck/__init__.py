@@ -1,3 +1,26 @@
 """fsdpcheck: find cross-rank buffer and parameter mismatches before FSDP2 training does."""
 
 __version__ = "0.1.0"
+
+# The library API, imported on first use so that `import fsdpcheck` stays torch-free.
+_LAZY = {
+    "load_full_state_dict": "fsdpcheck.load",
+    "broadcast_buffers": "fsdpcheck.load",
+    "BufferMismatchError": "fsdpcheck.load",
+    "verify_load": "fsdpcheck.verify",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdpcheck' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -75,12 +75,15 @@ def run_audit(options: AuditOptions) -> AuditResult:
     """Run the audit on this rank; every rank of the job must call it."""
     ctx = distributed.init(options.backend, options.timeout, mesh_shape=options.mesh)
     try:
-        return _audit(options, ctx)
+        with distributed.AbortWatch(ctx) as watch:
+            return _audit(options, ctx, watch)
     finally:
         distributed.shutdown(ctx)
 
 
-def _audit(options: AuditOptions, ctx: distributed.DistContext) -> AuditResult:
+def _audit(
+    options: AuditOptions, ctx: distributed.DistContext, watch: distributed.AbortWatch
+) -> AuditResult:
     from fsdpcheck import build, fingerprint, resolve, wrap
 
     state = _RankState(ctx)
@@ -115,7 +118,7 @@ def _audit(options: AuditOptions, ctx: distributed.DistContext) -> AuditResult:
     if planned is not None:
         state.wrap_plan = planned[0]
     record = RankRecord(env=env, pre_wrap=pre, post_wrap=post, error=state.error)
-    return _conclude(options, ctx, state, record)
+    return _conclude(options, ctx, state, record, watch)
 
 
 def _conclude(
@@ -123,6 +126,7 @@ def _conclude(
     ctx: distributed.DistContext,
     state: _RankState,
     record: RankRecord,
+    watch: distributed.AbortWatch,
 ) -> AuditResult:
     """Gather, analyse on rank 0, and agree on one exit code; a dead peer ends it with exit 3."""
     from fsdpcheck.gather import broadcast_decision, gather_records
@@ -142,15 +146,12 @@ def _conclude(
             code, headline = report.exit_code, report_headline(report)
         code, headline = broadcast_decision(code, headline, ctx.meta_group)
         return AuditResult(ctx.rank, code, report, state.error, headline)
-    except Exception as exc:  # a peer died or timed out: name it from the store's stage marks
+    except Exception as exc:  # a peer died or timed out: name it from heartbeats and marks
+        watch.disarm()
         errors = distributed.diagnose_peers(ctx, exc, own=state.error)
+        distributed.signal_abort(ctx, f"rank {ctx.rank} gave up: {errors[0].message}")
         report = error_report(errors, ctx.world_size, options) if ctx.rank == 0 else None
-        own = next((e for e in errors if e.rank == ctx.rank), None) or RankError(
-            ctx.rank, "gather", f"{type(exc).__name__}: {_first_line(exc)}", "runtime"
+        own = state.error or RankError(
+            ctx.rank, "gather", f"gave up: {errors[0].message}", "runtime"
         )
         return AuditResult(ctx.rank, EXIT_RUNTIME, report, own, errors[0].message)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""

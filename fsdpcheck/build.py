@@ -133,6 +133,7 @@ def _dtype_kwarg() -> str:
 def _from_checkpoint(
     resolved: ResolvedModel, dtype: torch.dtype, rank: int, trust_remote_code: bool
 ) -> nn.Module:
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     kwargs = {_dtype_kwarg(): dtype}
@@ -144,7 +145,7 @@ def _from_checkpoint(
             output_loading_info=True,
             **kwargs,
         )
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise InputError(
             f"rank {rank}: the checkpoint in {resolved.path} could not be loaded: "
             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. The weight files "

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 if TYPE_CHECKING:
     from fsdpcheck.records import RankError
@@ -137,7 +138,7 @@ def audit(
     elif result.own_error is not None:
         _stderr().print(
             f"[bold red]fsdpcheck: rank {rank} failed at {result.own_error.stage}[/]: "
-            f"{result.own_error.message}",
+            f"{escape(result.own_error.message)}",
             highlight=False,
         )
     if result.exit_code != 0:
@@ -167,7 +168,7 @@ def _fail(error: RankError, exit_code: int, json_path: Path | None, options: obj
     from fsdpcheck.report import error_report, write_json
 
     _stderr().print(
-        f"[bold red]fsdpcheck: rank {error.rank}: {error.stage}[/]: {error.message}",
+        f"[bold red]fsdpcheck: rank {error.rank}: {error.stage}[/]: {escape(error.message)}",
         highlight=False,
     )
     if json_path is not None and error.rank == 0:
@@ -217,6 +218,165 @@ def presets() -> None:
     for preset in PRESETS.values():
         table.add_row(preset.name, preset.architecture, preset.description)
     Console().print(table)
+
+
+PROBE_EPILOG = """
+[bold]Examples[/]
+
+  fsdpcheck probe --model hazard --json probe.json
+
+  fsdpcheck probe --model /ckpt/my-model --text-only --seeds 16
+
+Builds the model on meta in K interpreters with PYTHONHASHSEED = 0..K-1 (in parallel) and
+compares their buffer and parameter orders. A two-element set iterates in one of 2 orders with
+probability ~1/2 per seed, so with the default 8 seeds all agree by chance with probability
+2·2⁻⁸ = 1/128 (< 1%).
+
+[bold]Exit codes[/]: 0 consistent · 1 latent (order follows the hash seed) · 2 bad input ·
+3 runtime failure or timeout.
+"""
+
+
+@app.command(epilog=PROBE_EPILOG)
+def probe(
+    model: str = typer.Option(
+        ..., "--model", "-m", help="Preset name, local model directory, or cached hub id."
+    ),
+    seeds: int | None = typer.Option(
+        None,
+        min=2,
+        help="Hash seeds to try, 0..K-1 [default: 8, missing a 2-way set order "
+        "with probability 1/128].",
+    ),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the result as JSON here."),
+    text_only: bool = typer.Option(False, help="Build only the text model of a multimodal config."),
+    trust_remote_code: bool = typer.Option(
+        False, help="Allow the model's own Python code (off: never runs remote code)."
+    ),
+    jobs: int | None = typer.Option(None, min=1, help="Children at a time [default: CPU count]."),
+    timeout: float = typer.Option(180.0, min=1.0, help="Seconds each child may take (killed)."),
+) -> None:
+    """Show whether MODEL's buffer/parameter order depends on PYTHONHASHSEED (no ranks needed)."""
+    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.probe import DEFAULT_SEEDS, probe_errors, probe_summary, probe_table, write_json
+    from fsdpcheck.probe import probe as run_probe
+
+    try:
+        result = run_probe(
+            model,
+            seeds=seeds or DEFAULT_SEEDS,
+            text_only=text_only,
+            trust_remote_code=trust_remote_code,
+            jobs=jobs,
+            timeout=timeout,
+        )
+    except FsdpcheckError as exc:
+        _stderr().print(f"[bold red]fsdpcheck probe[/]: {escape(str(exc))}", highlight=False)
+        raise typer.Exit(exc.exit_code) from None
+    console = _stdout()
+    console.print(
+        f"[bold]fsdpcheck probe[/] · {escape(model)}"
+        f"{f' ({result.architecture})' if result.architecture else ''} · "
+        f"PYTHONHASHSEED {result.seeds[0]}..{result.seeds[-1]} · "
+        f"transformers {result.transformers or '-'}",
+        highlight=False,
+    )
+    if result.reorders:
+        console.print(probe_table(result))
+    for line in probe_errors(result):
+        console.print(line, highlight=False)
+    console.print(probe_summary(result), highlight=False)
+    if json_path is not None:
+        write_json(result, json_path)
+    raise typer.Exit(result.exit_code)
+
+
+SCAN_EPILOG = """
+[bold]Examples[/]
+
+  fsdpcheck scan --json scan.json          [dim](every causal LM of the installed transformers)[/]
+
+  fsdpcheck scan --filter gemma --filter 'qwen3*' --seeds 4
+
+  fsdpcheck scan --filter LlamaForCausalLM --preset hazard --preset hazard-equal
+
+One child interpreter per hash seed builds every selected architecture from a small config on
+meta; rows compare the orders. Verdicts: ok · hang (reordered tensors differ in size) ·
+silent-corruption (same sizes) · skipped: why.
+
+[bold]Exit codes[/]: 0 no hash-seed dependence · 1 some row would hang or corrupt · 2 bad input
+(e.g. a filter matching nothing) · 3 no child produced a result.
+"""
+
+
+@app.command(epilog=SCAN_EPILOG)
+def scan(
+    filters: list[str] = typer.Option(
+        [],
+        "--filter",
+        "-f",
+        help="Case-insensitive substring, or glob with *?[, on model_type "
+        "or class name (repeatable; any may match) [default: all].",
+    ),
+    seeds: int | None = typer.Option(None, min=2, help="Hash seeds, 0..K-1 [default: 8]."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the table as JSON here."),
+    timeout: float = typer.Option(
+        1800.0, min=1.0, help="Seconds each child (one seed, all architectures) may take."
+    ),
+    arch_timeout: float = typer.Option(
+        60.0, min=1.0, help="Seconds one architecture may take to build (else skipped)."
+    ),
+    masked_lm: bool = typer.Option(False, help="Also scan the masked-LM (encoder) architectures."),
+    preset: list[str] = typer.Option(
+        [], "--preset", help="Add an fsdpcheck preset as an extra row, e.g. hazard (repeatable)."
+    ),
+    problems_only: bool = typer.Option(False, help="Leave the ok rows out of the table."),
+    jobs: int | None = typer.Option(None, min=1, help="Children at a time [default: CPU count]."),
+) -> None:
+    """Survey the installed transformers: which architectures' order follows the hash seed."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.probe import DEFAULT_SEEDS, write_json
+    from fsdpcheck.scan import scan as run_scan
+    from fsdpcheck.scan import scan_summary, scan_table
+
+    families = ("causal-lm", "masked-lm") if masked_lm else ("causal-lm",)
+    columns = (
+        TextColumn("[bold]scan"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+    )
+    with Progress(*columns, console=_stderr(), transient=True) as bar:
+        task = bar.add_task("listing architectures", total=None)
+
+        def progress(done: int, total: int, label: str) -> None:
+            bar.update(task, completed=done, total=total, description=escape(label))
+
+        try:
+            result = run_scan(
+                filters,
+                seeds=seeds or DEFAULT_SEEDS,
+                families=families,
+                presets=preset,
+                jobs=jobs,
+                timeout=timeout,
+                arch_timeout=arch_timeout,
+                progress=progress,
+            )
+        except FsdpcheckError as exc:
+            bar.stop()
+            _stderr().print(f"[bold red]fsdpcheck scan[/]: {escape(str(exc))}", highlight=False)
+            raise typer.Exit(exc.exit_code) from None
+    console = _stdout()
+    console.print(scan_table(result, all_rows=not problems_only))
+    for error in result.errors:
+        console.print(f"[bold red]✗ seed {error.seed}[/]: {escape(error.message)}", highlight=False)
+    console.print(scan_summary(result), highlight=False)
+    if json_path is not None:
+        write_json(result, json_path)
+    raise typer.Exit(result.exit_code)
 
 
 def main() -> None:

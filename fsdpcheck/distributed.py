@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from importlib import metadata
@@ -181,6 +185,100 @@ def mark_stage(ctx: DistContext, stage: str) -> None:
         ctx.store = None
 
 
+_ABORT_KEY = "fsdpcheck/abort"
+
+
+def signal_abort(ctx: DistContext, reason: str) -> None:
+    """Tell every rank's abort watch that this run is over (a rank gave up on a peer)."""
+    if ctx.store is None:
+        return
+    try:
+        ctx.store.set(_ABORT_KEY, reason[:2000])
+    except Exception:
+        pass
+
+
+_ALIVE_KEY = "fsdpcheck/alive/{}"
+
+
+def heartbeat_interval(world_size: int) -> float:
+    """One store write per rank per interval: keep the store's load flat at large scale."""
+    return max(1.0, world_size / 512)
+
+
+class AbortWatch:
+    """A daemon thread that beats this rank's heartbeat and ends the rank when the run is over.
+
+    The heartbeat lets a rank that gives up tell a dead peer from a slow one. The abort mark
+    covers a rank stuck in its own work (a stalled filesystem, a deadlocked import) that never
+    reaches the gather: when the others give up they leave the mark, and this thread exits the
+    process with code 3 instead of leaving it behind. It also exits when the store's host
+    (rank 0, or the launcher's agent) has been gone for a whole timeout.
+    """
+
+    def __init__(self, ctx: DistContext):
+        self._ctx = ctx
+        self._interval = heartbeat_interval(ctx.world_size)
+        self._done = threading.Event()
+        self._armed = True
+        self._thread = threading.Thread(target=self._run, name="fsdpcheck-abort-watch", daemon=True)
+
+    def __enter__(self) -> AbortWatch:
+        if self._ctx.store is not None and self._ctx.world_size > 1:
+            self._thread.start()
+        return self
+
+    def disarm(self) -> None:
+        """Keep beating but never abort: this rank is concluding the run itself."""
+        self._armed = False
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        # Joined, not abandoned: a daemon thread still inside a store call when the
+        # interpreter exits makes C++ terminate the process.
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._interval + 5)
+
+    def _run(self) -> None:
+        store, alive = self._ctx.store, _ALIVE_KEY.format(self._ctx.rank)
+        unreachable_since = None
+        while True:
+            try:
+                store.add(alive, 1)
+                aborted = store.check([_ABORT_KEY])
+                reason = store.get(_ABORT_KEY).decode(errors="replace") if aborted else None
+                unreachable_since = None
+            except Exception:
+                # Rank 0 may simply have finished first; only a store gone for a whole
+                # timeout means nobody is left to conclude the run.
+                unreachable_since = unreachable_since or time.monotonic()
+                gone = time.monotonic() - unreachable_since >= self._ctx.timeout
+                reason = (
+                    "the rendezvous store is gone: rank 0 or the launcher died" if gone else None
+                )
+            if self._done.is_set():
+                return
+            if reason is not None and self._armed:
+                sys.stderr.write(f"fsdpcheck: rank {self._ctx.rank} aborting: {reason}\n")
+                sys.stderr.flush()
+                os._exit(3)
+            if self._done.wait(self._interval):
+                return
+
+
+def dead_ranks(ctx: DistContext) -> set[int]:
+    """Ranks whose heartbeat does not move over a few intervals (needs the abort watch)."""
+    if ctx.store is None or ctx.world_size == 1:
+        return set()
+    try:
+        before = {r: ctx.store.add(_ALIVE_KEY.format(r), 0) for r in range(ctx.world_size)}
+        time.sleep(3 * heartbeat_interval(ctx.world_size))
+        after = {r: ctx.store.add(_ALIVE_KEY.format(r), 0) for r in range(ctx.world_size)}
+    except Exception:
+        return set()
+    return {r for r in before if r != ctx.rank and before[r] == after[r]}
+
+
 def last_stages(ctx: DistContext) -> dict[int, str | None]:
     """Each rank's last marked stage; empty when the store is gone (its host died)."""
     if ctx.store is None:
@@ -195,32 +293,57 @@ def last_stages(ctx: DistContext) -> dict[int, str | None]:
     return stages
 
 
+def collective_cause(exc: BaseException) -> str:
+    """The useful part of a collective's error: gloo prefixes a source path and adds advice."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]
+    return f"{type(exc).__name__}: {first}"
+
+
 def diagnose_peers(
     ctx: DistContext, exc: BaseException, *, own: RankError | None
 ) -> list[RankError]:
-    """Turn a failed collective into errors that name the rank(s) that never arrived."""
-    text = str(exc).strip()
-    cause = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-    errors = [own] if own is not None else []
+    """Turn a failed collective into errors that name the rank(s) responsible.
+
+    A rank whose heartbeat stopped died; failing that, a rank that never marked the gather
+    is stuck in the stage it last marked.
+    """
+    cause = collective_cause(exc)
     stages = last_stages(ctx)
-    for r, stage in sorted(stages.items()):
-        if r != ctx.rank and stage != "gather":
-            errors.append(
-                RankError(
-                    r,
-                    stage or "launch",
-                    f"rank {r} never reached the gather: it died or hangs in stage "
-                    f"'{stage or 'launch'}' (rank {ctx.rank} gave up: {cause})",
-                    "runtime",
-                )
+    dead = dead_ranks(ctx)
+    errors = [own] if own is not None else []
+    for r in sorted(dead):
+        stage = stages.get(r) or "launch"
+        errors.append(
+            RankError(
+                r,
+                stage,
+                f"rank {r} died during stage '{stage}' "
+                f"(its heartbeat stopped; rank {ctx.rank} saw: {cause})",
+                "runtime",
             )
+        )
+    if not dead:
+        for r, stage in sorted(stages.items()):
+            if r != ctx.rank and stage != "gather":
+                errors.append(
+                    RankError(
+                        r,
+                        stage or "launch",
+                        f"rank {r} never reached the gather: it is "
+                        f"stuck in stage '{stage or 'launch'}' (rank {ctx.rank} gave up "
+                        f"after --timeout {ctx.timeout:g}s: {cause})",
+                        "runtime",
+                    )
+                )
     if len(errors) == (1 if own else 0):
         errors.append(
             RankError(
                 ctx.rank,
                 "gather",
-                f"the gather failed on rank {ctx.rank} ({cause}); a peer died or timed out "
-                f"during the exchange (--timeout {ctx.timeout:g}s)",
+                f"the gather failed on rank {ctx.rank} ({cause}); a "
+                f"peer died or timed out during the exchange (--timeout {ctx.timeout:g}s)",
                 "runtime",
             )
         )

@@ -24,6 +24,7 @@ class RankOutcome:
     returncode: int | None  # None: killed at the deadline
     stdout: str
     stderr: str
+    elapsed: float  # seconds from launch to this rank's exit
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,13 @@ def launch(
         procs.append((proc, out, err))
     deadline = start + timeout
     timed_out = False
-    while any(p.poll() is None for p, _, _ in procs):
+    exited: dict[int, float] = {}
+    while len(exited) < nprocs:
+        for rank, (proc, _, _) in enumerate(procs):
+            if rank not in exited and proc.poll() is not None:
+                exited[rank] = time.monotonic() - start
+        if len(exited) == nprocs:
+            break
         if time.monotonic() > deadline:
             timed_out = True
             break
@@ -98,7 +105,8 @@ def launch(
         code = None if rank in killed else proc.returncode
         out.seek(0)
         err.seek(0)
-        outcomes.append(RankOutcome(rank, code, out.read(), err.read()))
+        elapsed = exited.get(rank, time.monotonic() - start)
+        outcomes.append(RankOutcome(rank, code, out.read(), err.read(), elapsed))
         out.close()
         err.close()
     return LaunchResult(tuple(outcomes), time.monotonic() - start, timed_out)

@@ -255,6 +255,7 @@ class Report:
     findings: tuple[Finding, ...]
     errors: tuple[RankError, ...]
     loaders: tuple[LoaderPrediction, ...] = ()
+    hosts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # host → its ranks
     warnings: tuple[str, ...] = ()
     environment: tuple[EnvRecord, ...] = ()  # one per group representative
     options: Mapping[str, Any] = field(default_factory=dict)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -48,6 +49,12 @@ def render(report: Report, console: Console) -> None:
             line += f"; missing: {', '.join(w.missing)}"
         console.print(line, style="dim")
 
+    if len(report.hosts) > 1:
+        console.print(
+            "hosts: " + ", ".join(f"{h} (ranks {rank_ranges(r)})" for h, r in report.hosts.items()),
+            highlight=False,
+        )
+
     if report.groups:
         table = Table(title="rank groups (identical fingerprints)", title_justify="left")
         for column in ("group", "ranks", "hosts", "hash seed", "digest"):
@@ -68,16 +75,16 @@ def render(report: Report, console: Console) -> None:
             f"[bold red]✗ {finding.kind}[/] ranks {rank_ranges(finding.ranks)} vs "
             f"rank {finding.reference_rank} · {finding.stage} · [italic]{finding.cause}[/]"
         )
-        console.print(f"  {finding.summary}", highlight=False)
+        console.print(f"  {escape(finding.summary)}", highlight=False)
 
     _render_loaders(report, console)
 
     for warning in report.warnings:
-        console.print(f"[yellow]! {warning}[/]", highlight=False)
+        console.print(f"[yellow]! {escape(warning)}[/]", highlight=False)
 
     for error in report.errors:
         console.print(
-            f"[bold red]✗ rank {error.rank} failed at {error.stage}[/]: {error.message}",
+            f"[bold red]✗ rank {error.rank} failed at {escape(error.stage)}[/]: {escape(error.message)}",
             highlight=False,
         )
 
@@ -87,7 +94,7 @@ def render(report: Report, console: Console) -> None:
     )
     headline = report_headline(report)
     if headline:
-        console.print(headline, highlight=False)
+        console.print(escape(headline), highlight=False)
 
 
 _LOADER_STYLE = {
@@ -100,7 +107,7 @@ _LOADER_STYLE = {
 
 
 def _render_loaders(report: Report, console: Console) -> None:
-    if not report.loaders:
+    if not report.loaders or (report.errors and not report.findings):
         return
     if all(p.verdict == "ok" for p in report.loaders):
         console.print(f"loaders: all {len(report.loaders)} known loaders would load these ranks")

@@ -44,11 +44,19 @@ def assemble(
         findings=tuple(findings),
         errors=errors,
         loaders=tuple(loaders),
+        hosts=ranks_by_host(gathered.hosts),
         warnings=warnings,
         environment=tuple(records[g.representative].env for g in groups),
         options=to_dict(options),
         timings=timings,
     )
+
+
+def ranks_by_host(hosts: dict[int, str]) -> dict[str, tuple[int, ...]]:
+    by_host: dict[str, list[int]] = {}
+    for rank in sorted(hosts):
+        by_host.setdefault(hosts[rank], []).append(rank)
+    return {host: tuple(ranks) for host, ranks in sorted(by_host.items())}
 
 
 def wrap_warnings(wrap_plan: WrapPlan | None) -> tuple[str, ...]:
@@ -90,6 +98,7 @@ def write_json(report: Report, path: Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the report from CI artifact collectors
     with os.fdopen(fd, "w") as out:
         json.dump(to_dict(report), out, indent=2, sort_keys=False)
         out.write("\n")
