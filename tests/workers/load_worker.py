@@ -1,0 +1,114 @@
+"""One rank of a load test: build (rank 0 real, others meta), fully_shard, load, verify; write
+``rank<N>.json`` (and, on rank 0, gathered full tensors as safetensors) into ``--out``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fsdpcheck import distributed, wrap
+from fsdpcheck.build import build
+from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.load import broadcast_buffers, load_full_state_dict
+from fsdpcheck.records import to_dict
+from fsdpcheck.resolve import resolve
+from fsdpcheck.verify import verify_load
+
+
+def _register(model: nn.Module, name: str, value: torch.Tensor, *, real: bool) -> None:
+    """A non-persistent buffer on the root, on meta where the rank builds on meta."""
+    tensor = value if real else torch.empty_like(value, device="meta")
+    model.register_buffer(name, tensor, persistent=False)
+
+
+def _dcp_only(model: nn.Module, source: dict | None) -> None:
+    """set_model_state_dict alone: non-persistent buffers keep to_empty()'s garbage."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device="cpu")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, dict(source) if source is not None else {}, options=options)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--init", default="rank0")
+    parser.add_argument("--extra-buffer-on-rank", type=int, default=None)
+    parser.add_argument("--int-buffer", action="store_true", help="an int64 buffer on every rank")
+    parser.add_argument("--odd-params", action="store_true", help="(3, 4) and (1, 4) params")
+    parser.add_argument("--odd-on-meta", action="store_true", help="rank 0's odd params too")
+    parser.add_argument("--loader", choices=("safe", "dcp"), default="safe")
+    parser.add_argument("--tamper", default=None, help="rank 1 adds 1.0 to this param's shard")
+    parser.add_argument("--dump", action="append", default=[], help="gather this param's full")
+    args = parser.parse_args()
+
+    out = Path(args.out)
+    start = time.monotonic()
+    ctx = distributed.init("gloo", args.timeout)
+    record: dict = {"rank": ctx.rank, "error": None}
+    code = 0
+    try:
+        built = build(resolve(args.model, rank=ctx.rank), rank=ctx.rank, init=args.init)
+        model, source = built.model, built.full_state_dict
+        real = built.materialised
+        if args.int_buffer:
+            _register(model, "step_ids", torch.arange(5, dtype=torch.int64), real=real)
+        if args.extra_buffer_on_rank == ctx.rank:
+            _register(model, "extra_inv_freq", torch.ones(4), real=real)
+        if args.odd_params:
+            # Over 2 ranks, dim 0 of 3 shards as 2 + 1 rows, dim 0 of 1 as 1 + 0 (rank 1 empty).
+            for name, rows in (("odd_rows3", 3), ("odd_rows1", 1)):
+                value = torch.arange(rows * 4.0).reshape(rows, 4) + 0.5
+                on_meta = args.odd_on_meta or not real
+                odd = torch.empty(rows, 4, device="meta") if on_meta else value
+                model.register_parameter(name, nn.Parameter(odd))
+                if source is not None:
+                    source[name] = value.clone()
+        _, targets = wrap.plan(model)
+        wrap.apply(targets, ctx.mesh)
+
+        if args.loader == "dcp":
+            # set_model_state_dict alone, checked, then the buffers alone, checked again.
+            _dcp_only(model, source)
+            record["verify_dcp_only"] = to_dict(verify_load(model, source, group=ctx.meta_group))
+            record["broadcast"] = to_dict(broadcast_buffers(model, group=ctx.meta_group))
+        else:
+            record["load"] = to_dict(load_full_state_dict(model, source, group=ctx.meta_group))
+        if args.tamper and ctx.rank == 1:
+            with torch.no_grad():
+                dict(model.named_parameters())[args.tamper].to_local().add_(1.0)
+        result = verify_load(model, source, group=ctx.meta_group)
+        record["verify"] = to_dict(result)
+        record["n_params"] = len(list(model.named_parameters()))
+        record["n_buffers"] = len(list(model.named_buffers()))
+        record["buffers"] = {n: b.tolist() for n, b in model.named_buffers()}
+        record["buffer_dtypes"] = {n: str(b.dtype) for n, b in model.named_buffers()}
+        record["buffer_order"] = [n for n, _ in model.named_buffers()]
+        params = dict(model.named_parameters())
+        full = {name: params[name].full_tensor() for name in args.dump}  # collective
+        if ctx.rank == 0 and full:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in full.items()}, str(out / "full.safetensors"))
+    except FsdpcheckError as exc:
+        record["error"] = {"type": type(exc).__name__, "kind": exc.kind, "message": str(exc)}
+        code = exc.exit_code
+    finally:
+        record["elapsed"] = round(time.monotonic() - start, 3)
+        (out / f"rank{ctx.rank}.json").write_text(json.dumps(record, indent=2))
+        distributed.shutdown(ctx)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
