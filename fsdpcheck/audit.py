@@ -6,13 +6,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fsdpcheck import distributed
 from fsdpcheck.errors import EXIT_RUNTIME, FsdpcheckError
 from fsdpcheck.faults import maybe_inject
-from fsdpcheck.records import ModelInfo, RankError, RankRecord, Report, WrapPlan
+from fsdpcheck.records import (
+    LoadOutcome,
+    ModelInfo,
+    RankError,
+    RankRecord,
+    Report,
+    VerifyResult,
+    WrapPlan,
+)
 from fsdpcheck.wrap import DEFAULT_MIN_PARAMS
+
+if TYPE_CHECKING:
+    from fsdpcheck.build import BuiltModel
 
 T = TypeVar("T")
 
@@ -31,6 +42,8 @@ class AuditOptions:
     wrap_classes: tuple[str, ...] = ()
     min_params: int = DEFAULT_MIN_PARAMS
     mesh: tuple[int, ...] | None = None  # (replicate, shard) for HSDP; default: 1-D, all ranks
+    load: bool = True  # run the project's loader and verify every rank afterwards
+    reproduce: bool = False  # also run the unsafe loader, in an isolated child job
 
 
 @dataclass(frozen=True)
@@ -118,7 +131,7 @@ def _audit(
     if planned is not None:
         state.wrap_plan = planned[0]
     record = RankRecord(env=env, pre_wrap=pre, post_wrap=post, error=state.error)
-    return _conclude(options, ctx, state, record, watch)
+    return _conclude(options, ctx, state, record, watch, built)
 
 
 def _conclude(
@@ -127,11 +140,12 @@ def _conclude(
     state: _RankState,
     record: RankRecord,
     watch: distributed.AbortWatch,
+    built: BuiltModel | None,
 ) -> AuditResult:
     """Gather, analyse on rank 0, and agree on one exit code; a dead peer ends it with exit 3."""
     from fsdpcheck.gather import broadcast_decision, gather_records
     from fsdpcheck.render import report_headline
-    from fsdpcheck.report import assemble, error_report
+    from fsdpcheck.report import assemble, error_report, with_load, with_reproduction
 
     distributed.mark_stage(ctx, "gather")
     start = time.perf_counter()
@@ -140,9 +154,20 @@ def _conclude(
         gathered = gather_records(record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size)
         state.timings["gather"] = round(time.perf_counter() - start, 4)
         report = None
-        code, headline = EXIT_RUNTIME, ""
         if gathered is not None:
             report = assemble(gathered, options, state.model_info, state.wrap_plan, state.timings)
+        skip = _load_skip_reason(options, report, built) if ctx.rank == 0 else ""
+        go, _ = broadcast_decision(0 if skip else 1, "", ctx.meta_group)
+        if go:
+            load, verified = _load_and_verify(ctx, state, built)
+            if report is not None:
+                report = with_load(report, load, verified)
+        elif report is not None:
+            report = with_load(report, LoadOutcome(False, "skipped", skip), None)
+        if report is not None and options.reproduce:
+            report = with_reproduction(report, options)
+        code, headline = EXIT_RUNTIME, ""
+        if report is not None:
             code, headline = report.exit_code, report_headline(report)
         code, headline = broadcast_decision(code, headline, ctx.meta_group)
         return AuditResult(ctx.rank, code, report, state.error, headline)
@@ -155,3 +180,53 @@ def _conclude(
             ctx.rank, "gather", f"gave up: {errors[0].message}", "runtime"
         )
         return AuditResult(ctx.rank, EXIT_RUNTIME, report, own, errors[0].message)
+
+
+def _load_skip_reason(
+    options: AuditOptions, report: Report | None, built: BuiltModel | None
+) -> str:
+    """Why rank 0 will not run the loader ("" to run it). Decided on rank 0, then shared."""
+    if report is None or report.errors:
+        return "a rank failed before the load"
+    if not options.load:
+        return "--no-load"
+    if options.init == "meta":
+        return "--init meta: nothing to load from"
+    if built is None or built.full_state_dict is None:
+        return "rank 0 holds no weights"
+    return ""
+
+
+def _load_and_verify(
+    ctx: distributed.DistContext, state: _RankState, built: BuiltModel | None
+) -> tuple[LoadOutcome, VerifyResult | None]:
+    """Collective: the sorted, validated loader, then the proof that every rank is equal."""
+    from fsdpcheck.load import load_full_state_dict
+    from fsdpcheck.verify import verify_load
+
+    distributed.mark_stage(ctx, "load")
+    full = built.full_state_dict if ctx.rank == 0 else None
+    # Buffers on the accelerator travel on the default (NCCL) group; on CPU, the gloo channel.
+    group = ctx.meta_group if ctx.device_type == "cpu" else None
+    start = time.perf_counter()
+    try:
+        maybe_inject(ctx.rank, "load")
+        result = load_full_state_dict(built.model, full or {}, group=group)
+    except FsdpcheckError as exc:  # refused on every rank alike: nothing was loaded
+        state.timings["load"] = round(time.perf_counter() - start, 4)
+        return LoadOutcome(True, "refused", str(exc), seconds=state.timings["load"]), None
+    state.timings["load"] = round(time.perf_counter() - start, 4)
+    load = LoadOutcome(
+        ran=True,
+        outcome="loaded",
+        params_loaded=result.params_loaded,
+        buffers_broadcast=result.buffers_broadcast,
+        collectives=result.collectives,
+        seconds=state.timings["load"],
+    )
+    distributed.mark_stage(ctx, "verify")
+    start = time.perf_counter()
+    maybe_inject(ctx.rank, "verify")
+    verified = verify_load(built.model, full, group=ctx.meta_group)
+    state.timings["verify"] = round(time.perf_counter() - start, 4)
+    return load, verified

@@ -94,6 +94,14 @@ def audit(
         help="Give each rank its own PYTHONHASHSEED (= its rank), so a hash-order dependence "
         "shows up as a real cross-rank divergence every run.",
     ),
+    load: bool = typer.Option(
+        True, help="Run the sorted, validated loader and verify every rank afterwards."
+    ),
+    reproduce: bool = typer.Option(
+        False,
+        help="Also run the unsafe named-buffers-order loader in an isolated 2-rank child job "
+        "(bounded by --timeout) to show its real failure.",
+    ),
     mesh: str | None = typer.Option(
         None, help="REPLICATE,SHARD for HSDP (a 2-D mesh whose product is the world size)."
     ),
@@ -124,6 +132,8 @@ def audit(
         wrap_classes=tuple(wrap_class),
         min_params=min_params,
         mesh=_parse_mesh(mesh),
+        load=load,
+        reproduce=reproduce,
     )
     rank = int(os.environ.get("RANK", "0") or 0)
     try:

@@ -100,12 +100,14 @@ def _recv_record(src: int, group: object) -> RankRecord:
     return from_dict(RankRecord, json.loads(payload.numpy().tobytes()))
 
 
-def broadcast_decision(code: int, headline: str, group: object) -> tuple[int, str]:
-    """Rank 0's exit code and one-line conclusion, shared with every rank."""
-    text = headline.encode()[:4096]
-    header = torch.tensor([code, len(text)], dtype=torch.int64)
+def broadcast_decision(code: int, text: str, group: object) -> tuple[int, str]:
+    """Rank 0's integer decision and a short text (its one-line conclusion), on every rank."""
+    raw = text.encode()[:4096]
+    header = torch.tensor([code, len(raw)], dtype=torch.int64)
     dist.broadcast(header, src=0, group=group)
-    payload = torch.frombuffer(bytearray(text.ljust(int(header[1]), b"\0")), dtype=torch.uint8)
-    if int(header[1]):
-        dist.broadcast(payload, src=0, group=group)
+    size = int(header[1])
+    if size == 0:
+        return int(header[0]), ""
+    payload = torch.frombuffer(bytearray(raw.ljust(size, b"\0")[:size]), dtype=torch.uint8)
+    dist.broadcast(payload, src=0, group=group)
     return int(header[0]), payload.numpy().tobytes().decode(errors="replace")

@@ -198,6 +198,7 @@ FINDING_KINDS = {
     "state-dict-order": "the same state-dict keys, walked in a different order",
     "hash-seed": "tensor order depends on the interpreter's string-hash seed (PYTHONHASHSEED)",
     "env": "library or interpreter versions differ between ranks",
+    "verify": "after the project's loader ran, a rank's tensor differs from rank 0's source",
 }
 
 CAUSES = {
@@ -205,6 +206,7 @@ CAUSES = {
     "wrapping": "appeared only after fully_shard",
     "environment": "the ranks run different software",
     "configuration": "how the audit was asked to run",
+    "loading": "the loader itself left ranks different",
     "unknown": "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
 }
 
@@ -218,6 +220,30 @@ class LoaderPrediction:
     summary: str
     ranks: tuple[int, ...] = ()  # ranks affected
     first_issue: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """What the project's loader did in the audit."""
+
+    ran: bool
+    outcome: str  # "loaded" | "refused" | "failed" | "skipped"
+    message: str = ""
+    params_loaded: int = 0  # state-dict entries
+    buffers_broadcast: int = 0  # non-persistent buffers
+    collectives: int = 0  # fsdpcheck's own: 2 checks + one flat broadcast per buffer dtype
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """``mismatches`` hold ``{"name", "kind", "ranks", "reason"}``; ``passed`` and ``checked``
+    are the same on every rank, the mismatches are known on rank 0."""
+
+    ran: bool
+    passed: bool
+    checked: int  # parameters + buffers checked on every rank
+    mismatches: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -255,6 +281,9 @@ class Report:
     findings: tuple[Finding, ...]
     errors: tuple[RankError, ...]
     loaders: tuple[LoaderPrediction, ...] = ()
+    load: LoadOutcome | None = None
+    verify: VerifyResult | None = None
+    reproduction: Mapping[str, Any] | None = None  # --reproduce: the unsafe loader, in a child job
     hosts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # host → its ranks
     warnings: tuple[str, ...] = ()
     environment: tuple[EnvRecord, ...] = ()  # one per group representative

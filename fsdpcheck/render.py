@@ -78,15 +78,14 @@ def render(report: Report, console: Console) -> None:
         console.print(f"  {escape(finding.summary)}", highlight=False)
 
     _render_loaders(report, console)
+    _render_load(report, console)
 
     for warning in report.warnings:
         console.print(f"[yellow]! {escape(warning)}[/]", highlight=False)
 
     for error in report.errors:
-        console.print(
-            f"[bold red]✗ rank {error.rank} failed at {escape(error.stage)}[/]: {escape(error.message)}",
-            highlight=False,
-        )
+        where = f"rank {error.rank} failed at {escape(error.stage)}"
+        console.print(f"[bold red]✗ {where}[/]: {escape(error.message)}", highlight=False)
 
     style = _VERDICT_STYLE.get(report.verdict, "bold")
     console.print(
@@ -121,6 +120,28 @@ def _render_loaders(report: Report, console: Console) -> None:
     console.print(table)
 
 
+def _render_load(report: Report, console: Console) -> None:
+    load, verified = report.load, report.verify
+    if load is not None and load.outcome == "loaded" and verified is not None:
+        status = "[green]passed[/]" if verified.passed else "[bold red]FAILED[/]"
+        console.print(
+            f"sorted loader: {load.params_loaded} state-dict entries via DCP, "
+            f"{load.buffers_broadcast} non-persistent buffers in {load.collectives} collectives "
+            f"({load.seconds:.2f}s); verification {status}: {verified.checked} tensors checked "
+            f"on {report.world_size} rank{'s' if report.world_size != 1 else ''}"
+        )
+    elif load is not None and load.outcome == "refused":
+        console.print(f"[yellow]sorted loader refused[/] (no rank hung): {escape(load.message)}")
+    elif load is not None and load.outcome == "skipped" and not report.errors:
+        console.print(f"sorted loader not run: {escape(load.message)}", style="dim")
+    if report.reproduction:
+        repro = report.reproduction
+        console.print(
+            f"reproduction of named-buffers-order (child job): [bold]{repro.get('outcome')}[/] "
+            f"— {escape(str(repro.get('summary', '')))}"
+        )
+
+
 def report_headline(report: Report) -> str:
     """The one line a person can act on."""
     from fsdpcheck.analyse import headline
@@ -129,4 +150,11 @@ def report_headline(report: Report) -> str:
     bad = [f"{p.name} → {p.verdict}" for p in report.loaders if p.verdict != "ok"]
     if bad and report.findings:
         line += ": " + ", ".join(bad)
+    load, verified = report.load, report.verify
+    ranks = f"{report.world_size} rank{'s' if report.world_size != 1 else ''}"
+    if load is not None and load.outcome == "loaded" and verified is not None:
+        state = "verified" if verified.passed else "left ranks different"
+        line += f"; sorted loader {state} on {ranks}"
+    elif load is not None and load.outcome == "refused":
+        line += "; sorted loader refused (names, shapes or dtypes differ)"
     return line

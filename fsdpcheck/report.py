@@ -6,12 +6,23 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdpcheck.analyse import analyse, group_ranks, verdict
+from fsdpcheck.analyse import analyse, group_ranks, ranks_label, verdict
 from fsdpcheck.predict import predict_loaders
-from fsdpcheck.records import ModelInfo, RankError, Report, WrapPlan, from_dict, to_dict
+from fsdpcheck.records import (
+    Finding,
+    LoadOutcome,
+    ModelInfo,
+    RankError,
+    Report,
+    VerifyResult,
+    WrapPlan,
+    from_dict,
+    to_dict,
+)
 
 if TYPE_CHECKING:
     from fsdpcheck.audit import AuditOptions
@@ -50,6 +61,54 @@ def assemble(
         options=to_dict(options),
         timings=timings,
     )
+
+
+def with_load(report: Report, load: LoadOutcome, verified: VerifyResult | None) -> Report:
+    """Fold the loader's outcome and the verification into the report; a failed proof is a
+    ``verify`` finding (exit 1)."""
+    findings = list(report.findings)
+    if verified is not None and verified.ran and not verified.passed:
+        for mismatch in verified.mismatches:
+            findings.append(
+                Finding(
+                    kind="verify",
+                    ranks=tuple(mismatch.get("ranks", ())),
+                    reference_rank=0,
+                    stage="load",
+                    cause="loading",
+                    summary=f"after the sorted loader, {mismatch.get('kind', 'tensor')} "
+                    f"{mismatch.get('name')} differs from rank 0's source on ranks "
+                    f"{ranks_label(mismatch.get('ranks', ()))}: {mismatch.get('reason', '')}",
+                    tensors=(str(mismatch.get("name")),),
+                    details=dict(mismatch),
+                )
+            )
+    name, code = verdict(findings, report.errors)
+    return replace(
+        report, load=load, verify=verified, findings=tuple(findings), verdict=name, exit_code=code
+    )
+
+
+def with_reproduction(report: Report, options: AuditOptions) -> Report:
+    """Run the unsafe named-buffers-order loader in an isolated child job (never in-process)."""
+    from fsdpcheck.reproduce import run_reproduction
+
+    seeds = _divergent_seeds(report)
+    try:
+        result = run_reproduction(
+            options.model, nprocs=2, seeds=seeds, timeout=max(10.0, 0.75 * options.timeout)
+        )
+        return replace(report, reproduction=to_dict(result))
+    except Exception as exc:  # the reproduction is an extra; its failure must not end the audit
+        return replace(report, reproduction={"outcome": "error", "summary": str(exc)})
+
+
+def _divergent_seeds(report: Report) -> tuple[int, int]:
+    """Rank 0's hash seed and the first differing group's, when both are fixed numbers."""
+    seeds = [env.hash_seed for env in report.environment[:2]]
+    if len(seeds) == 2 and all(s.isdigit() for s in seeds) and seeds[0] != seeds[1]:
+        return int(seeds[0]), int(seeds[1])
+    return 0, 1
 
 
 def ranks_by_host(hosts: dict[int, str]) -> dict[str, tuple[int, ...]]:

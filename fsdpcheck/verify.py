@@ -14,20 +14,10 @@ from torch import nn
 
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.fingerprint import value_digest
+from fsdpcheck.records import VerifyResult
 
 # Status codes rank 0 broadcasts with its verdict.
 _RAN, _NOT_RUN, _FAILED = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """``mismatches`` (rank 0 only) hold ``{"name", "kind", "ranks", "reason"}``; ``passed`` and
-    ``checked`` are the same on every rank."""
-
-    ran: bool
-    passed: bool
-    checked: int  # parameters + buffers rank 0 checked on every rank
-    mismatches: tuple[Mapping, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,18 @@ def test_hazard_with_different_hash_seeds_reports_buffer_order(tmp_path: Path) -
     assert first["other"]["shape"] == [8]
     assert "buffer-order" in result.ranks[0].stdout
     assert result.ranks[1].stdout == ""  # only rank 0 renders
+    # What each loader would do with these ranks, then the sorted loader, proven.
+    loaders = {p["name"]: p for p in report["loaders"]}
+    assert loaders["named-buffers-order"]["verdict"] == "hang"
+    assert loaders["named-buffers-order"]["first_issue"]["reference_shape"] == [16]
+    assert loaders["named-buffers-order"]["first_issue"]["other_shape"] == [8]
+    assert loaders["state-dict-order"]["verdict"] == "ok"  # non-persistent: not in state_dict
+    assert loaders["sorted-names"]["verdict"] == "ok"
+    assert report["load"]["outcome"] == "loaded"
+    assert report["verify"]["passed"] is True
+    assert report["verify"]["checked"] == 11 + 2  # parameters + buffers
+    assert "named-buffers-order → hang" in result.ranks[0].stdout
+    assert "sorted loader verified on 2 ranks" in result.ranks[0].stdout
 
 
 def test_hazard_with_equal_hash_seeds_is_consistent(tmp_path: Path) -> None:
@@ -37,6 +49,36 @@ def test_hazard_with_equal_hash_seeds_is_consistent(tmp_path: Path) -> None:
     assert report["verdict"] == "consistent"
     assert report["findings"] == []
     assert len(report["groups"]) == 1 and report["groups"][0]["ranks"] == [0, 1]
+    # Rank 1 built on meta: DCP alone would leave its RoPE buffers uninitialised ...
+    loaders = {p["name"]: p["verdict"] for p in report["loaders"]}
+    assert loaders["dcp-broadcast"] == "uninitialized"
+    assert loaders["named-buffers-order"] == "ok"
+    # ... the project's loader fills them, and the verification proves it.
+    assert report["load"]["buffers_broadcast"] == 2
+    assert report["verify"] == {"ran": True, "passed": True, "checked": 13, "mismatches": []}
+
+
+def test_equal_size_swap_is_silent_corruption_and_reproduce_shows_it(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    result = run_ranks(
+        ["audit", "--model", "hazard-equal", "--reproduce", "--json", str(out)], seeds=[0, 1]
+    )
+    assert result.codes == [1, 1], result.output(0)
+    report = read_report(out)
+    loaders = {p["name"]: p["verdict"] for p in report["loaders"]}
+    assert loaders["named-buffers-order"] == "silent-corruption"
+    # The real unsafe broadcast, in a child job: values really land in the wrong buffer.
+    assert report["reproduction"]["outcome"] == "silent-corruption"
+    assert report["reproduction"]["seeds"] == [0, 1]
+    assert report["verify"]["passed"] is True  # the sorted loader is not fooled
+
+
+def test_init_meta_audits_without_loading(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    result = run_ranks(["audit", "--model", "tiny-gemma3", "--init", "meta", "--json", str(out)])
+    assert result.codes == [0, 0], result.output(0)
+    report = read_report(out)
+    assert report["load"]["outcome"] == "skipped" and report["verify"] is None
 
 
 def test_tiny_llama_is_consistent_whatever_the_seeds(tmp_path: Path) -> None:
@@ -69,6 +111,8 @@ def test_local_safetensors_directory(tmp_path: Path, llama_checkpoint: Path) -> 
     assert model["kind"] == "local"
     assert model["checkpoint"] is True
     assert model["path"] == str(llama_checkpoint)
+    verify = read_report(out)["verify"]
+    assert verify["passed"] is True and verify["checked"] > 10
 
 
 def test_hub_id_from_local_cache(tmp_path: Path, hf_home: Path) -> None:
