@@ -4,6 +4,10 @@ __version__ = "0.1.0"
 
 # The library API, imported on first use so that `import fsdpcheck` stays torch-free.
 _LAZY = {
+    "run_audit": "fsdpcheck.audit",
+    "check_model": "fsdpcheck.audit",
+    "AuditOptions": "fsdpcheck.audit",
+    "AuditResult": "fsdpcheck.audit",
     "load_full_state_dict": "fsdpcheck.load",
     "broadcast_buffers": "fsdpcheck.load",
     "BufferMismatchError": "fsdpcheck.load",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsdpcheck import distributed
 from fsdpcheck.errors import EXIT_RUNTIME, FsdpcheckError
@@ -90,6 +90,44 @@ def run_audit(options: AuditOptions) -> AuditResult:
     try:
         with distributed.AbortWatch(ctx) as watch:
             return _audit(options, ctx, watch)
+    finally:
+        distributed.shutdown(ctx)
+
+
+def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
+    """Pre-flight check of a training script's own model: every rank calls it, after building
+    (and optionally wrapping) the model and before loading weights. Reuses the script's process
+    group; metadata goes over a gloo side channel bounded by ``timeout``. The report (rank 0)
+    has findings and loader predictions; ``exit_code`` is the same on every rank."""
+    from fsdpcheck.fingerprint import fingerprint
+    from fsdpcheck.gather import broadcast_decision, gather_records
+    from fsdpcheck.render import report_headline
+    from fsdpcheck.report import assemble
+
+    ctx = distributed.init("auto", timeout)
+    try:
+        with distributed.AbortWatch(ctx):
+            state = _RankState(ctx)
+            env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
+            wrapped = any(hasattr(p, "placements") for p in model.parameters())
+            stage = "post-wrap" if wrapped else "pre-wrap"
+            fp = state.stage("fingerprint", lambda: fingerprint(model, stage))
+            record = RankRecord(
+                env=env,
+                pre_wrap=None if wrapped else fp,
+                post_wrap=fp if wrapped else None,
+                error=state.error,
+            )
+            gathered = gather_records(
+                record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size
+            )
+            report = None
+            code, headline = EXIT_RUNTIME, ""
+            if gathered is not None:
+                report = assemble(gathered, None, None, None, state.timings)
+                code, headline = report.exit_code, report_headline(report)
+            code, headline = broadcast_decision(code, headline, ctx.meta_group)
+            return AuditResult(ctx.rank, code, report, state.error, headline)
     finally:
         distributed.shutdown(ctx)
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def assemble(
     gathered: Gathered,
-    options: AuditOptions,
+    options: AuditOptions | None,
     model: ModelInfo | None,
     wrap_plan: WrapPlan | None,
     timings: dict[str, float],
@@ -58,7 +58,7 @@ def assemble(
         hosts=ranks_by_host(gathered.hosts),
         warnings=warnings,
         environment=tuple(records[g.representative].env for g in groups),
-        options=to_dict(options),
+        options=to_dict(options) if options is not None else {},
         timings=timings,
     )
 

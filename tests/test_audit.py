@@ -173,3 +173,24 @@ def test_single_process_without_launcher(tmp_path: Path) -> None:
     result = run_ranks(["audit", "--model", "hazard", "--json", str(out)], nprocs=1)
     assert result.codes == [0], result.output(0)
     assert read_report(out)["world_size"] == 1
+
+
+def test_check_model_from_a_training_script(tmp_path: Path) -> None:
+    from conftest import REPO
+
+    from fsdpcheck.launch import launch
+
+    out = tmp_path / "report.json"
+    result = launch(
+        ["tests/workers/check_model_worker.py", str(out)],
+        2,
+        cwd=str(REPO),
+        timeout=120,
+        rank_env=lambda r: {"PYTHONHASHSEED": str(r)},
+    )
+    assert result.codes == [1, 1], result.output(0) + result.output(1)
+    report = read_report(out)
+    assert [f["kind"] for f in report["findings"]] == ["buffer-order"]
+    assert report["findings"][0]["stage"] == "post-wrap"
+    loaders = {p["name"]: p["verdict"] for p in report["loaders"]}
+    assert loaders["named-buffers-order"] == "hang"

@@ -1,0 +1,29 @@
+"""A training script's pre-flight: its own process group, its own model, then check_model."""
+
+import json
+import sys
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdpcheck
+from fsdpcheck.hazard import HazardConfig, HazardForCausalLM
+from fsdpcheck.records import to_dict
+from fsdpcheck.wrap import fully_shard_fn
+
+dist.init_process_group("gloo")
+model = HazardForCausalLM(HazardConfig())
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+fully_shard = fully_shard_fn()
+for layer in model.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+
+result = fsdpcheck.check_model(model, timeout=30)
+assert dist.is_initialized(), "check_model must not tear down the script's process group"
+dist.barrier()  # the script's own group still works
+if result.report is not None:
+    with open(sys.argv[1], "w") as out:
+        json.dump(to_dict(result.report), out)
+dist.destroy_process_group()
+sys.exit(result.exit_code)
