@@ -237,13 +237,7 @@ PROBE_EPILOG = """
 
   fsdpcheck probe --model /ckpt/my-model --text-only --seeds 16
 
-Builds the model on meta in K interpreters with PYTHONHASHSEED = 0..K-1 (in parallel) and
-compares their buffer and parameter orders. A two-element set iterates in one of 2 orders with
-probability ~1/2 per seed, so with the default 8 seeds all agree by chance with probability
-2·2⁻⁸ = 1/128 (< 1%).
-
-[bold]Exit codes[/]: 0 consistent · 1 latent (order follows the hash seed) · 2 bad input ·
-3 runtime failure or timeout.
+[bold]Exit codes[/]: 0 consistent · 1 latent (order follows the seed) · 2 bad input · 3 failure.
 """
 
 
@@ -255,7 +249,7 @@ def probe(
     seeds: int | None = typer.Option(
         None,
         min=2,
-        help="Hash seeds to try, 0..K-1 [default: 8, missing a 2-way set order "
+        help="Hash seeds to try, 0..K-1 \\[default: 8, missing a 2-way set order "
         "with probability 1/128].",
     ),
     json_path: Path | None = typer.Option(None, "--json", help="Write the result as JSON here."),
@@ -263,10 +257,17 @@ def probe(
     trust_remote_code: bool = typer.Option(
         False, help="Allow the model's own Python code (off: never runs remote code)."
     ),
-    jobs: int | None = typer.Option(None, min=1, help="Children at a time [default: CPU count]."),
+    jobs: int | None = typer.Option(None, min=1, help="Children at a time \\[default: CPU count]."),
     timeout: float = typer.Option(180.0, min=1.0, help="Seconds each child may take (killed)."),
 ) -> None:
-    """Show whether MODEL's buffer/parameter order depends on PYTHONHASHSEED (no ranks needed)."""
+    """Show whether MODEL's buffer/parameter order depends on PYTHONHASHSEED (no ranks needed).
+
+    Builds the model on meta in K child interpreters with PYTHONHASHSEED = 0..K-1 (in parallel,
+    each with a deadline) and compares their buffer and parameter orders. A two-element set
+    iterates in one of 2 orders with probability ~1/2 per seed, so with the default 8 seeds all
+    agree by chance with probability 2·2⁻⁸ = 1/128 (< 1%); seeds 0 and 1 already differ for
+    {"sliding_attention", "full_attention"}.
+    """
     from fsdpcheck.errors import FsdpcheckError
     from fsdpcheck.probe import DEFAULT_SEEDS, probe_errors, probe_summary, probe_table, write_json
     from fsdpcheck.probe import probe as run_probe
@@ -310,12 +311,7 @@ SCAN_EPILOG = """
 
   fsdpcheck scan --filter LlamaForCausalLM --preset hazard --preset hazard-equal
 
-One child interpreter per hash seed builds every selected architecture from a small config on
-meta; rows compare the orders. Verdicts: ok · hang (reordered tensors differ in size) ·
-silent-corruption (same sizes) · skipped: why.
-
-[bold]Exit codes[/]: 0 no hash-seed dependence · 1 some row would hang or corrupt · 2 bad input
-(e.g. a filter matching nothing) · 3 no child produced a result.
+[bold]Exit codes[/]: 0 none found · 1 a row would hang or corrupt · 2 bad input · 3 no result.
 """
 
 
@@ -326,9 +322,9 @@ def scan(
         "--filter",
         "-f",
         help="Case-insensitive substring, or glob with *?[, on model_type "
-        "or class name (repeatable; any may match) [default: all].",
+        "or class name (repeatable; any may match) \\[default: all].",
     ),
-    seeds: int | None = typer.Option(None, min=2, help="Hash seeds, 0..K-1 [default: 8]."),
+    seeds: int | None = typer.Option(None, min=2, help="Hash seeds, 0..K-1 \\[default: 8]."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the table as JSON here."),
     timeout: float = typer.Option(
         1800.0, min=1.0, help="Seconds each child (one seed, all architectures) may take."
@@ -341,9 +337,15 @@ def scan(
         [], "--preset", help="Add an fsdpcheck preset as an extra row, e.g. hazard (repeatable)."
     ),
     problems_only: bool = typer.Option(False, help="Leave the ok rows out of the table."),
-    jobs: int | None = typer.Option(None, min=1, help="Children at a time [default: CPU count]."),
+    jobs: int | None = typer.Option(None, min=1, help="Children at a time \\[default: CPU count]."),
 ) -> None:
-    """Survey the installed transformers: which architectures' order follows the hash seed."""
+    """Survey the installed transformers: which architectures' order follows the hash seed.
+
+    One child interpreter per hash seed (PYTHONHASHSEED = 0..K-1, in parallel) builds every
+    selected architecture from a small config on meta, mixing sliding and full attention where
+    the config has layer types; the rows compare the orders. Verdicts: ok · hang (reordered
+    tensors differ in size) · silent-corruption (same sizes) · skipped: why.
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from fsdpcheck.errors import FsdpcheckError
