@@ -37,6 +37,8 @@ PHRASES = {
     "param-placement": "parameter placements differ",
     "state-dict-order": "state-dict order differs",
     "env": "software versions differ",
+    "verify": "ranks differ after loading",
+    "hash-seed": "tensor order depends on PYTHONHASHSEED",
 }
 _STAGE_NOTE = {"construction-time": " (before wrapping)", "wrapping": " (after wrapping only)"}
 _ORDER_KINDS = ("buffer-order", "param-order")
@@ -126,8 +128,11 @@ def analyse(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> list[
 
 
 def verdict(findings: Sequence[Finding], errors: Sequence[RankError]) -> tuple[str, int]:
+    """``latent``: the ranks agree now, but only because they share a hash seed."""
     if errors:
         return "error", 2 if all(e.kind == "input" for e in errors) else 3
+    if findings and all(f.kind == "hash-seed" for f in findings):
+        return "latent", 1
     if findings:
         return "inconsistent", 1
     return "consistent", 0
@@ -144,7 +149,8 @@ def headline(findings: Sequence[Finding], errors: Sequence[RankError], world_siz
     first = min(findings, key=_headline_key)
     same = [f for f in findings if (f.kind, f.cause) == (first.kind, first.cause)]
     ranks = {r for f in same for r in f.ranks}
-    line = f"{PHRASES.get(first.kind, first.kind)} on {ranks_label(ranks)} ({first.cause})"
+    where = f"on {ranks_label(ranks)}" if ranks else "across hash seeds"
+    line = f"{PHRASES.get(first.kind, first.kind)} {where} ({first.cause})"
     rest = len(findings) - len(same)
     if rest:
         line += f"; {rest} other difference{'s' if rest > 1 else ''}"

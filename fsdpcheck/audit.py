@@ -3,6 +3,7 @@ analyse → report. Library code: takes options, returns data, never prints."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class AuditOptions:
     mesh: tuple[int, ...] | None = None  # (replicate, shard) for HSDP; default: 1-D, all ranks
     load: bool = True  # run the project's loader and verify every rank afterwards
     reproduce: bool = False  # also run the unsafe loader, in an isolated child job
+    probe: int = 0  # rank 0 also probes the build under this many hash seeds (0: off)
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ def _audit(
 
     state = _RankState(ctx)
     env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
+    probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
     resolved = state.stage(
         "resolve",
         lambda: resolve.resolve(options.model, rank=ctx.rank, allow_pickle=options.allow_pickle),
@@ -169,7 +172,7 @@ def _audit(
     if planned is not None:
         state.wrap_plan = planned[0]
     record = RankRecord(env=env, pre_wrap=pre, post_wrap=post, error=state.error)
-    return _conclude(options, ctx, state, record, watch, built)
+    return _conclude(options, ctx, state, record, watch, built, probing)
 
 
 def _conclude(
@@ -179,11 +182,17 @@ def _conclude(
     record: RankRecord,
     watch: distributed.AbortWatch,
     built: BuiltModel | None,
+    probing: _ProbeThread | None = None,
 ) -> AuditResult:
     """Gather, analyse on rank 0, and agree on one exit code; a dead peer ends it with exit 3."""
     from fsdpcheck.gather import broadcast_decision, gather_records
     from fsdpcheck.render import report_headline
-    from fsdpcheck.report import assemble, error_report, with_load, with_reproduction
+    from fsdpcheck.report import (
+        assemble,
+        error_report,
+        with_load,
+        with_reproduction,
+    )
 
     distributed.mark_stage(ctx, "gather")
     start = time.perf_counter()
@@ -204,6 +213,8 @@ def _conclude(
             report = with_load(report, LoadOutcome(False, "skipped", skip), None)
         if report is not None and options.reproduce:
             report = with_reproduction(report, options)
+        if report is not None and probing is not None:
+            report = probing.fold_into(report)
         code, headline = EXIT_RUNTIME, ""
         if report is not None:
             code, headline = report.exit_code, report_headline(report)
@@ -218,6 +229,47 @@ def _conclude(
             ctx.rank, "gather", f"gave up: {errors[0].message}", "runtime"
         )
         return AuditResult(ctx.rank, EXIT_RUNTIME, report, own, errors[0].message)
+
+
+class _ProbeThread:
+    """``--probe K`` on rank 0: child builds under K hash seeds, alongside the audit's own work.
+
+    Bounded by a share of ``--timeout``, because the other ranks wait for rank 0's decision."""
+
+    def __init__(self, options: AuditOptions):
+        self._options = options
+        self._started = time.monotonic()
+        self._budget = max(5.0, 0.8 * options.timeout)
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fsdpcheck-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from fsdpcheck.probe import probe
+
+        o = self._options
+        try:
+            self._result = probe(
+                o.model,
+                seeds=o.probe,
+                text_only=o.text_only,
+                trust_remote_code=o.trust_remote_code,
+                timeout=self._budget,
+            )
+        except BaseException as exc:  # reported in the audit's warnings, never fatal
+            self._error = exc
+
+    def fold_into(self, report: Report) -> Report:
+        from dataclasses import replace
+
+        from fsdpcheck.report import with_probe
+
+        self._thread.join(max(0.0, self._budget + 5 - (time.monotonic() - self._started)))
+        if self._result is not None:
+            return with_probe(report, self._result)
+        why = f"{type(self._error).__name__}: {self._error}" if self._error else "timed out"
+        return replace(report, warnings=(*report.warnings, f"--probe did not finish: {why}"))
 
 
 def _load_skip_reason(

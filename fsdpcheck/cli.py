@@ -72,12 +72,12 @@ def audit(
     init: Init = typer.Option(
         Init.rank0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
     ),
-    dtype: DType | None = typer.Option(None, help="Build dtype [default: the config's]."),
+    dtype: DType | None = typer.Option(None, help="Build dtype \\[default: the config's]."),
     seed: int = typer.Option(0, help="Random-init seed when the model has no checkpoint."),
     wrap_class: list[str] = typer.Option(
         [],
         "--wrap-class",
-        help="Layer class to fully_shard (repeatable) [default: _no_split_modules].",
+        help="Layer class to fully_shard (repeatable) \\[default: _no_split_modules].",
     ),
     min_params: int = typer.Option(
         100_000_000, help="Size-based wrapping threshold, used when no wrap class is present."
@@ -93,6 +93,13 @@ def audit(
         False,
         help="Give each rank its own PYTHONHASHSEED (= its rank), so a hash-order dependence "
         "shows up as a real cross-rank divergence every run.",
+    ),
+    probe: int = typer.Option(
+        0,
+        min=0,
+        help="Rank 0 also builds the model under this many fixed hash seeds (8 is a good "
+        "choice) and reports a hash-seed dependence as verdict 'latent' even when every rank "
+        "agrees now.",
     ),
     load: bool = typer.Option(
         True, help="Run the sorted, validated loader and verify every rank afterwards."
@@ -134,6 +141,7 @@ def audit(
         mesh=_parse_mesh(mesh),
         load=load,
         reproduce=reproduce,
+        probe=probe,
     )
     rank = int(os.environ.get("RANK", "0") or 0)
     try:

@@ -301,52 +301,51 @@ def collective_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}"
 
 
+# Stages in the order every rank passes them; a peer marked earlier than us is behind.
+STAGE_ORDER = (
+    "launch", "resolve", "build", "fingerprint-pre", "wrap-plan", "wrap", "fingerprint-post",
+    "gather", "load", "verify",
+)  # fmt: skip
+
+
+def _stage_index(stage: str | None) -> int:
+    return STAGE_ORDER.index(stage) if stage in STAGE_ORDER else 0
+
+
 def diagnose_peers(
     ctx: DistContext, exc: BaseException, *, own: RankError | None
 ) -> list[RankError]:
     """Turn a failed collective into errors that name the rank(s) responsible.
 
-    A rank whose heartbeat stopped died; failing that, a rank that never marked the gather
-    is stuck in the stage it last marked.
+    A rank whose heartbeat stopped died; failing that, a rank marked at an earlier stage than
+    this one is stuck there; failing that, the failure is this rank's own.
     """
     cause = collective_cause(exc)
     stages = last_stages(ctx)
+    mine = stages.get(ctx.rank) or "gather"
     dead = dead_ranks(ctx)
     errors = [own] if own is not None else []
     for r in sorted(dead):
         stage = stages.get(r) or "launch"
-        errors.append(
-            RankError(
-                r,
-                stage,
-                f"rank {r} died during stage '{stage}' "
-                f"(its heartbeat stopped; rank {ctx.rank} saw: {cause})",
-                "runtime",
-            )
+        message = (
+            f"rank {r} died during stage '{stage}' "
+            f"(its heartbeat stopped; rank {ctx.rank} saw: {cause})"
         )
-    if not dead:
-        for r, stage in sorted(stages.items()):
-            if r != ctx.rank and stage != "gather":
-                errors.append(
-                    RankError(
-                        r,
-                        stage or "launch",
-                        f"rank {r} never reached the gather: it is "
-                        f"stuck in stage '{stage or 'launch'}' (rank {ctx.rank} gave up "
-                        f"after --timeout {ctx.timeout:g}s: {cause})",
-                        "runtime",
-                    )
-                )
+        errors.append(RankError(r, stage, message, "runtime"))
+    behind = [
+        (r, stage or "launch")
+        for r, stage in sorted(stages.items())
+        if r != ctx.rank and _stage_index(stage) < _stage_index(mine)
+    ]
+    for r, stage in [] if dead else behind:
+        message = (
+            f"rank {r} is stuck in stage '{stage}' (rank {ctx.rank} gave up waiting at "
+            f"'{mine}' after --timeout {ctx.timeout:g}s: {cause})"
+        )
+        errors.append(RankError(r, stage, message, "runtime"))
     if len(errors) == (1 if own else 0):
-        errors.append(
-            RankError(
-                ctx.rank,
-                "gather",
-                f"the gather failed on rank {ctx.rank} ({cause}); a "
-                f"peer died or timed out during the exchange (--timeout {ctx.timeout:g}s)",
-                "runtime",
-            )
-        )
+        message = f"rank {ctx.rank} failed at '{mine}': {cause}"
+        errors.append(RankError(ctx.rank, mine, message, "runtime"))
     return errors
 
 

@@ -272,7 +272,7 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Report:
-    verdict: str  # "consistent" | "inconsistent" | "error"
+    verdict: str  # "consistent" | "inconsistent" | "latent" | "error"
     exit_code: int
     world_size: int
     model: ModelInfo | None
@@ -284,6 +284,7 @@ class Report:
     load: LoadOutcome | None = None
     verify: VerifyResult | None = None
     reproduction: Mapping[str, Any] | None = None  # --reproduce: the unsafe loader, in a child job
+    probe: Mapping[str, Any] | None = None  # --probe K: orders under K hash seeds, rank 0's host
     hosts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # host → its ranks
     warnings: tuple[str, ...] = ()
     environment: tuple[EnvRecord, ...] = ()  # one per group representative

@@ -11,7 +11,12 @@ from rich.text import Text
 
 from fsdpcheck.records import Report
 
-_VERDICT_STYLE = {"consistent": "bold green", "inconsistent": "bold red", "error": "bold red"}
+_VERDICT_STYLE = {
+    "consistent": "bold green",
+    "inconsistent": "bold red",
+    "latent": "bold yellow",
+    "error": "bold red",
+}
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:
@@ -71,9 +76,13 @@ def render(report: Report, console: Console) -> None:
         console.print(table)
 
     for finding in report.findings:
+        who = (
+            f"ranks {rank_ranges(finding.ranks)} vs rank {finding.reference_rank}"
+            if finding.ranks
+            else "on rank 0's host, across hash seeds"
+        )
         console.print(
-            f"[bold red]✗ {finding.kind}[/] ranks {rank_ranges(finding.ranks)} vs "
-            f"rank {finding.reference_rank} · {finding.stage} · [italic]{finding.cause}[/]"
+            f"[bold red]✗ {finding.kind}[/] {who} · {finding.stage} · [italic]{finding.cause}[/]"
         )
         console.print(f"  {escape(finding.summary)}", highlight=False)
 

@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fsdpcheck.analyse import analyse, group_ranks, ranks_label, verdict
 from fsdpcheck.predict import predict_loaders
@@ -87,6 +87,17 @@ def with_load(report: Report, load: LoadOutcome, verified: VerifyResult | None) 
     return replace(
         report, load=load, verify=verified, findings=tuple(findings), verdict=name, exit_code=code
     )
+
+
+def with_probe(report: Report, result: Any) -> Report:
+    """Fold ``fsdpcheck.probe``'s result in: a ``hash-seed`` finding, and ``latent`` when that
+    is the only finding (the ranks agree now, but only because they share a hash seed)."""
+    from fsdpcheck.probe import probe_finding
+
+    finding = probe_finding(result)
+    findings = report.findings + ((finding,) if finding is not None else ())
+    name, code = verdict(findings, report.errors)
+    return replace(report, probe=to_dict(result), findings=findings, verdict=name, exit_code=code)
 
 
 def with_reproduction(report: Report, options: AuditOptions) -> Report:

@@ -194,3 +194,30 @@ def test_check_model_from_a_training_script(tmp_path: Path) -> None:
     assert report["findings"][0]["stage"] == "post-wrap"
     loaders = {p["name"]: p["verdict"] for p in report["loaders"]}
     assert loaders["named-buffers-order"] == "hang"
+
+
+def test_audit_probe_reports_latent_when_ranks_agree_today(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    result = run_ranks(
+        ["audit", "--model", "hazard", "--probe", "8", "--json", str(out)], seeds=[1, 1]
+    )
+    assert result.codes == [1, 1], result.output(0)
+    report = read_report(out)
+    assert report["verdict"] == "latent" and report["exit_code"] == 1
+    [finding] = report["findings"]
+    assert finding["kind"] == "hash-seed" and finding["stage"] == "probe"
+    assert finding["details"]["modules"] == ["model.rotary_emb"]
+    assert set(finding["tensors"]) == {
+        "model.rotary_emb.full_attention_inv_freq",
+        "model.rotary_emb.sliding_attention_inv_freq",
+    }
+    assert report["verify"]["passed"] is True  # today's ranks still load fine
+    assert "latent" in result.ranks[0].stdout
+
+
+def test_audit_probe_on_a_stable_model_stays_consistent(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    result = run_ranks(["audit", "--model", "tiny-llama", "--probe", "2", "--json", str(out)])
+    assert result.codes == [0, 0], result.output(0)
+    report = read_report(out)
+    assert report["verdict"] == "consistent" and report["probe"]["verdict"] == "consistent"
