@@ -67,3 +67,26 @@ def hf_home(tmp_path: Path, llama_checkpoint: Path) -> Path:
     for file in llama_checkpoint.iterdir():
         shutil.copy(file, snapshot / file.name)
     return home
+
+
+@pytest.fixture(scope="session")
+def multimodal_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma3 vision-language config (config.json only, no weights)."""
+    from transformers import Gemma3Config
+
+    from fsdpcheck.presets import PRESETS
+
+    path = tmp_path_factory.mktemp("tiny-gemma3-vl")
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    text = PRESETS["tiny-gemma3"].make_config().to_dict()
+    Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4).save_pretrained(
+        path
+    )
+    return path

@@ -221,3 +221,30 @@ def test_audit_probe_on_a_stable_model_stays_consistent(tmp_path: Path) -> None:
     assert result.codes == [0, 0], result.output(0)
     report = read_report(out)
     assert report["verdict"] == "consistent" and report["probe"]["verdict"] == "consistent"
+
+
+def test_text_only_builds_the_text_model_of_a_multimodal_config(
+    tmp_path: Path, multimodal_config: Path
+) -> None:
+    out = tmp_path / "report.json"
+    args = [
+        "audit",
+        "--model",
+        str(multimodal_config),
+        "--text-only",
+        "--json",
+        str(out),
+        "--wrap-class",
+        "SiglipEncoderLayer",
+        "--wrap-class",
+        "Gemma3DecoderLayer",
+    ]
+    result = run_ranks(args)
+    assert result.codes == [0, 0], result.output(0)
+    report = read_report(out)
+    assert report["model"]["text_only"] is True
+    assert report["model"]["architecture"] == "Gemma3ForCausalLM"
+    # The vision layer class is a warning, not a crash; the text layers are still wrapped.
+    assert report["wrap"]["missing"] == ["SiglipEncoderLayer"]
+    assert report["wrap"]["fallback"] is False
+    assert report["verify"]["passed"] is True
