@@ -46,6 +46,7 @@ class AuditOptions:
     load: bool = True  # run the project's loader and verify every rank afterwards
     reproduce: bool = False  # also run the unsafe loader, in an isolated child job
     probe: int = 0  # rank 0 also probes the build under this many hash seeds (0: off)
+    download: bool = False  # rank 0 fetches a hub id into the cache first; the others wait
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class _RankState:
     error: RankError | None = None
     model_info: ModelInfo | None = None
     wrap_plan: WrapPlan | None = None
+    publish: Callable[[Report], None] | None = None
 
     def stage(self, name: str, fn: Callable[[], T]) -> T | None:
         """Run one stage unless an earlier one failed; record its time or its error."""
@@ -86,12 +88,23 @@ class _RankState:
         return None
 
 
-def run_audit(options: AuditOptions) -> AuditResult:
-    """Run the audit on this rank; every rank of the job must call it."""
+def run_audit(
+    options: AuditOptions,
+    *,
+    progress: Callable[[str], None] | None = None,
+    publish: Callable[[Report], None] | None = None,
+) -> AuditResult:
+    """Run the audit on this rank; every rank of the job must call it.
+
+    ``progress`` is called with each stage's name as rank 0 enters it. ``publish`` is called on
+    rank 0 with the finished report *before* the other ranks are released: launchers such as
+    torchrun stop every rank as soon as one exits non-zero, so the report must be out first.
+    """
     ctx = distributed.init(options.backend, options.timeout, mesh_shape=options.mesh)
+    ctx.on_stage = progress if ctx.rank == 0 else None
     try:
         with distributed.AbortWatch(ctx) as watch:
-            return _audit(options, ctx, watch)
+            return _audit(options, ctx, watch, publish)
     finally:
         distributed.shutdown(ctx)
 
@@ -135,13 +148,18 @@ def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
 
 
 def _audit(
-    options: AuditOptions, ctx: distributed.DistContext, watch: distributed.AbortWatch
+    options: AuditOptions,
+    ctx: distributed.DistContext,
+    watch: distributed.AbortWatch,
+    publish: Callable[[Report], None] | None,
 ) -> AuditResult:
     from fsdpcheck import build, fingerprint, resolve, wrap
 
-    state = _RankState(ctx)
+    state = _RankState(ctx, publish=publish)
     env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
+    if options.download:
+        _download_on_rank0(options, ctx, state)
     resolved = state.stage(
         "resolve",
         lambda: resolve.resolve(options.model, rank=ctx.rank, allow_pickle=options.allow_pickle),
@@ -218,6 +236,8 @@ def _conclude(
         code, headline = EXIT_RUNTIME, ""
         if report is not None:
             code, headline = report.exit_code, report_headline(report)
+            if state.publish is not None:
+                state.publish(report)
         code, headline = broadcast_decision(code, headline, ctx.meta_group)
         return AuditResult(ctx.rank, code, report, state.error, headline)
     except Exception as exc:  # a peer died or timed out: name it from heartbeats and marks
@@ -225,10 +245,32 @@ def _conclude(
         errors = distributed.diagnose_peers(ctx, exc, own=state.error)
         distributed.signal_abort(ctx, f"rank {ctx.rank} gave up: {errors[0].message}")
         report = error_report(errors, ctx.world_size, options) if ctx.rank == 0 else None
+        if report is not None and state.publish is not None:
+            state.publish(report)
         own = state.error or RankError(
             ctx.rank, "gather", f"gave up: {errors[0].message}", "runtime"
         )
         return AuditResult(ctx.rank, EXIT_RUNTIME, report, own, errors[0].message)
+
+
+def _download_on_rank0(options: AuditOptions, ctx: distributed.DistContext, state: _RankState):
+    """Rank 0 downloads into the shared cache while the others wait, then all read the cache."""
+    import torch.distributed as dist
+
+    from fsdpcheck.resolve import download
+
+    if ctx.rank == 0:
+        state.stage(
+            "download",
+            lambda: download(options.model, rank=0, allow_pickle=options.allow_pickle),
+        )
+    try:
+        dist.barrier(group=ctx.meta_group)
+    except Exception as exc:  # a dead peer: the gather will name it
+        if state.error is None:
+            state.error = RankError(
+                ctx.rank, "download", distributed.collective_cause(exc), "runtime"
+            )
 
 
 class _ProbeThread:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 if TYPE_CHECKING:
-    from fsdpcheck.records import RankError
+    from fsdpcheck.records import RankError, Report
 
 app = typer.Typer(
     help="Find cross-rank buffer/parameter mismatches before FSDP2 training does.",
@@ -101,6 +102,11 @@ def audit(
         "choice) and reports a hash-seed dependence as verdict 'latent' even when every rank "
         "agrees now.",
     ),
+    download: bool = typer.Option(
+        False,
+        help="Let rank 0 download a hub id into the HF cache first (config and safetensors "
+        "only); the other ranks wait, then read the cache. Off: never touches the network.",
+    ),
     load: bool = typer.Option(
         True, help="Run the sorted, validated loader and verify every rank afterwards."
     ),
@@ -142,18 +148,23 @@ def audit(
         load=load,
         reproduce=reproduce,
         probe=probe,
+        download=download,
     )
     rank = int(os.environ.get("RANK", "0") or 0)
+
+    def publish(report: Report) -> None:
+        render(report, _stdout())
+        if json_path is not None:
+            write_json(report, json_path)
+
+    signal.signal(signal.SIGTERM, _terminated)
     try:
-        result = run_audit(options)
+        with _StageStatus(rank) as status:
+            result = run_audit(options, progress=status.update, publish=publish)
     except FsdpcheckError as exc:  # raised before any gather: bad input, unreachable rendezvous
         _fail(RankError(rank, "launch", str(exc), exc.kind), exc.exit_code, json_path, options)
 
-    if result.report is not None:
-        render(result.report, _stdout())
-        if json_path is not None:
-            write_json(result.report, json_path)
-    elif result.own_error is not None:
+    if result.report is None and result.own_error is not None:
         _stderr().print(
             f"[bold red]fsdpcheck: rank {rank} failed at {result.own_error.stage}[/]: "
             f"{escape(result.own_error.message)}",
@@ -162,6 +173,28 @@ def audit(
     if result.exit_code != 0:
         _tell_torchrun(result.headline or "fsdpcheck audit failed; see rank 0's report")
     raise typer.Exit(result.exit_code)
+
+
+class _StageStatus:
+    """A spinner on rank 0's terminal naming the stage in progress; silent in logs and CI."""
+
+    def __init__(self, rank: int):
+        self._status = None
+        if rank == 0 and sys.stderr.isatty():
+            self._status = _stderr().status("fsdpcheck: starting", spinner="dots")
+
+    def __enter__(self) -> _StageStatus:
+        if self._status is not None:
+            self._status.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._status is not None:
+            self._status.stop()
+
+    def update(self, stage: str) -> None:
+        if self._status is not None:
+            self._status.update(f"fsdpcheck: {stage}")
 
 
 def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
@@ -194,6 +227,16 @@ def _fail(error: RankError, exit_code: int, json_path: Path | None, options: obj
         write_json(error_report([error], world, options), json_path)
     _tell_torchrun(error.message)
     raise typer.Exit(exit_code)
+
+
+class Terminated(Exception):
+    """SIGTERM, e.g. torchrun stopping the job because another rank exited."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    # An exception, not an exit: the audit's failure path still names the cause and, on
+    # rank 0, writes the report before the launcher's follow-up SIGKILL.
+    raise Terminated("stopped by SIGTERM (the launcher is ending the job)")
 
 
 class AuditFailed(Exception):

@@ -13,6 +13,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from importlib import metadata
@@ -39,6 +40,7 @@ class DistContext:
     owns_default_group: bool
     mesh: Any = None
     store: Any = None  # the default group's store, for stage marks; None when unavailable
+    on_stage: Callable[[str], None] | None = None  # progress, for a console on rank 0
 
     @property
     def device(self) -> torch.device:
@@ -177,6 +179,8 @@ _STAGE_KEY = "fsdpcheck/stage/{}"
 
 def mark_stage(ctx: DistContext, stage: str) -> None:
     """Leave this rank's current stage in the store, so a failed gather can name who is missing."""
+    if ctx.on_stage is not None:
+        ctx.on_stage(stage)
     if ctx.store is None:
         return
     try:
@@ -303,8 +307,8 @@ def collective_cause(exc: BaseException) -> str:
 
 # Stages in the order every rank passes them; a peer marked earlier than us is behind.
 STAGE_ORDER = (
-    "launch", "resolve", "build", "fingerprint-pre", "wrap-plan", "wrap", "fingerprint-post",
-    "gather", "load", "verify",
+    "launch", "download", "resolve", "build", "fingerprint-pre", "wrap-plan", "wrap",
+    "fingerprint-post", "gather", "load", "verify",
 )  # fmt: skip
 
 

@@ -53,6 +53,27 @@ def resolve(spec: str, *, rank: int = 0, allow_pickle: bool = False) -> Resolved
     )
 
 
+def download(spec: str, *, rank: int = 0, allow_pickle: bool = False) -> Path | None:
+    """``--download``: fetch a hub id into the local cache (rank 0 only; the others wait and then
+    read the cache). Config, tokenizer files and safetensors only, unless ``allow_pickle``."""
+    if spec in PRESETS or Path(spec).expanduser().exists() or not _HUB_ID.match(spec):
+        return None
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+    if allow_pickle:
+        patterns += [f"*{suffix}" for suffix in _PICKLE_SUFFIXES]
+    try:
+        return Path(snapshot_download(spec, allow_patterns=patterns))
+    except Exception as exc:  # network, auth, offline mode: all the user's to fix
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise InputError(
+            f"rank {rank}: --download {spec!r} failed ({type(exc).__name__}: {first}). Check "
+            "the id, your network and HF_TOKEN for gated models, or download it yourself and "
+            "drop --download."
+        ) from None
+
+
 def _from_hub_cache(repo_id: str, *, rank: int) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -62,9 +83,9 @@ def _from_hub_cache(repo_id: str, *, rank: int) -> Path:
     except (LocalEntryNotFoundError, FileNotFoundError, OSError) as exc:
         raise InputError(
             f"rank {rank}: hub id {repo_id!r} is not in the local Hugging Face cache "
-            f"({constants.HF_HUB_CACHE}). fsdpcheck does not download; fetch it first with "
-            f"`huggingface-cli download {repo_id}` (set HF_HOME to use another cache), or pass "
-            f"a local directory. ({type(exc).__name__})"
+            f"({constants.HF_HUB_CACHE}). fsdpcheck downloads only when asked: pass --download, "
+            f"or fetch it first with `hf download {repo_id}` (set HF_HOME to use another "
+            f"cache), or pass a local directory. ({type(exc).__name__})"
         ) from None
 
 

@@ -23,8 +23,16 @@ BOUND = TIMEOUT + 30  # import + build + the timeout, with room for a loaded CI 
 
 
 def audit(tmp_path: Path, *extra: str, model: str = "hazard") -> list[str]:
-    return ["audit", "--model", model, "--timeout", str(TIMEOUT),
-            "--json", str(tmp_path / "report.json"), *extra]
+    return [
+        "audit",
+        "--model",
+        model,
+        "--timeout",
+        str(TIMEOUT),
+        "--json",
+        str(tmp_path / "report.json"),
+        *extra,
+    ]
 
 
 def assert_all_exited(result, codes) -> None:
@@ -96,8 +104,11 @@ def test_missing_path(tmp_path: Path) -> None:
 def test_model_present_on_rank_0_only(tmp_path: Path, hf_home: Path) -> None:
     empty = tmp_path / "empty-home"
     result = launch(
-        ["-m", "fsdpcheck", *audit(tmp_path, model="acme/tiny-llama")], 2,
-        env={"HF_HUB_OFFLINE": "1"}, cwd=str(REPO), timeout=BOUND,
+        ["-m", "fsdpcheck", *audit(tmp_path, model="acme/tiny-llama")],
+        2,
+        env={"HF_HUB_OFFLINE": "1"},
+        cwd=str(REPO),
+        timeout=BOUND,
         rank_env=lambda r: {"HF_HOME": str(hf_home if r == 0 else empty)},
     )
     assert_all_exited(result, [2, 2])
@@ -148,9 +159,9 @@ def test_checkpoint_with_missing_and_unexpected_keys(tmp_path: Path, llama_check
 def test_nccl_without_cuda(tmp_path: Path) -> None:
     result = run_ranks(audit(tmp_path, "--backend", "nccl"), timeout=BOUND)
     assert_all_exited(result, [2, 2])
-    assert "--backend nccl needs CUDA" in read_report(tmp_path / "report.json")["errors"][0][
-        "message"
-    ]
+    assert (
+        "--backend nccl needs CUDA" in read_report(tmp_path / "report.json")["errors"][0]["message"]
+    )
 
 
 def test_mesh_not_matching_world_size(tmp_path: Path) -> None:
@@ -162,11 +173,21 @@ def test_mesh_not_matching_world_size(tmp_path: Path) -> None:
 
 def test_unreachable_rendezvous(tmp_path: Path) -> None:
     port = free_port()  # nobody listens: rank 0 is never started
-    env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {
+        **os.environ,
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "fsdpcheck", "audit", "--model", "hazard", "--timeout", "5"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=BOUND,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
     )
     assert proc.returncode == 2, proc.stderr
     assert f"127.0.0.1:{port}" in proc.stderr and "rank 1" in proc.stderr
@@ -180,9 +201,11 @@ def test_version_skew_is_a_finding_not_a_crash(tmp_path: Path) -> None:
         "Metadata-Version: 2.1\nName: transformers\nVersion: 0.0.1\n"
     )
     result = launch(
-        ["-m", "fsdpcheck", *audit(tmp_path)], 2, cwd=str(REPO), timeout=BOUND,
-        rank_env=lambda r: {"PYTHONHASHSEED": "1",
-                            **({"PYTHONPATH": str(fake)} if r == 1 else {})},
+        ["-m", "fsdpcheck", *audit(tmp_path)],
+        2,
+        cwd=str(REPO),
+        timeout=BOUND,
+        rank_env=lambda r: {"PYTHONHASHSEED": "1", **({"PYTHONPATH": str(fake)} if r == 1 else {})},
     )
     assert_all_exited(result, [1, 1])
     [finding] = read_report(tmp_path / "report.json")["findings"]
@@ -196,11 +219,17 @@ def test_version_skew_is_a_finding_not_a_crash(tmp_path: Path) -> None:
 def test_remote_code_is_refused_by_default(tmp_path: Path) -> None:
     model = tmp_path / "custom"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "custom-thing",
-        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig",
-                     "AutoModelForCausalLM": "modeling_custom.CustomModel"},
-    }))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "custom-thing",
+                "auto_map": {
+                    "AutoConfig": "configuration_custom.CustomConfig",
+                    "AutoModelForCausalLM": "modeling_custom.CustomModel",
+                },
+            }
+        )
+    )
     marker = tmp_path / "remote-code-ran"
     (model / "configuration_custom.py").write_text(
         f"open({str(marker)!r}, 'w').write('ran')\n"
@@ -227,7 +256,9 @@ def test_pickle_weights_are_refused_by_default(tmp_path: Path, llama_checkpoint)
 def test_secrets_in_the_environment_stay_out_of_the_report(tmp_path: Path) -> None:
     secret = "hf_SECRETtoken1234567890"
     result = run_ranks(
-        audit(tmp_path), seeds=[1, 1], timeout=BOUND,
+        audit(tmp_path),
+        seeds=[1, 1],
+        timeout=BOUND,
         env={"HF_TOKEN": secret, "AWS_SECRET_ACCESS_KEY": secret, "WANDB_API_KEY": secret},
     )
     assert_all_exited(result, [0, 0])
@@ -247,17 +278,41 @@ def test_two_torchrun_agents_group_ranks_by_host(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
 
     def agent(node_rank: int) -> list[str]:
-        cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node_rank),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "fsdpcheck-test", "-m", "fsdpcheck", "audit", "--model", "hazard",
-               "--timeout", str(TIMEOUT), "--json", str(out)]
+        cmd = [
+            torchrun,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--node-rank",
+            str(node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "fsdpcheck-test",
+            "-m",
+            "fsdpcheck",
+            "audit",
+            "--model",
+            "hazard",
+            "--timeout",
+            str(TIMEOUT),
+            "--json",
+            str(out),
+        ]
         if node_rank == 1:
             return ["unshare", "--uts", "sh", "-c", 'hostname node-b && exec "$@"', "sh", *cmd]
         return cmd
 
     env = {**os.environ, "PYTHONHASHSEED": "1"}
-    procs = [subprocess.Popen(agent(n), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            agent(n), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for n in (0, 1)
+    ]
     try:
         outputs = [p.communicate(timeout=BOUND + 30)[0] for p in procs]
     finally:
@@ -270,3 +325,40 @@ def test_two_torchrun_agents_group_ranks_by_host(tmp_path: Path) -> None:
     assert len(hosts) == 2 and hosts["node-b"] in ([0, 1], [2, 3])
     assert sorted(report["groups"][0]["hosts"]) == sorted(hosts)
     assert "node-b" in "".join(outputs)
+
+
+def test_download_failure_on_rank_0_ends_every_rank_cleanly(tmp_path: Path) -> None:
+    """--download: rank 0 fetches while the others wait; offline, it fails and nobody hangs."""
+    result = run_ranks(
+        audit(tmp_path, "--download", model="acme/not-cached"),
+        env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"},
+        timeout=BOUND,
+    )
+    assert_all_exited(result, [2, 2])
+    errors = read_report(tmp_path / "report.json")["errors"]
+    assert (errors[0]["rank"], errors[0]["stage"]) == (0, "download")
+    assert "--download 'acme/not-cached' failed" in errors[0]["message"]
+    assert errors[1]["rank"] == 1 and "not in the local Hugging Face cache" in errors[1]["message"]
+
+
+def test_torchrun_summary_shows_the_cause(tmp_path: Path) -> None:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    proc = subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "fsdpcheck",
+            *audit(tmp_path, model="tiny-nonesuch"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+    )
+    assert proc.returncode == 1  # torchrun's own code for any failed worker
+    # torch elastic's error file: the root cause in torchrun's summary is fsdpcheck's message.
+    assert "tiny-nonesuch" in proc.stderr and "error_file: <N/A>" not in proc.stderr
