@@ -253,18 +253,14 @@ def test_text_only_builds_the_text_model_of_a_multimodal_config(
 def test_sharded_checkpoint_every_rank_materialised_in_bfloat16(
     tmp_path: Path, llama_checkpoint: Path
 ) -> None:
-    import torch
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     sharded = tmp_path / "sharded"
-    model = AutoModelForCausalLM.from_config(
-        __import__("transformers").AutoConfig.from_pretrained(llama_checkpoint)
-    )
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llama_checkpoint))
     model.load_state_dict(load_file(str(llama_checkpoint / "model.safetensors")), strict=False)
     model.save_pretrained(sharded, max_shard_size="100KB")
     assert (sharded / "model.safetensors.index.json").exists()
-    del model, torch
 
     out = tmp_path / "report.json"
     args = [
