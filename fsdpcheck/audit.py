@@ -103,7 +103,15 @@ def run_audit(
     ctx = distributed.init(options.backend, options.timeout, mesh_shape=options.mesh)
     ctx.on_stage = progress if ctx.rank == 0 else None
     try:
-        with distributed.AbortWatch(ctx) as watch:
+        on_abort = None
+        if ctx.rank == 0 and publish is not None:
+
+            def on_abort(errors: list[RankError]) -> None:
+                from fsdpcheck.report import error_report
+
+                publish(error_report(errors, ctx.world_size, options))
+
+        with distributed.AbortWatch(ctx, on_abort) as watch:
             return _audit(options, ctx, watch, publish)
     finally:
         distributed.shutdown(ctx)
@@ -243,7 +251,7 @@ def _conclude(
     except Exception as exc:  # a peer died or timed out: name it from heartbeats and marks
         watch.disarm()
         errors = distributed.diagnose_peers(ctx, exc, own=state.error)
-        distributed.signal_abort(ctx, f"rank {ctx.rank} gave up: {errors[0].message}")
+        distributed.signal_abort(ctx, errors)
         report = error_report(errors, ctx.world_size, options) if ctx.rank == 0 else None
         if report is not None and state.publish is not None:
             state.publish(report)

@@ -6,6 +6,7 @@ never depends on NCCL being healthy and never waits forever.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpcheck.errors import InputError
-from fsdpcheck.records import EnvRecord, RankError
+from fsdpcheck.records import EnvRecord, RankError, from_dict, to_dict
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -192,14 +193,21 @@ def mark_stage(ctx: DistContext, stage: str) -> None:
 _ABORT_KEY = "fsdpcheck/abort"
 
 
-def signal_abort(ctx: DistContext, reason: str) -> None:
-    """Tell every rank's abort watch that this run is over (a rank gave up on a peer)."""
+def signal_abort(ctx: DistContext, errors: list[RankError]) -> None:
+    """Tell every rank's abort watch that this run is over, and why (a rank gave up)."""
     if ctx.store is None:
         return
     try:
-        ctx.store.set(_ABORT_KEY, reason[:2000])
+        ctx.store.set(_ABORT_KEY, json.dumps([to_dict(e) for e in errors[:16]]))
     except Exception:
         pass
+
+
+def _abort_errors(payload: bytes) -> list[RankError]:
+    try:
+        return [from_dict(RankError, e) for e in json.loads(payload)]
+    except (ValueError, TypeError, KeyError):
+        return [RankError(-1, "abort", payload.decode(errors="replace"), "runtime")]
 
 
 _ALIVE_KEY = "fsdpcheck/alive/{}"
@@ -220,8 +228,9 @@ class AbortWatch:
     (rank 0, or the launcher's agent) has been gone for a whole timeout.
     """
 
-    def __init__(self, ctx: DistContext):
+    def __init__(self, ctx: DistContext, on_abort: Callable[[list[RankError]], None] | None = None):
         self._ctx = ctx
+        self._on_abort = on_abort
         self._interval = heartbeat_interval(ctx.world_size)
         self._done = threading.Event()
         self._armed = True
@@ -250,24 +259,31 @@ class AbortWatch:
             try:
                 store.add(alive, 1)
                 aborted = store.check([_ABORT_KEY])
-                reason = store.get(_ABORT_KEY).decode(errors="replace") if aborted else None
+                errors = _abort_errors(store.get(_ABORT_KEY)) if aborted else None
                 unreachable_since = None
             except Exception:
                 # Rank 0 may simply have finished first; only a store gone for a whole
                 # timeout means nobody is left to conclude the run.
                 unreachable_since = unreachable_since or time.monotonic()
                 gone = time.monotonic() - unreachable_since >= self._ctx.timeout
-                reason = (
-                    "the rendezvous store is gone: rank 0 or the launcher died" if gone else None
-                )
+                why = "the rendezvous store is gone: rank 0 or the launcher died"
+                errors = [RankError(self._ctx.rank, "abort", why, "runtime")] if gone else None
             if self._done.is_set():
                 return
-            if reason is not None and self._armed:
-                sys.stderr.write(f"fsdpcheck: rank {self._ctx.rank} aborting: {reason}\n")
-                sys.stderr.flush()
-                os._exit(3)
+            if errors and self._armed:
+                self._abort(errors)
             if self._done.wait(self._interval):
                 return
+
+    def _abort(self, errors: list[RankError]) -> None:
+        sys.stderr.write(f"fsdpcheck: rank {self._ctx.rank} aborting: {errors[0].message}\n")
+        sys.stderr.flush()
+        if self._on_abort is not None:
+            try:  # rank 0 publishes what the rank that gave up found, then goes
+                self._on_abort(errors)
+            except Exception:
+                pass
+        os._exit(3)
 
 
 def dead_ranks(ctx: DistContext) -> set[int]:

@@ -362,3 +362,13 @@ def test_torchrun_summary_shows_the_cause(tmp_path: Path) -> None:
     assert proc.returncode == 1  # torchrun's own code for any failed worker
     # torch elastic's error file: the root cause in torchrun's summary is fsdpcheck's message.
     assert "tiny-nonesuch" in proc.stderr and "error_file: <N/A>" not in proc.stderr
+
+
+@pytest.mark.parametrize("stage", ["load", "verify"])
+def test_failure_after_the_gather_still_reaches_rank_0s_report(tmp_path: Path, stage: str) -> None:
+    result = run_ranks(audit(tmp_path), env={FAULT_ENV: f"1:{stage}:raise"}, timeout=BOUND)
+    assert not result.timed_out, result.codes
+    assert result.codes == [3, 3], result.output(0) + result.output(1)
+    report = read_report(tmp_path / "report.json")
+    assert report["verdict"] == "error"
+    assert any(e["rank"] == 1 and e["stage"] == stage for e in report["errors"]), report
