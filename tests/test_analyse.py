@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, tensor
 
 from fsdpcheck.analyse import analyse, group_ranks, headline, ranks_label, reference_group, verdict
 from fsdpcheck.records import (
@@ -16,28 +17,9 @@ from fsdpcheck.records import (
     Fingerprint,
     RankError,
     RankRecord,
-    TensorRecord,
     from_dict,
     to_dict,
 )
-
-FULL = "model.rotary_emb.full_attention_inv_freq"
-SLIDING = "model.rotary_emb.sliding_attention_inv_freq"
-SCALE = "model.layers.0.attn.scale"
-EMBED = "model.embed_tokens.weight"
-Q_PROJ = "model.layers.0.attn.q_proj.weight"
-K_PROJ = "model.layers.0.attn.k_proj.weight"
-
-
-def tensor(name, shape, dtype="float32", persistent=None, placements=None, device="cpu"):
-    return TensorRecord(
-        name=name,
-        shape=tuple(shape),
-        dtype=dtype,
-        device=device,
-        persistent=persistent,
-        placements=placements,
-    )
 
 
 def buffers(order=(SCALE, FULL, SLIDING), **changes):

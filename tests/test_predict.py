@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, tensor
 
 from fsdpcheck.analyse import group_ranks
 from fsdpcheck.predict import (
@@ -21,22 +22,11 @@ from fsdpcheck.records import (
     Fingerprint,
     RankError,
     RankRecord,
-    TensorRecord,
     from_dict,
     to_dict,
 )
 
-FULL = "model.rotary_emb.full_attention_inv_freq"
-SLIDING = "model.rotary_emb.sliding_attention_inv_freq"
-SCALE = "model.layers.0.attn.scale"
-EMBED = "model.embed_tokens.weight"
-Q_PROJ = "model.layers.0.attn.q_proj.weight"
-K_PROJ = "model.layers.0.attn.k_proj.weight"
 MiB = 1024 * 1024
-
-
-def tensor(name, shape, dtype="float32", persistent=None, device="cpu"):
-    return TensorRecord(name=name, shape=shape, dtype=dtype, device=device, persistent=persistent)
 
 
 def buffers(order=(SCALE, FULL, SLIDING), sliding=(8,), device="cpu"):
