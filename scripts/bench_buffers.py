@@ -1,0 +1,95 @@
+"""One rank of the buffer-broadcast benchmark: 200 non-persistent buffers (RoPE-sized, 8 to 128
+float32 elements) broadcast from rank 0 one ``dist.broadcast`` per buffer (as loaders do) versus
+``fsdpcheck.load.broadcast_buffers`` (validated layout, one flat broadcast per dtype) versus the
+flat broadcast alone. Methods alternate within each repeat. Prints one line ``@bench {json}``
+per rank with every repeat's (start, end) on the host's monotonic clock; run by
+scripts/bench.py through fsdpcheck.launch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MARK = "@bench "
+
+
+def make_model(count: int, real: bool) -> nn.Module:
+    model = nn.Module()
+    for i in range(count):
+        size = 8 * (1 + i % 16)  # 8 .. 128 elements
+        value = torch.arange(size, dtype=torch.float32) + i if real else torch.zeros(size)
+        model.register_buffer(f"rotary_{i:03d}_inv_freq", value, persistent=False)
+    return model
+
+
+def per_buffer(model: nn.Module, group) -> None:
+    """One broadcast per buffer, in name order (verl after its fix)."""
+    for _, buf in sorted(model.named_buffers()):
+        dist.broadcast(buf, src=0, group=group)
+
+
+def flat_only(model: nn.Module, group) -> None:
+    """One flat broadcast of every buffer, unvalidated: the floor of coalescing."""
+    buffers = [b for _, b in sorted(model.named_buffers())]
+    flat = torch.cat([b.reshape(-1) for b in buffers])
+    dist.broadcast(flat, src=0, group=group)
+    if dist.get_rank() != 0:
+        offset = 0
+        for buf in buffers:
+            buf.copy_(flat[offset : offset + buf.numel()].view(buf.shape))
+            offset += buf.numel()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--buffers", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+
+    from fsdpcheck import distributed
+    from fsdpcheck.load import broadcast_buffers
+
+    ctx = distributed.init("gloo", 120.0)
+    group = ctx.meta_group
+    model = make_model(args.buffers, real=ctx.rank == 0)
+    methods = {
+        "per-buffer": lambda: per_buffer(model, group),
+        "coalesced": lambda: broadcast_buffers(model, group=group),
+        "flat-only": lambda: flat_only(model, group),
+    }
+    for fn in methods.values():  # warm-up: connections, allocator
+        fn()
+    # (start, end) on this rank's monotonic clock, which every process on a host shares: the
+    # bench takes the latest end minus the earliest start, with no trailing barrier in it.
+    spans: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
+    for _ in range(args.repeats):
+        for name, fn in methods.items():
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            fn()
+            spans[name].append((start, time.perf_counter()))
+    moved = broadcast_buffers(model, group=group)
+    expected = make_model(args.buffers, real=True)
+    ok = all(torch.equal(a, b) for a, b in zip(model.buffers(), expected.buffers(), strict=True))
+    record = {
+        "rank": ctx.rank,
+        "world": ctx.world_size,
+        "buffers": args.buffers,
+        "bytes": moved.bytes,
+        "collectives": {"per-buffer": args.buffers, "coalesced": moved.collectives},
+        "spans": spans,
+        "equal_to_rank0": ok,
+    }
+    print(MARK + json.dumps(record), flush=True)
+    distributed.shutdown(ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

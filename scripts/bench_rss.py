@@ -1,0 +1,41 @@
+"""Run a script or ``-m module`` in this interpreter and report its peak RSS on exit.
+
+``python scripts/bench_rss.py -m fsdpcheck audit ...`` behaves like ``python -m fsdpcheck
+audit ...`` and finally writes ``@rss {"rank": .., "maxrss": bytes}`` to stderr:
+``getrusage(RUSAGE_SELF).ru_maxrss``, this process's high-water mark. Used by scripts/bench.py
+so that the audit and the bare job are measured the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import runpy
+import sys
+
+MARK = "@rss "
+
+
+def _report() -> None:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    record = {"rank": os.environ.get("RANK"), "maxrss": peak}
+    sys.stderr.write(MARK + json.dumps(record) + "\n")
+    sys.stderr.flush()
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    try:
+        if args[:1] == ["-m"]:
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = args
+            runpy.run_path(args[0], run_name="__main__")
+    finally:
+        _report()
+
+
+if __name__ == "__main__":
+    main()
