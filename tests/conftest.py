@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,8 @@ import pytest
 from fsdpcheck.launch import LaunchResult, launch
 
 REPO = Path(__file__).resolve().parents[1]
+QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def run_ranks(
@@ -22,7 +27,7 @@ def run_ranks(
     timeout: float = 120.0,
 ) -> LaunchResult:
     """``python -m fsdpcheck <args>`` as ``nprocs`` ranks; ``seeds``: PYTHONHASHSEED per rank."""
-    base = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", **(env or {})}
+    base = {**QUIET_ENV, **(env or {})}
     rank_env = (lambda r: {"PYTHONHASHSEED": str(seeds[r])}) if seeds else None
     return launch(
         ["-m", "fsdpcheck", *args],
@@ -32,6 +37,47 @@ def run_ranks(
         timeout=timeout,
         cwd=str(REPO),
     )
+
+
+def run_cli(
+    args: list[str], *, env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    """``python -m fsdpcheck <args>`` as one process, with no launcher variables set."""
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return subprocess.run(
+        [sys.executable, "-m", "fsdpcheck", *args],
+        cwd=REPO,
+        env={**clean, **QUIET_ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_worker_ranks(
+    worker: str,
+    out: Path,
+    args: list[str],
+    *,
+    seeds: tuple[int, int] = (1, 1),
+    timeout: float = 90.0,
+) -> tuple[LaunchResult, list[dict]]:
+    """Two ranks of ``tests/workers/<worker>``; returns the launch and each rank's JSON record."""
+    out.mkdir(parents=True, exist_ok=True)
+    result = launch(
+        [str(REPO / "tests" / "workers" / worker), "--out", str(out), *args],
+        2,
+        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
+        rank_env=lambda r: {"PYTHONHASHSEED": str(seeds[r])},
+        timeout=timeout,
+        cwd=str(REPO),
+    )
+    records = []
+    for rank in range(2):
+        path = out / f"rank{rank}.json"
+        assert path.is_file(), result.output(rank)
+        records.append(json.loads(path.read_text()))
+    return result, records
 
 
 def read_report(path: Path) -> dict:

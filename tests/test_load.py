@@ -8,37 +8,24 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_worker_ranks
 
-from fsdpcheck.launch import LaunchResult, launch
+from fsdpcheck.launch import LaunchResult
 
-WORKER = str(REPO / "tests" / "workers" / "load_worker.py")
 ROTARY = "model.rotary_emb"
 
 
 def run_worker(
-    out: Path,
-    model: str,
-    *args: str,
-    seeds: tuple[int, int] = (1, 1),
-    timeout: float = 60.0,
+    out: Path, model: str, *args: str, seeds: tuple[int, int] = (1, 1), timeout: float = 60.0
 ) -> tuple[LaunchResult, list[dict]]:
     """Two ranks of ``load_worker.py``; returns the launch and each rank's JSON record."""
-    out.mkdir(parents=True, exist_ok=True)
-    result = launch(
-        [WORKER, "--model", model, "--out", str(out), "--timeout", "20", *args],
-        2,
-        env={"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"},
-        rank_env=lambda r: {"PYTHONHASHSEED": str(seeds[r])},
+    return run_worker_ranks(
+        "load_worker.py",
+        out,
+        ["--model", model, "--timeout", "20", *args],
+        seeds=seeds,
         timeout=timeout,
-        cwd=str(REPO),
     )
-    records = []
-    for rank in range(2):
-        path = out / f"rank{rank}.json"
-        assert path.is_file(), result.output(rank)
-        records.append(json.loads(path.read_text()))
-    return result, records
 
 
 def _inv_freq(base: float, dim: int) -> list[float]:

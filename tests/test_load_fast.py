@@ -3,36 +3,25 @@ every case ends in ``verify_load`` passing on every rank, and says which path it
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import run_worker_ranks
 
-from fsdpcheck.launch import LaunchResult, launch
-
-WORKER = str(REPO / "tests" / "workers" / "load_fast_worker.py")
+from fsdpcheck.launch import LaunchResult
 
 
 def run_worker(
     out: Path, model: str, *args: str, seeds: tuple[int, int] = (1, 1), timeout: float = 90.0
 ) -> tuple[LaunchResult, list[dict]]:
     """Two ranks of ``load_fast_worker.py``; returns the launch and each rank's JSON record."""
-    out.mkdir(parents=True, exist_ok=True)
-    result = launch(
-        [WORKER, "--model", model, "--out", str(out), "--timeout", "30", *args],
-        2,
-        env={"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-        rank_env=lambda r: {"PYTHONHASHSEED": str(seeds[r])},
+    return run_worker_ranks(
+        "load_fast_worker.py",
+        out,
+        ["--model", model, "--timeout", "30", *args],
+        seeds=seeds,
         timeout=timeout,
-        cwd=str(REPO),
     )
-    records = []
-    for rank in range(2):
-        path = out / f"rank{rank}.json"
-        assert path.is_file(), result.output(rank)
-        records.append(json.loads(path.read_text()))
-    return result, records
 
 
 def _assert_verified(result: LaunchResult, records: list[dict], method: str = "bucketed") -> None:

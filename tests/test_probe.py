@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import run_cli
 
 from fsdpcheck.probe import (
     DEFAULT_SEEDS,
@@ -26,15 +24,7 @@ SLIDING = "model.rotary_emb.sliding_attention_inv_freq"
 
 
 def _cli(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run(
-        [sys.executable, "-m", "fsdpcheck", *args],
-        cwd=REPO,
-        env={**env, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_cli(args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

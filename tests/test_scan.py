@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import run_cli
 
 from fsdpcheck.errors import InputError
 from fsdpcheck.probe import SeedError
@@ -18,15 +16,7 @@ from fsdpcheck.scan import ScanResult, ScanTarget, _row, matches, scan
 
 
 def _cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run(
-        [sys.executable, "-m", "fsdpcheck", *args],
-        cwd=REPO,
-        env={**env, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_cli(args, timeout=timeout)
 
 
 def test_scan_over_a_few_architectures_plus_the_fixtures(tmp_path: Path) -> None:
