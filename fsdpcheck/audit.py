@@ -346,12 +346,12 @@ def _load_and_verify(
 
     distributed.mark_stage(ctx, "load")
     full = built.full_state_dict if ctx.rank == 0 else None
-    # Buffers on the accelerator travel on the default (NCCL) group; on CPU, the gloo channel.
-    group = ctx.meta_group if ctx.device_type == "cpu" else None
+    # The gloo channel on every backend: the bucketed path stages CUDA shards through host
+    # memory, and the audit's collectives stay bounded by --timeout, whatever NCCL's state.
     start = time.perf_counter()
     try:
         maybe_inject(ctx.rank, "load")
-        result = load_full_state_dict(built.model, full or {}, group=group)
+        result = load_full_state_dict(built.model, full or {}, group=ctx.meta_group)
     except FsdpcheckError as exc:  # refused on every rank alike: nothing was loaded
         state.timings["load"] = round(time.perf_counter() - start, 4)
         return LoadOutcome(True, "refused", str(exc), seconds=state.timings["load"]), None
@@ -363,6 +363,10 @@ def _load_and_verify(
         buffers_broadcast=result.buffers_broadcast,
         collectives=result.collectives,
         seconds=state.timings["load"],
+        method=result.method,
+        fallback_reason=result.fallback_reason,
+        state_messages=result.state_messages,
+        state_bytes=result.state_bytes,
     )
     distributed.mark_stage(ctx, "verify")
     start = time.perf_counter()

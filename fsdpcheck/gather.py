@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fsdpcheck.distributed import exchange_slots
 from fsdpcheck.records import RankRecord, from_dict, to_dict
 
 _DIGEST_BYTES = 16
@@ -33,14 +34,12 @@ class Gathered:
     meta_ranks: tuple[int, ...] = ()  # ranks whose tensors were on meta before loading
 
 
-def _slot(digest: str, host: str, flags: int) -> torch.Tensor:
+def _slot(digest: str, host: str, flags: int) -> bytes:
     raw = bytes([flags]) + bytes.fromhex(digest)[:_DIGEST_BYTES].ljust(_DIGEST_BYTES, b"\0")
-    raw += host.encode()[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return raw + host.encode()[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
 
 
-def _unslot(slot: torch.Tensor) -> tuple[int, str, str]:
-    raw = slot.numpy().tobytes()
+def _unslot(raw: bytes) -> tuple[int, str, str]:
     digest, host = raw[1 : 1 + _DIGEST_BYTES], raw[1 + _DIGEST_BYTES :]
     return raw[0], digest.hex(), host.rstrip(b"\0").decode(errors="replace")
 
@@ -64,8 +63,7 @@ def gather_records(
     """Collective over ``group``: returns :class:`Gathered` on rank 0 and ``None`` elsewhere."""
     digest = record.group_digest()
     mine = _slot(digest, record.env.host, _FLAG_META if _built_on_meta(record) else 0)
-    slots = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(slots, mine, group=group)
+    slots, _ = exchange_slots(mine, group, size=world_size)
     digests, hosts, meta_ranks = {}, {}, []
     for r, slot in enumerate(slots):
         flags, digests[r], hosts[r] = _unslot(slot)

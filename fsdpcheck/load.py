@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from fsdpcheck.distributed import exchange_slots
 from fsdpcheck.errors import FsdpcheckError, InputError
 from fsdpcheck.fingerprint import dtype_name, non_persistent_buffer_names
 from fsdpcheck.records import short_digest
@@ -73,10 +74,11 @@ class BufferBroadcast:
     """What :func:`broadcast_buffers` moved on this rank."""
 
     names: tuple[str, ...]  # in the (sorted) order they were packed
-    dtypes: tuple[str, ...]  # one flat broadcast per dtype, in this order
-    broadcasts: int
+    dtypes: tuple[str, ...]  # one flat tensor per dtype, in this order
+    broadcasts: int  # flat broadcasts after the check; 0 when the values came with it
     collectives: int  # issued by fsdpcheck: layout exchange(s) plus the broadcasts
     bytes: int
+    inline: bool = False  # the values travelled with the layout check, in the same collective
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,7 @@ def load_full_state_dict(
     if method == "bucketed":
         fast = _fast_info(model, rank, ranks, group, int(bucket_bytes))
     shared = fast.shared() if fast is not None else None
-    layout, collectives, fasts = _agree(mine, src=0, group=group, ranks=ranks, fast=shared)
+    layout, collectives, fasts, _ = _agree(mine, src=0, group=group, ranks=ranks, fast=shared)
     chosen, reason = _choose(method, fasts, ranks)
 
     failure, materialised = None, False
@@ -258,15 +260,26 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
         raise InputError(
             f"broadcast_buffers: src={src} is not in `group` (ranks {_compact(ranks)})."
         )
-    mine = _describe(model, dist.get_rank(), src=src, source=None, with_state=False)
-    layout, collectives, _ = _agree(mine, src=src, group=group, ranks=ranks)
-    moved = _broadcast_flat(model, layout, src=src, group=group, named=mine.named)
+    rank = dist.get_rank()
+    mine = _describe(model, rank, src=src, source=None, with_state=False)
+    capacity = _inline_capacity(len(ranks))
+    payload = None
+    if rank == src and not mine.problems:
+        try:  # packed before the check: when the layouts agree, the values arrive with it
+            payload = _inline_payload(_by_dtype(mine.named, mine.buffers), capacity)
+        except Exception:  # too big or unpackable here: the separate broadcast moves them
+            payload = None
+    layout, collectives, _, inline = _agree(
+        mine, src=src, group=group, ranks=ranks, inline=payload, inline_capacity=capacity
+    )
+    moved = _broadcast_flat(model, layout, src=src, group=group, named=mine.named, inline=inline)
     return BufferBroadcast(
         names=moved.names,
         dtypes=moved.dtypes,
         broadcasts=moved.broadcasts,
         collectives=collectives + moved.broadcasts,
         bytes=moved.bytes,
+        inline=moved.inline,
     )
 
 
@@ -353,13 +366,22 @@ def _source_problems(rank: int, state: Layout, source: dict[str, torch.Tensor] |
     return problems
 
 
-_PROBLEMS, _NO_FAST, _FAST_REASON = 1, 2, 4  # flags in the first byte of an agreement slot
+_PROBLEMS, _NO_FAST, _FAST_REASON, _INLINE = 1, 2, 4, 8  # flags: first byte of a slot
 _DIGEST = 16
+# The buffers' values ride along with the check (one round, not two) when they fit in this
+# much; rank 0 then sends at most about 1 MiB in all, whatever the world size.
+_INLINE_MAX, _INLINE_MIN, _INLINE_TOTAL = 64 * 2**10, 4 * 2**10, 2**20
 
 
-def _slot(mine: _Exchange, fast: tuple[str, str | None] | None) -> bytes:
+def _inline_capacity(world_size: int) -> int:
+    return max(_INLINE_MIN, min(_INLINE_MAX, _INLINE_TOTAL // max(world_size, 1)))
+
+
+def _slot(mine: _Exchange, fast: tuple[str, str | None] | None, inline: bool = False) -> bytes:
     """This rank's fixed-size entry: flags, then digests of its buffers, state and fast layout."""
     flags = _PROBLEMS if mine.problems else 0
+    if inline:
+        flags |= _INLINE
     if fast is None:
         flags |= _NO_FAST
     elif fast[1]:
@@ -380,24 +402,25 @@ def _agree(
     group: Any,
     ranks: list[int],
     fast: tuple[str, str | None] | None = None,
-) -> tuple[Layout, int, list[Any]]:
-    """Collective: one fixed-size all_gather of digests; more only when something differs.
+    inline: bytes | None = None,
+    inline_capacity: int = 0,
+) -> tuple[Layout, int, list[Any], bytes | None]:
+    """Collective: one fixed-size exchange of digests; more only when something differs.
 
     ``fast`` (this rank's bucketed-path entry: digest and reason, or None) rides along; every
-    rank's comes back in group order, so every rank takes the same decision from them."""
-    raw = _slot(mine, fast)
-    device = _transport_device(group)
-    own = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
-    gather_single = getattr(dist, "all_gather_single", None)  # torch >= 2.13
-    if gather_single is not None:
-        out = torch.empty(len(ranks) * len(raw), dtype=torch.uint8, device=device)
-        gather_single(out, own, group=group)
-        flat = out.cpu().numpy().tobytes()
-        entries = [flat[i * len(raw) : (i + 1) * len(raw)] for i in range(len(ranks))]
-    else:
-        slots = [torch.empty_like(own) for _ in ranks]
-        dist.all_gather(slots, own, group=group)
-        entries = [slot.cpu().numpy().tobytes() for slot in slots]
+    rank's comes back in group order, so every rank takes the same decision from them. With
+    ``inline_capacity`` (the same on every rank), ``src`` attaches ``inline`` (its packed
+    buffers, or None) to the same round; every rank gets it back when the layouts agree."""
+    attach = inline is not None and len(inline) <= inline_capacity
+    entries, attached = exchange_slots(
+        _slot(mine, fast, inline=attach),
+        group,
+        size=len(ranks),
+        device=_transport_device(group),
+        src=ranks.index(src),
+        attached=inline_capacity,
+        attachment=inline if attach else b"",
+    )
     reference = entries[ranks.index(src)]
     layouts = slice(1, 1 + 2 * _DIGEST)
     same = all(e[layouts] == reference[layouts] for e in entries)
@@ -405,9 +428,9 @@ def _agree(
         if any(e[0] & _FAST_REASON for e in entries):  # the reasons, in words
             fasts: list[Any] = [None] * len(ranks)
             dist.all_gather_object(fasts, fast, group=group)
-            return mine.buffers, 2, fasts
+            return mine.buffers, 2, fasts, None
         digests = [None if e[0] & _NO_FAST else (e[1 + 2 * _DIGEST :].hex(), None) for e in entries]
-        return mine.buffers, 1, digests
+        return mine.buffers, 1, digests, attached if reference[0] & _INLINE else None
     # Every rank saw the same summaries, so every rank takes this branch together.
     everyone: list[Any] = [None] * len(ranks)
     dist.all_gather_object(everyone, mine, group=group)
@@ -516,6 +539,53 @@ def _transport_device(group: Any) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _by_dtype(
+    named: Mapping[str, torch.Tensor], layout: Layout
+) -> list[tuple[str, list[torch.Tensor]]]:
+    """The buffers of ``layout`` in one list per dtype, dtypes sorted; empty ones left out."""
+    names: dict[str, list[str]] = defaultdict(list)
+    for name, shape, dtype in layout:
+        if 0 not in shape:
+            names[dtype].append(name)
+    return [(dtype, [named[n] for n in names[dtype]]) for dtype in sorted(names)]
+
+
+def _pack_flat(buffers: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    try:
+        flat = _flatten_dense_tensors(buffers)  # one C++ call, not one per buffer
+    except RuntimeError:  # buffers on several devices
+        flat = torch.cat([b.reshape(-1).to(device) for b in buffers])
+    return flat.to(device)
+
+
+def _unpack_flat(flat: torch.Tensor, buffers: list[torch.Tensor]) -> None:
+    if all(b.device == flat.device for b in buffers):
+        torch._foreach_copy_(buffers, _unflatten_dense_tensors(flat, buffers))
+        return
+    offset = 0
+    for buf in buffers:
+        count = buf.numel()
+        buf.copy_(flat[offset : offset + count].view(buf.shape))
+        offset += count
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _inline_payload(groups: list[tuple[str, list[torch.Tensor]]], capacity: int) -> bytes | None:
+    """Every dtype's packed buffers, each starting at an ``_ALIGN`` multiple; None past
+    ``capacity``."""
+    need = sum(_aligned(sum(b.numel() for b in bs) * bs[0].element_size()) for _, bs in groups)
+    if need > capacity:
+        return None
+    parts = []
+    for _, buffers in groups:
+        raw = _pack_flat(buffers, torch.device("cpu")).view(torch.uint8).numpy().tobytes()
+        parts.append(raw.ljust(_aligned(len(raw)), b"\0"))
+    return b"".join(parts)
+
+
 def _broadcast_flat(
     model: nn.Module,
     layout: Layout,
@@ -523,50 +593,45 @@ def _broadcast_flat(
     src: int,
     group: Any,
     named: Mapping[str, torch.Tensor] | None = None,
+    inline: bytes | None = None,
 ) -> BufferBroadcast:
     """One broadcast per dtype, buffers packed in name order; every rank holds ``layout``.
-    ``named``: the buffers, when nothing can have replaced them since they were described."""
+    ``named``: the buffers, when nothing can have replaced them since they were described.
+    ``inline``: the packed values, already received with the check: nothing left to send."""
     if named is None:
         named = _non_persistent(model)  # after to_empty(): the new tensors
-    by_dtype: dict[str, list[str]] = defaultdict(list)
-    for name, _, dtype in layout:
-        by_dtype[dtype].append(name)
+    groups = _by_dtype(named, layout)
     device = _transport_device(group)
     is_src = dist.get_rank() == src
-    sent = broadcasts = 0
+    sent = broadcasts = offset = 0
     with torch.no_grad():
-        for dtype in sorted(by_dtype):
-            buffers = [named[name] for name in by_dtype[dtype]]
-            total = sum(b.numel() for b in buffers)
-            if total == 0:
-                continue  # every rank agreed on the shapes, so every rank skips it
-            same = all(b.device == device for b in buffers)
+        for _, buffers in groups:
+            count = sum(b.numel() for b in buffers)
+            nbytes = count * buffers[0].element_size()
+            if inline is not None:
+                if not is_src:
+                    raw = bytearray(inline[offset : offset + nbytes])
+                    _unpack_flat(torch.frombuffer(raw, dtype=buffers[0].dtype), buffers)
+                offset += _aligned(nbytes)
+                sent += nbytes
+                continue
             if is_src:
-                if same and all(b.is_contiguous() for b in buffers):
-                    flat = _flatten_dense_tensors(buffers)  # one C++ call, not one per buffer
-                else:
-                    flat = torch.cat([b.reshape(-1).to(device) for b in buffers])
+                flat = _pack_flat(buffers, device)
             else:
-                flat = torch.empty(total, dtype=buffers[0].dtype, device=device)
+                flat = torch.empty(count, dtype=buffers[0].dtype, device=device)
             # Raw bytes on the wire: any dtype (bool, bfloat16, float8) travels over gloo.
             dist.broadcast(flat.view(torch.uint8), src=src, group=group)
             broadcasts += 1
-            sent += flat.numel() * flat.element_size()
+            sent += nbytes
             if not is_src:
-                if same:
-                    torch._foreach_copy_(buffers, _unflatten_dense_tensors(flat, buffers))
-                else:
-                    offset = 0
-                    for buf in buffers:
-                        count = buf.numel()
-                        buf.copy_(flat[offset : offset + count].view(buf.shape))
-                        offset += count
+                _unpack_flat(flat, buffers)
     return BufferBroadcast(
         names=tuple(name for name, _, _ in layout),
-        dtypes=tuple(d for d in sorted(by_dtype) if any(named[n].numel() for n in by_dtype[d])),
+        dtypes=tuple(dtype for dtype, _ in groups),
         broadcasts=broadcasts,
         collectives=broadcasts,
         bytes=sent,
+        inline=inline is not None,
     )
 
 
@@ -752,7 +817,7 @@ def _plan(numels: Sequence[tuple[int, int]], bucket_bytes: int) -> list[_Message
                 piece = _Piece(index, start, stop, 0)
                 messages.append(_Message((stop - start) * itemsize, (piece,), direct=True))
             continue
-        offset = -(-used // _ALIGN) * _ALIGN
+        offset = _aligned(used)
         if offset + nbytes > bucket_bytes:
             messages.append(_Message(used, tuple(pieces)))
             pieces, offset = [], 0

@@ -233,6 +233,10 @@ class LoadOutcome:
     buffers_broadcast: int = 0  # non-persistent buffers
     collectives: int = 0  # fsdpcheck's own: 2 checks + one flat broadcast per buffer dtype
     seconds: float = 0.0
+    method: str = ""  # how the state dict moved: "bucketed" or "dcp" ("" when not loaded)
+    fallback_reason: str | None = None  # why the bucketed path was not taken
+    state_messages: int = 0  # bucketed: point-to-point messages rank 0 sent
+    state_bytes: int = 0  # bucketed: their bytes (each rank's own shards only)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from fsdpcheck.records import Report
+from fsdpcheck.records import LoadOutcome, Report
 
 _VERDICT_STYLE = {
     "consistent": "bold green",
@@ -134,7 +134,7 @@ def _render_load(report: Report, console: Console) -> None:
     if load is not None and load.outcome == "loaded" and verified is not None:
         status = "[green]passed[/]" if verified.passed else "[bold red]FAILED[/]"
         console.print(
-            f"sorted loader: {load.params_loaded} state-dict entries via DCP, "
+            f"sorted loader: {load.params_loaded} state-dict entries {_load_method(load)}, "
             f"{load.buffers_broadcast} non-persistent buffers in {load.collectives} collectives "
             f"({load.seconds:.2f}s); verification {status}: {verified.checked} tensors checked "
             f"on {report.world_size} rank{'s' if report.world_size != 1 else ''}"
@@ -149,6 +149,14 @@ def _render_load(report: Report, console: Console) -> None:
             f"reproduction of named-buffers-order (child job): [bold]{repro.get('outcome')}[/] "
             f"— {escape(str(repro.get('summary', '')))}"
         )
+
+
+def _load_method(load: LoadOutcome) -> str:
+    if load.method == "bucketed":
+        return f"in {load.state_messages} point-to-point buckets ({load.state_bytes:,} bytes)"
+    if load.fallback_reason:
+        return f"via DCP [yellow](fell back: {escape(load.fallback_reason)})[/]"
+    return "via DCP"
 
 
 def report_headline(report: Report) -> str:

@@ -35,6 +35,9 @@ def test_hazard_with_different_hash_seeds_reports_buffer_order(tmp_path: Path) -
     assert loaders["state-dict-order"]["verdict"] == "ok"  # non-persistent: not in state_dict
     assert loaders["sorted-names"]["verdict"] == "ok"
     assert report["load"]["outcome"] == "loaded"
+    # The state dict moved point to point, rank 1 receiving only its own shards.
+    assert report["load"]["method"] == "bucketed" and report["load"]["fallback_reason"] is None
+    assert report["load"]["state_messages"] >= 1 and report["load"]["state_bytes"] > 0
     assert report["verify"]["passed"] is True
     assert report["verify"]["checked"] == 11 + 2  # parameters + buffers
     assert "named-buffers-order → hang" in result.ranks[0].stdout

@@ -135,7 +135,9 @@ def test_verify_names_a_tampered_shard_and_its_rank(tmp_path: Path) -> None:
 def test_state_dict_load_leaves_buffers_empty_until_broadcast_buffers(tmp_path: Path) -> None:
     # set_model_state_dict alone never touches non-persistent buffers: on the meta rank they
     # hold whatever to_empty() left there. broadcast_buffers alone then fixes exactly those.
-    result, records = run_worker(tmp_path, "hazard", "--loader", "dcp", seeds=(0, 1))
+    result, records = run_worker(
+        tmp_path, "hazard", "--loader", "dcp", "--int-buffer", seeds=(0, 1)
+    )
     assert result.codes == [0, 0], result.output(0) + result.output(1)
     rank0, rank1 = records
     before = rank0["verify_dcp_only"]
@@ -143,14 +145,35 @@ def test_state_dict_load_leaves_buffers_empty_until_broadcast_buffers(tmp_path: 
     assert {(m["name"], m["kind"], tuple(m["ranks"])) for m in before["mismatches"]} == {
         (f"{ROTARY}.full_attention_inv_freq", "buffer", (1,)),
         (f"{ROTARY}.sliding_attention_inv_freq", "buffer", (1,)),
+        ("step_ids", "buffer", (1,)),
     }
     assert all(m["reason"] == "values differ from rank 0's" for m in before["mismatches"])
     for record in records:
         moved = record["broadcast"]
         assert moved["names"] == sorted(record["buffer_order"])  # by name, not local order
-        assert moved["dtypes"] == ["float32"] and moved["broadcasts"] == 1
-        assert moved["bytes"] == (8 + 16) * 4
+        assert moved["dtypes"] == ["float32", "int64"]
+        assert moved["bytes"] == (8 + 16) * 4 + 5 * 8
+        # 136 bytes ride with the layout check: one collective in all, no broadcast after it.
+        assert moved["inline"] is True and moved["broadcasts"] == 0 and moved["collectives"] == 1
         assert record["verify"]["passed"] is True
+    assert rank1["buffers"]["step_ids"] == [0, 1, 2, 3, 4]
+    assert rank1["buffers"] == rank0["buffers"]
+
+
+def test_buffers_too_big_to_ride_with_the_check_are_broadcast_after_it(tmp_path: Path) -> None:
+    result, records = run_worker(
+        tmp_path, "hazard", "--loader", "dcp", "--big-buffer", "--int-buffer", seeds=(0, 1)
+    )
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    rank0, rank1 = records
+    for record in records:
+        moved = record["broadcast"]
+        assert moved["inline"] is False
+        assert moved["dtypes"] == ["float32", "int64"] and moved["broadcasts"] == 2
+        assert moved["collectives"] == 3  # the check, then one flat broadcast per dtype
+        assert moved["bytes"] == (8 + 16 + 20_000) * 4 + 5 * 8
+        assert record["verify"]["passed"] is True
+    assert rank1["buffers"]["big_table"] == [float(i) for i in range(20_000)]
     assert rank1["buffers"] == rank0["buffers"]
 
 

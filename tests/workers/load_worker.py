@@ -45,6 +45,9 @@ def main() -> int:
     parser.add_argument("--init", default="rank0")
     parser.add_argument("--extra-buffer-on-rank", type=int, default=None)
     parser.add_argument("--int-buffer", action="store_true", help="an int64 buffer on every rank")
+    parser.add_argument(
+        "--big-buffer", action="store_true", help="an 80 KB buffer: too big to ride with the check"
+    )
     parser.add_argument("--odd-params", action="store_true", help="(3, 4) and (1, 4) params")
     parser.add_argument("--odd-on-meta", action="store_true", help="rank 0's odd params too")
     parser.add_argument("--loader", choices=("safe", "dcp"), default="safe")
@@ -63,6 +66,8 @@ def main() -> int:
         real = built.materialised
         if args.int_buffer:
             _register(model, "step_ids", torch.arange(5, dtype=torch.int64), real=real)
+        if args.big_buffer:
+            _register(model, "big_table", torch.arange(20_000, dtype=torch.float32), real=real)
         if args.extra_buffer_on_rank == ctx.rank:
             _register(model, "extra_inv_freq", torch.ones(4), real=real)
         if args.odd_params:
