@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# NCCL smoke check on a host with CUDA GPUs; CI has none, so this runs by hand:
+#   scripts/gpu_check.sh [OUT_DIR]      (uses $PYTHON, default python3)
+# The audit on NCCL with one rank per GPU, the library's loader on CUDA tensors, and one rank too
+# many for the GPUs (bad input, exit 2, no hang). Everything lands in OUT_DIR/gpu-check.log.
+set -u
+out=${1:-${OUT:-/tmp/fsdpcheck-gpu}}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+log="$out/gpu-check.log"
+gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
+echo "== $(date -u +%FT%TZ) $("$py" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "nccl", torch.cuda.nccl.version())') gpus=$gpus" | tee "$log"
+step() {  # step NAME EXPECTED_EXIT COMMAND...
+    local name=$1 want=$2
+    shift 2
+    local start=$SECONDS
+    timeout 240 "$@" >"$out/step.log" 2>&1
+    local code=$?
+    local verdict=ok
+    [ "$code" = "$want" ] || verdict=UNEXPECTED
+    echo "== $name: exit $code (expected $want) in $((SECONDS - start))s: $verdict" | tee -a "$log"
+    tail -n 25 "$out/step.log" >>"$log"
+}
+run="$py -m torch.distributed.run --nproc-per-node"
+for model in tiny-llama hazard tiny-gemma4; do
+    step "audit $model, nccl, $gpus rank(s)" 0 \
+        $run "$gpus" -m fsdpcheck audit --model "$model" --backend nccl --json "$out/$model.json"
+done
+step "audit tiny-gemma4 bfloat16, nccl" 0 \
+    $run "$gpus" -m fsdpcheck audit --model tiny-gemma4 --dtype bfloat16 --backend nccl \
+    --json "$out/tiny-gemma4-bf16.json"
+step "audit, one rank more than GPUs (bad input)" 1 \
+    $run "$((gpus + 1))" -m fsdpcheck audit --model tiny-llama --backend nccl --timeout 20
+step "library on CUDA tensors" 0 $run "$gpus" scripts/gpu_check.py
+grep -h "^@gpu" "$out/step.log" >"$out/library.jsonl" 2>/dev/null
+"$py" - "$out" <<'PY' | tee -a "$log"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for path in sorted(out.glob("*.json")):
+    r = json.loads(path.read_text())
+    load = r.get("load") or {}
+    print(f"{path.name}: verdict={r['verdict']} exit={r['exit_code']} load={load.get('outcome')}"
+          f"/{load.get('method')} fallback={load.get('fallback_reason')} "
+          f"verify={(r.get('verify') or {}).get('passed')} env={r['environment'][0]['torch'] if r.get('environment') else None}")
+PY
