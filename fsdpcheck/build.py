@@ -94,7 +94,9 @@ def _resolve_dtype(dtype: str | None, config: Any) -> torch.dtype:
         if dtype not in DTYPES:
             raise InputError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}.")
         return DTYPES[dtype]
-    configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers >= 4.56 names it `dtype` and warns when `torch_dtype` is read.
+    name = "dtype" if hasattr(config, "dtype") else "torch_dtype"
+    configured = getattr(config, name, None)
     if isinstance(configured, torch.dtype):
         return configured
     return DTYPES.get(str(configured).removeprefix("torch."), torch.float32)

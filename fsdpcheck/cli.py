@@ -239,20 +239,22 @@ def _terminated(signum: int, frame: object) -> None:
     raise Terminated("stopped by SIGTERM (the launcher is ending the job)")
 
 
-class AuditFailed(Exception):
-    """What torchrun's failure summary shows as the root cause."""
-
-
 def _tell_torchrun(message: str) -> None:
-    """Write torch elastic's error file, so torchrun's summary names the cause, not exit codes."""
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    """Write torch elastic's error file, so torchrun's summary names the cause, not exit codes.
+
+    Its plain form (a message and a timestamp, no traceback): the summary shows the one-line
+    cause as it is, where a recorded exception would show a Python traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    import json
+    import time
 
     try:
-        raise AuditFailed(message)
-    except AuditFailed as exc:
-        ErrorHandler().record_exception(exc)
+        with open(path, "w") as file:
+            json.dump({"message": f"fsdpcheck: {message}", "timestamp": int(time.time())}, file)
+    except OSError:  # a summary without the cause is worse, but never a reason to fail
+        pass
 
 
 def _reexec_with_rank_hash_seed() -> None:

@@ -362,6 +362,9 @@ def test_torchrun_summary_shows_the_cause(tmp_path: Path) -> None:
     assert proc.returncode == 1  # torchrun's own code for any failed worker
     # torch elastic's error file: the root cause in torchrun's summary is fsdpcheck's message.
     assert "tiny-nonesuch" in proc.stderr and "error_file: <N/A>" not in proc.stderr
+    # The one-line cause, not a Python traceback through fsdpcheck (torchrun prints its own).
+    assert "traceback : fsdpcheck: " in proc.stderr
+    assert "fsdpcheck/cli.py" not in proc.stderr
 
 
 @pytest.mark.parametrize("stage", ["load", "verify"])
