@@ -123,13 +123,10 @@ def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
     group; metadata goes over a gloo side channel bounded by ``timeout``. The report (rank 0)
     has findings and loader predictions; ``exit_code`` is the same on every rank."""
     from fsdpcheck.fingerprint import fingerprint
-    from fsdpcheck.gather import broadcast_decision, gather_records
-    from fsdpcheck.render import report_headline
-    from fsdpcheck.report import assemble
 
     ctx = distributed.init("auto", timeout)
     try:
-        with distributed.AbortWatch(ctx):
+        with distributed.AbortWatch(ctx) as watch:
             state = _RankState(ctx)
             env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
             wrapped = any(hasattr(p, "placements") for p in model.parameters())
@@ -141,16 +138,7 @@ def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
                 post_wrap=fp if wrapped else None,
                 error=state.error,
             )
-            gathered = gather_records(
-                record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size
-            )
-            report = None
-            code, headline = EXIT_RUNTIME, ""
-            if gathered is not None:
-                report = assemble(gathered, None, None, None, state.timings)
-                code, headline = report.exit_code, report_headline(report)
-            code, headline = broadcast_decision(code, headline, ctx.meta_group)
-            return AuditResult(ctx.rank, code, report, state.error, headline)
+            return _conclude(None, ctx, state, record, watch, built=None)
     finally:
         distributed.shutdown(ctx)
 
@@ -202,7 +190,7 @@ def _audit(
 
 
 def _conclude(
-    options: AuditOptions,
+    options: AuditOptions | None,
     ctx: distributed.DistContext,
     state: _RankState,
     record: RankRecord,
@@ -210,15 +198,13 @@ def _conclude(
     built: BuiltModel | None,
     probing: _ProbeThread | None = None,
 ) -> AuditResult:
-    """Gather, analyse on rank 0, and agree on one exit code; a dead peer ends it with exit 3."""
+    """Gather, analyse on rank 0, and agree on one exit code; a dead peer ends it with exit 3.
+
+    ``options`` None: :func:`check_model`, which only checks (the script loads its own weights).
+    """
     from fsdpcheck.gather import broadcast_decision, gather_records
     from fsdpcheck.render import report_headline
-    from fsdpcheck.report import (
-        assemble,
-        error_report,
-        with_load,
-        with_reproduction,
-    )
+    from fsdpcheck.report import assemble, error_report, with_reproduction
 
     distributed.mark_stage(ctx, "gather")
     start = time.perf_counter()
@@ -229,18 +215,12 @@ def _conclude(
         report = None
         if gathered is not None:
             report = assemble(gathered, options, state.model_info, state.wrap_plan, state.timings)
-        skip = _load_skip_reason(options, report, built) if ctx.rank == 0 else ""
-        go, _ = broadcast_decision(0 if skip else 1, "", ctx.meta_group)
-        if go:
-            load, verified = _load_and_verify(ctx, state, built)
-            if report is not None:
-                report = with_load(report, load, verified)
-        elif report is not None:
-            report = with_load(report, LoadOutcome(False, "skipped", skip), None)
-        if report is not None and options.reproduce:
-            report = with_reproduction(report, options)
-        if report is not None and probing is not None:
-            report = probing.fold_into(report)
+        if options is not None:  # every rank knows, so every rank takes the same branch
+            report = _load_stage(options, ctx, state, built, report)
+            if report is not None and options.reproduce:
+                report = with_reproduction(report, options)
+            if report is not None and probing is not None:
+                report = probing.fold_into(report)
         code, headline = EXIT_RUNTIME, ""
         if report is not None:
             code, headline = report.exit_code, report_headline(report)
@@ -320,6 +300,27 @@ class _ProbeThread:
             return with_probe(report, self._result)
         why = f"{type(self._error).__name__}: {self._error}" if self._error else "timed out"
         return replace(report, warnings=(*report.warnings, f"--probe did not finish: {why}"))
+
+
+def _load_stage(
+    options: AuditOptions,
+    ctx: distributed.DistContext,
+    state: _RankState,
+    built: BuiltModel | None,
+    report: Report | None,
+) -> Report | None:
+    """Collective: rank 0 decides whether the loader runs; then load and verify, or say why not."""
+    from fsdpcheck.gather import broadcast_decision
+    from fsdpcheck.report import with_load
+
+    skip = _load_skip_reason(options, report, built) if ctx.rank == 0 else ""
+    go, _ = broadcast_decision(0 if skip else 1, "", ctx.meta_group)
+    if go:
+        load, verified = _load_and_verify(ctx, state, built)
+        return with_load(report, load, verified) if report is not None else None
+    if report is not None:
+        return with_load(report, LoadOutcome(False, "skipped", skip), None)
+    return None
 
 
 def _load_skip_reason(

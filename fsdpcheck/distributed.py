@@ -417,6 +417,14 @@ def exchange_slots(
     return slots, extra
 
 
+def transport_device(group: Any) -> torch.device:
+    # gloo (including the cpu half of a "cpu:gloo,cuda:nccl" group) moves CPU tensors only.
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "nccl" not in backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def shutdown(ctx: DistContext) -> None:
     if ctx.owns_default_group and dist.is_initialized():
         dist.destroy_process_group()

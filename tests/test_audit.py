@@ -199,6 +199,28 @@ def test_check_model_from_a_training_script(tmp_path: Path) -> None:
     assert loaders["named-buffers-order"] == "hang"
 
 
+def test_check_model_names_a_peer_that_died(tmp_path: Path) -> None:
+    # A training script's rank dies during the check: the others are not left waiting, and
+    # rank 0's report names the rank and where it stopped.
+    from conftest import REPO
+
+    from fsdpcheck.faults import FAULT_ENV
+    from fsdpcheck.launch import launch
+
+    out = tmp_path / "report.json"
+    result = launch(
+        ["tests/workers/check_model_worker.py", str(out), "20"],
+        2,
+        cwd=str(REPO),
+        timeout=120,
+        env={FAULT_ENV: "1:gather:kill"},
+    )
+    assert result.codes == [3, -9], result.output(0) + result.output(1)
+    report = read_report(out)
+    assert report["verdict"] == "error" and report["exit_code"] == 3
+    assert report["errors"][0]["rank"] == 1 and "gather" in report["errors"][0]["message"]
+
+
 def test_audit_probe_reports_latent_when_ranks_agree_today(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     result = run_ranks(

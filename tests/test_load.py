@@ -180,7 +180,7 @@ def test_buffers_too_big_to_ride_with_the_check_are_broadcast_after_it(tmp_path:
 def test_source_problems_are_named() -> None:
     import torch
 
-    from fsdpcheck.load import _source_problems
+    from fsdpcheck.layout import _source_problems
 
     state = (("a", (4,), "float32"), ("b", (2, 2), "float32"))
     assert _source_problems(0, state, {"a": torch.zeros(4), "b": torch.zeros(2, 2)}) == []
@@ -239,7 +239,8 @@ def test_verify_result_round_trips() -> None:
 
 
 def test_mismatch_message_lists_every_difference_and_groups_ranks() -> None:
-    from fsdpcheck.load import _differences, _Exchange
+    from fsdpcheck.layout import Exchange as _Exchange
+    from fsdpcheck.layout import _differences
 
     def exchange(rank: int, *buffers: tuple) -> _Exchange:
         return _Exchange(rank, tuple(buffers), (), ())

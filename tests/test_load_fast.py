@@ -155,7 +155,7 @@ def _covers(plan, numels) -> None:
 
 @pytest.mark.parametrize("bucket", [1024, 4096, 2**20, 256 * 2**20])
 def test_plan_covers_every_element_once_within_the_bucket_size(bucket: int) -> None:
-    from fsdpcheck.load import _plan
+    from fsdpcheck.transfer import plan_messages as _plan
 
     numels = [(3, 4), (0, 4), (5000, 4), (1, 2), (700, 2), (300_000, 4), (7, 8), (2**19, 4)]
     plan = _plan(numels, bucket)
@@ -165,7 +165,7 @@ def test_plan_covers_every_element_once_within_the_bucket_size(bucket: int) -> N
 
 
 def test_plan_sends_large_shards_alone_and_packs_small_ones() -> None:
-    from fsdpcheck.load import _plan
+    from fsdpcheck.transfer import plan_messages as _plan
 
     numels = [(10, 4), (2**20, 4), (20, 4)]
     plan = _plan(numels, 256 * 2**20)
@@ -195,7 +195,7 @@ def test_local_shape_is_the_shape_shard_of_cuts(shape, placements, mesh_shape) -
     import torch
     from torch.distributed.tensor import Replicate, Shard
 
-    from fsdpcheck.load import _local_shape
+    from fsdpcheck.transfer import local_shape as _local_shape
     from fsdpcheck.verify import shard_of
 
     parsed = [Replicate() if p == "R" else Shard(int(p[1])) for p in placements]
@@ -206,7 +206,7 @@ def test_local_shape_is_the_shape_shard_of_cuts(shape, placements, mesh_shape) -
 
 
 def test_choose_is_one_decision_from_everyones_entries() -> None:
-    from fsdpcheck.load import _choose
+    from fsdpcheck.transfer import choose_method as _choose
 
     ranks = [0, 1, 2, 3]
     same = [("d", None)] * 4

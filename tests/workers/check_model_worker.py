@@ -1,6 +1,7 @@
 """A training script's pre-flight: its own process group, its own model, then check_model."""
 
 import json
+import os
 import sys
 
 import torch.distributed as dist
@@ -19,11 +20,13 @@ for layer in model.model.layers:
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
 
-result = fsdpcheck.check_model(model, timeout=30)
+result = fsdpcheck.check_model(model, timeout=float(sys.argv[2]) if len(sys.argv) > 2 else 30)
 assert dist.is_initialized(), "check_model must not tear down the script's process group"
-dist.barrier()  # the script's own group still works
 if result.report is not None:
     with open(sys.argv[1], "w") as out:
         json.dump(to_dict(result.report), out)
+if result.exit_code == 3:  # a peer is gone: the script's own group cannot be used either
+    os._exit(3)
+dist.barrier()  # the script's own group still works
 dist.destroy_process_group()
 sys.exit(result.exit_code)
