@@ -86,6 +86,7 @@ def main() -> int:
         "buffers": args.buffers,
         "bytes": moved.bytes,
         "collectives": {"per-buffer": args.buffers, "coalesced": moved.collectives},
+        "inline": moved.inline,
         "spans": spans,
         "equal_to_rank0": ok,
     }

@@ -39,17 +39,28 @@ def run_ranks(
     )
 
 
+def run_plain(
+    argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    """``argv`` as one process in the repository, with no launcher variables set."""
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return subprocess.run(
+        argv,
+        cwd=REPO,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def run_cli(
     args: list[str], *, env: dict[str, str] | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess:
     """``python -m fsdpcheck <args>`` as one process, with no launcher variables set."""
-    clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    return subprocess.run(
+    return run_plain(
         [sys.executable, "-m", "fsdpcheck", *args],
-        cwd=REPO,
-        env={**clean, **QUIET_ENV, **(env or {})},
-        capture_output=True,
-        text=True,
+        env={**QUIET_ENV, **(env or {})},
         timeout=timeout,
     )
 

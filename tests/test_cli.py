@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, read_report
+from conftest import read_report
+from conftest import run_plain as _run
 
 from fsdpcheck.launch import free_port
-
-
-def _run(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120):
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    return subprocess.run(
-        args,
-        cwd=REPO,
-        env={**clean, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def test_audit_help_shows_examples_and_exit_codes() -> None:

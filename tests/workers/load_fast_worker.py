@@ -5,17 +5,16 @@ load with ``load_full_state_dict``, verify; write ``rank<N>.json`` into ``--out`
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from recorded import run_recorded
 from torch import nn
 
 from fsdpcheck import distributed, wrap
 from fsdpcheck.build import build
-from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.records import to_dict
 from fsdpcheck.resolve import resolve
 from fsdpcheck.verify import verify_load
@@ -58,9 +57,8 @@ def main() -> int:
     out = Path(args.out)
     start = time.monotonic()
     ctx = distributed.init("gloo", args.timeout, mesh_shape=_mesh(args.mesh))
-    record: dict = {"rank": ctx.rank, "error": None}
-    code = 0
-    try:
+
+    def work(record: dict) -> None:
         resolved = resolve(args.model, rank=ctx.rank)
         built = build(resolved, rank=ctx.rank, init=args.init, dtype=args.dtype)
         model, real = built.model, built.materialised
@@ -132,14 +130,8 @@ def main() -> int:
         record["devices"] = sorted({t.to_local().device.type for t in params.values()})
         if args.tie:
             record["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
-    except FsdpcheckError as exc:
-        record["error"] = {"type": type(exc).__name__, "kind": exc.kind, "message": str(exc)}
-        code = exc.exit_code
-    finally:
-        record["elapsed"] = round(time.monotonic() - start, 3)
-        (out / f"rank{ctx.rank}.json").write_text(json.dumps(record, indent=2))
-        distributed.shutdown(ctx)
-    return code
+
+    return run_recorded(out, ctx, work, started=start)
 
 
 if __name__ == "__main__":

@@ -4,17 +4,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from recorded import run_recorded
 from torch import nn
 
 from fsdpcheck import distributed, wrap
 from fsdpcheck.build import build
-from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.load import broadcast_buffers, load_full_state_dict
 from fsdpcheck.records import to_dict
 from fsdpcheck.resolve import resolve
@@ -58,9 +57,8 @@ def main() -> int:
     out = Path(args.out)
     start = time.monotonic()
     ctx = distributed.init("gloo", args.timeout)
-    record: dict = {"rank": ctx.rank, "error": None}
-    code = 0
-    try:
+
+    def work(record: dict) -> None:
         built = build(resolve(args.model, rank=ctx.rank), rank=ctx.rank, init=args.init)
         model, source = built.model, built.full_state_dict
         real = built.materialised
@@ -105,14 +103,8 @@ def main() -> int:
             from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in full.items()}, str(out / "full.safetensors"))
-    except FsdpcheckError as exc:
-        record["error"] = {"type": type(exc).__name__, "kind": exc.kind, "message": str(exc)}
-        code = exc.exit_code
-    finally:
-        record["elapsed"] = round(time.monotonic() - start, 3)
-        (out / f"rank{ctx.rank}.json").write_text(json.dumps(record, indent=2))
-        distributed.shutdown(ctx)
-    return code
+
+    return run_recorded(out, ctx, work, started=start)
 
 
 if __name__ == "__main__":
