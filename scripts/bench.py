@@ -468,6 +468,26 @@ def row_load(s: Settings) -> Row:
         "layout check, no packing, rank 0's own shards left alone; it is what any loader of this "
         "rank-1 data pays on this machine."
     )
+    kernel = {
+        m: (
+            median([run[1]["rusage"]["system_seconds"] for run in runs[m]]),
+            median([run[1]["rusage"]["minor_faults"] for run in runs[m]]),
+        )
+        for m in methods
+    }
+    row.raw["summary"]["rank1_kernel"] = kernel
+    floor_kernel = [run[1]["rusage"]["system_seconds"] for run in runs["p2p-floor"]]
+    row.notes.append(
+        "Where rank 1's time goes (getrusage over the timed load, median): kernel time "
+        + ", ".join(
+            f"{m} {fmt_s(kernel[m][0])} ({kernel[m][1]:,.0f} minor faults)" for m in methods
+        )
+        + f". Every method faults in rank 1's fresh memory 4 KiB at a time (transparent huge "
+        f"pages here: `{thp_mode()}`), and the price of a fault changes from run to run on this "
+        "VM: for the same bytes and the same code, rank 1's kernel time in the point-to-point "
+        f"floor ranged from {fmt_s(min(floor_kernel))} to {fmt_s(max(floor_kernel))} across "
+        "the runs. That price, not fsdpcheck's code, is what moves these ratios between runs."
+    )
     row.notes.append(
         "What the time is made of, on this machine (a VM with 2 cores shared by both ranks): "
         f"rank 1 must fault in its {fmt_mib(touched)} of freshly allocated shards "
@@ -503,6 +523,16 @@ def row_load(s: Settings) -> Row:
             "its layout check, rank 0's copy of its own shards and the buffer broadcast."
         )
     return row
+
+
+def thp_mode() -> str:
+    """The kernel's transparent-huge-page mode (the bracketed word), or "unknown"."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    chosen = [word.strip("[]") for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else "unknown"
 
 
 def row_gather(s: Settings) -> Row:
