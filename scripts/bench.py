@@ -477,16 +477,25 @@ def row_load(s: Settings) -> Row:
     }
     row.raw["summary"]["rank1_kernel"] = kernel
     floor_kernel = [run[1]["rusage"]["system_seconds"] for run in runs["p2p-floor"]]
+    per_fault = [
+        run[1]["rusage"]["system_seconds"] / run[1]["rusage"]["minor_faults"]
+        for m in methods
+        for run in runs[m]
+        if run[1]["rusage"]["minor_faults"] > 1000
+    ]
     row.notes.append(
         "Where rank 1's time goes (getrusage over the timed load, median): kernel time "
         + ", ".join(
             f"{m} {fmt_s(kernel[m][0])} ({kernel[m][1]:,.0f} minor faults)" for m in methods
         )
         + f". Every method faults in rank 1's fresh memory 4 KiB at a time (transparent huge "
-        f"pages here: `{thp_mode()}`), and the price of a fault changes from run to run on this "
-        "VM: for the same bytes and the same code, rank 1's kernel time in the point-to-point "
-        f"floor ranged from {fmt_s(min(floor_kernel))} to {fmt_s(max(floor_kernel))} across "
-        "the runs. That price, not fsdpcheck's code, is what moves these ratios between runs."
+        f"pages here: `{thp_mode()}`), and what a fault costs varies from run to run on this VM:"
+        f" {min(per_fault) * 1e6:.1f} to {max(per_fault) * 1e6:.1f} µs of kernel time per fault"
+        " across this row's runs; for the same bytes and the same code, rank 1's kernel time in "
+        f"the point-to-point floor ranged from {fmt_s(min(floor_kernel))} to "
+        f"{fmt_s(max(floor_kernel))}. A fault is cheap when the guest kernel recycles a page "
+        "that was in use before and dear when it hands out one the VM's host has not backed "
+        "yet, so the ratios below move with what ran before, not with fsdpcheck's code."
     )
     row.notes.append(
         "What the time is made of, on this machine (a VM with 2 cores shared by both ranks): "
