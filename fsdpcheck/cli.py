@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -158,6 +159,10 @@ def audit(
             write_json(report, json_path)
 
     signal.signal(signal.SIGTERM, _terminated)
+    # A short-lived process that imports torch and transformers and builds a model: with the
+    # default thresholds, Python runs full collections over that whole heap several times
+    # (about 0.6 s of CPU per rank on a 70B-shaped config); far fewer young ones do the job.
+    gc.set_threshold(50_000, 100, 100)
     try:
         with _StageStatus(rank) as status:
             result = run_audit(options, progress=status.update, publish=publish)
