@@ -4,13 +4,12 @@ load with ``load_full_state_dict``, verify; write ``rank<N>.json`` into ``--out`
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
-from recorded import run_recorded
+from recorded import run_recorded, worker_parser
 from torch import nn
 
 from fsdpcheck import distributed, wrap
@@ -34,11 +33,7 @@ def _shard_fn(dim1: bool):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--timeout", type=float, default=30.0)
-    parser.add_argument("--init", default="rank0")
+    parser = worker_parser()
     parser.add_argument("--method", default=None, help="default: load_full_state_dict's own")
     parser.add_argument("--dcp-on-rank", type=int, default=None, help="this rank asks for dcp")
     parser.add_argument("--bucket-bytes", type=int, default=None)

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
-from recorded import run_recorded
+from recorded import run_recorded, worker_parser
 from torch import nn
 
 from fsdpcheck import distributed, wrap
@@ -37,11 +36,7 @@ def _dcp_only(model: nn.Module, source: dict | None) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--timeout", type=float, default=30.0)
-    parser.add_argument("--init", default="rank0")
+    parser = worker_parser()
     parser.add_argument("--extra-buffer-on-rank", type=int, default=None)
     parser.add_argument("--int-buffer", action="store_true", help="an int64 buffer on every rank")
     parser.add_argument(

@@ -1,7 +1,9 @@
-"""What every worker rank ends with: its record as ``rank<N>.json``, whatever happened."""
+"""What every load worker shares: its common arguments, and how a rank ends: its record as
+``rank<N>.json``, whatever happened."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import Callable
@@ -9,6 +11,16 @@ from pathlib import Path
 
 from fsdpcheck import distributed
 from fsdpcheck.errors import FsdpcheckError
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    """The arguments every load worker takes; each adds its own."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--init", default="rank0")
+    return parser
 
 
 def run_recorded(
