@@ -1,0 +1,1 @@
+"""Checks: pure analyses over gathered records or source text."""
