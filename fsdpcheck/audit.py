@@ -93,8 +93,13 @@ def run_audit(
     *,
     progress: Callable[[str], None] | None = None,
     publish: Callable[[Report], None] | None = None,
+    preflight: Callable[[], str] | None = None,
 ) -> AuditResult:
     """Run the audit on this rank; every rank of the job must call it.
+
+    ``preflight`` (given on every rank or on none) runs on rank 0 right after the ranks meet:
+    a non-empty answer (say, an output path rank 0 cannot write) ends the run on every rank
+    with exit 2 before any work, and becomes the report's error.
 
     ``progress`` is called with each stage's name as rank 0 enters it. ``publish`` is called on
     rank 0 with the finished report *before* the other ranks are released: launchers such as
@@ -103,6 +108,10 @@ def run_audit(
     ctx = distributed.init(options.backend, options.timeout, mesh_shape=options.mesh)
     ctx.on_stage = progress if ctx.rank == 0 else None
     try:
+        if preflight is not None:
+            refused = _preflight(options, ctx, preflight, publish)
+            if refused is not None:
+                return refused
         on_abort = None
         if ctx.rank == 0 and publish is not None:
 
@@ -115,6 +124,32 @@ def run_audit(
             return _audit(options, ctx, watch, publish)
     finally:
         distributed.shutdown(ctx)
+
+
+def _preflight(
+    options: AuditOptions,
+    ctx: distributed.DistContext,
+    preflight: Callable[[], str],
+    publish: Callable[[Report], None] | None,
+) -> AuditResult | None:
+    """Collective: rank 0's preflight answer, on every rank; None to go on."""
+    from fsdpcheck.errors import EXIT_BAD_INPUT
+    from fsdpcheck.gather import broadcast_decision
+    from fsdpcheck.report import error_report
+
+    problem = preflight() if ctx.rank == 0 else ""
+    try:
+        code = EXIT_BAD_INPUT if problem else 0
+        code, problem = broadcast_decision(code, problem, ctx.meta_group)
+    except Exception:  # a dead peer: the gather names it, with the heartbeats
+        return None
+    if not code:
+        return None
+    error = RankError(0, "launch", problem, "input")
+    report = error_report([error], ctx.world_size, options) if ctx.rank == 0 else None
+    if report is not None and publish is not None:
+        publish(report)
+    return AuditResult(ctx.rank, code, report, None, problem)
 
 
 def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
@@ -218,8 +253,10 @@ def _conclude(
         if options is not None:  # every rank knows, so every rank takes the same branch
             report = _load_stage(options, ctx, state, built, report)
             if report is not None and options.reproduce:
+                _progress(ctx, "reproduce")
                 report = with_reproduction(report, options)
             if report is not None and probing is not None:
+                _progress(ctx, "probe")
                 report = probing.fold_into(report)
         code, headline = EXIT_RUNTIME, ""
         if report is not None:
@@ -239,6 +276,12 @@ def _conclude(
             ctx.rank, "gather", f"gave up: {errors[0].message}", "runtime"
         )
         return AuditResult(ctx.rank, EXIT_RUNTIME, report, own, errors[0].message)
+
+
+def _progress(ctx: distributed.DistContext, stage: str) -> None:
+    """Name a rank-0-only stage on the console (no store mark: the others are not behind)."""
+    if ctx.on_stage is not None:
+        ctx.on_stage(stage)
 
 
 def _download_on_rank0(options: AuditOptions, ctx: distributed.DistContext, state: _RankState):

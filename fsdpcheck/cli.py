@@ -54,6 +54,18 @@ class Init(str, Enum):
     all = "all"
 
 
+class Annotations(str, Enum):
+    auto = "auto"
+    github = "github"
+    none = "none"
+
+
+ANNOTATIONS_HELP = (
+    "GitHub workflow commands (::error/::warning) for findings on rank 0's stdout; auto: when "
+    "GITHUB_ACTIONS=true."
+)
+
+
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -122,16 +134,19 @@ def audit(
     json_path: Path | None = typer.Option(
         None, "--json", help="Write the machine-readable report here (rank 0)."
     ),
+    junit_path: Path | None = typer.Option(
+        None, "--junit", help="Write a JUnit XML file here (rank 0): a test case per check."
+    ),
+    annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
 ) -> None:
     """Build MODEL on every rank, fully_shard it, and compare every rank's buffers and params."""
     if vary_hash_seed and os.environ.get(_REEXEC_MARK) != "1":
         _reexec_with_rank_hash_seed()
 
     from fsdpcheck.audit import AuditOptions, run_audit
+    from fsdpcheck.dist.launcher import rank_hint
     from fsdpcheck.errors import FsdpcheckError
     from fsdpcheck.records import RankError
-    from fsdpcheck.render import render
-    from fsdpcheck.report import write_json
 
     options = AuditOptions(
         model=model,
@@ -151,12 +166,14 @@ def audit(
         probe=probe,
         download=download,
     )
-    rank = int(os.environ.get("RANK", "0") or 0)
+    rank = rank_hint(os.environ)
+    outputs = _Outputs(annotations, json=json_path, junit=junit_path)
 
     def publish(report: Report) -> None:
+        from fsdpcheck.render import render
+
         render(report, _stdout())
-        if json_path is not None:
-            write_json(report, json_path)
+        outputs.publish_report(report)
 
     signal.signal(signal.SIGTERM, _terminated)
     # A short-lived process that imports torch and transformers and builds a model: with the
@@ -165,9 +182,14 @@ def audit(
     gc.set_threshold(50_000, 100, 100)
     try:
         with _StageStatus(rank) as status:
-            result = run_audit(options, progress=status.update, publish=publish)
+            result = run_audit(
+                options,
+                progress=status.update,
+                publish=publish,
+                preflight=lambda: outputs.check(distributed=True),
+            )
     except FsdpcheckError as exc:  # raised before any gather: bad input, unreachable rendezvous
-        _fail(RankError(rank, "launch", str(exc), exc.kind), exc.exit_code, json_path, options)
+        _fail(RankError(rank, "launch", str(exc), exc.kind), exc.exit_code, outputs, options)
 
     if result.report is None and result.own_error is not None:
         _stderr().print(
@@ -202,6 +224,105 @@ class _StageStatus:
             self._status.update(f"fsdpcheck: {stage}")
 
 
+class _Progress:
+    """A bar with counts (probe seeds, scan builds) on a terminal; nothing in logs and CI."""
+
+    def __init__(self, title: str, console: Console | None = None):
+        self._bar = None
+        active = console.is_terminal if console is not None else sys.stderr.isatty()
+        if active:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            columns = (
+                TextColumn(f"[bold]{escape(title)}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+            )
+            self._bar = Progress(*columns, console=console or _stderr(), transient=True)
+            self._task = self._bar.add_task("starting", total=None)
+
+    def __enter__(self) -> _Progress:
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def update(self, done: int, total: int, label: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, total=total, description=escape(label))
+
+
+class _Outputs:
+    """What rank 0 writes and prints besides the console: files (checked before any work, so an
+    unwritable path is bad input, not a traceback at the end) and workflow annotations."""
+
+    def __init__(self, annotations: Annotations, **paths: Path | None):
+        from fsdpcheck.formats.annotations import enabled
+
+        self.paths = {f"--{name}": path for name, path in paths.items()}
+        self.annotate = enabled(annotations.value, os.environ)
+        self.skipped: set[str] = set()
+        self.failed = False
+
+    def check(self, *, distributed: bool = False) -> str:
+        """One paragraph naming every output that cannot be written ("" when all can)."""
+        from fsdpcheck.formats.outputs import output_problems, problems_paragraph
+
+        problems = output_problems(self.paths.items())
+        self.skipped = {p.split(" ", 1)[0] for p in problems}
+        return problems_paragraph(problems, distributed=distributed) if problems else ""
+
+    def write(self, option: str, writer) -> None:
+        path = self.paths.get(option)
+        if path is None or option in self.skipped:
+            return
+        try:
+            writer(path)
+        except OSError as exc:  # checked up front; a full disk can still say no
+            self.failed = True
+            _stderr().print(
+                f"[bold red]fsdpcheck[/]: {option} {escape(str(path))} could not be written "
+                f"({escape(exc.strerror or str(exc))}); pass a path in a folder with room.",
+                highlight=False,
+            )
+
+    def annotations(self, lines: list[str]) -> None:
+        if self.annotate:
+            for line in lines:
+                print(line, flush=True)
+
+    def publish_report(self, report: Report, suite: str = "fsdpcheck.audit") -> None:
+        from fsdpcheck.formats.annotations import report_annotations
+        from fsdpcheck.formats.junit import report_to_junit, write_junit
+        from fsdpcheck.report import write_json
+
+        self.annotations(report_annotations(report, tool=suite.replace(".", " ")))
+        self.write("--json", lambda path: write_json(report, path))
+        self.write("--junit", lambda path: write_junit(report_to_junit(report, suite=suite), path))
+
+
+def _refuse_outputs(command: str, outputs: _Outputs) -> None:
+    """Single-process commands: an unwritable output is bad input before any work (exit 2)."""
+    problem = outputs.check()
+    if problem:
+        _stderr().print(f"[bold red]fsdpcheck {command}[/]: {escape(problem)}", highlight=False)
+        outputs.annotations(_error_annotation(f"fsdpcheck {command}", problem))
+        raise typer.Exit(2)
+
+
+def _error_annotation(title: str, message: str) -> list[str]:
+    from fsdpcheck.formats.annotations import command
+
+    return [command("error", message, title=title)]
+
+
 def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
     if not text:
         return None
@@ -220,16 +341,19 @@ def _stderr() -> Console:
     return Console(stderr=True, soft_wrap=True)
 
 
-def _fail(error: RankError, exit_code: int, json_path: Path | None, options: object) -> None:
-    from fsdpcheck.report import error_report, write_json
+def _fail(error: RankError, exit_code: int, outputs: _Outputs, options: object) -> None:
+    from fsdpcheck.dist.launcher import world_hint
+    from fsdpcheck.report import error_report
 
     _stderr().print(
         f"[bold red]fsdpcheck: rank {error.rank}: {error.stage}[/]: {escape(error.message)}",
         highlight=False,
     )
-    if json_path is not None and error.rank == 0:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        write_json(error_report([error], world, options), json_path)
+    if error.rank == 0:
+        problem = outputs.check()  # a path that cannot be written is named and skipped
+        if problem:
+            _stderr().print(f"[bold red]fsdpcheck[/]: {escape(problem)}", highlight=False)
+        outputs.publish_report(error_report([error], world_hint(os.environ), options))
     _tell_torchrun(error.message)
     raise typer.Exit(exit_code)
 
@@ -264,8 +388,10 @@ def _tell_torchrun(message: str) -> None:
 
 def _reexec_with_rank_hash_seed() -> None:
     """Restart this interpreter with PYTHONHASHSEED = RANK, before anything is hashed for real."""
+    from fsdpcheck.dist.launcher import rank_hint
+
     env = dict(os.environ)
-    env["PYTHONHASHSEED"] = env.get("RANK", "0")
+    env["PYTHONHASHSEED"] = str(rank_hint(env))
     env[_REEXEC_MARK] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
@@ -311,6 +437,10 @@ def probe(
         "with probability 1/128].",
     ),
     json_path: Path | None = typer.Option(None, "--json", help="Write the result as JSON here."),
+    junit_path: Path | None = typer.Option(
+        None, "--junit", help="Write a JUnit XML file here: a test case per seed and per order."
+    ),
+    annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
     text_only: bool = typer.Option(False, help="Build only the text model of a multimodal config."),
     trust_remote_code: bool = typer.Option(
         False, help="Allow the model's own Python code (off: never runs remote code)."
@@ -327,20 +457,27 @@ def probe(
     {"sliding_attention", "full_attention"}.
     """
     from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.formats.annotations import probe_annotations
+    from fsdpcheck.formats.junit import probe_to_junit, write_junit
     from fsdpcheck.probe import DEFAULT_SEEDS, probe_errors, probe_summary, probe_table, write_json
     from fsdpcheck.probe import probe as run_probe
 
+    outputs = _Outputs(annotations, json=json_path, junit=junit_path)
+    _refuse_outputs("probe", outputs)
     try:
-        result = run_probe(
-            model,
-            seeds=seeds or DEFAULT_SEEDS,
-            text_only=text_only,
-            trust_remote_code=trust_remote_code,
-            jobs=jobs,
-            timeout=timeout,
-        )
+        with _Progress("probe") as bar:
+            result = run_probe(
+                model,
+                seeds=seeds or DEFAULT_SEEDS,
+                text_only=text_only,
+                trust_remote_code=trust_remote_code,
+                jobs=jobs,
+                timeout=timeout,
+                progress=bar.update,
+            )
     except FsdpcheckError as exc:
         _stderr().print(f"[bold red]fsdpcheck probe[/]: {escape(str(exc))}", highlight=False)
+        outputs.annotations(_error_annotation("fsdpcheck probe", str(exc)))
         raise typer.Exit(exc.exit_code) from None
     console = _stdout()
     console.print(
@@ -355,9 +492,10 @@ def probe(
     for line in probe_errors(result):
         console.print(line, highlight=False)
     console.print(probe_summary(result), highlight=False)
-    if json_path is not None:
-        write_json(result, json_path)
-    raise typer.Exit(result.exit_code)
+    outputs.annotations(probe_annotations(result))
+    outputs.write("--json", lambda path: write_json(result, path))
+    outputs.write("--junit", lambda path: write_junit(probe_to_junit(result), path))
+    raise typer.Exit(result.exit_code or (3 if outputs.failed else 0))
 
 
 SCAN_EPILOG = """
@@ -384,6 +522,16 @@ def scan(
     ),
     seeds: int | None = typer.Option(None, min=2, help="Hash seeds, 0..K-1 \\[default: 8]."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the table as JSON here."),
+    junit_path: Path | None = typer.Option(
+        None, "--junit", help="Write a JUnit XML file here: a test case per architecture."
+    ),
+    sarif_path: Path | None = typer.Option(
+        None,
+        "--sarif",
+        help="Write SARIF 2.1.0 here: the modeling-file lines that register tensors while "
+        "iterating a set (seen reordering, or latent).",
+    ),
+    annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
     timeout: float = typer.Option(
         1800.0, min=1.0, help="Seconds each child (one seed, all architectures) may take."
     ),
@@ -404,26 +552,18 @@ def scan(
     the config has layer types; the rows compare the orders. Verdicts: ok · hang (reordered
     tensors differ in size) · silent-corruption (same sizes) · skipped: why.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
     from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.formats.annotations import scan_annotations
+    from fsdpcheck.formats.junit import scan_to_junit, write_junit
+    from fsdpcheck.formats.sarif import scan_to_sarif, write_sarif
     from fsdpcheck.probe import DEFAULT_SEEDS, write_json
     from fsdpcheck.scan import scan as run_scan
     from fsdpcheck.scan import scan_summary, scan_table
 
+    outputs = _Outputs(annotations, json=json_path, junit=junit_path, sarif=sarif_path)
+    _refuse_outputs("scan", outputs)
     families = ("causal-lm", "masked-lm") if masked_lm else ("causal-lm",)
-    columns = (
-        TextColumn("[bold]scan"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.description}"),
-    )
-    with Progress(*columns, console=_stderr(), transient=True) as bar:
-        task = bar.add_task("listing architectures", total=None)
-
-        def progress(done: int, total: int, label: str) -> None:
-            bar.update(task, completed=done, total=total, description=escape(label))
-
+    with _Progress("scan") as bar:
         try:
             result = run_scan(
                 filters,
@@ -433,20 +573,23 @@ def scan(
                 jobs=jobs,
                 timeout=timeout,
                 arch_timeout=arch_timeout,
-                progress=progress,
+                progress=bar.update,
             )
         except FsdpcheckError as exc:
             bar.stop()
             _stderr().print(f"[bold red]fsdpcheck scan[/]: {escape(str(exc))}", highlight=False)
+            outputs.annotations(_error_annotation("fsdpcheck scan", str(exc)))
             raise typer.Exit(exc.exit_code) from None
     console = _stdout()
     console.print(scan_table(result, all_rows=not problems_only))
     for error in result.errors:
         console.print(f"[bold red]✗ seed {error.seed}[/]: {escape(error.message)}", highlight=False)
     console.print(scan_summary(result), highlight=False)
-    if json_path is not None:
-        write_json(result, json_path)
-    raise typer.Exit(result.exit_code)
+    outputs.annotations(scan_annotations(result))
+    outputs.write("--json", lambda path: write_json(result, path))
+    outputs.write("--junit", lambda path: write_junit(scan_to_junit(result), path))
+    outputs.write("--sarif", lambda path: write_sarif(scan_to_sarif(result), path))
+    raise typer.Exit(result.exit_code or (3 if outputs.failed else 0))
 
 
 def main() -> None:

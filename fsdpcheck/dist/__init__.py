@@ -1,0 +1,1 @@
+"""Distributed plumbing: launcher detection (and, after the reorganisation, setup and gather)."""
