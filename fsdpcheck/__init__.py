@@ -8,10 +8,10 @@ _LAZY = {
     "check_model": "fsdpcheck.audit",
     "AuditOptions": "fsdpcheck.audit",
     "AuditResult": "fsdpcheck.audit",
-    "load_full_state_dict": "fsdpcheck.load",
-    "broadcast_buffers": "fsdpcheck.load",
-    "BufferMismatchError": "fsdpcheck.load",
-    "verify_load": "fsdpcheck.verify",
+    "load_full_state_dict": "fsdpcheck.loader.load",
+    "broadcast_buffers": "fsdpcheck.loader.load",
+    "BufferMismatchError": "fsdpcheck.loader.load",
+    "verify_load": "fsdpcheck.loader.verify",
 }
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fsdpcheck import distributed
+from fsdpcheck.dist import setup as distributed
 from fsdpcheck.errors import EXIT_RUNTIME, FsdpcheckError
 from fsdpcheck.faults import maybe_inject
 from fsdpcheck.records import (
@@ -21,10 +21,10 @@ from fsdpcheck.records import (
     VerifyResult,
     WrapPlan,
 )
-from fsdpcheck.wrap import DEFAULT_MIN_PARAMS
+from fsdpcheck.model.wrap import DEFAULT_MIN_PARAMS
 
 if TYPE_CHECKING:
-    from fsdpcheck.build import BuiltModel
+    from fsdpcheck.model.build import BuiltModel
 
 T = TypeVar("T")
 
@@ -122,7 +122,7 @@ def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
     (and optionally wrapping) the model and before loading weights. Reuses the script's process
     group; metadata goes over a gloo side channel bounded by ``timeout``. The report (rank 0)
     has findings and loader predictions; ``exit_code`` is the same on every rank."""
-    from fsdpcheck.fingerprint import fingerprint
+    from fsdpcheck.model.fingerprint import fingerprint
 
     ctx = distributed.init("auto", timeout)
     try:
@@ -149,7 +149,10 @@ def _audit(
     watch: distributed.AbortWatch,
     publish: Callable[[Report], None] | None,
 ) -> AuditResult:
-    from fsdpcheck import build, fingerprint, resolve, wrap
+    from fsdpcheck.model import build
+    from fsdpcheck.model import fingerprint
+    from fsdpcheck.model import resolve
+    from fsdpcheck.model import wrap
 
     state = _RankState(ctx, publish=publish)
     env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
@@ -202,8 +205,8 @@ def _conclude(
 
     ``options`` None: :func:`check_model`, which only checks (the script loads its own weights).
     """
-    from fsdpcheck.gather import broadcast_decision, gather_records
-    from fsdpcheck.render import report_headline
+    from fsdpcheck.dist.gather import broadcast_decision, gather_records
+    from fsdpcheck.console import report_headline
     from fsdpcheck.report import assemble, error_report, with_reproduction
 
     distributed.mark_stage(ctx, "gather")
@@ -245,7 +248,7 @@ def _download_on_rank0(options: AuditOptions, ctx: distributed.DistContext, stat
     """Rank 0 downloads into the shared cache while the others wait, then all read the cache."""
     import torch.distributed as dist
 
-    from fsdpcheck.resolve import download
+    from fsdpcheck.model.resolve import download
 
     if ctx.rank == 0:
         state.stage(
@@ -276,7 +279,7 @@ class _ProbeThread:
         self._thread.start()
 
     def _run(self) -> None:
-        from fsdpcheck.probe import probe
+        from fsdpcheck.children.probe import probe
 
         o = self._options
         try:
@@ -310,7 +313,7 @@ def _load_stage(
     report: Report | None,
 ) -> Report | None:
     """Collective: rank 0 decides whether the loader runs; then load and verify, or say why not."""
-    from fsdpcheck.gather import broadcast_decision
+    from fsdpcheck.dist.gather import broadcast_decision
     from fsdpcheck.report import with_load
 
     skip = _load_skip_reason(options, report, built) if ctx.rank == 0 else ""
@@ -342,8 +345,8 @@ def _load_and_verify(
     ctx: distributed.DistContext, state: _RankState, built: BuiltModel | None
 ) -> tuple[LoadOutcome, VerifyResult | None]:
     """Collective: the sorted, validated loader, then the proof that every rank is equal."""
-    from fsdpcheck.load import load_full_state_dict
-    from fsdpcheck.verify import verify_load
+    from fsdpcheck.loader.load import load_full_state_dict
+    from fsdpcheck.loader.verify import verify_load
 
     distributed.mark_stage(ctx, "load")
     full = built.full_state_dict if ctx.rank == 0 else None

@@ -130,7 +130,7 @@ def audit(
     from fsdpcheck.audit import AuditOptions, run_audit
     from fsdpcheck.errors import FsdpcheckError
     from fsdpcheck.records import RankError
-    from fsdpcheck.render import render
+    from fsdpcheck.console import render
     from fsdpcheck.report import write_json
 
     options = AuditOptions(
@@ -277,7 +277,7 @@ def presets() -> None:
     """List the built-in models."""
     from rich.table import Table
 
-    from fsdpcheck.presets import PRESETS
+    from fsdpcheck.model.presets import PRESETS
 
     table = Table(title="fsdpcheck presets")
     table.add_column("name", style="bold")
@@ -327,8 +327,8 @@ def probe(
     {"sliding_attention", "full_attention"}.
     """
     from fsdpcheck.errors import FsdpcheckError
-    from fsdpcheck.probe import DEFAULT_SEEDS, probe_errors, probe_summary, probe_table, write_json
-    from fsdpcheck.probe import probe as run_probe
+    from fsdpcheck.children.probe import DEFAULT_SEEDS, probe_errors, probe_summary, probe_table, write_json
+    from fsdpcheck.children.probe import probe as run_probe
 
     try:
         result = run_probe(
@@ -407,9 +407,9 @@ def scan(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from fsdpcheck.errors import FsdpcheckError
-    from fsdpcheck.probe import DEFAULT_SEEDS, write_json
-    from fsdpcheck.scan import scan as run_scan
-    from fsdpcheck.scan import scan_summary, scan_table
+    from fsdpcheck.children.probe import DEFAULT_SEEDS, write_json
+    from fsdpcheck.children.scan import scan as run_scan
+    from fsdpcheck.children.scan import scan_summary, scan_table
 
     families = ("causal-lm", "masked-lm") if masked_lm else ("causal-lm",)
     columns = (

@@ -213,7 +213,7 @@ CAUSES = {
 
 @dataclass(frozen=True)
 class LoaderPrediction:
-    """What one known loader would do on these ranks (see ``fsdpcheck.predict.LOADERS``)."""
+    """What one known loader would do on these ranks (see ``fsdpcheck.checks.predict.LOADERS``)."""
 
     name: str
     verdict: str  # "ok" | "uninitialized" | "silent-corruption" | "refused" | "hang"

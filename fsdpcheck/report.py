@@ -10,8 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdpcheck.analyse import analyse, group_ranks, ranks_label, verdict
-from fsdpcheck.predict import predict_loaders
+from fsdpcheck.checks.layout import analyse, group_ranks, ranks_label, verdict
+from fsdpcheck.checks.predict import predict_loaders
 from fsdpcheck.records import (
     Finding,
     LoadOutcome,
@@ -26,7 +26,7 @@ from fsdpcheck.records import (
 
 if TYPE_CHECKING:
     from fsdpcheck.audit import AuditOptions
-    from fsdpcheck.gather import Gathered
+    from fsdpcheck.dist.gather import Gathered
 
 
 def assemble(
@@ -90,9 +90,9 @@ def with_load(report: Report, load: LoadOutcome, verified: VerifyResult | None) 
 
 
 def with_probe(report: Report, result: Any) -> Report:
-    """Fold ``fsdpcheck.probe``'s result in: a ``hash-seed`` finding, and ``latent`` when that
+    """Fold ``fsdpcheck.children.probe``'s result in: a ``hash-seed`` finding, and ``latent`` when that
     is the only finding (the ranks agree now, but only because they share a hash seed)."""
-    from fsdpcheck.probe import probe_finding
+    from fsdpcheck.children.probe import probe_finding
 
     finding = probe_finding(result)
     findings = report.findings + ((finding,) if finding is not None else ())
@@ -102,7 +102,7 @@ def with_probe(report: Report, result: Any) -> Report:
 
 def with_reproduction(report: Report, options: AuditOptions) -> Report:
     """Run the unsafe named-buffers-order loader in an isolated child job (never in-process)."""
-    from fsdpcheck.reproduce import run_reproduction
+    from fsdpcheck.children.reproduce import run_reproduction
 
     seeds = _divergent_seeds(report)
     try:

@@ -1,5 +1,5 @@
 """One rank of the gather-scaling benchmark: every rank builds the hazard model on meta, wraps
-it, fingerprints it (the audit's own records), then calls ``fsdpcheck.gather.gather_records``
+it, fingerprints it (the audit's own records), then calls ``fsdpcheck.dist.gather.gather_records``
 repeatedly: with every rank agreeing, and with the last rank divergent (its RoPE buffers in the
 other order, as a different hash seed gives). Prints one line ``@bench {json}`` per rank with
 the bytes this rank sent and each repeat's seconds; run by scripts/bench.py."""
@@ -23,11 +23,13 @@ def main() -> int:
     parser.add_argument("--model", default="hazard")
     args = parser.parse_args()
 
-    from fsdpcheck import distributed, gather, wrap
-    from fsdpcheck.build import build
-    from fsdpcheck.fingerprint import fingerprint
+    from fsdpcheck.dist import setup as distributed
+    from fsdpcheck.dist import gather
+    from fsdpcheck.model import wrap
+    from fsdpcheck.model.build import build
+    from fsdpcheck.model.fingerprint import fingerprint
     from fsdpcheck.records import RankRecord
-    from fsdpcheck.resolve import resolve
+    from fsdpcheck.model.resolve import resolve
 
     ctx = distributed.init("gloo", 120.0)
     model = build(resolve(args.model, rank=ctx.rank), rank=ctx.rank, init="meta").model

@@ -7,7 +7,7 @@ full_state_dict=True, broadcast_from_rank0=True)``),
 ``raw`` (one ``dist.broadcast`` of the same bytes from a flat tensor on rank 0 into a freshly
 allocated one on the others; then, untimed for the peak, a second broadcast into the memory the
 first one touched: the wire alone, ``seconds_warm``) and ``raw-warm`` (only the latter).
-Prints one line ``@bench {json}``; run by scripts/bench.py through fsdpcheck.launch.
+Prints one line ``@bench {json}``; run by scripts/bench.py through fsdpcheck.children.launch.
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ def main() -> int:
     parser.add_argument("--verify", action="store_true", help="verify_load afterwards (untimed)")
     args = parser.parse_args()
 
-    from fsdpcheck import distributed, wrap
+    from fsdpcheck.dist import setup as distributed
+    from fsdpcheck.model import wrap
 
     ctx = distributed.init("gloo", 300.0)
     rank = ctx.rank
@@ -156,7 +157,7 @@ def main() -> int:
     start = time.perf_counter()
     extra: dict = {}
     if args.method == "bucketed":
-        from fsdpcheck.load import load_full_state_dict
+        from fsdpcheck.loader.load import load_full_state_dict
         from fsdpcheck.records import to_dict
 
         result = load_full_state_dict(
@@ -214,7 +215,7 @@ def main() -> int:
         del fresh
     verified = None
     if args.verify and model is not None:
-        from fsdpcheck.verify import verify_load
+        from fsdpcheck.loader.verify import verify_load
 
         verified = verify_load(model, source, group=ctx.meta_group).passed
     record = {

@@ -41,10 +41,10 @@ def build(rank: int, dtype: torch.dtype) -> tuple[nn.Module, dict | None]:
 
 
 def main() -> int:
-    from fsdpcheck import distributed
-    from fsdpcheck.load import broadcast_buffers, load_full_state_dict
+    from fsdpcheck.dist import setup as distributed
+    from fsdpcheck.loader.load import broadcast_buffers, load_full_state_dict
     from fsdpcheck.records import to_dict
-    from fsdpcheck.verify import verify_load
+    from fsdpcheck.loader.verify import verify_load
 
     ctx = distributed.init("nccl", 60.0)
     out: dict = {"rank": ctx.rank, "device": str(ctx.device), "torch": torch.__version__}

@@ -8,7 +8,7 @@ import json
 import pytest
 from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, tensor
 
-from fsdpcheck.analyse import analyse, group_ranks, headline, ranks_label, reference_group, verdict
+from fsdpcheck.checks.layout import analyse, group_ranks, headline, ranks_label, reference_group, verdict
 from fsdpcheck.records import (
     CAUSES,
     FINDING_KINDS,

@@ -181,7 +181,7 @@ def test_single_process_without_launcher(tmp_path: Path) -> None:
 def test_check_model_from_a_training_script(tmp_path: Path) -> None:
     from conftest import REPO
 
-    from fsdpcheck.launch import launch
+    from fsdpcheck.children.launch import launch
 
     out = tmp_path / "report.json"
     result = launch(
@@ -205,7 +205,7 @@ def test_check_model_names_a_peer_that_died(tmp_path: Path) -> None:
     from conftest import REPO
 
     from fsdpcheck.faults import FAULT_ENV
-    from fsdpcheck.launch import launch
+    from fsdpcheck.children.launch import launch
 
     out = tmp_path / "report.json"
     result = launch(

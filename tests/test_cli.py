@@ -8,7 +8,7 @@ from pathlib import Path
 from conftest import read_report
 from conftest import run_plain as _run
 
-from fsdpcheck.launch import free_port
+from fsdpcheck.children.launch import free_port
 
 
 def test_audit_help_shows_examples_and_exit_codes() -> None:

@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, read_report, run_ranks
 
 from fsdpcheck.faults import FAULT_ENV
-from fsdpcheck.launch import free_port, launch
+from fsdpcheck.children.launch import free_port, launch
 
 TIMEOUT = 15  # --timeout for these runs
 BOUND = TIMEOUT + 30  # import + build + the timeout, with room for a loaded CI machine

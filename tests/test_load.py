@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_worker_ranks
 
-from fsdpcheck.launch import LaunchResult
+from fsdpcheck.children.launch import LaunchResult
 
 ROTARY = "model.rotary_emb"
 
@@ -180,7 +180,7 @@ def test_buffers_too_big_to_ride_with_the_check_are_broadcast_after_it(tmp_path:
 def test_source_problems_are_named() -> None:
     import torch
 
-    from fsdpcheck.layout import _source_problems
+    from fsdpcheck.loader.agree import _source_problems
 
     state = (("a", (4,), "float32"), ("b", (2, 2), "float32"))
     assert _source_problems(0, state, {"a": torch.zeros(4), "b": torch.zeros(2, 2)}) == []
@@ -204,7 +204,7 @@ def test_shard_of_follows_torch_chunk(rows: int, world: int, sizes: list[int]) -
     import torch
     from torch.distributed.tensor import Shard
 
-    from fsdpcheck.verify import shard_of
+    from fsdpcheck.loader.verify import shard_of
 
     full = torch.arange(rows * 3).reshape(rows, 3)
     shards = [shard_of(full, [Shard(0)], [world], [r]) for r in range(world)]
@@ -217,7 +217,7 @@ def test_shard_of_second_dim_and_replicate() -> None:
     import torch
     from torch.distributed.tensor import Replicate, Shard
 
-    from fsdpcheck.verify import shard_of
+    from fsdpcheck.loader.verify import shard_of
 
     full = torch.arange(12).reshape(3, 4)
     assert torch.equal(shard_of(full, [Shard(1)], [2], [1]), full[:, 2:])
@@ -226,7 +226,7 @@ def test_shard_of_second_dim_and_replicate() -> None:
 
 def test_verify_result_round_trips() -> None:
     from fsdpcheck.records import from_dict, to_dict
-    from fsdpcheck.verify import VerifyResult
+    from fsdpcheck.loader.verify import VerifyResult
 
     result = VerifyResult(
         ran=True,
@@ -239,8 +239,8 @@ def test_verify_result_round_trips() -> None:
 
 
 def test_mismatch_message_lists_every_difference_and_groups_ranks() -> None:
-    from fsdpcheck.layout import Exchange as _Exchange
-    from fsdpcheck.layout import _differences
+    from fsdpcheck.loader.agree import Exchange as _Exchange
+    from fsdpcheck.loader.agree import _differences
 
     def exchange(rank: int, *buffers: tuple) -> _Exchange:
         return _Exchange(rank, tuple(buffers), (), ())

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import run_worker_ranks
 
-from fsdpcheck.launch import LaunchResult
+from fsdpcheck.children.launch import LaunchResult
 
 
 def run_worker(
@@ -155,7 +155,7 @@ def _covers(plan, numels) -> None:
 
 @pytest.mark.parametrize("bucket", [1024, 4096, 2**20, 256 * 2**20])
 def test_plan_covers_every_element_once_within_the_bucket_size(bucket: int) -> None:
-    from fsdpcheck.transfer import plan_messages as _plan
+    from fsdpcheck.loader.transfer import plan_messages as _plan
 
     numels = [(3, 4), (0, 4), (5000, 4), (1, 2), (700, 2), (300_000, 4), (7, 8), (2**19, 4)]
     plan = _plan(numels, bucket)
@@ -165,7 +165,7 @@ def test_plan_covers_every_element_once_within_the_bucket_size(bucket: int) -> N
 
 
 def test_plan_sends_large_shards_alone_and_packs_small_ones() -> None:
-    from fsdpcheck.transfer import plan_messages as _plan
+    from fsdpcheck.loader.transfer import plan_messages as _plan
 
     numels = [(10, 4), (2**20, 4), (20, 4)]
     plan = _plan(numels, 256 * 2**20)
@@ -195,8 +195,8 @@ def test_local_shape_is_the_shape_shard_of_cuts(shape, placements, mesh_shape) -
     import torch
     from torch.distributed.tensor import Replicate, Shard
 
-    from fsdpcheck.transfer import local_shape as _local_shape
-    from fsdpcheck.verify import shard_of
+    from fsdpcheck.loader.transfer import local_shape as _local_shape
+    from fsdpcheck.loader.verify import shard_of
 
     parsed = [Replicate() if p == "R" else Shard(int(p[1])) for p in placements]
     full = torch.empty(shape)
@@ -206,7 +206,7 @@ def test_local_shape_is_the_shape_shard_of_cuts(shape, placements, mesh_shape) -
 
 
 def test_choose_is_one_decision_from_everyones_entries() -> None:
-    from fsdpcheck.transfer import choose_method as _choose
+    from fsdpcheck.loader.transfer import choose_method as _choose
 
     ranks = [0, 1, 2, 3]
     same = [("d", None)] * 4
@@ -227,7 +227,7 @@ def test_bad_method_and_bucket_size_are_input_errors() -> None:
     from torch import nn
 
     from fsdpcheck.errors import InputError
-    from fsdpcheck.load import load_full_state_dict
+    from fsdpcheck.loader.load import load_full_state_dict
 
     with pytest.raises(InputError, match="method='fast'"):
         load_full_state_dict(nn.Linear(2, 2), {}, method="fast")

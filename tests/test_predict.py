@@ -8,8 +8,8 @@ import json
 import pytest
 from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, tensor
 
-from fsdpcheck.analyse import group_ranks
-from fsdpcheck.predict import (
+from fsdpcheck.checks.layout import group_ranks
+from fsdpcheck.checks.predict import (
     DDP_BUCKET_BYTES,
     LOADERS,
     LoaderPrediction,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from fsdpcheck.probe import (
+from fsdpcheck.children.probe import (
     DEFAULT_SEEDS,
     ChildRunner,
     ProbeResult,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from fsdpcheck.records import LoadOutcome, Report, VerifyResult, from_dict, to_dict
-from fsdpcheck.render import render
+from fsdpcheck.console import render
 
 
 def _printed(load: LoadOutcome) -> str:

@@ -8,7 +8,7 @@ import pytest
 
 from fsdpcheck.errors import InputError
 from fsdpcheck.records import to_dict
-from fsdpcheck.reproduce import run_reproduction
+from fsdpcheck.children.reproduce import run_reproduction
 
 ROTARY = "model.rotary_emb"
 

@@ -10,9 +10,9 @@ import pytest
 from conftest import run_cli
 
 from fsdpcheck.errors import InputError
-from fsdpcheck.probe import SeedError
+from fsdpcheck.children.probe import SeedError
 from fsdpcheck.records import from_dict
-from fsdpcheck.scan import ScanResult, ScanTarget, _row, matches, scan
+from fsdpcheck.children.scan import ScanResult, ScanTarget, _row, matches, scan
 
 
 def _cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:

@@ -12,11 +12,12 @@ import torch
 from recorded import run_recorded, worker_parser
 from torch import nn
 
-from fsdpcheck import distributed, wrap
-from fsdpcheck.build import build
+from fsdpcheck.dist import setup as distributed
+from fsdpcheck.model import wrap
+from fsdpcheck.model.build import build
 from fsdpcheck.records import to_dict
-from fsdpcheck.resolve import resolve
-from fsdpcheck.verify import verify_load
+from fsdpcheck.model.resolve import resolve
+from fsdpcheck.loader.verify import verify_load
 
 
 def _mesh(text: str | None) -> tuple[int, ...] | None:
@@ -93,12 +94,12 @@ def main() -> int:
             fully_shard(module, mesh=ctx.mesh, **kwargs)
 
         if args.fail_materialise_on_rank == ctx.rank:
-            import fsdpcheck.load
+            import fsdpcheck.loader.load
 
             def broken(model: nn.Module) -> bool:
                 raise MemoryError("injected: no memory for the shards")
 
-            fsdpcheck.load._materialise = broken
+            fsdpcheck.loader.load._materialise = broken
         load_kwargs: dict = {}
         if args.method:
             load_kwargs["method"] = args.method
@@ -107,7 +108,7 @@ def main() -> int:
         size = args.bucket_bytes_rank1 if ctx.rank == 1 else None
         if size or args.bucket_bytes:
             load_kwargs["bucket_bytes"] = size or args.bucket_bytes
-        from fsdpcheck.load import load_full_state_dict
+        from fsdpcheck.loader.load import load_full_state_dict
 
         result = load_full_state_dict(model, source, group=ctx.meta_group, **load_kwargs)
         record["load"] = to_dict(result)

@@ -11,12 +11,13 @@ import torch
 from recorded import run_recorded, worker_parser
 from torch import nn
 
-from fsdpcheck import distributed, wrap
-from fsdpcheck.build import build
-from fsdpcheck.load import broadcast_buffers, load_full_state_dict
+from fsdpcheck.dist import setup as distributed
+from fsdpcheck.model import wrap
+from fsdpcheck.model.build import build
+from fsdpcheck.loader.load import broadcast_buffers, load_full_state_dict
 from fsdpcheck.records import to_dict
-from fsdpcheck.resolve import resolve
-from fsdpcheck.verify import verify_load
+from fsdpcheck.model.resolve import resolve
+from fsdpcheck.loader.verify import verify_load
 
 
 def _register(model: nn.Module, name: str, value: torch.Tensor, *, real: bool) -> None:

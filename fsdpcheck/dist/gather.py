@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdpcheck.distributed import exchange_slots
+from fsdpcheck.dist.setup import exchange_slots
 from fsdpcheck.records import RankRecord, from_dict, to_dict
 
 _DIGEST_BYTES = 16

@@ -35,7 +35,7 @@ from fsdpcheck.errors import (
     EXIT_RUNTIME,
     InputError,
 )
-from fsdpcheck.probe import (
+from fsdpcheck.children.probe import (
     DEFAULT_SEEDS,
     ModuleReorder,
     SeedError,
@@ -154,7 +154,7 @@ def available_targets(
                 suffix = "" if family == "causal-lm" else f" ({family})"
                 out.append(ScanTarget(model_type + suffix, model_type, name, family))
     if presets:
-        from fsdpcheck.presets import PRESETS
+        from fsdpcheck.model.presets import PRESETS
 
         for name in presets:
             preset = PRESETS.get(name)
@@ -238,7 +238,7 @@ def scan(
                 progress(done, total, f"{record['arch']} (seed {seed})")
 
     argv = [
-        "-m", "fsdpcheck.scan", "--child",
+        "-m", "fsdpcheck.children.scan", "--child",
         "--arch-timeout", str(arch_timeout),
         "--targets", json.dumps([to_dict(t) for t in targets]),
     ]  # fmt: skip
@@ -492,11 +492,11 @@ def build_target(target: ScanTarget) -> dict[str, Any]:
     """Build one target on meta and fingerprint it (child side); raises on failure."""
     import torch
 
-    from fsdpcheck.fingerprint import fingerprint
+    from fsdpcheck.model.fingerprint import fingerprint
 
     if target.family == "preset":
-        from fsdpcheck.build import build
-        from fsdpcheck.resolve import resolve
+        from fsdpcheck.model.build import build
+        from fsdpcheck.model.resolve import resolve
 
         built = build(resolve(target.model_type), rank=0, init="meta")
         config = getattr(built.model, "config", None)
@@ -539,7 +539,7 @@ def _describe(exc: BaseException) -> str:
 
 
 def _child(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdpcheck.scan")
+    parser = argparse.ArgumentParser(prog="python -m fsdpcheck.children.scan")
     parser.add_argument("--child", action="store_true", required=True)
     parser.add_argument("--targets", required=True, help="JSON list of ScanTarget records")
     parser.add_argument("--arch-timeout", type=float, default=DEFAULT_ARCH_TIMEOUT)

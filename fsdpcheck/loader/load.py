@@ -23,7 +23,7 @@ position:
 - Non-persistent buffers, which no state dict carries, are broadcast by sorted name, one flat
   tensor per dtype (small ones ride with the check itself: one collective in all).
 
-The checks live in :mod:`fsdpcheck.layout`, the bucketed transfer in :mod:`fsdpcheck.transfer`;
+The checks live in :mod:`fsdpcheck.loader.agree`, the bucketed transfer in :mod:`fsdpcheck.loader.transfer`;
 this module puts them together.
 """
 
@@ -39,10 +39,10 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fsdpcheck.distributed import transport_device
+from fsdpcheck.dist.setup import transport_device
 from fsdpcheck.errors import InputError
-from fsdpcheck.fingerprint import non_persistent_buffer_names
-from fsdpcheck.layout import (
+from fsdpcheck.model.fingerprint import non_persistent_buffer_names
+from fsdpcheck.loader.agree import (
     BufferMismatchError,
     Layout,
     StateDictMismatchError,
@@ -54,7 +54,7 @@ from fsdpcheck.layout import (
     non_persistent,
     raise_if_any_failed,
 )
-from fsdpcheck.transfer import Transfer, aligned, choose_method, fast_info
+from fsdpcheck.loader.transfer import Transfer, aligned, choose_method, fast_info
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

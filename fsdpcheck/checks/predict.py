@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fsdpcheck.analyse import describe, format_shape, ranks_label, reference_group, usable_groups
+from fsdpcheck.checks.layout import describe, format_shape, ranks_label, reference_group, usable_groups
 from fsdpcheck.records import Fingerprint, Group, LoaderPrediction, RankRecord, TensorRecord
 
 LOADERS: dict[str, str] = {

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdpcheck.errors import InputError
-from fsdpcheck.presets import PRESETS, Preset
+from fsdpcheck.model.presets import PRESETS, Preset
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

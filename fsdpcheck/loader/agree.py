@@ -1,6 +1,6 @@
 """Before a byte moves: every rank shows the state-dict entries and non-persistent buffers it
 holds (names, shapes, dtypes), in one fixed-size exchange of digests; any difference is named and
-raised on every rank, never a hang and never a partial load. :mod:`fsdpcheck.load` runs it first."""
+raised on every rank, never a hang and never a partial load. :mod:`fsdpcheck.loader.load` runs it first."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.distributed import exchange_slots, transport_device
+from fsdpcheck.dist.setup import exchange_slots, transport_device
 from fsdpcheck.errors import FsdpcheckError
-from fsdpcheck.fingerprint import dtype_name
+from fsdpcheck.model.fingerprint import dtype_name
 from fsdpcheck.records import short_digest
 
 # (name, shape, dtype): what must agree across ranks before a tensor may be paired by name.

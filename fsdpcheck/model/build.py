@@ -16,7 +16,7 @@ from torch import nn
 
 from fsdpcheck.errors import InputError
 from fsdpcheck.records import ModelInfo
-from fsdpcheck.resolve import ResolvedModel
+from fsdpcheck.model.resolve import ResolvedModel
 
 INIT_MODES = ("rank0", "meta", "all")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,7 +113,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _from_config(config: Any, trust_remote_code: bool) -> nn.Module:
-    from fsdpcheck.hazard import HazardConfig, HazardForCausalLM
+    from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
 
     if isinstance(config, HazardConfig):
         return HazardForCausalLM(config)

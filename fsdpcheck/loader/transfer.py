@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.distributed import transport_device
-from fsdpcheck.fingerprint import dtype_name
-from fsdpcheck.layout import compact, rank_word
+from fsdpcheck.dist.setup import transport_device
+from fsdpcheck.model.fingerprint import dtype_name
+from fsdpcheck.loader.agree import compact, rank_word
 from fsdpcheck.records import short_digest
 
 _ALIGN = 16  # every piece starts at a multiple of this in its bucket, so any dtype can view it
@@ -199,7 +199,7 @@ def local_shape(
     mesh_shape: Sequence[int],
     coordinate: Sequence[int],
 ) -> tuple[int, ...]:
-    """The shape :func:`fsdpcheck.verify.shard_of` cuts, from sizes alone: ``Shard(d)`` keeps
+    """The shape :func:`fsdpcheck.loader.verify.shard_of` cuts, from sizes alone: ``Shard(d)`` keeps
     chunk ``c`` of ``torch.chunk(t, n, d)``, ``ceil(L / n)`` long except at the end."""
     from torch.distributed.tensor import Replicate
 
@@ -389,7 +389,7 @@ class Transfer:
         if index != self._flat_index:
             self._flat_index, self._flat = index, {}
         if rank not in self._flat:
-            from fsdpcheck.verify import shard_of
+            from fsdpcheck.loader.verify import shard_of
 
             spec = self.specs[index]
             full = source[spec.name].detach()

@@ -2,7 +2,7 @@
 
 ``naive_broadcast_buffers`` is verl's buffer loop before its fix (one broadcast per buffer, in
 each rank's own ``named_buffers()`` order). :func:`run_reproduction` launches it as separate
-ranks (``python -m fsdpcheck.reproduce``) bounded in time, because what it does to a process
+ranks (``python -m fsdpcheck.children.reproduce``) bounded in time, because what it does to a process
 cannot be contained: gloo aborts the receiving process on a size mismatch (SIGABRT, not an
 exception) and NCCL waits for its watchdog. The calling process never runs it.
 """
@@ -69,8 +69,8 @@ def run_reproduction(
     timeout: float = 60.0,
 ) -> ReproductionResult:
     """Run the naive loader as ``nprocs`` ranks (PYTHONHASHSEED per rank from ``seeds``)."""
-    from fsdpcheck.launch import launch
-    from fsdpcheck.resolve import resolve
+    from fsdpcheck.children.launch import launch
+    from fsdpcheck.model.resolve import resolve
 
     seeds = tuple(int(s) for s in seeds)
     if nprocs < 2:
@@ -87,7 +87,7 @@ def run_reproduction(
         result = launch(
             [
                 "-m",
-                "fsdpcheck.reproduce",
+                "fsdpcheck.children.reproduce",
                 "--model",
                 model_spec,
                 "--json",
@@ -171,7 +171,7 @@ def _classify(
 
 def _buffer_states(after: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[str, Any]:
     """Per buffer: still right ("ok"), holding another buffer's values ("swapped"), or neither."""
-    from fsdpcheck.fingerprint import value_digest
+    from fsdpcheck.model.fingerprint import value_digest
 
     want = {name: value_digest(t) for name, t in expected.items()}
     states = {}
@@ -201,7 +201,7 @@ def _buffer_states(after: Mapping[str, Any], expected: Mapping[str, Any]) -> dic
 
 def _child(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fsdpcheck.reproduce",
+        prog="python -m fsdpcheck.children.reproduce",
         description="One rank of a reproduction (run_reproduction starts these).",
     )
     parser.add_argument("--model", required=True)
@@ -210,7 +210,7 @@ def _child(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from fsdpcheck import distributed
+    from fsdpcheck.dist import setup as distributed
 
     ctx = distributed.init("gloo", args.timeout)
     try:
@@ -230,8 +230,8 @@ def _child(argv: Sequence[str] | None = None) -> int:
 def _run_rank(args: argparse.Namespace, ctx: Any) -> int:
     import torch.distributed as dist
 
-    from fsdpcheck.build import build
-    from fsdpcheck.resolve import resolve
+    from fsdpcheck.model.build import build
+    from fsdpcheck.model.resolve import resolve
 
     resolved = resolve(args.model, rank=ctx.rank)
     # Every rank real (init="all") and seeded alike, so values are comparable by name.

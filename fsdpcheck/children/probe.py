@@ -11,7 +11,7 @@ Why 8 seeds by default: a two-element ``set`` of strings (``{"sliding_attention"
 all 8 seeds agree by chance with probability ``2 * 2**-8 = 1/128`` (< 1 %). Seeds 0 and 1 alone
 already give different orders for that pair, so the known cases are found every time.
 
-Each child runs ``python -m fsdpcheck.probe --child`` and prints its fingerprint as one JSON line
+Each child runs ``python -m fsdpcheck.children.probe --child`` and prints its fingerprint as one JSON line
 (never pickle). Children run in parallel (at most ``jobs`` at a time), each bounded by ``timeout``
 and killed when it expires. Library code: returns frozen records, never prints.
 """
@@ -350,7 +350,7 @@ def probe(
 
         raise InputError(f"--seeds {seeds}: comparing orders needs at least 2 hash seeds.")
     start = time.monotonic()
-    argv = ["-m", "fsdpcheck.probe", "--child", "--model", model]
+    argv = ["-m", "fsdpcheck.children.probe", "--child", "--model", model]
     argv += ["--text-only"] * text_only + ["--trust-remote-code"] * trust_remote_code
     seed_list = tuple(range(seeds))
     outcomes = run_seeds(argv, seed_list, jobs=jobs, timeout=timeout)
@@ -524,7 +524,7 @@ def write_json(record: Any, path: Path) -> None:
 
 
 def _child(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdpcheck.probe")
+    parser = argparse.ArgumentParser(prog="python -m fsdpcheck.children.probe")
     parser.add_argument("--child", action="store_true", required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--text-only", action="store_true")
@@ -534,12 +534,12 @@ def _child(argv: Sequence[str]) -> int:
     from fsdpcheck.errors import FsdpcheckError
 
     try:
-        from fsdpcheck.resolve import resolve
+        from fsdpcheck.model.resolve import resolve
 
         resolved = resolve(args.model, rank=0)  # before importing torch: bad input fails fast
 
-        from fsdpcheck.build import build
-        from fsdpcheck.fingerprint import fingerprint
+        from fsdpcheck.model.build import build
+        from fsdpcheck.model.fingerprint import fingerprint
 
         built = build(
             resolved,

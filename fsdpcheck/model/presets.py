@@ -78,13 +78,13 @@ def _qwen3() -> Any:
 
 
 def _hazard() -> Any:
-    from fsdpcheck.hazard import HazardConfig
+    from fsdpcheck.model.hazard import HazardConfig
 
     return HazardConfig()
 
 
 def _hazard_equal() -> Any:
-    from fsdpcheck.hazard import HazardConfig
+    from fsdpcheck.model.hazard import HazardConfig
 
     return HazardConfig.equal_sizes()
 

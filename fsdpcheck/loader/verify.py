@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpcheck.errors import FsdpcheckError
-from fsdpcheck.fingerprint import value_digest
+from fsdpcheck.model.fingerprint import value_digest
 from fsdpcheck.records import VerifyResult
 
 # Status codes rank 0 broadcasts with its verdict.

@@ -161,7 +161,7 @@ def _load_method(load: LoadOutcome) -> str:
 
 def report_headline(report: Report) -> str:
     """The one line a person can act on."""
-    from fsdpcheck.analyse import headline
+    from fsdpcheck.checks.layout import headline
 
     line = headline(report.findings, report.errors, report.world_size)
     bad = [f"{p.name} → {p.verdict}" for p in report.loaders if p.verdict != "ok"]
