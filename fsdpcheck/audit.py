@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsdpcheck.dist import setup as distributed
-from fsdpcheck.errors import EXIT_RUNTIME, FsdpcheckError
+from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.faults import maybe_inject
+from fsdpcheck.model.wrap import DEFAULT_MIN_PARAMS
 from fsdpcheck.records import (
     LoadOutcome,
     ModelInfo,
@@ -21,7 +22,7 @@ from fsdpcheck.records import (
     VerifyResult,
     WrapPlan,
 )
-from fsdpcheck.model.wrap import DEFAULT_MIN_PARAMS
+from fsdpcheck.vocab import ExitCode
 
 if TYPE_CHECKING:
     from fsdpcheck.model.build import BuiltModel
@@ -149,10 +150,7 @@ def _audit(
     watch: distributed.AbortWatch,
     publish: Callable[[Report], None] | None,
 ) -> AuditResult:
-    from fsdpcheck.model import build
-    from fsdpcheck.model import fingerprint
-    from fsdpcheck.model import resolve
-    from fsdpcheck.model import wrap
+    from fsdpcheck.model import build, fingerprint, resolve, wrap
 
     state = _RankState(ctx, publish=publish)
     env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
@@ -205,15 +203,16 @@ def _conclude(
 
     ``options`` None: :func:`check_model`, which only checks (the script loads its own weights).
     """
-    from fsdpcheck.dist.gather import broadcast_decision, gather_records
     from fsdpcheck.console import report_headline
+    from fsdpcheck.dist.gather import gather_records
+    from fsdpcheck.dist.wire import broadcast_decision
     from fsdpcheck.report import assemble, error_report, with_reproduction
 
     distributed.mark_stage(ctx, "gather")
     start = time.perf_counter()
     try:
         maybe_inject(ctx.rank, "gather")
-        gathered = gather_records(record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size)
+        gathered = gather_records(record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size)
         state.timings["gather"] = round(time.perf_counter() - start, 4)
         report = None
         if gathered is not None:
@@ -224,12 +223,12 @@ def _conclude(
                 report = with_reproduction(report, options)
             if report is not None and probing is not None:
                 report = probing.fold_into(report)
-        code, headline = EXIT_RUNTIME, ""
+        code, headline = ExitCode.RUNTIME, ""
         if report is not None:
             code, headline = report.exit_code, report_headline(report)
             if state.publish is not None:
                 state.publish(report)
-        code, headline = broadcast_decision(code, headline, ctx.meta_group)
+        code, headline = broadcast_decision(code, headline, ctx.side_channel)
         return AuditResult(ctx.rank, code, report, state.error, headline)
     except Exception as exc:  # a peer died or timed out: name it from heartbeats and marks
         watch.disarm()
@@ -241,7 +240,7 @@ def _conclude(
         own = state.error or RankError(
             ctx.rank, "gather", f"gave up: {errors[0].message}", "runtime"
         )
-        return AuditResult(ctx.rank, EXIT_RUNTIME, report, own, errors[0].message)
+        return AuditResult(ctx.rank, ExitCode.RUNTIME, report, own, errors[0].message)
 
 
 def _download_on_rank0(options: AuditOptions, ctx: distributed.DistContext, state: _RankState):
@@ -256,7 +255,7 @@ def _download_on_rank0(options: AuditOptions, ctx: distributed.DistContext, stat
             lambda: download(options.model, rank=0, allow_pickle=options.allow_pickle),
         )
     try:
-        dist.barrier(group=ctx.meta_group)
+        dist.barrier(group=ctx.side_channel)
     except Exception as exc:  # a dead peer: the gather will name it
         if state.error is None:
             state.error = RankError(
@@ -313,11 +312,11 @@ def _load_stage(
     report: Report | None,
 ) -> Report | None:
     """Collective: rank 0 decides whether the loader runs; then load and verify, or say why not."""
-    from fsdpcheck.dist.gather import broadcast_decision
+    from fsdpcheck.dist.wire import broadcast_decision
     from fsdpcheck.report import with_load
 
     skip = _load_skip_reason(options, report, built) if ctx.rank == 0 else ""
-    go, _ = broadcast_decision(0 if skip else 1, "", ctx.meta_group)
+    go, _ = broadcast_decision(0 if skip else 1, "", ctx.side_channel)
     if go:
         load, verified = _load_and_verify(ctx, state, built)
         return with_load(report, load, verified) if report is not None else None
@@ -355,7 +354,7 @@ def _load_and_verify(
     start = time.perf_counter()
     try:
         maybe_inject(ctx.rank, "load")
-        result = load_full_state_dict(built.model, full or {}, group=ctx.meta_group)
+        result = load_full_state_dict(built.model, full or {}, group=ctx.side_channel)
     except FsdpcheckError as exc:  # refused on every rank alike: nothing was loaded
         state.timings["load"] = round(time.perf_counter() - start, 4)
         return LoadOutcome(True, "refused", str(exc), seconds=state.timings["load"]), None
@@ -375,6 +374,6 @@ def _load_and_verify(
     distributed.mark_stage(ctx, "verify")
     start = time.perf_counter()
     maybe_inject(ctx.rank, "verify")
-    verified = verify_load(built.model, full, group=ctx.meta_group)
+    verified = verify_load(built.model, full, group=ctx.side_channel)
     state.timings["verify"] = round(time.perf_counter() - start, 4)
     return load, verified

@@ -128,9 +128,9 @@ def audit(
         _reexec_with_rank_hash_seed()
 
     from fsdpcheck.audit import AuditOptions, run_audit
+    from fsdpcheck.console import render
     from fsdpcheck.errors import FsdpcheckError
     from fsdpcheck.records import RankError
-    from fsdpcheck.console import render
     from fsdpcheck.report import write_json
 
     options = AuditOptions(
@@ -326,9 +326,15 @@ def probe(
     agree by chance with probability 2·2⁻⁸ = 1/128 (< 1%); seeds 0 and 1 already differ for
     {"sliding_attention", "full_attention"}.
     """
-    from fsdpcheck.errors import FsdpcheckError
-    from fsdpcheck.children.probe import DEFAULT_SEEDS, probe_errors, probe_summary, probe_table, write_json
+    from fsdpcheck.children.probe import (
+        DEFAULT_SEEDS,
+        probe_errors,
+        probe_summary,
+        probe_table,
+        write_json,
+    )
     from fsdpcheck.children.probe import probe as run_probe
+    from fsdpcheck.errors import FsdpcheckError
 
     try:
         result = run_probe(
@@ -406,10 +412,10 @@ def scan(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from fsdpcheck.errors import FsdpcheckError
     from fsdpcheck.children.probe import DEFAULT_SEEDS, write_json
     from fsdpcheck.children.scan import scan as run_scan
     from fsdpcheck.children.scan import scan_summary, scan_table
+    from fsdpcheck.errors import FsdpcheckError
 
     families = ("causal-lm", "masked-lm") if masked_lm else ("causal-lm",)
     columns = (

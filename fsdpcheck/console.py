@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from fsdpcheck.records import LoadOutcome, Report
+from fsdpcheck.text import int_ranges
 
 _VERDICT_STYLE = {
     "consistent": "bold green",
@@ -17,21 +16,6 @@ _VERDICT_STYLE = {
     "latent": "bold yellow",
     "error": "bold red",
 }
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` → ``"0-2,5"``."""
-    ordered = sorted(set(ranks))
-    parts: list[str] = []
-    start = prev = None
-    for r in ordered + [None]:
-        if start is not None and (r is None or r != prev + 1):
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = None
-        if r is not None and start is None:
-            start = r
-        prev = r
-    return ",".join(parts)
 
 
 def render(report: Report, console: Console) -> None:
@@ -56,7 +40,7 @@ def render(report: Report, console: Console) -> None:
 
     if len(report.hosts) > 1:
         console.print(
-            "hosts: " + ", ".join(f"{h} (ranks {rank_ranges(r)})" for h, r in report.hosts.items()),
+            "hosts: " + ", ".join(f"{h} (ranks {int_ranges(r)})" for h, r in report.hosts.items()),
             highlight=False,
         )
 
@@ -68,7 +52,7 @@ def render(report: Report, console: Console) -> None:
         for i, group in enumerate(report.groups):
             table.add_row(
                 str(i),
-                rank_ranges(group.ranks),
+                int_ranges(group.ranks),
                 ", ".join(group.hosts),
                 seeds.get(group.ranks[0], "?"),
                 group.digest[:12],
@@ -77,7 +61,7 @@ def render(report: Report, console: Console) -> None:
 
     for finding in report.findings:
         who = (
-            f"ranks {rank_ranges(finding.ranks)} vs rank {finding.reference_rank}"
+            f"ranks {int_ranges(finding.ranks)} vs rank {finding.reference_rank}"
             if finding.ranks
             else "on rank 0's host, across hash seeds"
         )

@@ -59,7 +59,7 @@ def main() -> int:
     from fsdpcheck.loader.load import broadcast_buffers
 
     ctx = distributed.init("gloo", 120.0)
-    group = ctx.meta_group
+    group = ctx.side_channel
     model = make_model(args.buffers, real=ctx.rank == 0)
     methods = {
         "per-buffer": lambda: per_buffer(model, group),

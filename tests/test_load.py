@@ -225,8 +225,8 @@ def test_shard_of_second_dim_and_replicate() -> None:
 
 
 def test_verify_result_round_trips() -> None:
-    from fsdpcheck.records import from_dict, to_dict
     from fsdpcheck.loader.verify import VerifyResult
+    from fsdpcheck.records import from_dict, to_dict
 
     result = VerifyResult(
         ran=True,

@@ -17,7 +17,8 @@ from fsdpcheck.children.probe import (
     probe,
     probe_finding,
 )
-from fsdpcheck.records import FINDING_KINDS, Finding, Fingerprint, TensorRecord, from_dict, to_dict
+from fsdpcheck.records import Finding, Fingerprint, TensorRecord, from_dict, to_dict
+from fsdpcheck.vocab import FindingKind
 
 FULL = "model.rotary_emb.full_attention_inv_freq"
 SLIDING = "model.rotary_emb.sliding_attention_inv_freq"
@@ -49,7 +50,7 @@ def test_default_seeds_find_the_hazard_every_time(hazard: ProbeResult) -> None:
 
 
 def test_probe_finding_folds_into_an_audit_report(hazard: ProbeResult) -> None:
-    assert "hash-seed" in FINDING_KINDS
+    assert FindingKind("hash-seed") is FindingKind.HASH_SEED
     finding = probe_finding(hazard)
     assert finding is not None
     assert (finding.kind, finding.stage) == ("hash-seed", "probe")

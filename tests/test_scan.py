@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from fsdpcheck.errors import InputError
 from fsdpcheck.children.probe import SeedError
-from fsdpcheck.records import from_dict
 from fsdpcheck.children.scan import ScanResult, ScanTarget, _row, matches, scan
+from fsdpcheck.errors import InputError
+from fsdpcheck.records import from_dict
 
 
 def _cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:

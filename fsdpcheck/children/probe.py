@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdpcheck.errors import EXIT_BAD_INPUT, EXIT_CONSISTENT, EXIT_FINDINGS, EXIT_RUNTIME
 from fsdpcheck.records import Finding, Fingerprint, TensorRecord, from_dict, to_dict
+from fsdpcheck.text import int_ranges
+from fsdpcheck.vocab import ExitCode, Verdict
 
 DEFAULT_SEEDS = 8
 DEFAULT_TIMEOUT = 180.0
@@ -373,12 +374,12 @@ def probe(
     reorders = compare_orders(fingerprints)
     orders = len({(_names(fp.buffers), _names(fp.params)) for fp in fingerprints.values()})
     if reorders:
-        verdict, code = "latent", EXIT_FINDINGS
+        verdict, code = Verdict.LATENT, ExitCode.FINDINGS
     elif errors:
         bad_input = all(e.kind == "input" for e in errors)
-        verdict, code = "error", EXIT_BAD_INPUT if bad_input else EXIT_RUNTIME
+        verdict, code = Verdict.ERROR, ExitCode.BAD_INPUT if bad_input else ExitCode.RUNTIME
     else:
-        verdict, code = "consistent", EXIT_CONSISTENT
+        verdict, code = Verdict.CONSISTENT, ExitCode.CONSISTENT
     return ProbeResult(
         model=model,
         architecture=architecture,
@@ -411,7 +412,7 @@ def probe_finding(result: ProbeResult) -> Finding | None:
     outcome = "hang" if result.sizes_differ else "corrupt them silently"
     summary = (
         f"{len(result.tensors)} tensor(s) in {', '.join(m or '<root>' for m in modules)} change "
-        f"order with PYTHONHASHSEED (seeds {_seed_list(result.seeds)}); sizes "
+        f"order with PYTHONHASHSEED (seeds {int_ranges(result.seeds)}); sizes "
         f"{'differ' if result.sizes_differ else 'are equal'}, so a loader that broadcasts in "
         f"local order would {outcome}"
     )
@@ -441,13 +442,6 @@ def probe_finding(result: ProbeResult) -> Finding | None:
     )
 
 
-def _seed_list(seeds: Sequence[int]) -> str:
-    seeds = list(seeds)
-    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
-        return f"{seeds[0]}-{seeds[-1]}"
-    return ",".join(map(str, seeds))
-
-
 # ---------------------------------------------------------------- rendering (no printing)
 
 
@@ -465,7 +459,7 @@ def probe_table(result: ProbeResult) -> Any:
             table.add_row(
                 (r.module or "<root>") if i == 0 else "",
                 r.kind if i == 0 else "",
-                _seed_list(v.seeds),
+                int_ranges(v.seeds),
                 ", ".join(short),
                 ", ".join(str(list(shapes[n])) for n in v.order),
                 (
@@ -504,7 +498,7 @@ def probe_errors(result: ProbeResult) -> list[str]:
     for e in result.errors:
         grouped.setdefault((e.kind, e.message), []).append(e.seed)
     return [
-        f"[bold red]✗ seed{'s' if len(s) > 1 else ''} {_seed_list(s)} ({kind})[/]: {escape(msg)}"
+        f"[bold red]✗ seed{'s' if len(s) > 1 else ''} {int_ranges(s)} ({kind})[/]: {escape(msg)}"
         for (kind, msg), s in grouped.items()
     ]
 
@@ -556,7 +550,7 @@ def _child(argv: Sequence[str]) -> int:
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         emit({"ok": False, "kind": "runtime", "message": f"{type(exc).__name__}: {first}"})
-        return EXIT_RUNTIME
+        return ExitCode.RUNTIME
     emit({"ok": True, "architecture": built.info.architecture, "fingerprint": to_dict(fp)})
     return 0
 

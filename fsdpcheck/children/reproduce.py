@@ -23,7 +23,6 @@ from typing import Any
 
 from fsdpcheck.errors import InputError
 
-OUTCOMES = ("ok", "silent-corruption", "crash", "hang")
 EXIT_COLLECTIVE_TIMEOUT = 124  # the child's own collective timed out: the loader hung
 _VALUES_SHOWN = 64  # buffers up to this many elements carry their values in the JSON
 _ERROR_LINE = re.compile(r"error|what\(\)|enforce fail|abort|timed out|timeout", re.IGNORECASE)
@@ -40,7 +39,7 @@ class RankExit:
 
 @dataclass(frozen=True)
 class ReproductionResult:
-    outcome: str  # one of OUTCOMES
+    outcome: str  # a ReproOutcome
     model: str
     nprocs: int
     seeds: tuple[int, ...]
@@ -237,7 +236,7 @@ def _run_rank(args: argparse.Namespace, ctx: Any) -> int:
     # Every rank real (init="all") and seeded alike, so values are comparable by name.
     model = build(resolved, rank=ctx.rank, init="all", seed=args.seed).model
     order = [name for name, _ in model.named_buffers()]
-    naive_broadcast_buffers(model, src=0, group=ctx.meta_group)
+    naive_broadcast_buffers(model, src=0, group=ctx.side_channel)
     after = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     expected = dict(
         build(resolved, rank=ctx.rank, init="all", seed=args.seed).model.named_buffers()
@@ -254,7 +253,7 @@ def _run_rank(args: argparse.Namespace, ctx: Any) -> int:
         "corrupted": [n for n, s in states.items() if s["state"] == "corrupted"],
     }
     gathered: list[Any] | None = [None] * ctx.world_size if ctx.rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0, group=ctx.meta_group)
+    dist.gather_object(mine, gathered, dst=0, group=ctx.side_channel)
     if ctx.rank == 0:
         report = {
             "model": args.model,

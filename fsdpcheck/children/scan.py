@@ -29,12 +29,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdpcheck.errors import (
-    EXIT_CONSISTENT,
-    EXIT_FINDINGS,
-    EXIT_RUNTIME,
-    InputError,
-)
 from fsdpcheck.children.probe import (
     DEFAULT_SEEDS,
     ModuleReorder,
@@ -45,12 +39,16 @@ from fsdpcheck.children.probe import (
     installed_version,
     run_seeds,
 )
+from fsdpcheck.errors import (
+    InputError,
+)
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
+from fsdpcheck.text import int_ranges
+from fsdpcheck.vocab import ExitCode, ScanVerdict
 
 DEFAULT_TIMEOUT = 1800.0  # per child (one hash seed, every selected architecture)
 DEFAULT_ARCH_TIMEOUT = 60.0  # per architecture, inside a child
 FAMILIES = ("causal-lm", "masked-lm")
-VERDICTS = ("hang", "silent-corruption", "ok", "skipped")
 LAYERS = 4  # layers in a small config (more when the config has more distinct layer types)
 
 # Integer config fields and the small value they are lowered to (never raised).
@@ -254,13 +252,13 @@ def scan(
             kind = "timeout" if outcome.timed_out else "runtime"
             errors.append(SeedError(seed, kind, failure_message(outcome, timeout)))
     rows = tuple(_row(t, per_arch[t.id], seed_list, errors) for t in targets)
-    counts = {v: sum(r.verdict == v for r in rows) for v in VERDICTS}
+    counts = {v: sum(r.verdict == v for r in rows) for v in ScanVerdict}
     if counts["hang"] or counts["silent-corruption"]:
-        code = EXIT_FINDINGS
+        code = ExitCode.FINDINGS
     elif errors and not any(per_arch.values()):
-        code = EXIT_RUNTIME
+        code = ExitCode.RUNTIME
     else:
-        code = EXIT_CONSISTENT
+        code = ExitCode.CONSISTENT
     return ScanResult(
         rows=rows,
         seeds=seed_list,
@@ -313,15 +311,11 @@ def _row(
         reason = reasons[0] if len(reasons) == 1 else "; ".join(reasons[:2])
     elif failed:
         seed, record = next(iter(failed.items()))
-        reason = f"built under seeds {_seeds(built)} only; seed {seed}: {record.get('reason')}"
+        reason = f"built under seeds {int_ranges(built)} only; seed {seed}: {record.get('reason')}"
     else:
         why = {e.seed: e.message for e in errors}
-        reason = f"no result from seed(s) {_seeds(missing)}: {why.get(missing[0], 'child lost')}"
+        reason = f"no result from seed(s) {int_ranges(missing)}: {why.get(missing[0], 'child lost')}"
     return ScanRow(**base, verdict="skipped", reason=reason, **extra)
-
-
-def _seeds(seeds: Iterable[int]) -> str:
-    return ",".join(str(s) for s in seeds)
 
 
 # ---------------------------------------------------------------- small configs (child side)
@@ -594,7 +588,7 @@ def scan_table(result: ScanResult, *, all_rows: bool = True) -> Any:
     table.add_column("class")
     table.add_column("hash-seed-dependent tensors", overflow="fold")
     table.add_column("verdict")
-    order = {v: i for i, v in enumerate(VERDICTS)}
+    order = {v: i for i, v in enumerate(ScanVerdict)}
     for row in sorted(result.rows, key=lambda r: (order.get(r.verdict, 9), r.id)):
         if not all_rows and row.verdict == "ok":
             continue

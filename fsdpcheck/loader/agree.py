@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.dist.setup import exchange_slots, transport_device
+from fsdpcheck.dist.wire import exchange_slots, transport_device
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.model.fingerprint import dtype_name
 from fsdpcheck.records import short_digest
+from fsdpcheck.text import name_list, ranks_label
 
 # (name, shape, dtype): what must agree across ranks before a tensor may be paired by name.
 Layout = tuple[tuple[str, tuple[int, ...], str], ...]
@@ -83,7 +84,7 @@ def non_persistent(model: nn.Module) -> dict[str, torch.Tensor]:
     return found
 
 
-def describe(
+def local_layout(
     model: nn.Module,
     rank: int,
     *,
@@ -149,7 +150,7 @@ def inline_capacity_for(world_size: int) -> int:
     return max(_INLINE_MIN, min(_INLINE_MAX, _INLINE_TOTAL // max(world_size, 1)))
 
 
-def _slot(mine: Exchange, fast: tuple[str, str | None] | None, inline: bool = False) -> bytes:
+def _exchange_slot(mine: Exchange, fast: tuple[str, str | None] | None, inline: bool = False) -> bytes:
     """This rank's fixed-size entry: flags, then digests of its buffers, state and fast layout."""
     flags = _PROBLEMS if mine.problems else 0
     if inline:
@@ -185,7 +186,7 @@ def agree(
     buffers, or None) to the same round; every rank gets it back when the layouts agree."""
     attach = inline is not None and len(inline) <= inline_capacity
     entries, attached = exchange_slots(
-        _slot(mine, fast, inline=attach),
+        _exchange_slot(mine, fast, inline=attach),
         group,
         size=len(ranks),
         device=transport_device(group),
@@ -253,7 +254,7 @@ def _differences(by_rank: dict[int, Exchange], src: int, field: str, what: str) 
             else:
                 continue
             found[line].append(rank)
-    return [f"{rank_word(ranks)} {compact(ranks)}: {line}" for line, ranks in found.items()]
+    return [f"{ranks_label(ranks)}: {line}" for line, ranks in found.items()]
 
 
 def raise_if_any_failed(failure: str | None, group: Any, ranks: list[int]) -> None:
@@ -268,25 +269,7 @@ def raise_if_any_failed(failure: str | None, group: Any, ranks: list[int]) -> No
         )
 
 
-def group_ranks(group: Any) -> list[int]:
+def member_ranks(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
-def rank_word(ranks: list[int]) -> str:
-    return "rank" if len(ranks) == 1 else "ranks"
-
-
-def compact(ranks: Iterable[int]) -> str:
-    """``[1, 2, 3, 5]`` → ``"1-3, 5"``: a readable list at thousands of ranks."""
-    spans: list[list[int]] = []
-    for r in sorted(ranks):
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-
-
-def name_list(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

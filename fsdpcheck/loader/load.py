@@ -39,22 +39,22 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fsdpcheck.dist.setup import transport_device
+from fsdpcheck.dist.wire import transport_device
 from fsdpcheck.errors import InputError
-from fsdpcheck.model.fingerprint import non_persistent_buffer_names
 from fsdpcheck.loader.agree import (
     BufferMismatchError,
     Layout,
     StateDictMismatchError,
     agree,
-    compact,
-    describe,
-    group_ranks,
     inline_capacity_for,
+    local_layout,
+    member_ranks,
     non_persistent,
     raise_if_any_failed,
 )
-from fsdpcheck.loader.transfer import Transfer, aligned, choose_method, fast_info
+from fsdpcheck.loader.transfer import Transfer, aligned, bucketed_info, choose_method
+from fsdpcheck.model.fingerprint import non_persistent_buffer_names
+from fsdpcheck.text import int_ranges
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -127,18 +127,18 @@ def load_full_state_dict(
         raise InputError(
             f"load_full_state_dict: bucket_bytes={bucket_bytes} is below {MIN_BUCKET_BYTES}."
         )
-    ranks = group_ranks(group)
+    ranks = member_ranks(group)
     if 0 not in ranks:
         raise InputError(
             "load_full_state_dict: `group` must contain global rank 0, which holds the full "
-            f"state dict; it holds ranks {compact(ranks)}."
+            f"state dict; it holds ranks {int_ranges(ranks)}."
         )
     rank = dist.get_rank()
     source = dict(full_state_dict_on_rank0) if full_state_dict_on_rank0 is not None else None
-    mine = describe(model, rank, src=0, source=source if rank == 0 else None, with_state=True)
+    mine = local_layout(model, rank, src=0, source=source if rank == 0 else None, with_state=True)
     fast = None
     if method == "bucketed":
-        fast = fast_info(model, rank, ranks, group, int(bucket_bytes))
+        fast = bucketed_info(model, rank, ranks, group, int(bucket_bytes))
     shared = fast.shared() if fast is not None else None
     layout, collectives, fasts, _ = agree(mine, src=0, group=group, ranks=ranks, fast=shared)
     chosen, reason = choose_method(method, fasts, ranks)
@@ -194,13 +194,13 @@ def load_full_state_dict(
 def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> BufferBroadcast:
     """Broadcast non-persistent buffers from global rank ``src`` by sorted name, one flat tensor
     per dtype, after checking that every rank holds the same names, shapes and dtypes."""
-    ranks = group_ranks(group)
+    ranks = member_ranks(group)
     if src not in ranks:
         raise InputError(
-            f"broadcast_buffers: src={src} is not in `group` (ranks {compact(ranks)})."
+            f"broadcast_buffers: src={src} is not in `group` (ranks {int_ranges(ranks)})."
         )
     rank = dist.get_rank()
-    mine = describe(model, rank, src=src, source=None, with_state=False)
+    mine = local_layout(model, rank, src=src, source=None, with_state=False)
     capacity = inline_capacity_for(len(ranks))
     payload = None
     if rank == src and not mine.problems:

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.dist.setup import transport_device
+from fsdpcheck.dist.wire import transport_device
 from fsdpcheck.model.fingerprint import dtype_name
-from fsdpcheck.loader.agree import compact, rank_word
 from fsdpcheck.records import short_digest
+from fsdpcheck.text import int_ranges, ranks_label
 
 _ALIGN = 16  # every piece starts at a multiple of this in its bucket, so any dtype can view it
 _DIRECT_BYTES = 2**20  # a shard at least this big travels alone, straight from/into the tensor
@@ -38,12 +38,12 @@ class _Spec:
 
 
 @dataclass(frozen=True)
-class _Fast:
+class _Bucketed:
     """One rank's entry for the bucketed path in the layout exchange."""
 
     digest: str  # of everything the transfer layout derives from; every rank must agree
     reason: str | None  # why this rank cannot take the bucketed path
-    specs: tuple[_Spec, ...] = ()  # kept on this rank, never sent (see _Fast.shared)
+    specs: tuple[_Spec, ...] = ()  # kept on this rank, never sent (see _Bucketed.shared)
 
     def shared(self) -> tuple[str, str | None]:
         return self.digest, self.reason
@@ -103,16 +103,16 @@ def _specs(model: nn.Module) -> list[_Spec]:
     return sorted(specs, key=lambda spec: spec.name)
 
 
-def fast_info(
+def bucketed_info(
     model: nn.Module, rank: int, ranks: list[int], group: Any, bucket_bytes: int
-) -> _Fast:
+) -> _Bucketed:
     """What the bucketed path's layout derives from on this rank, and whether this rank can take
     it at all; never raises, so the rank always joins the exchange."""
     try:
         backend = str(dist.get_backend(group)).lower()
         if "gloo" not in backend:
             # Point-to-point from rank 0 over NCCL would set up a communicator per receiver.
-            return _Fast(
+            return _Bucketed(
                 "", f"`group` runs {backend}; the bucketed path sends over gloo (pass a gloo group)"
             )
         specs = _specs(model)
@@ -145,9 +145,9 @@ def fast_info(
         if reasons:
             more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
             reason = reasons[0] + more
-        return _Fast(digest, reason, tuple(specs))
+        return _Bucketed(digest, reason, tuple(specs))
     except Exception as exc:  # the DCP path may still cope; say why this one cannot
-        return _Fast("", f"could not describe its state dict: {type(exc).__name__}: {exc}")
+        return _Bucketed("", f"could not describe its state dict: {type(exc).__name__}: {exc}")
 
 
 def _mesh_key(mesh: Any) -> tuple[Any, ...]:
@@ -172,7 +172,7 @@ def _shard_problems(
     if len(spec.placements) != len(mesh_shape):
         return [f"{spec.name} has {len(spec.placements)} placements on a {len(mesh_shape)}-D mesh"]
     if outside:
-        return [f"{spec.name}'s mesh holds ranks {compact(outside)} that `group` lacks"]
+        return [f"{spec.name}'s mesh holds ranks {int_ranges(outside)} that `group` lacks"]
     if coordinate is None:
         return [f"rank {rank} is not in {spec.name}'s mesh"]
     with torch.no_grad():
@@ -219,7 +219,7 @@ def choose_method(method: str, fasts: list[Any], ranks: list[int]) -> tuple[str,
     if method == "dcp":
         return "dcp", None
     if asked := [r for r, f in zip(ranks, fasts, strict=True) if f is None]:
-        return "dcp", f"{rank_word(asked)} {compact(asked)} asked for method='dcp'"
+        return "dcp", f"{ranks_label(asked)} asked for method='dcp'"
     reasons = [f"rank {r}: {f[1]}" for r, f in zip(ranks, fasts, strict=True) if f[1]]
     if reasons:
         more = f"; and {len(reasons) - 1} more ranks" if len(reasons) > 1 else ""
@@ -227,7 +227,7 @@ def choose_method(method: str, fasts: list[Any], ranks: list[int]) -> tuple[str,
     reference = fasts[ranks.index(0)][0]
     if differ := [r for r, f in zip(ranks, fasts, strict=True) if f[0] != reference]:
         return "dcp", (
-            f"{rank_word(differ)} {compact(differ)} shard, tie or bucket the state dict "
+            f"{ranks_label(differ)} shard, tie or bucket the state dict "
             "differently from rank 0 (placements, meshes, tied weights or bucket_bytes differ)"
         )
     return "bucketed", None

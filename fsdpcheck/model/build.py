@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from fsdpcheck.errors import InputError
-from fsdpcheck.records import ModelInfo
 from fsdpcheck.model.resolve import ResolvedModel
+from fsdpcheck.records import ModelInfo
 
 INIT_MODES = ("rank0", "meta", "all")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
