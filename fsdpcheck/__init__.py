@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "run_audit": "fsdpcheck.audit",
     "check_model": "fsdpcheck.audit",
-    "AuditOptions": "fsdpcheck.audit",
+    "AuditOptions": "fsdpcheck.options",
     "AuditResult": "fsdpcheck.audit",
     "load_full_state_dict": "fsdpcheck.loader.load",
     "broadcast_buffers": "fsdpcheck.loader.load",

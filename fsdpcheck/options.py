@@ -42,14 +42,14 @@ class Budgets:
     collective: float  # any collective on the side channel
     probe: float  # rank 0's --probe children, alongside the audit
     reproduce: float  # the --reproduce child job, whole
-    reproduce_collective: float  # one collective inside that child job: a hang shows before the job's deadline
 
     @classmethod
     def from_timeout(cls, timeout: float) -> Budgets:
-        reproduce = max(10.0, 0.75 * timeout)
         return cls(
-            collective=timeout,
-            probe=max(5.0, 0.8 * timeout),
-            reproduce=reproduce,
-            reproduce_collective=max(2.0, 0.5 * reproduce),
+            collective=timeout, probe=max(5.0, 0.8 * timeout), reproduce=max(10.0, 0.75 * timeout)
         )
+
+
+def child_collective_timeout(job_timeout: float) -> float:
+    """One collective inside a child job: it gives up (and says so) before the job is killed."""
+    return max(2.0, 0.5 * job_timeout)

@@ -153,6 +153,23 @@ class RankRecord:
 
 
 @dataclass(frozen=True)
+class Gathered:
+    """What rank 0 holds after the gather: every rank's digest and host, and one record per
+    distinct digest (keyed by its representative, the lowest rank with that digest)."""
+
+    digests: dict[int, str]
+    hosts: dict[int, str]
+    records: dict[int, RankRecord]
+    bytes_sent: int  # by this rank
+    meta_ranks: tuple[int, ...] = ()  # ranks whose tensors were on meta before loading
+
+    @property
+    def errors(self) -> tuple[RankError, ...]:
+        found = (r.error for r in self.records.values() if r.error is not None)
+        return tuple(sorted(found, key=lambda e: e.rank))
+
+
+@dataclass(frozen=True)
 class Group:
     """Ranks whose records share one digest; ``representative`` is the lowest rank."""
 

@@ -35,7 +35,7 @@ def main() -> int:
     ctx = distributed.init("gloo", 120.0)
     model = build(resolve(args.model, rank=ctx.rank), rank=ctx.rank, init="meta").model
     pre = fingerprint(model, "pre-wrap")
-    _, targets = wrap.plan(model)
+    targets = wrap.plan(model).modules
     wrap.apply(targets, ctx.mesh)
     post = fingerprint(model, "post-wrap")
     env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)

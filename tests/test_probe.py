@@ -9,14 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from fsdpcheck.children.probe import (
-    DEFAULT_SEEDS,
-    ChildRunner,
-    ProbeResult,
-    compare_orders,
-    probe,
-    probe_finding,
-)
+from fsdpcheck.checks.hash_seed import compare_orders, probe_finding
+from fsdpcheck.children.harness import ChildRunner
+from fsdpcheck.children.probe import DEFAULT_SEEDS, ProbeResult, probe
 from fsdpcheck.records import Finding, Fingerprint, TensorRecord, from_dict, to_dict
 from fsdpcheck.vocab import FindingKind
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpcheck.errors import InputError
+from fsdpcheck.options import child_collective_timeout
 
 EXIT_COLLECTIVE_TIMEOUT = 124  # the child's own collective timed out: the loader hung
 _VALUES_SHOWN = 64  # buffers up to this many elements carry their values in the JSON
@@ -80,7 +81,7 @@ def run_reproduction(
         raise InputError(f"timeout must be positive, not {timeout}.")
     resolve(model_spec)  # a bad spec is bad input here, not a "crash" of the children
     # The children's collectives give up first and say so; the launcher's kill is the backstop.
-    child_timeout = max(2.0, timeout * 0.5)
+    child_timeout = child_collective_timeout(timeout)
     with tempfile.TemporaryDirectory(prefix="fsdpcheck-reproduce-") as tmp:
         out = Path(tmp) / "reproduction.json"
         result = launch(

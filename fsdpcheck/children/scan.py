@@ -29,19 +29,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdpcheck.children.probe import (
-    DEFAULT_SEEDS,
-    ModuleReorder,
-    SeedError,
-    compare_orders,
-    emit,
-    failure_message,
-    installed_version,
-    run_seeds,
-)
-from fsdpcheck.errors import (
-    InputError,
-)
+from fsdpcheck.checks.hash_seed import ModuleReorder, compare_orders
+from fsdpcheck.children.harness import emit, failure_message, run_seeds
+from fsdpcheck.children.probe import DEFAULT_SEEDS, SeedError
+from fsdpcheck.dist.environment import package_version
+from fsdpcheck.errors import InputError
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
 from fsdpcheck.text import int_ranges
 from fsdpcheck.vocab import ExitCode, ScanVerdict
@@ -267,8 +259,8 @@ def scan(
         exit_code=code,
         counts=counts,
         errors=tuple(errors),
-        transformers=installed_version("transformers"),
-        torch=installed_version("torch"),
+        transformers=package_version("transformers"),
+        torch=package_version("torch"),
         python=sys.version.split()[0],
         started=started,
         elapsed=round(time.monotonic() - start, 2),
@@ -570,48 +562,6 @@ def _child(argv: Sequence[str]) -> int:
 
 
 # ---------------------------------------------------------------- rendering (no printing)
-
-_STYLE = {"ok": "green", "hang": "bold red", "silent-corruption": "bold red", "skipped": "yellow"}
-
-
-def scan_table(result: ScanResult, *, all_rows: bool = True) -> Any:
-    """A rich Table: architecture, hash-seed-dependent tensors, verdict (non-ok rows first)."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(
-        title=f"hash-seed scan · transformers {result.transformers} · "
-        f"{len(result.seeds)} seeds · {len(result.rows)} architectures",
-        title_justify="left",
-    )
-    table.add_column("architecture")
-    table.add_column("class")
-    table.add_column("hash-seed-dependent tensors", overflow="fold")
-    table.add_column("verdict")
-    order = {v: i for i, v in enumerate(ScanVerdict)}
-    for row in sorted(result.rows, key=lambda r: (order.get(r.verdict, 9), r.id)):
-        if not all_rows and row.verdict == "ok":
-            continue
-        tensors = "; ".join(
-            f"{r.module or '<root>'}: "
-            + ", ".join(f"{t.name.rpartition('.')[2]} {list(t.shape)}" for t in r.tensors)
-            for r in row.reorders
-        )
-        style = _STYLE.get(row.verdict, "")
-        table.add_row(row.id, row.architecture, escape(tensors), f"[{style}]{escape(row.label)}[/]")
-    return table
-
-
-def scan_summary(result: ScanResult) -> str:
-    """One line of counts, as rich markup."""
-    c = result.counts
-    return (
-        f"[bold]{len(result.rows)} architectures[/] in {result.elapsed:.0f} s: "
-        f"[green]{c.get('ok', 0)} ok[/] · [bold red]{c.get('hang', 0)} hang[/] · "
-        f"[bold red]{c.get('silent-corruption', 0)} silent-corruption[/] · "
-        f"[yellow]{c.get('skipped', 0)} skipped[/] (exit {result.exit_code})"
-    )
-
 
 if __name__ == "__main__":
     sys.exit(_child(sys.argv[1:]))

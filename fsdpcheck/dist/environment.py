@@ -7,7 +7,6 @@ import platform
 import socket
 from importlib import metadata
 
-import torch
 
 from fsdpcheck.records import EnvRecord
 
@@ -21,6 +20,8 @@ def package_version(name: str) -> str | None:
 
 def env_record(rank: int, local_rank: int, world_size: int, backend: str) -> EnvRecord:
     """The allowlisted environment of this rank: versions and placement, nothing else."""
+    import torch
+
     return EnvRecord(
         rank=rank,
         local_rank=local_rank,

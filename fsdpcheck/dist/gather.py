@@ -14,24 +14,12 @@ import torch
 import torch.distributed as dist
 
 from fsdpcheck.dist.wire import exchange_slots
-from fsdpcheck.records import RankRecord, from_dict, to_dict
+from fsdpcheck.records import Gathered, RankRecord, from_dict, to_dict
 
 _DIGEST_BYTES = 16
 _HOST_BYTES = 64
 _FLAG_META = 1  # this rank built (some of) the model on meta
 SLOT_BYTES = 1 + _DIGEST_BYTES + _HOST_BYTES
-
-
-@dataclass(frozen=True)
-class Gathered:
-    """What rank 0 holds after the gather: every rank's digest and host, and one record per
-    distinct digest (keyed by its representative, the lowest rank with that digest)."""
-
-    digests: dict[int, str]
-    hosts: dict[int, str]
-    records: dict[int, RankRecord]
-    bytes_sent: int  # by this rank
-    meta_ranks: tuple[int, ...] = ()  # ranks whose tensors were on meta before loading
 
 
 def _pack_slot(digest: str, host: str, flags: int) -> bytes:

@@ -88,7 +88,7 @@ def main() -> int:
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-        _, targets = wrap.plan(model)
+        targets = wrap.plan(model).modules
         fully_shard = wrap.fully_shard_fn()
         for _, module in targets:
             fully_shard(module, mesh=ctx.mesh, **kwargs)

@@ -73,7 +73,7 @@ def main() -> int:
                 model.register_parameter(name, nn.Parameter(odd))
                 if source is not None:
                     source[name] = value.clone()
-        _, targets = wrap.plan(model)
+        targets = wrap.plan(model).modules
         wrap.apply(targets, ctx.mesh)
 
         if args.loader == "dcp":
