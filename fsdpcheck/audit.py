@@ -31,7 +31,7 @@ from fsdpcheck.report import AuditOutcome, assemble, error_report, report_headli
 from fsdpcheck.vocab import ErrorKind, ExitCode, LoadStatus, ReproOutcome, Snapshot, Stage
 
 if TYPE_CHECKING:
-    from fsdpcheck.children.probe import ProbeResult
+    from fsdpcheck.checks.hash_seed import ProbeResult
     from fsdpcheck.model.build import BuiltModel
 
 T = TypeVar("T")

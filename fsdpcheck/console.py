@@ -15,10 +15,10 @@ from rich.text import Text
 from fsdpcheck.records import LoadOutcome, Report
 from fsdpcheck.report import report_headline
 from fsdpcheck.text import int_ranges
-from fsdpcheck.vocab import ScanVerdict
+from fsdpcheck.vocab import LoaderVerdict, LoadMethod, LoadStatus, ScanVerdict
 
 if TYPE_CHECKING:
-    from fsdpcheck.children.probe import ProbeResult
+    from fsdpcheck.checks.hash_seed import ProbeResult
     from fsdpcheck.children.scan import ScanResult
 
 _VERDICT_STYLE = {
@@ -112,7 +112,7 @@ _LOADER_STYLE = {
 def _render_loaders(report: Report, console: Console) -> None:
     if not report.loaders or (report.errors and not report.findings):
         return
-    if all(p.verdict == "ok" for p in report.loaders):
+    if all(p.verdict == LoaderVerdict.OK for p in report.loaders):
         console.print(f"loaders: all {len(report.loaders)} known loaders would load these ranks")
         return
     table = Table(title="what each loader would do on these ranks", title_justify="left")
@@ -126,7 +126,7 @@ def _render_loaders(report: Report, console: Console) -> None:
 
 def _render_load(report: Report, console: Console) -> None:
     load, verified = report.load, report.verify
-    if load is not None and load.outcome == "loaded" and verified is not None:
+    if load is not None and load.outcome == LoadStatus.LOADED and verified is not None:
         status = "[green]passed[/]" if verified.passed else "[bold red]FAILED[/]"
         console.print(
             f"sorted loader: {load.params_loaded} state-dict entries {_load_method(load)}, "
@@ -134,9 +134,9 @@ def _render_load(report: Report, console: Console) -> None:
             f"({load.seconds:.2f}s); verification {status}: {verified.checked} tensors checked "
             f"on {report.world_size} rank{'s' if report.world_size != 1 else ''}"
         )
-    elif load is not None and load.outcome == "refused":
+    elif load is not None and load.outcome == LoadStatus.REFUSED:
         console.print(f"[yellow]sorted loader refused[/] (no rank hung): {escape(load.message)}")
-    elif load is not None and load.outcome == "skipped" and not report.errors:
+    elif load is not None and load.outcome == LoadStatus.SKIPPED and not report.errors:
         console.print(f"sorted loader not run: {escape(load.message)}", style="dim")
     if report.reproduction:
         repro = report.reproduction
@@ -147,7 +147,7 @@ def _render_load(report: Report, console: Console) -> None:
 
 
 def _load_method(load: LoadOutcome) -> str:
-    if load.method == "bucketed":
+    if load.method == LoadMethod.BUCKETED:
         return f"in {load.state_messages} point-to-point buckets ({load.state_bytes:,} bytes)"
     if load.fallback_reason:
         return f"via DCP [yellow](fell back: {escape(load.fallback_reason)})[/]"
@@ -233,7 +233,7 @@ def scan_table(result: ScanResult, *, all_rows: bool = True) -> Any:
     table.add_column("verdict")
     order = {v: i for i, v in enumerate(ScanVerdict)}
     for row in sorted(result.rows, key=lambda r: (order.get(r.verdict, 9), r.id)):
-        if not all_rows and row.verdict == "ok":
+        if not all_rows and row.verdict == ScanVerdict.OK:
             continue
         tensors = "; ".join(
             f"{r.module or '<root>'}: "

@@ -23,7 +23,7 @@ from fsdpcheck.records import (
 from fsdpcheck.vocab import ErrorKind, ExitCode, LoaderVerdict, LoadStatus, Verdict
 
 if TYPE_CHECKING:
-    from fsdpcheck.children.probe import ProbeResult
+    from fsdpcheck.checks.hash_seed import ProbeResult
     from fsdpcheck.options import AuditOptions
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from fsdpcheck.children.harness import usable_cores  # noqa: E402  (torch-free)
 from fsdpcheck.children.launch import LaunchResult, launch  # noqa: E402  (torch-free)
 
 SCRIPTS = REPO / "scripts"
@@ -614,6 +615,7 @@ def row_gather(s: Settings) -> Row:
 
 def row_probe(s: Settings) -> Row:
     from fsdpcheck.children import probe as probe_module
+    from fsdpcheck.children.harness import ChildRunner
 
     row = Row("probe", "probe", "`probe(tiny-gemma4, seeds=8)` vs one meta build in a child")
     model = "tiny-gemma4"
@@ -622,7 +624,7 @@ def row_probe(s: Settings) -> Row:
     verdicts = set()
     for _ in range(s.repeats):
         start = time.perf_counter()
-        outcome = probe_module.ChildRunner().run(argv, 0, 300.0)
+        outcome = ChildRunner().run(argv, 0, 300.0)
         times["one build"].append(time.perf_counter() - start)
         if outcome.returncode != 0:
             raise RuntimeError(f"one build failed: {outcome.stderr_tail}")
@@ -693,13 +695,6 @@ RUNNERS: dict[str, Callable[[Settings], Row]] = {
 
 
 # --- the machine and the report ----------------------------------------------------------------
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def meminfo(field: str) -> int | None:

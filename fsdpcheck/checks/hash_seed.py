@@ -7,15 +7,11 @@ and turns a dependence into a ``hash-seed`` finding for the audit.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from fsdpcheck.records import Finding, Fingerprint, TensorRecord
 from fsdpcheck.text import int_ranges
 from fsdpcheck.vocab import Cause, FindingKind, LoaderVerdict, Snapshot
-
-if TYPE_CHECKING:
-    from fsdpcheck.children.probe import ProbeResult
 
 
 @dataclass(frozen=True)
@@ -48,6 +44,39 @@ class ModuleReorder:
     def outcome(self) -> str:
         """What a loader that pairs tensors by local order would do."""
         return LoaderVerdict.HANG if self.sizes_differ else LoaderVerdict.SILENT_CORRUPTION
+
+
+@dataclass(frozen=True)
+class SeedError:
+    seed: int
+    kind: str  # "input" | "runtime" | "timeout"
+    message: str
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    model: str
+    architecture: str | None
+    seeds: tuple[int, ...]
+    verdict: str  # "latent" | "consistent" | "error"
+    exit_code: int
+    reorders: tuple[ModuleReorder, ...]
+    errors: tuple[SeedError, ...]
+    orders: int  # distinct (buffer order, parameter order) pairs among the seeds that built
+    transformers: str | None = None
+    text_only: bool = False
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        return tuple(t.name for r in self.reorders for t in r.tensors)
+
+    @property
+    def sizes_differ(self) -> bool:
+        return any(r.sizes_differ for r in self.reorders)
+
+
+# ---------------------------------------------------------------- the probe
 
 
 def module_of(name: str) -> str:

@@ -264,7 +264,7 @@ def _stage_differences(a: Fingerprint, b: Fingerprint, stage: str, sides: _Sides
         ("param", a.params, b.params),
     ):
         _tensor_differences(out, prefix, ref_list, other_list, sides)
-        if prefix == "param" and stage == "post-wrap":
+        if prefix == "param" and stage == Snapshot.POST_WRAP:
             _field_difference(out, "param-placement", ref_list, other_list, sides)
     sd = _state_dict_order(a.state_dict_keys, b.state_dict_keys, sides)
     if sd is not None:

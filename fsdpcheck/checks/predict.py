@@ -1,6 +1,6 @@
 """What each known weight loader would do with these ranks: ok, hang, corrupt, or refuse.
 
-Each loader pairs tensors across ranks its own way (DESIGN.md, fact 3). We replay that pairing on
+Each loader pairs tensors across ranks its own way. We replay that pairing on
 the fingerprints of the reference group and every other usable group. Pure: no torch.
 """
 

@@ -21,50 +21,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-from fsdpcheck.checks.hash_seed import ModuleReorder, compare_orders, tensor_names
+from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, compare_orders, tensor_names
 from fsdpcheck.children.harness import emit, failure_message, run_seeds
 from fsdpcheck.dist.environment import package_version
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
-from fsdpcheck.vocab import ExitCode, Verdict
+from fsdpcheck.vocab import ErrorKind, ExitCode, Verdict
 
 DEFAULT_SEEDS = 8
 DEFAULT_TIMEOUT = 180.0
-
-
-@dataclass(frozen=True)
-class SeedError:
-    seed: int
-    kind: str  # "input" | "runtime" | "timeout"
-    message: str
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    model: str
-    architecture: str | None
-    seeds: tuple[int, ...]
-    verdict: str  # "latent" | "consistent" | "error"
-    exit_code: int
-    reorders: tuple[ModuleReorder, ...]
-    errors: tuple[SeedError, ...]
-    orders: int  # distinct (buffer order, parameter order) pairs among the seeds that built
-    transformers: str | None = None
-    text_only: bool = False
-    timings: Mapping[str, float] = field(default_factory=dict)
-
-    @property
-    def tensors(self) -> tuple[str, ...]:
-        return tuple(t.name for r in self.reorders for t in r.tensors)
-
-    @property
-    def sizes_differ(self) -> bool:
-        return any(r.sizes_differ for r in self.reorders)
-
-
-# ---------------------------------------------------------------- the probe
 
 
 def probe(
@@ -114,7 +80,7 @@ def probe(
     if reorders:
         verdict, code = Verdict.LATENT, ExitCode.FINDINGS
     elif errors:
-        bad_input = all(e.kind == "input" for e in errors)
+        bad_input = all(e.kind == ErrorKind.INPUT for e in errors)
         verdict, code = Verdict.ERROR, ExitCode.BAD_INPUT if bad_input else ExitCode.RUNTIME
     else:
         verdict, code = Verdict.CONSISTENT, ExitCode.CONSISTENT

@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdpcheck.checks.hash_seed import ModuleReorder, compare_orders
+from fsdpcheck.checks.hash_seed import ModuleReorder, SeedError, compare_orders
 from fsdpcheck.children.harness import emit, failure_message, run_seeds
-from fsdpcheck.children.probe import DEFAULT_SEEDS, SeedError
+from fsdpcheck.children.probe import DEFAULT_SEEDS
 from fsdpcheck.dist.environment import package_version
 from fsdpcheck.errors import InputError
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
@@ -101,7 +101,7 @@ class ScanRow:
 
     @property
     def label(self) -> str:
-        return f"skipped: {self.reason}" if self.verdict == "skipped" else self.verdict
+        return f"skipped: {self.reason}" if self.verdict == ScanVerdict.SKIPPED else self.verdict
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ def scan(
         if outcome.timed_out or outcome.returncode != 0:
             kind = "timeout" if outcome.timed_out else "runtime"
             errors.append(SeedError(seed, kind, failure_message(outcome, timeout)))
-    rows = tuple(_row(t, per_arch[t.id], seed_list, errors) for t in targets)
+    rows = tuple(scan_row(t, per_arch[t.id], seed_list, errors) for t in targets)
     counts = {v: sum(r.verdict == v for r in rows) for v in ScanVerdict}
     if counts["hang"] or counts["silent-corruption"]:
         code = ExitCode.FINDINGS
@@ -267,7 +267,7 @@ def scan(
     )
 
 
-def _row(
+def scan_row(
     target: ScanTarget,
     by_seed: Mapping[int, Mapping[str, Any]],
     seeds: Sequence[int],

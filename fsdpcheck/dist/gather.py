@@ -1,4 +1,4 @@
-"""Stage 6: bring every rank's record to rank 0 over the gloo side channel.
+"""Bring every rank's record to rank 0 over the gloo side channel.
 
 Built for thousands of ranks: every rank first shares a fixed-size slot (its record's group
 digest and its host); then only one representative per distinct digest sends its full record.

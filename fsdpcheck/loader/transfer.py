@@ -15,9 +15,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpcheck.dist.wire import transport_device
+from fsdpcheck.loader.shards import local_shape, mesh_coordinate, shard_of
 from fsdpcheck.model.fingerprint import dtype_name
 from fsdpcheck.records import short_digest
 from fsdpcheck.text import int_ranges, ranks_label
+from fsdpcheck.vocab import LoadMethod
 
 _ALIGN = 16  # every piece starts at a multiple of this in its bucket, so any dtype can view it
 _DIRECT_BYTES = 2**20  # a shard at least this big travels alone, straight from/into the tensor
@@ -132,7 +134,7 @@ def bucketed_info(
                 mesh_key = meshes.get(id(spec.mesh))
                 if mesh_key is None:
                     mesh_key = meshes[id(spec.mesh)] = _mesh_key(spec.mesh)
-                    coordinates[id(spec.mesh)] = _coordinate(spec.mesh, rank)
+                    coordinates[id(spec.mesh)] = mesh_coordinate(spec.mesh, rank)
                     outside[id(spec.mesh)] = sorted(set(mesh_key[2]) - members)
                 where = (outside[id(spec.mesh)], coordinates[id(spec.mesh)])
                 reasons.extend(_shard_problems(spec, tensor, rank, mesh_key, *where))
@@ -188,35 +190,9 @@ def _shard_problems(
     return []
 
 
-def _coordinate(mesh: Any, rank: int) -> list[int] | None:
-    where = (mesh.mesh == rank).nonzero()
-    return [int(c) for c in where[0].tolist()] if where.numel() else None
-
-
-def local_shape(
-    shape: Sequence[int],
-    placements: Sequence[Any],
-    mesh_shape: Sequence[int],
-    coordinate: Sequence[int],
-) -> tuple[int, ...]:
-    """The shape :func:`fsdpcheck.loader.verify.shard_of` cuts, from sizes alone: ``Shard(d)`` keeps
-    chunk ``c`` of ``torch.chunk(t, n, d)``, ``ceil(L / n)`` long except at the end."""
-    from torch.distributed.tensor import Replicate
-
-    dims = [int(d) for d in shape]
-    for size, coord, placement in zip(mesh_shape, coordinate, placements, strict=True):
-        if isinstance(placement, Replicate):
-            continue
-        dim = placement.dim % max(len(dims), 1)
-        length = dims[dim]
-        chunk = -(-length // size)
-        dims[dim] = max(0, min(chunk, length - coord * chunk)) if chunk else 0
-    return tuple(dims)
-
-
 def choose_method(method: str, fasts: list[Any], ranks: list[int]) -> tuple[str, str | None]:
     """The same decision on every rank, from every rank's (digest, reason), in group order."""
-    if method == "dcp":
+    if method == LoadMethod.DCP:
         return "dcp", None
     if asked := [r for r, f in zip(ranks, fasts, strict=True) if f is None]:
         return "dcp", f"{ranks_label(asked)} asked for method='dcp'"
@@ -306,6 +282,14 @@ class _Pipeline:
             self.finish_oldest()
 
 
+@dataclass(frozen=True)
+class TransferStats:
+    messages: int
+    bytes: int  # on the wire
+    largest: int  # one message's bytes
+    failure: str | None  # this rank's, or None
+
+
 class Transfer:
     """Rank 0 sends every other rank its own shards; nobody receives anyone else's.
 
@@ -333,8 +317,8 @@ class Transfer:
 
     def run(
         self, source: Mapping[str, torch.Tensor] | None, *, write: bool
-    ) -> tuple[int, int, int, str | None]:
-        """(messages, bytes on the wire, largest message, this rank's failure or None)."""
+    ) -> TransferStats:
+        """Move every rank's shards; ``failure`` says what went wrong on this rank."""
         targets = None
         if write:
             try:
@@ -345,8 +329,8 @@ class Transfer:
             if self.rank == 0:
                 if source is None:
                     self.failure = self.failure or "rank 0: no full state dict to send"
-                return (*self._send(source, targets), self.failure)
-            return (*self._receive(targets), self.failure)
+                return TransferStats(*self._send(source, targets), self.failure)
+            return TransferStats(*self._receive(targets), self.failure)
 
     # -- layout
 
@@ -371,7 +355,7 @@ class Transfer:
     def _coordinate(self, mesh: Any, rank: int) -> list[int] | None:
         key = (id(mesh), rank)
         if key not in self._coordinates:
-            self._coordinates[key] = _coordinate(mesh, rank)
+            self._coordinates[key] = mesh_coordinate(mesh, rank)
         return self._coordinates[key]
 
     def _targets(self) -> list[torch.Tensor]:
@@ -389,8 +373,6 @@ class Transfer:
         if index != self._flat_index:
             self._flat_index, self._flat = index, {}
         if rank not in self._flat:
-            from fsdpcheck.loader.verify import shard_of
-
             spec = self.specs[index]
             full = source[spec.name].detach()
             if spec.placements is not None:

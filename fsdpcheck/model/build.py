@@ -1,4 +1,4 @@
-"""Stage 2: build the model on this rank, as real training jobs do.
+"""Build the model on this rank, as real training jobs do.
 
 ``rank0``: rank 0 materialises weights on CPU (from the checkpoint, else random with ``seed``),
 other ranks build on ``meta``; ``meta``: every rank on meta; ``all``: every rank materialises.

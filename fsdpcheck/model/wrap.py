@@ -1,4 +1,4 @@
-"""Stage 4: choose FSDP2 wrap targets and apply ``fully_shard``, leaves first, then the root.
+"""Choose FSDP2 wrap targets and apply ``fully_shard``, leaves first, then the root.
 
 As in verl after its fix: a requested layer class the model does not contain is a warning, and
 when none is present the plan falls back to size-based wrapping.

@@ -99,7 +99,7 @@ def main() -> int:
             def broken(model: nn.Module) -> bool:
                 raise MemoryError("injected: no memory for the shards")
 
-            fsdpcheck.loader.load._materialise = broken
+            fsdpcheck.loader.load.materialise = broken
         load_kwargs: dict = {}
         if args.method:
             load_kwargs["method"] = args.method
