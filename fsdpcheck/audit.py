@@ -112,9 +112,7 @@ def run_audit(
                 publish(error_report(errors, ctx.world_size, options))
 
         with liveness.AbortWatch(ctx, on_abort) as watch:
-            state = _RankState(
-                ctx, progress=progress if ctx.rank == 0 else None, publish=publish
-            )
+            state = _RankState(ctx, progress=progress if ctx.rank == 0 else None, publish=publish)
             return _audit(options, state, watch)
     finally:
         distributed.shutdown(ctx)

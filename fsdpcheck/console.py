@@ -216,7 +216,12 @@ def probe_errors(result: ProbeResult) -> list[str]:
 # ---------------------------------------------------------------- scan
 
 
-_SCAN_STYLE = {"ok": "green", "hang": "bold red", "silent-corruption": "bold red", "skipped": "yellow"}
+_SCAN_STYLE = {
+    "ok": "green",
+    "hang": "bold red",
+    "silent-corruption": "bold red",
+    "skipped": "yellow",
+}
 
 
 def scan_table(result: ScanResult, *, all_rows: bool = True) -> Any:

@@ -136,7 +136,10 @@ class Cause(_Described):
     ENVIRONMENT = "environment", "the ranks run different software"
     CONFIGURATION = "configuration", "how the audit was asked to run"
     LOADING = "loading", "the loader itself left ranks different"
-    UNKNOWN = "unknown", "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping"
+    UNKNOWN = (
+        "unknown",
+        "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
+    )
 
 
 class FindingKind(_Described):

@@ -2,8 +2,8 @@
 
 Every row runs its variants interleaved (A, B, A, B, ...) so that drift on a shared machine hits
 both alike, takes the median of the repeats, and reports the ratio and the raw figures. Ranks are
-started by ``fsdpcheck.children.launch`` with the env:// variables and ``OMP_NUM_THREADS=1`` (as torchrun
-sets it). Writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
+started by ``fsdpcheck.children.launch`` with the env:// variables and ``OMP_NUM_THREADS=1``
+(as torchrun sets it). Writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
 
     .venv/bin/python scripts/bench.py                  # every row, 3 repeats (make bench)
     .venv/bin/python scripts/bench.py --quick          # smoke run: 1 repeat, a smaller model
@@ -202,8 +202,9 @@ def row_audit(s: Settings) -> Row:
         f"Median of {plural(s.noisy_repeats, 'repeat')}"
         + ("" if s.quick else " after one warm-up round")
         + ", the two variants in alternating order. "
-        "Wall: from starting both ranks to the last one exiting (fsdpcheck.children.launch), interpreter "
-        "start-up and imports included, the same for both. Peak RSS: `ru_maxrss` of each rank "
+        "Wall: from starting both ranks to the last one exiting (fsdpcheck.children.launch), "
+        "interpreter start-up and imports included, the same for both. Peak RSS: `ru_maxrss` of "
+        "each rank "
         "process (scripts/bench_rss.py wraps both alike), the larger of the two ranks. CPU time: "
         "user + system time of the busier rank process, which other work on the machine "
         "stretches far less than wall time."
@@ -647,8 +648,9 @@ def row_probe(s: Settings) -> Row:
         )
     )
     row.notes.append(
-        "fsdpcheck.children.probe builds the model on meta in one child interpreter per hash seed; on 2 "
-        "cores 8 children run 2 at a time, so the floor is about 4 × one child (interpreter, "
+        "fsdpcheck.children.probe builds the model on meta in one child interpreter per hash "
+        "seed; on 2 cores 8 children run 2 at a time, so the floor is about 4 × one child "
+        "(interpreter, "
         "torch and transformers imports dominate a child)."
     )
     return row

@@ -60,7 +60,9 @@ def main() -> int:
     }
     for _ in range(2):  # warm-up
         for record in variants.values():
-            gather.gather_records(record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size)
+            gather.gather_records(
+                record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size
+            )
     for name in variants:
         results[name] = {"seconds": [], "bytes": None, "groups": None}
     for _ in range(args.repeats):

@@ -129,6 +129,7 @@ def _reorders(kind: str, seqs: Mapping[int, Sequence[TensorRecord]]) -> list[Mod
         )
     return result
 
+
 def tensor_names(records: Sequence[TensorRecord]) -> tuple[str, ...]:
     return tuple(t.name for t in records)
 

@@ -116,7 +116,10 @@ class _Issue:
 
 def _worse(current: _Issue | None, new: _Issue | None) -> _Issue | None:
     # Strictly worse only, so the earliest offender of the worst kind is the one named.
-    if new is not None and (current is None or LoaderVerdict(new.verdict).severity > LoaderVerdict(current.verdict).severity):
+    if new is not None and (
+        current is None
+        or LoaderVerdict(new.verdict).severity > LoaderVerdict(current.verdict).severity
+    ):
         return new
     return current
 

@@ -11,8 +11,9 @@ Why 8 seeds by default: a two-element ``set`` of strings (``{"sliding_attention"
 all 8 seeds agree by chance with probability ``2 * 2**-8 = 1/128`` (< 1 %). Seeds 0 and 1 alone
 already give different orders for that pair, so the known cases are found every time.
 
-Each child runs ``python -m fsdpcheck.children.probe --child`` and prints its fingerprint as one JSON line
-(never pickle). Children run in parallel (at most ``jobs`` at a time), each bounded by ``timeout``
+Each child runs ``python -m fsdpcheck.children.probe --child`` and prints its fingerprint as
+one JSON line (never pickle). Children run in parallel (at most ``jobs`` at a time), each bounded
+by ``timeout``
 and killed when it expires. Library code: returns frozen records, never prints.
 """
 
@@ -76,7 +77,9 @@ def probe(
             errors.append(SeedError(seed, kind, failure_message(outcome, timeout)))
 
     reorders = compare_orders(fingerprints)
-    orders = len({(tensor_names(fp.buffers), tensor_names(fp.params)) for fp in fingerprints.values()})
+    orders = len(
+        {(tensor_names(fp.buffers), tensor_names(fp.params)) for fp in fingerprints.values()}
+    )
     if reorders:
         verdict, code = Verdict.LATENT, ExitCode.FINDINGS
     elif errors:
@@ -100,7 +103,6 @@ def probe(
             "slowest_child": max((o.elapsed for o in outcomes.values()), default=0.0),
         },
     )
-
 
 
 # ---------------------------------------------------------------- child entry point

@@ -2,8 +2,8 @@
 
 ``naive_broadcast_buffers`` is verl's buffer loop before its fix (one broadcast per buffer, in
 each rank's own ``named_buffers()`` order). :func:`run_reproduction` launches it as separate
-ranks (``python -m fsdpcheck.children.reproduce``) bounded in time, because what it does to a process
-cannot be contained: gloo aborts the receiving process on a size mismatch (SIGABRT, not an
+ranks (``python -m fsdpcheck.children.reproduce``) bounded in time, because what it does to a
+process cannot be contained: gloo aborts the receiving process on a size mismatch (SIGABRT, not an
 exception) and NCCL waits for its watchdog. The calling process never runs it.
 """
 

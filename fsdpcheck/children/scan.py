@@ -306,7 +306,9 @@ def scan_row(
         reason = f"built under seeds {int_ranges(built)} only; seed {seed}: {record.get('reason')}"
     else:
         why = {e.seed: e.message for e in errors}
-        reason = f"no result from seed(s) {int_ranges(missing)}: {why.get(missing[0], 'child lost')}"
+        reason = (
+            f"no result from seed(s) {int_ranges(missing)}: {why.get(missing[0], 'child lost')}"
+        )
     return ScanRow(**base, verdict="skipped", reason=reason, **extra)
 
 

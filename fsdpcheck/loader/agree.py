@@ -1,6 +1,7 @@
 """Before a byte moves: every rank shows the state-dict entries and non-persistent buffers it
 holds (names, shapes, dtypes), in one fixed-size exchange of digests; any difference is named and
-raised on every rank, never a hang and never a partial load. :mod:`fsdpcheck.loader.load` runs it first."""
+raised on every rank, never a hang and never a partial load. :mod:`fsdpcheck.loader.load` runs
+it first."""
 
 from __future__ import annotations
 
@@ -135,7 +136,9 @@ def inline_capacity_for(world_size: int) -> int:
     return max(_INLINE_MIN, min(_INLINE_MAX, _INLINE_TOTAL // max(world_size, 1)))
 
 
-def _exchange_slot(mine: Exchange, fast: tuple[str, str | None] | None, inline: bool = False) -> bytes:
+def _exchange_slot(
+    mine: Exchange, fast: tuple[str, str | None] | None, inline: bool = False
+) -> bytes:
     """This rank's fixed-size entry: flags, then digests of its buffers, state and fast layout."""
     flags = _PROBLEMS if mine.problems else 0
     if inline:
@@ -267,5 +270,3 @@ def raise_if_any_failed(failure: str | None, group: Any, ranks: list[int]) -> No
 
 def member_ranks(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-
-

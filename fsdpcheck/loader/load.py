@@ -23,8 +23,8 @@ position:
 - Non-persistent buffers, which no state dict carries, are broadcast by sorted name, one flat
   tensor per dtype (small ones ride with the check itself: one collective in all).
 
-The checks live in :mod:`fsdpcheck.loader.agree`, the bucketed transfer in :mod:`fsdpcheck.loader.transfer`;
-this module puts them together.
+The checks live in :mod:`fsdpcheck.loader.agree`, the bucketed transfer in
+:mod:`fsdpcheck.loader.transfer`; this module puts them together.
 """
 
 from __future__ import annotations

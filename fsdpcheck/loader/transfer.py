@@ -315,9 +315,7 @@ class Transfer:
         self._flat_index = -1
         self._flat: dict[int, torch.Tensor] = {}
 
-    def run(
-        self, source: Mapping[str, torch.Tensor] | None, *, write: bool
-    ) -> TransferStats:
+    def run(self, source: Mapping[str, torch.Tensor] | None, *, write: bool) -> TransferStats:
         """Move every rank's shards; ``failure`` says what went wrong on this rank."""
         targets = None
         if write:

@@ -130,24 +130,3 @@ def test_a_rank_failing_mid_load_fails_every_rank_without_a_hang(tmp_path: Path)
 
 
 # --- pure parts, in process ---------------------------------------------------------------------
-
-
-def _covers(plan, numels) -> None:
-    """Every element of every shard is in exactly one piece, pieces never overlap in a bucket."""
-    seen: dict[int, list[tuple[int, int]]] = {}
-    for message in plan:
-        spans = []
-        for piece in message.pieces:
-            itemsize = numels[piece.index][1]
-            assert piece.offset % 16 == 0
-            spans.append((piece.offset, piece.offset + (piece.stop - piece.start) * itemsize))
-            seen.setdefault(piece.index, []).append((piece.start, piece.stop))
-        spans.sort()
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
-        assert message.size == max(end for _, end in spans)
-        if message.direct:
-            assert len(message.pieces) == 1 and message.pieces[0].offset == 0
-    for index, (numel, _) in enumerate(numels):
-        ranges = sorted(seen.get(index, []))
-        assert sum(b - a for a, b in ranges) == numel
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
