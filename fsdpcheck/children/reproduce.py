@@ -23,6 +23,7 @@ from typing import Any
 
 from fsdpcheck.errors import InputError
 from fsdpcheck.options import child_collective_timeout
+from fsdpcheck.vocab import ExitCode
 
 EXIT_COLLECTIVE_TIMEOUT = 124  # the child's own collective timed out: the loader hung
 _VALUES_SHOWN = 64  # buffers up to this many elements carry their values in the JSON
@@ -222,7 +223,7 @@ def _child(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-        return EXIT_COLLECTIVE_TIMEOUT if timed_out else 3
+        return EXIT_COLLECTIVE_TIMEOUT if timed_out else ExitCode.RUNTIME
     finally:
         distributed.shutdown(ctx)
 
@@ -264,7 +265,7 @@ def _run_rank(args: argparse.Namespace, ctx: Any) -> int:
             "ranks": gathered,
         }
         Path(args.json).write_text(json.dumps(report, indent=2, sort_keys=True))
-    return 0
+    return ExitCode.CONSISTENT
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from fsdpcheck.dist.setup import DistContext
 from fsdpcheck.records import RankError, from_dict, to_dict
-from fsdpcheck.vocab import STAGE_ORDER
+from fsdpcheck.vocab import STAGE_ORDER, ErrorKind, ExitCode, Stage
 
 _STAGE_KEY = "fsdpcheck/stage/{}"
 
@@ -45,7 +45,7 @@ def _abort_errors(payload: bytes) -> list[RankError]:
     try:
         return [from_dict(RankError, e) for e in json.loads(payload)]
     except (ValueError, TypeError, KeyError):
-        return [RankError(-1, "abort", payload.decode(errors="replace"), "runtime")]
+        return [RankError(-1, Stage.ABORT, payload.decode(errors="replace"), ErrorKind.RUNTIME)]
 
 
 _ALIVE_KEY = "fsdpcheck/alive/{}"
@@ -105,7 +105,7 @@ class AbortWatch:
                 unreachable_since = unreachable_since or time.monotonic()
                 gone = time.monotonic() - unreachable_since >= self._ctx.timeout
                 why = "the rendezvous store is gone: rank 0 or the launcher died"
-                errors = [RankError(self._ctx.rank, "abort", why, "runtime")] if gone else None
+                errors = [RankError(self._ctx.rank, Stage.ABORT, why, ErrorKind.RUNTIME)] if gone else None
             if self._done.is_set():
                 return
             if errors and self._armed:
@@ -121,7 +121,7 @@ class AbortWatch:
                 self._on_abort(errors)
             except Exception:
                 pass
-        os._exit(3)
+        os._exit(ExitCode.RUNTIME)
 
 
 def dead_ranks(ctx: DistContext) -> set[int]:
@@ -174,18 +174,18 @@ def diagnose_peers(
     """
     cause = collective_cause(exc)
     stages = last_stages(ctx)
-    mine = stages.get(ctx.rank) or "gather"
+    mine = stages.get(ctx.rank) or Stage.GATHER
     dead = dead_ranks(ctx)
     errors = [own] if own is not None else []
     for r in sorted(dead):
-        stage = stages.get(r) or "launch"
+        stage = stages.get(r) or Stage.LAUNCH
         message = (
             f"rank {r} died during stage '{stage}' "
             f"(its heartbeat stopped; rank {ctx.rank} saw: {cause})"
         )
-        errors.append(RankError(r, stage, message, "runtime"))
+        errors.append(RankError(r, stage, message, ErrorKind.RUNTIME))
     behind = [
-        (r, stage or "launch")
+        (r, stage or Stage.LAUNCH)
         for r, stage in sorted(stages.items())
         if r != ctx.rank and _stage_index(stage) < _stage_index(mine)
     ]
@@ -194,10 +194,10 @@ def diagnose_peers(
             f"rank {r} is stuck in stage '{stage}' (rank {ctx.rank} gave up waiting at "
             f"'{mine}' after --timeout {ctx.timeout:g}s: {cause})"
         )
-        errors.append(RankError(r, stage, message, "runtime"))
+        errors.append(RankError(r, stage, message, ErrorKind.RUNTIME))
     if len(errors) == (1 if own else 0):
         message = f"rank {ctx.rank} failed at '{mine}': {cause}"
-        errors.append(RankError(ctx.rank, mine, message, "runtime"))
+        errors.append(RankError(ctx.rank, mine, message, ErrorKind.RUNTIME))
     return errors
 
 
