@@ -143,10 +143,13 @@ def audit(
     if vary_hash_seed and os.environ.get(_REEXEC_MARK) != "1":
         _reexec_with_rank_hash_seed()
 
-    from fsdpcheck.audit import AuditOptions, run_audit
+    from fsdpcheck.audit import run_audit
+    from fsdpcheck.console import StageStatus
     from fsdpcheck.dist.launcher import rank_hint
     from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.options import AuditOptions
     from fsdpcheck.records import RankError
+    from fsdpcheck.vocab import Stage
 
     options = AuditOptions(
         model=model,
@@ -170,7 +173,7 @@ def audit(
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)
 
     def publish(report: Report) -> None:
-        from fsdpcheck.render import render
+        from fsdpcheck.console import render
 
         render(report, _stdout())
         outputs.publish_report(report)
@@ -181,7 +184,7 @@ def audit(
     # (about 0.6 s of CPU per rank on a 70B-shaped config); far fewer young ones do the job.
     gc.set_threshold(50_000, 100, 100)
     try:
-        with _StageStatus(rank) as status:
+        with StageStatus(rank) as status:
             result = run_audit(
                 options,
                 progress=status.update,
@@ -189,7 +192,7 @@ def audit(
                 preflight=lambda: outputs.check(distributed=True),
             )
     except FsdpcheckError as exc:  # raised before any gather: bad input, unreachable rendezvous
-        _fail(RankError(rank, "launch", str(exc), exc.kind), exc.exit_code, outputs, options)
+        _fail(RankError(rank, Stage.LAUNCH, str(exc), exc.kind), exc.exit_code, outputs, options)
 
     if result.report is None and result.own_error is not None:
         _stderr().print(
@@ -200,63 +203,6 @@ def audit(
     if result.exit_code != 0:
         _tell_torchrun(result.headline or "fsdpcheck audit failed; see rank 0's report")
     raise typer.Exit(result.exit_code)
-
-
-class _StageStatus:
-    """A spinner on rank 0's terminal naming the stage in progress; silent in logs and CI."""
-
-    def __init__(self, rank: int):
-        self._status = None
-        if rank == 0 and sys.stderr.isatty():
-            self._status = _stderr().status("fsdpcheck: starting", spinner="dots")
-
-    def __enter__(self) -> _StageStatus:
-        if self._status is not None:
-            self._status.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._status is not None:
-            self._status.stop()
-
-    def update(self, stage: str) -> None:
-        if self._status is not None:
-            self._status.update(f"fsdpcheck: {stage}")
-
-
-class _Progress:
-    """A bar with counts (probe seeds, scan builds) on a terminal; nothing in logs and CI."""
-
-    def __init__(self, title: str, console: Console | None = None):
-        self._bar = None
-        active = console.is_terminal if console is not None else sys.stderr.isatty()
-        if active:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-            columns = (
-                TextColumn(f"[bold]{escape(title)}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.description}"),
-            )
-            self._bar = Progress(*columns, console=console or _stderr(), transient=True)
-            self._task = self._bar.add_task("starting", total=None)
-
-    def __enter__(self) -> _Progress:
-        if self._bar is not None:
-            self._bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-    def update(self, done: int, total: int, label: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, completed=done, total=total, description=escape(label))
 
 
 class _Outputs:
@@ -301,7 +247,7 @@ class _Outputs:
     def publish_report(self, report: Report, suite: str = "fsdpcheck.audit") -> None:
         from fsdpcheck.formats.annotations import report_annotations
         from fsdpcheck.formats.junit import report_to_junit, write_junit
-        from fsdpcheck.report import write_json
+        from fsdpcheck.output import write_json
 
         self.annotations(report_annotations(report, tool=suite.replace(".", " ")))
         self.write("--json", lambda path: write_json(report, path))
@@ -333,12 +279,15 @@ def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
 
 
 def _stdout() -> Console:
-    # Logs and CI capture are not terminals: give tables room instead of rich's 80 columns.
-    return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+    from fsdpcheck.console import stdout_console
+
+    return stdout_console()
 
 
 def _stderr() -> Console:
-    return Console(stderr=True, soft_wrap=True)
+    from fsdpcheck.console import stderr_console
+
+    return stderr_console()
 
 
 def _fail(error: RankError, exit_code: int, outputs: _Outputs, options: object) -> None:
@@ -403,7 +352,7 @@ def presets() -> None:
     """List the built-in models."""
     from rich.table import Table
 
-    from fsdpcheck.presets import PRESETS
+    from fsdpcheck.model.presets import PRESETS
 
     table = Table(title="fsdpcheck presets")
     table.add_column("name", style="bold")
@@ -456,16 +405,18 @@ def probe(
     agree by chance with probability 2·2⁻⁸ = 1/128 (< 1%); seeds 0 and 1 already differ for
     {"sliding_attention", "full_attention"}.
     """
+    from fsdpcheck.children.probe import DEFAULT_SEEDS
+    from fsdpcheck.children.probe import probe as run_probe
+    from fsdpcheck.console import CountProgress, probe_errors, probe_summary, probe_table
     from fsdpcheck.errors import FsdpcheckError
     from fsdpcheck.formats.annotations import probe_annotations
     from fsdpcheck.formats.junit import probe_to_junit, write_junit
-    from fsdpcheck.probe import DEFAULT_SEEDS, probe_errors, probe_summary, probe_table, write_json
-    from fsdpcheck.probe import probe as run_probe
+    from fsdpcheck.output import write_json
 
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)
     _refuse_outputs("probe", outputs)
     try:
-        with _Progress("probe") as bar:
+        with CountProgress("probe") as bar:
             result = run_probe(
                 model,
                 seeds=seeds or DEFAULT_SEEDS,
@@ -552,18 +503,19 @@ def scan(
     the config has layer types; the rows compare the orders. Verdicts: ok · hang (reordered
     tensors differ in size) · silent-corruption (same sizes) · skipped: why.
     """
+    from fsdpcheck.children.probe import DEFAULT_SEEDS
+    from fsdpcheck.children.scan import scan as run_scan
+    from fsdpcheck.console import CountProgress, scan_summary, scan_table
     from fsdpcheck.errors import FsdpcheckError
     from fsdpcheck.formats.annotations import scan_annotations
     from fsdpcheck.formats.junit import scan_to_junit, write_junit
     from fsdpcheck.formats.sarif import scan_to_sarif, write_sarif
-    from fsdpcheck.probe import DEFAULT_SEEDS, write_json
-    from fsdpcheck.scan import scan as run_scan
-    from fsdpcheck.scan import scan_summary, scan_table
+    from fsdpcheck.output import write_json
 
     outputs = _Outputs(annotations, json=json_path, junit=junit_path, sarif=sarif_path)
     _refuse_outputs("scan", outputs)
     families = ("causal-lm", "masked-lm") if masked_lm else ("causal-lm",)
-    with _Progress("scan") as bar:
+    with CountProgress("scan") as bar:
         try:
             result = run_scan(
                 filters,

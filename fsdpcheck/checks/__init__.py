@@ -1,1 +1,1 @@
-"""Checks: pure analyses over gathered records or source text."""
+"""Analysis: pure functions from per-rank records to findings and loader predictions."""

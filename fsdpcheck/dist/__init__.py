@@ -1,1 +1,1 @@
-"""Distributed plumbing: launcher detection (and, after the reorganisation, setup and gather)."""
+"""Process groups, the gloo side channel, liveness, and the gather."""

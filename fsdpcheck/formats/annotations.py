@@ -12,13 +12,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from fsdpcheck.records import Report
+from fsdpcheck.vocab import ExitCode, LoaderVerdict, ScanVerdict
 
 if TYPE_CHECKING:
-    from fsdpcheck.probe import ProbeResult
-    from fsdpcheck.scan import ScanResult
+    from fsdpcheck.checks.hash_seed import ProbeResult
+    from fsdpcheck.children.scan import ScanResult
 
 MODES = ("auto", "github", "none")
-WARNING_LOADER_VERDICTS = frozenset({"uninitialized"})
+WARNING_LOADER_VERDICTS = frozenset({LoaderVerdict.UNINITIALIZED})
 
 
 def escape_data(text: str) -> str:
@@ -93,13 +94,14 @@ def probe_annotations(result: ProbeResult) -> list[str]:
 def scan_annotations(result: ScanResult) -> list[str]:
     lines = []
     for row in result.rows:
-        if row.verdict in ("hang", "silent-corruption"):
+        if row.verdict in (ScanVerdict.HANG, ScanVerdict.SILENT_CORRUPTION):
             message = (
                 f"{row.architecture}: {len(row.tensors)} tensor(s) change order with "
                 f"PYTHONHASHSEED ({', '.join(row.tensors[:8])}) → {row.verdict}"
             )
             lines.append(command("error", message, title=f"fsdpcheck scan: {row.id}"))
-    level = "error" if result.exit_code == 3 else "warning"  # 3: no child produced anything
+    # Seed failures fail the scan only when no child produced anything (exit 3).
+    level = "error" if result.exit_code == ExitCode.RUNTIME else "warning"
     for e in result.errors:
         title = f"fsdpcheck scan: seed {e.seed} failed"
         lines.append(command(level, e.message, title=title))

@@ -21,23 +21,28 @@ between ranks, so it passes here, with the prediction in the case's ``<system-ou
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdpcheck.records import FINDING_KINDS, Finding, Report
+from fsdpcheck.output import write_text
+from fsdpcheck.records import Finding, Report
+from fsdpcheck.text import int_ranges
+from fsdpcheck.vocab import FindingKind, LoaderVerdict, LoadStatus, ScanVerdict
 
 if TYPE_CHECKING:
-    from fsdpcheck.probe import ProbeResult
-    from fsdpcheck.scan import ScanResult
+    from fsdpcheck.checks.hash_seed import ProbeResult
+    from fsdpcheck.children.scan import ScanResult
 
+FINDING_KINDS = tuple(kind.value for kind in FindingKind)
 # Loader predictions that fail their test case; anything else that is not "ok" passes with a note.
-FAILING_LOADER_VERDICTS = frozenset({"hang", "silent-corruption", "refused"})
+FAILING_LOADER_VERDICTS = frozenset(
+    {LoaderVerdict.HANG, LoaderVerdict.SILENT_CORRUPTION, LoaderVerdict.REFUSED}
+)
+SCAN_FAILURES = frozenset({ScanVerdict.HANG, ScanVerdict.SILENT_CORRUPTION})
 
 # XML 1.0 cannot carry most control characters (ANSI colours in an error message, say).
 _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -118,10 +123,7 @@ def _t(seconds: float) -> str:
 
 
 def _ranks(ranks: Iterable[int]) -> str:
-    from fsdpcheck.render import rank_ranges
-
-    text = rank_ranges(ranks)
-    return text or "-"
+    return int_ranges(ranks) or "-"
 
 
 # ---------------------------------------------------------------- audit / diff
@@ -151,7 +153,7 @@ def report_to_junit(report: Report, *, suite: str = "fsdpcheck.audit") -> str:
     by_kind: dict[str, list[Finding]] = {}
     for finding in report.findings:
         by_kind.setdefault(finding.kind, []).append(finding)
-    kinds = list(FINDING_KINDS) + [k for k in by_kind if k not in FINDING_KINDS]
+    kinds = [*FINDING_KINDS, *(k for k in by_kind if k not in FINDING_KINDS)]
     for kind in kinds:
         case = out.case(f"{suite}.checks", kind, time=_check_time(kind, timings))
         for finding in by_kind.get(kind, ()):
@@ -174,9 +176,9 @@ def report_to_junit(report: Report, *, suite: str = "fsdpcheck.audit") -> str:
     if report.load is not None:
         load = report.load
         case = out.case(f"{suite}.load", "sorted-loader", time=load.seconds)
-        if load.outcome == "failed":
+        if load.outcome == LoadStatus.FAILED:
             out.error(case, load.message or "the loader failed", "load failed")
-        elif load.outcome in ("skipped", "refused"):
+        elif load.outcome in (LoadStatus.SKIPPED, LoadStatus.REFUSED):
             out.skip(case, f"{load.outcome}: {load.message}")
         elif report.verify is not None and report.verify.ran:
             out.output(case, f"loaded; verified {report.verify.checked} tensors on every rank")
@@ -265,7 +267,7 @@ def scan_to_junit(result: ScanResult) -> str:
             out.error(case, failed[seed].message, f"{failed[seed].kind} error")
     for row in result.rows:
         case = out.case(f"{suite}.{row.family}", row.id, time=row.seconds)
-        if row.verdict in ("hang", "silent-corruption"):
+        if row.verdict in SCAN_FAILURES:
             shown = ", ".join(row.tensors[:8]) + (" …" if len(row.tensors) > 8 else "")
             message = (
                 f"{row.architecture}: {len(row.tensors)} tensor(s) change order with "
@@ -273,7 +275,7 @@ def scan_to_junit(result: ScanResult) -> str:
                 f"{'hang' if row.verdict == 'hang' else 'corrupt them silently'}"
             )
             out.fail(case, message, row.verdict, _scan_text(row, message))
-        elif row.verdict == "skipped":
+        elif row.verdict == ScanVerdict.SKIPPED:
             out.skip(case, row.reason or "skipped")
     return out.to_xml()
 
@@ -292,21 +294,7 @@ def _scan_text(row: Any, message: str) -> str:
 
 def write_junit(text: str, path: str | Path) -> None:
     """Write atomically (a reader never sees half a file), readable by CI artifact collectors."""
-    write_text_atomic(text, path)
-
-
-def write_text_atomic(text: str, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text(text, path)
 
 
 def failures(xml_text: str) -> Sequence[tuple[str, str, str]]:

@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdpcheck.checks.set_order import SetOrderSite, find_sites_in_file
+from fsdpcheck.output import write_text
+from fsdpcheck.vocab import ExitCode, ScanVerdict
 
 if TYPE_CHECKING:
-    from fsdpcheck.scan import ScanResult, ScanRow
+    from fsdpcheck.children.scan import ScanResult, ScanRow
 
 SCHEMA_URI = "https://json.schemastore.org/sarif-2.1.0.json"
 INFO_URI = "https://github.com/huggingface/transformers/pull/48162"
@@ -73,7 +75,8 @@ RULES = (
         "helpUri": INFO_URI,
     },
 )
-_RULE_OF = {"hang": 0, "silent-corruption": 1, "latent": 2}
+_RULE_OF = {ScanVerdict.HANG: 0, ScanVerdict.SILENT_CORRUPTION: 1, "latent": 2}
+SEEN = (ScanVerdict.HANG, ScanVerdict.SILENT_CORRUPTION)
 
 
 def scan_to_sarif(
@@ -94,7 +97,7 @@ def scan_to_sarif(
         return per_file[path]
 
     for row in result.rows:
-        if row.verdict not in ("hang", "silent-corruption"):
+        if row.verdict not in SEEN:
             continue
         files = row_sources(row, base)
         found = [s for f in files for s in sites(f)]
@@ -128,7 +131,12 @@ def scan_to_sarif(
                         "rules": [dict(rule) for rule in RULES],
                     }
                 },
-                "invocations": [{"executionSuccessful": result.exit_code in (0, 1)}],
+                "invocations": [
+                    {
+                        "executionSuccessful": result.exit_code
+                        in (ExitCode.CONSISTENT, ExitCode.FINDINGS)
+                    }
+                ],
                 "results": results,
                 "properties": {
                     "transformers": result.transformers,
@@ -167,7 +175,7 @@ def _site_locations(site: SetOrderSite) -> dict[str, Any]:
 
 def _seen_result(row: ScanRow, site: SetOrderSite) -> dict[str, Any]:
     index = _RULE_OF[row.verdict]
-    outcome = "hang" if row.verdict == "hang" else "corrupt them silently"
+    outcome = "hang" if row.verdict == ScanVerdict.HANG else "corrupt them silently"
     shown = ", ".join(row.tensors[:6]) + (" …" if len(row.tensors) > 6 else "")
     text = (
         f"{row.architecture} ({row.id}): {site.function} iterates {site.iterable} (a set) while "
@@ -249,9 +257,9 @@ def _transformers_dir() -> Path | None:
 
 
 def _own_version() -> str:
-    from fsdpcheck.probe import installed_version
+    from fsdpcheck.dist.environment import package_version
 
-    return installed_version("fsdpcheck") or "0"
+    return package_version("fsdpcheck") or "0"
 
 
 _SIBLING = re.compile(r"^from \.\.(\w+)\.(modeling_\w+) import", re.MULTILINE)
@@ -260,14 +268,16 @@ _SIBLING = re.compile(r"^from \.\.(\w+)\.(modeling_\w+) import", re.MULTILINE)
 def row_sources(row: ScanRow, base: Path | None) -> list[Path]:
     """The files that define ``row``'s model: its modeling files, and the sibling modeling
     modules they import from (a model may reuse another's rotary embedding)."""
-    if row.family == "preset":
+    if row.family == "preset":  # fsdpcheck's own, or a tiny config of a transformers class
         path, _ = class_location(row)
         return [Path(path)] if path else []
     if base is None:
         return []
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    folder = base / "models" / row.model_type.replace("-", "_")
+    if not folder.is_dir():  # e.g. gemma3_text lives in gemma3: ask transformers (imports it)
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
 
-    folder = base / "models" / model_type_to_module_name(row.model_type)
+        folder = base / "models" / model_type_to_module_name(row.model_type)
     files = sorted(folder.glob("modeling_*.py"))
     out = list(files)
     for f in files:
@@ -283,18 +293,17 @@ def row_sources(row: ScanRow, base: Path | None) -> list[Path]:
 
 
 def class_location(row: ScanRow) -> tuple[str | None, int]:
-    """Where the row's model class is defined (imports it: only for a handful of rows)."""
-    cls = None
+    """Where the row's model class is defined: fsdpcheck's fixture read as source, a
+    transformers class by importing it (only for the few rows that need it)."""
+    own = _class_in_source("fsdpcheck.model.hazard", row.architecture)
+    if own is not None:
+        return own
     try:
         import transformers
 
         cls = getattr(transformers, row.architecture, None)
-    except Exception:  # a broken optional import inside transformers: no location, no crash
+    except Exception:  # a broken optional import inside transformers: no location
         cls = None
-    if cls is None:
-        from fsdpcheck import hazard
-
-        cls = getattr(hazard, row.architecture, None)
     if cls is None:
         return None, 1
     try:
@@ -303,6 +312,20 @@ def class_location(row: ScanRow) -> tuple[str | None, int]:
     except (OSError, TypeError):
         return None, 1
     return path, line
+
+
+def _class_in_source(module: str, name: str) -> tuple[str, int] | None:
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        return None
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return spec.origin, node.lineno
+    return None
 
 
 def covered_files(filters: Iterable[str], base: Path | None) -> list[Path]:
@@ -330,6 +353,4 @@ def _match(name: str, pattern: str) -> bool:
 def write_sarif(log: dict[str, Any], path: str | Path) -> None:
     import json
 
-    from fsdpcheck.formats.junit import write_text_atomic
-
-    write_text_atomic(json.dumps(log, indent=2) + "\n", path)
+    write_text(json.dumps(log, indent=2) + "\n", path)

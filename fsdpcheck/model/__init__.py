@@ -1,0 +1,1 @@
+"""Resolve, build, wrap and fingerprint the model on one rank."""
