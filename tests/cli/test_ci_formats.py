@@ -41,7 +41,7 @@ def test_scan_sarif_and_junit(tmp_path: Path) -> None:
     results = log["runs"][0]["results"]
     by_rule = {r["ruleId"]: r for r in results}
     hang = by_rule["FSDPCHECK001"]["locations"][0]["physicalLocation"]
-    assert hang["artifactLocation"]["uri"].endswith("/fsdpcheck/hazard.py")
+    assert hang["artifactLocation"]["uri"].endswith("/fsdpcheck/model/hazard.py")
     # transformers 5.24's cohere_compass_text reorders under the scan's mixed layer types (equal
     # sizes: silent corruption); the result points at the loop, and the set's line is related.
     seen = by_rule["FSDPCHECK002"]
