@@ -117,7 +117,7 @@ def _checked(launcher: str, rank: int, local: int, world: int, environ) -> Launc
         missing = " and ".join(v for v in RENDEZVOUS if not environ.get(v))
         hint = {"srun": SRUN_HINT, "mpirun": MPIRUN_HINT}.get(launcher, "torchrun sets them")
         raise InputError(
-            f"rank {rank}: {launcher} started {world} ranks but {missing} "
+            f"{launcher} started {world} ranks but {missing} "
             f"{'is' if ' and ' not in missing else 'are'} not set, so the ranks cannot find "
             f"each other. Set MASTER_ADDR (rank 0's host) and MASTER_PORT (a free port) in "
             f"every rank's environment ({hint})."
