@@ -52,13 +52,15 @@ class LaunchEnv:
     @property
     def from_torch_env(self) -> bool:
         """Whether ``init_process_group``'s env:// finds the rank and world size by itself."""
-        return self.launcher in ("torchrun", "accelerate", "none")
+        return self.launcher in ("torchrun", "accelerate")
 
 
-def detect(environ: Mapping[str, str]) -> LaunchEnv:
+def detect(environ: Mapping[str, str], *, rendezvous: bool = True) -> LaunchEnv:
     """The launcher and this rank's place, from ``environ``; one rank when nothing is set.
 
-    Raises :class:`InputError` naming the variables at fault and the fix."""
+    ``rendezvous``: require MASTER_ADDR/MASTER_PORT for more than one rank (not when the
+    caller's script already joined a process group its own way). Raises :class:`InputError`
+    naming the variables at fault and the fix."""
     torch_set = [v for v in TORCH[:2] if environ.get(v, "") != ""]
     ompi_set = [v for v in OMPI[:2] if environ.get(v, "") != ""]
     slurm_set = [v for v in SLURM[:2] if _slurm(environ, v) is not None]
@@ -96,15 +98,19 @@ def detect(environ: Mapping[str, str]) -> LaunchEnv:
                 "as one rank."
             )
         return LaunchEnv("none", 0, 0, 1, environ.get("MASTER_ADDR") or None, _port(environ))
-    return _checked(launcher, rank, local, world, environ)
+    return _checked(launcher, rank, local, world, environ, rendezvous)
 
 
-def _checked(launcher: str, rank: int, local: int, world: int, environ) -> LaunchEnv:
+def _checked(
+    launcher: str, rank: int, local: int, world: int, environ, rendezvous: bool
+) -> LaunchEnv:
     names = {
         "torchrun": TORCH, "accelerate": TORCH, "srun": SLURM, "mpirun": OMPI,
     }[launcher]  # fmt: skip
     if world < 1:
-        raise InputError(f"{names[1]}={world}: the world size must be at least 1; fix the launcher.")
+        raise InputError(
+            f"{names[1]}={world}: the world size must be at least 1; fix the launcher."
+        )
     if not 0 <= rank < world:
         raise InputError(
             f"{names[0]}={rank} is outside {names[1]}={world} (ranks are 0..{world - 1}); "
@@ -113,7 +119,7 @@ def _checked(launcher: str, rank: int, local: int, world: int, environ) -> Launc
     if local < 0:
         raise InputError(f"{names[2]}={local} is negative; fix the launcher.")
     addr, port = environ.get("MASTER_ADDR") or None, _port(environ)
-    if world > 1 and (addr is None or port is None):
+    if rendezvous and world > 1 and (addr is None or port is None):
         missing = " and ".join(v for v in RENDEZVOUS if not environ.get(v))
         hint = {"srun": SRUN_HINT, "mpirun": MPIRUN_HINT}.get(launcher, "torchrun sets them")
         raise InputError(

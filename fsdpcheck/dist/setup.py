@@ -69,7 +69,8 @@ def init(
     Everything that can be checked without a peer is checked first, so bad input never leaves
     another rank waiting in a rendezvous.
     """
-    found = launcher.detect(os.environ)
+    # A script that joined a group its own way (tcp://, say) needs no MASTER_ADDR/PORT here.
+    found = launcher.detect(os.environ, rendezvous=not dist.is_initialized())
     rank, local_rank, world_size = found.rank, found.local_rank, found.world_size
     backend = resolve_backend(backend)
     shape = _mesh_shape(mesh_shape, world_size, rank)
@@ -160,5 +161,3 @@ def _default_store() -> Any:
 def shutdown(ctx: DistContext) -> None:
     if ctx.owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
-
-

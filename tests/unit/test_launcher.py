@@ -90,3 +90,18 @@ def test_partial_or_mixed_variables_are_bad_input(environ: dict, named: list[str
 def test_rank_hint_names_a_rank_even_for_bad_input() -> None:
     assert rank_hint({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}) == 3  # no SLURM_LOCALID
     assert rank_hint({"RANK": "x"}) == 0
+
+
+def test_a_script_that_joined_its_own_group_needs_no_rendezvous_variables() -> None:
+    environ = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}
+    assert detect(environ, rendezvous=False) == LaunchEnv("srun", 1, 1, 2)
+    with pytest.raises(InputError):
+        detect(environ)
+
+
+def test_only_torch_launchers_leave_rank_and_world_size_to_env_init() -> None:
+    assert detect({"RANK": "0", "WORLD_SIZE": "1"}).from_torch_env
+    assert not detect(
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+    ).from_torch_env
+    assert not detect({}).from_torch_env  # one rank: passed explicitly too
