@@ -105,11 +105,7 @@ class AbortWatch:
                 unreachable_since = unreachable_since or time.monotonic()
                 gone = time.monotonic() - unreachable_since >= self._ctx.timeout
                 why = "the rendezvous store is gone: rank 0 or the launcher died"
-                errors = (
-                    [RankError(self._ctx.rank, Stage.ABORT, why, ErrorKind.RUNTIME)]
-                    if gone
-                    else None
-                )
+                errors = [RankError(self._ctx.rank, Stage.ABORT, why, ErrorKind.RUNTIME)] if gone else None
             if self._done.is_set():
                 return
             if errors and self._armed:
@@ -203,3 +199,5 @@ def diagnose_peers(
         message = f"rank {ctx.rank} failed at '{mine}': {cause}"
         errors.append(RankError(ctx.rank, mine, message, ErrorKind.RUNTIME))
     return errors
+
+
