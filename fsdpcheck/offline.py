@@ -118,17 +118,30 @@ def describe_model(model: Any) -> ModelInfo:
     tensors = [*model.parameters(), *model.buffers()]
     dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
     on_meta = any(t.device.type == "meta" for t in tensors)
-    name = getattr(config, "name_or_path", None) or type(model).__name__
+    architecture = _model_class(model).__name__
+    name = getattr(config, "name_or_path", None) or architecture
     return ModelInfo(
-        spec=type(model).__name__,
+        spec=architecture,
         kind="script",
         name=str(name),
         path=None,
-        architecture=type(model).__name__,
+        architecture=architecture,
         dtype=dtype,
         init="meta" if on_meta else "script",
         checkpoint=False,
     )
+
+
+def _model_class(model: Any) -> type:
+    """The model's own class: fully_shard swaps in a subclass named ``FSDP<name>``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return type(model)
+    for cls in type(model).__mro__:
+        if not issubclass(cls, FSDPModule):
+            return cls
+    return type(model)
 
 
 def save_fingerprint(
@@ -358,6 +371,11 @@ def _parse(path: Path, data: dict) -> FingerprintFile:
 
 
 # ---------------------------------------------------------------- comparing
+
+
+def diff_fingerprints(paths: Sequence[str | os.PathLike]) -> Report:
+    """``fsdpcheck diff`` as a function: the report over fingerprint files and directories."""
+    return diff_records(read_inputs(paths))
 
 
 def diff_records(inputs: Inputs | Sequence[Loaded]) -> Report:

@@ -1,0 +1,303 @@
+"""Offline fingerprints: ``diff`` over saved records (pure), the commands in-process, and real
+ranks writing their own files with no collective."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import QUIET_ENV, REPO, run_ranks
+from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, tensor
+from typer.testing import CliRunner
+
+from fsdpcheck.checks.layout import analyse, group_ranks
+from fsdpcheck.children.launch import launch
+from fsdpcheck.cli import app
+from fsdpcheck.errors import InputError
+from fsdpcheck.offline import (
+    FINGERPRINT_SCHEMA,
+    FingerprintFile,
+    diff_fingerprints,
+    diff_records,
+    format_path,
+    read_inputs,
+    write_fingerprint,
+)
+from fsdpcheck.records import (
+    EnvRecord,
+    Fingerprint,
+    ModelInfo,
+    RankError,
+    RankRecord,
+    Report,
+    from_dict,
+    to_dict,
+)
+from fsdpcheck.report import read_json
+
+ROTARY = (SCALE, FULL, SLIDING)
+SWAPPED = (SCALE, SLIDING, FULL)
+
+
+# ---------------------------------------------------------------- synthetic records
+
+
+def _fingerprint(stage: str, order=ROTARY) -> Fingerprint:
+    sizes = {SCALE: (1,), FULL: (16,), SLIDING: (8,)}
+    buffers = tuple(tensor(n, sizes[n], persistent=n == SCALE) for n in order)
+    placements = ("Shard(dim=0)",) if stage == "post-wrap" else None
+    shapes = {EMBED: (32, 8), Q_PROJ: (8, 8), K_PROJ: (8, 8)}
+    params = tuple(tensor(n, s, placements=placements) for n, s in shapes.items())
+    keys = (*shapes, SCALE)
+    return Fingerprint(stage=stage, buffers=buffers, params=params, state_dict_keys=keys)
+
+
+def _record(rank: int, order=ROTARY, torch="2.13.0+cpu", host="node0", error=None) -> RankRecord:
+    env = EnvRecord(rank, rank, 2, host, "gloo", "3.11.9", torch, "5.24.0", str(rank))
+    if error is not None:
+        return RankRecord(env=env, error=error)
+    return RankRecord(env, _fingerprint("pre-wrap", order), _fingerprint("post-wrap", order))
+
+
+MODEL = ModelInfo(
+    "hazard", "preset", "hazard", None, "HazardForCausalLM", "float32", "rank0", False
+)
+
+
+def _save(directory: Path, name: str, record: RankRecord, **extra) -> Path:
+    content = FingerprintFile(record=record, model=MODEL, **extra)
+    return write_fingerprint(content, directory / name)
+
+
+def test_diff_is_the_audits_analysis_over_saved_records(tmp_path: Path) -> None:
+    a, b = _record(0), _record(1, SWAPPED)
+    report = diff_fingerprints([_save(tmp_path, "a.json", a), _save(tmp_path, "b.json", b)])
+    groups = group_ranks({0: a.group_digest(), 1: b.group_digest()})
+    assert report.findings == tuple(analyse(groups, {0: a, 1: b}))
+    assert (report.verdict, report.exit_code, report.world_size) == ("inconsistent", 1, 2)
+    assert [f.kind for f in report.findings] == ["buffer-order"]
+    assert report.findings[0].cause == "construction-time"
+    verdicts = {p.name: p.verdict for p in report.loaders}
+    assert verdicts["named-buffers-order"] == "hang" and verdicts["sorted-names"] == "ok"
+    # The audit's JSON schema, and it round-trips.
+    assert report.schema == "fsdpcheck.report/1"
+    as_json = json.loads(json.dumps(to_dict(report)))
+    assert to_dict(from_dict(Report, as_json)) == as_json
+    assert [i["path"] for i in report.options["inputs"]] == [
+        str(tmp_path / f"{n}.json") for n in "ab"
+    ]
+
+
+def test_identical_records_are_consistent(tmp_path: Path) -> None:
+    report = diff_fingerprints([_save(tmp_path, f"r{r}.json", _record(r)) for r in (0, 1)])
+    assert (report.verdict, report.exit_code, report.findings) == ("consistent", 0, ())
+    assert not report.options["positional"]
+    assert [g.ranks for g in report.groups] == [(0, 1)]
+
+
+def test_ranks_come_from_the_records_not_the_argument_order(tmp_path: Path) -> None:
+    three = _save(tmp_path, "x.json", _record(3, SWAPPED))
+    zero = _save(tmp_path, "y.json", _record(0))
+    report = diff_fingerprints([three, zero])
+    assert [i["rank"] for i in report.options["inputs"]] == [0, 3]
+    assert report.findings[0].ranks == (3,) and report.findings[0].reference_rank == 0
+
+
+def test_two_files_claiming_one_rank_take_positions_in_argument_order(tmp_path: Path) -> None:
+    """Today's rank 0 against last week's rank 0, on another torch: an env finding."""
+    today = _save(tmp_path, "today.json", _record(0, torch="2.13.0+cpu", host="new"))
+    week = _save(tmp_path, "lastweek.json", _record(0, torch="2.12.1+cpu", host="old"))
+    report = diff_fingerprints([week, today])
+    assert report.options["positional"]
+    assert [(i["rank"], i["recorded_rank"], i["host"]) for i in report.options["inputs"]] == [
+        (0, 0, "old"),
+        (1, 0, "new"),
+    ]
+    assert any("argument order" in w and "today.json" in w for w in report.warnings)
+    assert [f.kind for f in report.findings] == ["env"]
+    assert "torch 2.12.1+cpu on rank 0 but 2.13.0+cpu on rank 1" in report.findings[0].summary
+    assert [env.rank for env in report.environment] == [0, 1]
+    assert report.hosts == {"new": (1,), "old": (0,)}
+
+
+def test_a_recorded_failure_is_the_report_error(tmp_path: Path) -> None:
+    failed = _record(1, error=RankError(1, "build", "boom", "runtime"))
+    report = diff_fingerprints(
+        [_save(tmp_path, "0.json", _record(0)), _save(tmp_path, "1.json", failed)]
+    )
+    assert (report.verdict, report.exit_code) == ("error", 3)
+    assert report.errors[0].rank == 1 and report.errors[0].stage == "build"
+
+
+def test_a_directory_means_its_fingerprints_and_skips_other_json(tmp_path: Path) -> None:
+    for rank in (0, 1):
+        _save(tmp_path, f"rank{rank}.json", _record(rank))
+    (tmp_path / "report.json").write_text(json.dumps({"schema": "fsdpcheck.report/1"}))
+    (tmp_path / "notes.txt").write_text("not json")
+    inputs = read_inputs([tmp_path, tmp_path / "rank1.json"])
+    assert [Path(f.path).name for f in inputs.files] == ["rank0.json", "rank1.json"]
+    assert inputs.skipped == (
+        "report.json: not a fingerprint (an fsdpcheck report (--json output))",
+    )
+    assert inputs.duplicates == (str(tmp_path / "rank1.json"),)
+    report = diff_records(inputs)
+    assert any("skipped report.json" in w for w in report.warnings)
+
+
+def _bad_input(paths) -> str:
+    with pytest.raises(InputError) as caught:
+        diff_fingerprints(paths)
+    message = str(caught.value)
+    assert "\n" not in message  # one paragraph
+    return message
+
+
+def test_bad_inputs_are_one_paragraph_naming_the_file_and_fix(tmp_path: Path) -> None:
+    good = _save(tmp_path, "good.json", _record(0))
+    other = _save(tmp_path, "other.json", _record(1))
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text(good.read_text()[:50])
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"schema": "fsdpcheck.report/1", "verdict": "consistent"}))
+    newer = tmp_path / "newer.json"
+    newer.write_text(
+        json.dumps({**json.loads(good.read_text()), "schema": "fsdpcheck.fingerprint/2"})
+    )
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"schema": FINGERPRINT_SCHEMA, "record": [1, 2]}))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    assert "missing.json does not exist" in _bad_input([good, tmp_path / "missing.json"])
+    assert "truncated.json is not JSON" in _bad_input([good, truncated])
+    assert "report.json is not an fsdpcheck fingerprint: it is an fsdpcheck report" in _bad_input(
+        [good, report]
+    )
+    mixed = _bad_input([good, newer])
+    assert "mix schema versions" in mixed and "newer.json" in mixed
+    assert "fsdpcheck.fingerprint/2" in _bad_input([newer, newer.with_name("newer.json")])
+    assert "broken.json has the fingerprint schema marker but its record is malformed" in (
+        _bad_input([good, broken])
+    )
+    assert "at least two fingerprints" in _bad_input([good])
+    assert "no fingerprint was found" in _bad_input([empty])
+    assert "at least two" in _bad_input([good, good])  # the same file twice is one fingerprint
+    assert diff_fingerprints([good, other]).exit_code == 0
+
+
+def test_paths_take_placeholders_and_unwritable_paths_are_bad_input(tmp_path: Path) -> None:
+    env = _record(3).env
+    assert format_path(tmp_path / "{host}-rank{rank}-of{world_size}.json", env).name == (
+        "node0-rank3-of2.json"
+    )
+    with pytest.raises(InputError, match="placeholder"):
+        format_path(tmp_path / "{node}.json", env)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(InputError, match="cannot write the fingerprint"):
+        write_fingerprint(FingerprintFile(record=_record(0)), blocker / "sub" / "fp.json")
+    saved = write_fingerprint(FingerprintFile(record=_record(0)), tmp_path / "deep" / "fp.json")
+    data = json.loads(saved.read_text())
+    assert next(iter(data)) == "schema" and data["schema"] == FINGERPRINT_SCHEMA
+    assert data["fsdpcheck"] and data["created"].endswith("Z")
+    assert not [p for p in saved.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+# ---------------------------------------------------------------- the commands, in-process
+
+
+def test_diff_command_renders_the_report_and_writes_json(tmp_path: Path) -> None:
+    a = _save(tmp_path, "a.json", _record(0))
+    b = _save(tmp_path, "b.json", _record(1, SWAPPED))
+    out = tmp_path / "diff.json"
+    result = CliRunner().invoke(app, ["diff", str(a), str(b), "--json", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "fsdpcheck diff" in result.output and "✗ buffer-order" in result.output
+    assert f"rank 1 ← {b}" in result.output
+    report = read_json(out)
+    assert report.verdict == "inconsistent" and report.findings[0].kind == "buffer-order"
+
+
+def test_diff_command_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
+    a = _save(tmp_path, "a.json", _record(0))
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text('{"hello": 1}')
+    result = CliRunner().invoke(app, ["diff", str(a), str(foreign)])
+    assert result.exit_code == 2
+    assert "not an fsdpcheck fingerprint" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_fingerprint_command_in_process_then_diff_of_the_clean_twin(tmp_path: Path) -> None:
+    """Two records of one interpreter (one hash seed) agree, wrapped on a private group each
+    time; rank 1 is built on meta, as --init rank0 asks."""
+    runner = CliRunner()
+    for rank in (0, 1):
+        out = str(tmp_path / "fp" / "rank{rank}.json")
+        result = runner.invoke(
+            app, ["fingerprint", "--model", "hazard", "--rank", str(rank), "--out", out]
+        )
+        assert result.exit_code == 0, result.output
+        assert f"rank {rank} (pre-wrap 2 buffers, 11 params; post-wrap" in result.output
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the private group is gone again
+    record = json.loads((tmp_path / "fp" / "rank1.json").read_text())["record"]
+    assert {b["device"] for b in record["pre_wrap"]["buffers"]} == {"meta"}
+    assert all(p["placements"] == ["S(0)"] for p in record["post_wrap"]["params"])
+    result = runner.invoke(app, ["diff", str(tmp_path / "fp")])
+    assert result.exit_code == 0, result.output
+    assert "verdict: consistent" in result.output
+
+
+def test_fingerprint_command_records_its_own_failure(tmp_path: Path) -> None:
+    out = tmp_path / "rank0.json"
+    result = CliRunner().invoke(app, ["fingerprint", "--model", "tiny-nonesuch", "--out", str(out)])
+    assert result.exit_code == 2
+    assert "tiny-nonesuch" in result.output and "recorded in" in result.output
+    error = json.loads(out.read_text())["record"]["error"]
+    assert error["stage"] == "resolve" and error["kind"] == "input"
+
+
+# ---------------------------------------------------------------- real processes
+
+
+def test_fingerprint_under_a_launcher_needs_no_process_group(tmp_path: Path) -> None:
+    """Two ranks (RANK/WORLD_SIZE set, no rendezvous) with hash seeds 0 and 1 each write their
+    own file; diff shows the real divergence."""
+    out = tmp_path / "fp" / "rank{rank}.json"
+    run = run_ranks(["fingerprint", "--model", "hazard", "--out", str(out)], seeds=[0, 1])
+    assert run.codes == [0, 0], run.output(0) + run.output(1)
+    report = diff_fingerprints([tmp_path / "fp"])
+    assert report.verdict == "inconsistent"
+    finding = report.findings[0]
+    assert (finding.kind, finding.ranks, finding.stage) == ("buffer-order", (1,), "pre-wrap")
+    assert [env.hash_seed for env in report.environment] == ["0", "1"]
+
+
+@pytest.mark.parametrize("seeds, code", [((0, 1), 1), ((1, 1), 0)])
+def test_save_fingerprint_on_real_ranks_without_a_collective(tmp_path: Path, seeds, code) -> None:
+    """Rank 0 saves only after rank 1's file exists: were saving a collective, rank 1 would
+    wait for rank 0 forever and the launch would time out."""
+    result = launch(
+        [str(REPO / "tests" / "workers" / "save_fingerprint_worker.py"), str(tmp_path)],
+        2,
+        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
+        rank_env=lambda r: {"PYTHONHASHSEED": str(seeds[r])},
+        timeout=120,
+        cwd=str(REPO),
+    )
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    post = diff_fingerprints([tmp_path / "post"])
+    pre = diff_fingerprints([tmp_path / "pre"])
+    assert (pre.exit_code, post.exit_code) == (code, code)
+    assert post.model.architecture == "HazardForCausalLM"
+    if code:
+        assert (pre.findings[0].kind, pre.findings[0].cause) == (
+            "buffer-order",
+            "construction-time",
+        )
+        # Saved after wrapping only: no pre-wrap print to tell construction from wrapping.
+        assert (post.findings[0].kind, post.findings[0].cause) == ("buffer-order", "unknown")
+        assert post.findings[0].stage == "post-wrap"
