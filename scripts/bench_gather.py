@@ -23,21 +23,22 @@ def main() -> int:
     parser.add_argument("--model", default="hazard")
     args = parser.parse_args()
 
-    from fsdpcheck.dist import setup as distributed
     from fsdpcheck.dist import gather
+    from fsdpcheck.dist import setup as distributed
+    from fsdpcheck.dist.environment import env_record
     from fsdpcheck.model import wrap
     from fsdpcheck.model.build import build
     from fsdpcheck.model.fingerprint import fingerprint
-    from fsdpcheck.records import RankRecord
     from fsdpcheck.model.resolve import resolve
+    from fsdpcheck.records import RankRecord
 
     ctx = distributed.init("gloo", 120.0)
     model = build(resolve(args.model, rank=ctx.rank), rank=ctx.rank, init="meta").model
     pre = fingerprint(model, "pre-wrap")
-    _, targets = wrap.plan(model)
+    targets = wrap.plan(model).modules
     wrap.apply(targets, ctx.mesh)
     post = fingerprint(model, "post-wrap")
-    env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
+    env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     agreeing = RankRecord(env=env, pre_wrap=pre, post_wrap=post)
     flipped = [dataclasses.replace(fp, buffers=tuple(reversed(fp.buffers))) for fp in (pre, post)]
     divergent = RankRecord(env=env, pre_wrap=flipped[0], post_wrap=flipped[1])
@@ -59,18 +60,20 @@ def main() -> int:
     }
     for _ in range(2):  # warm-up
         for record in variants.values():
-            gather.gather_records(record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size)
+            gather.gather_records(
+                record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size
+            )
     for name in variants:
         results[name] = {"seconds": [], "bytes": None, "groups": None}
     for _ in range(args.repeats):
         for name, record in variants.items():
             sent.clear()
-            dist.barrier(group=ctx.meta_group)
+            dist.barrier(group=ctx.side_channel)
             start = time.perf_counter()
             got = gather.gather_records(
-                record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size
+                record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size
             )
-            dist.barrier(group=ctx.meta_group)
+            dist.barrier(group=ctx.side_channel)
             results[name]["seconds"].append(time.perf_counter() - start)
             results[name]["bytes"] = gather.SLOT_BYTES + sum(sent)
             if got is not None:

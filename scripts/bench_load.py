@@ -152,7 +152,7 @@ def main() -> int:
     gc.collect()
     rss_before = status("VmRSS")
     reset = reset_peak()
-    dist.barrier(group=ctx.meta_group)
+    dist.barrier(group=ctx.side_channel)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     extra: dict = {}
@@ -163,13 +163,13 @@ def main() -> int:
         result = load_full_state_dict(
             model,
             source,
-            group=ctx.meta_group,
+            group=ctx.side_channel,
             method="bucketed",
             bucket_bytes=args.bucket_mib * 2**20,
         )
         extra = {k: v for k, v in to_dict(result).items() if k != "dtypes"}
     elif args.method == "p2p-floor":
-        p2p_floor(model, source, rank, ctx.meta_group)
+        p2p_floor(model, source, rank, ctx.side_channel)
     elif args.method == "dcp":
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -183,8 +183,8 @@ def main() -> int:
     else:
         if flat is None:
             flat = torch.empty(nbytes, dtype=torch.uint8)
-        dist.broadcast(flat, src=0, group=ctx.meta_group)
-    dist.barrier(group=ctx.meta_group)
+        dist.broadcast(flat, src=0, group=ctx.side_channel)
+    dist.barrier(group=ctx.side_channel)
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF)
     # Where the time goes: first touch of fresh pages shows as kernel time and minor faults.
@@ -195,10 +195,10 @@ def main() -> int:
     }
     peak = status("VmHWM")
     if args.method == "raw":  # again, into the buffer the first broadcast touched: the wire alone
-        dist.barrier(group=ctx.meta_group)
+        dist.barrier(group=ctx.side_channel)
         begin = time.perf_counter()
-        dist.broadcast(flat, src=0, group=ctx.meta_group)
-        dist.barrier(group=ctx.meta_group)
+        dist.broadcast(flat, src=0, group=ctx.side_channel)
+        dist.barrier(group=ctx.side_channel)
         extra["seconds_warm"] = time.perf_counter() - begin
     # The machine's price for first touching fresh memory, now: as many bytes as this rank's
     # shards (what a meta rank must fault in, whatever the loader), into a new allocation.
@@ -217,7 +217,7 @@ def main() -> int:
     if args.verify and model is not None:
         from fsdpcheck.loader.verify import verify_load
 
-        verified = verify_load(model, source, group=ctx.meta_group).passed
+        verified = verify_load(model, source, group=ctx.side_channel).passed
     record = {
         "rank": rank,
         "method": args.method,

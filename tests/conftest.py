@@ -16,6 +16,15 @@ from fsdpcheck.children.launch import LaunchResult, launch
 REPO = Path(__file__).resolve().parents[1]
 QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TIERS = ("unit", "ranks", "cli")  # tests/<tier>/: pure, real multi-process, whole commands
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test is marked with its tier, the folder it lives in (`pytest -m unit`)."""
+    for item in items:
+        tier = Path(item.fspath).parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 def run_ranks(

@@ -6,11 +6,10 @@ on rank 0 after the gather and in unit tests on synthetic fingerprints.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdpcheck.records import (
-    FINDING_KINDS,
     Finding,
     Fingerprint,
     Group,
@@ -18,28 +17,12 @@ from fsdpcheck.records import (
     RankRecord,
     TensorRecord,
 )
+from fsdpcheck.text import ranks_label
+from fsdpcheck.vocab import ErrorKind, ExitCode, FindingKind, Snapshot, Verdict, finding_kind
 
-STAGES = ("pre-wrap", "post-wrap")
-KIND_ORDER = {kind: i for i, kind in enumerate(FINDING_KINDS)}
+STAGES = (Snapshot.PRE_WRAP, Snapshot.POST_WRAP)
 ENV_FIELDS = ("python", "torch", "transformers", "backend")
 
-# First words of a summary, and the whole of a headline's "what".
-PHRASES = {
-    "buffer-order": "buffer order differs",
-    "buffer-set": "buffer names differ",
-    "buffer-shape": "buffer shapes differ",
-    "buffer-dtype": "buffer dtypes differ",
-    "buffer-persistence": "buffer persistence differs",
-    "param-order": "parameter order differs",
-    "param-set": "parameter names differ",
-    "param-shape": "parameter shapes differ",
-    "param-dtype": "parameter dtypes differ",
-    "param-placement": "parameter placements differ",
-    "state-dict-order": "state-dict order differs",
-    "env": "software versions differ",
-    "verify": "ranks differ after loading",
-    "hash-seed": "tensor order depends on PYTHONHASHSEED",
-}
 _STAGE_NOTE = {"construction-time": " (before wrapping)", "wrapping": " (after wrapping only)"}
 _ORDER_KINDS = ("buffer-order", "param-order")
 _LISTED = 3  # names spelled out in one summary before "and N more"
@@ -72,23 +55,6 @@ def format_shape(shape: Sequence[int] | None) -> str:
 
 def describe(t: TensorRecord | None) -> str:
     return "nothing" if t is None else f"{t.name} {format_shape(t.shape)} {t.dtype}"
-
-
-def ranks_label(ranks: Iterable[int]) -> str:
-    """``rank 1``, ``ranks 1,3``, ``ranks 1-7,9`` (runs of three or more collapse)."""
-    ordered = sorted(set(ranks))
-    parts: list[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        if j - i >= 2:
-            parts.append(f"{ordered[i]}-{ordered[j]}")
-        else:
-            parts.extend(str(r) for r in ordered[i : j + 1])
-        i = j + 1
-    return ("rank " if len(ordered) == 1 else "ranks ") + ",".join(parts)
 
 
 def tensor_dict(t: TensorRecord | None) -> dict[str, Any] | None:
@@ -127,15 +93,26 @@ def analyse(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> list[
     return findings
 
 
-def verdict(findings: Sequence[Finding], errors: Sequence[RankError]) -> tuple[str, int]:
+def verdict(findings: Sequence[Finding], errors: Sequence[RankError]) -> tuple[Verdict, ExitCode]:
     """``latent``: the ranks agree now, but only because they share a hash seed."""
     if errors:
-        return "error", 2 if all(e.kind == "input" for e in errors) else 3
-    if findings and all(f.kind == "hash-seed" for f in findings):
-        return "latent", 1
+        bad_input = all(e.kind == ErrorKind.INPUT for e in errors)
+        return Verdict.ERROR, ExitCode.BAD_INPUT if bad_input else ExitCode.RUNTIME
+    if findings and all(f.kind == FindingKind.HASH_SEED for f in findings):
+        return Verdict.LATENT, ExitCode.FINDINGS
     if findings:
-        return "inconsistent", 1
-    return "consistent", 0
+        return Verdict.INCONSISTENT, ExitCode.FINDINGS
+    return Verdict.CONSISTENT, ExitCode.CONSISTENT
+
+
+def phrase(kind: str) -> str:
+    member = finding_kind(kind)
+    return member.phrase if member is not None else kind
+
+
+def kind_order(kind: str) -> int:
+    member = finding_kind(kind)
+    return member.order if member is not None else len(FindingKind)
 
 
 def headline(findings: Sequence[Finding], errors: Sequence[RankError], world_size: int) -> str:
@@ -150,7 +127,7 @@ def headline(findings: Sequence[Finding], errors: Sequence[RankError], world_siz
     same = [f for f in findings if (f.kind, f.cause) == (first.kind, first.cause)]
     ranks = {r for f in same for r in f.ranks}
     where = f"on {ranks_label(ranks)}" if ranks else "across hash seeds"
-    line = f"{PHRASES.get(first.kind, first.kind)} {where} ({first.cause})"
+    line = f"{phrase(first.kind)} {where} ({first.cause})"
     rest = len(findings) - len(same)
     if rest:
         line += f"; {rest} other difference{'s' if rest > 1 else ''}"
@@ -162,7 +139,7 @@ def headline(findings: Sequence[Finding], errors: Sequence[RankError], world_siz
 
 def _headline_key(f: Finding) -> tuple:
     stage = STAGES.index(f.stage) if f.stage in STAGES else len(STAGES)
-    return KIND_ORDER.get(f.kind, len(KIND_ORDER)), stage, min(f.ranks, default=0)
+    return kind_order(f.kind), stage, min(f.ranks, default=0)
 
 
 def _has_record(group: Group, records: Mapping[int, RankRecord]) -> bool:
@@ -218,7 +195,7 @@ def _compare(reference: Group, group: Group, records: Mapping[int, RankRecord]) 
             raw[stage] = _stage_differences(a, b, stage, sides)
 
     pre, post = raw.get("pre-wrap"), raw.get("post-wrap")
-    for kind in FINDING_KINDS:
+    for kind in FindingKind:
         if kind == "env":
             continue
         if pre is not None and kind in pre:
@@ -234,7 +211,7 @@ def _compare(reference: Group, group: Group, records: Mapping[int, RankRecord]) 
             # Without a pre-wrap fingerprint we cannot tell construction from wrapping.
             cause = "wrapping" if pre is not None else "unknown"
             findings.append(_finding(kind, sides, "post-wrap", cause, summary, details, tensors))
-    findings.sort(key=lambda f: (KIND_ORDER.get(f.kind, len(KIND_ORDER)), STAGES.index(f.stage)))
+    findings.sort(key=lambda f: (kind_order(f.kind), STAGES.index(f.stage)))
     return findings
 
 
@@ -276,7 +253,7 @@ def _env_difference(ref: RankRecord, other: RankRecord, sides: _Sides) -> tuple 
         f"{d['field']} {d['reference']} on {sides.ref} but {d['other']} on {sides.other}"
         for d in diffs
     )
-    return {"differences": diffs}, f"{PHRASES['env']}: {text}"
+    return {"differences": diffs}, f"{FindingKind.ENV.phrase}: {text}"
 
 
 def _stage_differences(a: Fingerprint, b: Fingerprint, stage: str, sides: _Sides) -> dict:
@@ -287,7 +264,7 @@ def _stage_differences(a: Fingerprint, b: Fingerprint, stage: str, sides: _Sides
         ("param", a.params, b.params),
     ):
         _tensor_differences(out, prefix, ref_list, other_list, sides)
-        if prefix == "param" and stage == "post-wrap":
+        if prefix == "param" and stage == Snapshot.POST_WRAP:
             _field_difference(out, "param-placement", ref_list, other_list, sides)
     sd = _state_dict_order(a.state_dict_keys, b.state_dict_keys, sides)
     if sd is not None:
@@ -349,7 +326,7 @@ def _set_difference(prefix, ref_list, other_list, only_ref, only_other, sides: _
         "first_divergence": _first_divergence(ref_list, other_list),
     }
     tensors = [t.name for t in only_ref] + [t.name for t in only_other]
-    return tensors, details, f"{PHRASES[prefix + '-set']}: {'; '.join(parts)}"
+    return tensors, details, f"{phrase(prefix + '-set')}: {'; '.join(parts)}"
 
 
 _FIELDS = {
@@ -390,7 +367,7 @@ def _field_difference(out: dict, kind: str, ref_list, other_list, sides: _Sides)
             {"name": a.name, "reference": jsonable(a), "other": jsonable(b)} for a, b in diffs
         ]
     }
-    out[kind] = ([a.name for a, _ in diffs], details, f"{PHRASES[kind]}: {text}")
+    out[kind] = ([a.name for a, _ in diffs], details, f"{phrase(kind)}: {text}")
 
 
 def _moved(ref_names: Sequence[str], other_names: Sequence[str]) -> list[str] | None:
@@ -413,7 +390,7 @@ def _order_difference(prefix, ref_list, other_list, sides: _Sides) -> tuple | No
     a = ref_list[i] if i < len(ref_list) else None
     b = other_list[i] if i < len(other_list) else None
     summary = (
-        f"{PHRASES[prefix + '-order']} at index {i}: {sides.ref} has {describe(a)}, "
+        f"{phrase(prefix + '-order')} at index {i}: {sides.ref} has {describe(a)}, "
         f"{sides.verb('has', 'have')} {describe(b)}"
     )
     return moved, {"first_divergence": first, "moved": moved}, summary
@@ -429,7 +406,7 @@ def _state_dict_order(ref_keys: Sequence[str], other_keys: Sequence[str], sides:
         "moved": moved,
     }
     summary = (
-        f"{PHRASES['state-dict-order']} at index {i}: {sides.ref} walks {ref_keys[i]}, "
+        f"{FindingKind.STATE_DICT_ORDER.phrase} at index {i}: {sides.ref} walks {ref_keys[i]}, "
         f"{sides.verb('walks', 'walk')} {other_keys[i]}"
     )
     return moved, details, summary

@@ -1,6 +1,6 @@
 """What each known weight loader would do with these ranks: ok, hang, corrupt, or refuse.
 
-Each loader pairs tensors across ranks its own way (DESIGN.md, fact 3). We replay that pairing on
+Each loader pairs tensors across ranks its own way. We replay that pairing on
 the fingerprints of the reference group and every other usable group. Pure: no torch.
 """
 
@@ -10,8 +10,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fsdpcheck.checks.layout import describe, format_shape, ranks_label, reference_group, usable_groups
+from fsdpcheck.checks.layout import (
+    describe,
+    format_shape,
+    ranks_label,
+    reference_group,
+    usable_groups,
+)
 from fsdpcheck.records import Fingerprint, Group, LoaderPrediction, RankRecord, TensorRecord
+from fsdpcheck.vocab import LoaderVerdict
 
 LOADERS: dict[str, str] = {
     "named-buffers-order": "one broadcast per buffer in each rank's own named_buffers() order "
@@ -26,8 +33,6 @@ LOADERS: dict[str, str] = {
     "broadcast in name order after validating names, shapes and dtypes",
 }
 
-VERDICTS = ("ok", "uninitialized", "silent-corruption", "refused", "hang")  # mildest first
-SEVERITY = {v: i for i, v in enumerate(VERDICTS)}
 
 DDP_BUCKET_BYTES = 250 * 1024 * 1024
 
@@ -111,7 +116,10 @@ class _Issue:
 
 def _worse(current: _Issue | None, new: _Issue | None) -> _Issue | None:
     # Strictly worse only, so the earliest offender of the worst kind is the one named.
-    if new is not None and (current is None or SEVERITY[new.verdict] > SEVERITY[current.verdict]):
+    if new is not None and (
+        current is None
+        or LoaderVerdict(new.verdict).severity > LoaderVerdict(current.verdict).severity
+    ):
         return new
     return current
 

@@ -2,8 +2,8 @@
 
 ``naive_broadcast_buffers`` is verl's buffer loop before its fix (one broadcast per buffer, in
 each rank's own ``named_buffers()`` order). :func:`run_reproduction` launches it as separate
-ranks (``python -m fsdpcheck.children.reproduce``) bounded in time, because what it does to a process
-cannot be contained: gloo aborts the receiving process on a size mismatch (SIGABRT, not an
+ranks (``python -m fsdpcheck.children.reproduce``) bounded in time, because what it does to a
+process cannot be contained: gloo aborts the receiving process on a size mismatch (SIGABRT, not an
 exception) and NCCL waits for its watchdog. The calling process never runs it.
 """
 
@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from fsdpcheck.errors import InputError
+from fsdpcheck.options import child_collective_timeout
+from fsdpcheck.vocab import ExitCode
 
-OUTCOMES = ("ok", "silent-corruption", "crash", "hang")
 EXIT_COLLECTIVE_TIMEOUT = 124  # the child's own collective timed out: the loader hung
 _VALUES_SHOWN = 64  # buffers up to this many elements carry their values in the JSON
 _ERROR_LINE = re.compile(r"error|what\(\)|enforce fail|abort|timed out|timeout", re.IGNORECASE)
@@ -40,7 +41,7 @@ class RankExit:
 
 @dataclass(frozen=True)
 class ReproductionResult:
-    outcome: str  # one of OUTCOMES
+    outcome: str  # a ReproOutcome
     model: str
     nprocs: int
     seeds: tuple[int, ...]
@@ -81,7 +82,7 @@ def run_reproduction(
         raise InputError(f"timeout must be positive, not {timeout}.")
     resolve(model_spec)  # a bad spec is bad input here, not a "crash" of the children
     # The children's collectives give up first and say so; the launcher's kill is the backstop.
-    child_timeout = max(2.0, timeout * 0.5)
+    child_timeout = child_collective_timeout(timeout)
     with tempfile.TemporaryDirectory(prefix="fsdpcheck-reproduce-") as tmp:
         out = Path(tmp) / "reproduction.json"
         result = launch(
@@ -222,7 +223,7 @@ def _child(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-        return EXIT_COLLECTIVE_TIMEOUT if timed_out else 3
+        return EXIT_COLLECTIVE_TIMEOUT if timed_out else ExitCode.RUNTIME
     finally:
         distributed.shutdown(ctx)
 
@@ -237,7 +238,7 @@ def _run_rank(args: argparse.Namespace, ctx: Any) -> int:
     # Every rank real (init="all") and seeded alike, so values are comparable by name.
     model = build(resolved, rank=ctx.rank, init="all", seed=args.seed).model
     order = [name for name, _ in model.named_buffers()]
-    naive_broadcast_buffers(model, src=0, group=ctx.meta_group)
+    naive_broadcast_buffers(model, src=0, group=ctx.side_channel)
     after = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     expected = dict(
         build(resolved, rank=ctx.rank, init="all", seed=args.seed).model.named_buffers()
@@ -254,7 +255,7 @@ def _run_rank(args: argparse.Namespace, ctx: Any) -> int:
         "corrupted": [n for n, s in states.items() if s["state"] == "corrupted"],
     }
     gathered: list[Any] | None = [None] * ctx.world_size if ctx.rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0, group=ctx.meta_group)
+    dist.gather_object(mine, gathered, dst=0, group=ctx.side_channel)
     if ctx.rank == 0:
         report = {
             "model": args.model,
@@ -264,7 +265,7 @@ def _run_rank(args: argparse.Namespace, ctx: Any) -> int:
             "ranks": gathered,
         }
         Path(args.json).write_text(json.dumps(report, indent=2, sort_keys=True))
-    return 0
+    return ExitCode.CONSISTENT
 
 
 if __name__ == "__main__":

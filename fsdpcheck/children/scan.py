@@ -29,28 +29,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdpcheck.errors import (
-    EXIT_CONSISTENT,
-    EXIT_FINDINGS,
-    EXIT_RUNTIME,
-    InputError,
-)
-from fsdpcheck.children.probe import (
-    DEFAULT_SEEDS,
-    ModuleReorder,
-    SeedError,
-    compare_orders,
-    emit,
-    failure_message,
-    installed_version,
-    run_seeds,
-)
+from fsdpcheck.checks.hash_seed import ModuleReorder, SeedError, compare_orders
+from fsdpcheck.children.harness import emit, failure_message, run_seeds
+from fsdpcheck.children.probe import DEFAULT_SEEDS
+from fsdpcheck.dist.environment import package_version
+from fsdpcheck.errors import InputError
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
+from fsdpcheck.text import int_ranges
+from fsdpcheck.vocab import ExitCode, ScanVerdict
 
 DEFAULT_TIMEOUT = 1800.0  # per child (one hash seed, every selected architecture)
 DEFAULT_ARCH_TIMEOUT = 60.0  # per architecture, inside a child
 FAMILIES = ("causal-lm", "masked-lm")
-VERDICTS = ("hang", "silent-corruption", "ok", "skipped")
 LAYERS = 4  # layers in a small config (more when the config has more distinct layer types)
 
 # Integer config fields and the small value they are lowered to (never raised).
@@ -111,7 +101,7 @@ class ScanRow:
 
     @property
     def label(self) -> str:
-        return f"skipped: {self.reason}" if self.verdict == "skipped" else self.verdict
+        return f"skipped: {self.reason}" if self.verdict == ScanVerdict.SKIPPED else self.verdict
 
 
 @dataclass(frozen=True)
@@ -253,14 +243,14 @@ def scan(
         if outcome.timed_out or outcome.returncode != 0:
             kind = "timeout" if outcome.timed_out else "runtime"
             errors.append(SeedError(seed, kind, failure_message(outcome, timeout)))
-    rows = tuple(_row(t, per_arch[t.id], seed_list, errors) for t in targets)
-    counts = {v: sum(r.verdict == v for r in rows) for v in VERDICTS}
+    rows = tuple(scan_row(t, per_arch[t.id], seed_list, errors) for t in targets)
+    counts = {v: sum(r.verdict == v for r in rows) for v in ScanVerdict}
     if counts["hang"] or counts["silent-corruption"]:
-        code = EXIT_FINDINGS
+        code = ExitCode.FINDINGS
     elif errors and not any(per_arch.values()):
-        code = EXIT_RUNTIME
+        code = ExitCode.RUNTIME
     else:
-        code = EXIT_CONSISTENT
+        code = ExitCode.CONSISTENT
     return ScanResult(
         rows=rows,
         seeds=seed_list,
@@ -269,15 +259,15 @@ def scan(
         exit_code=code,
         counts=counts,
         errors=tuple(errors),
-        transformers=installed_version("transformers"),
-        torch=installed_version("torch"),
+        transformers=package_version("transformers"),
+        torch=package_version("torch"),
         python=sys.version.split()[0],
         started=started,
         elapsed=round(time.monotonic() - start, 2),
     )
 
 
-def _row(
+def scan_row(
     target: ScanTarget,
     by_seed: Mapping[int, Mapping[str, Any]],
     seeds: Sequence[int],
@@ -313,15 +303,13 @@ def _row(
         reason = reasons[0] if len(reasons) == 1 else "; ".join(reasons[:2])
     elif failed:
         seed, record = next(iter(failed.items()))
-        reason = f"built under seeds {_seeds(built)} only; seed {seed}: {record.get('reason')}"
+        reason = f"built under seeds {int_ranges(built)} only; seed {seed}: {record.get('reason')}"
     else:
         why = {e.seed: e.message for e in errors}
-        reason = f"no result from seed(s) {_seeds(missing)}: {why.get(missing[0], 'child lost')}"
+        reason = (
+            f"no result from seed(s) {int_ranges(missing)}: {why.get(missing[0], 'child lost')}"
+        )
     return ScanRow(**base, verdict="skipped", reason=reason, **extra)
-
-
-def _seeds(seeds: Iterable[int]) -> str:
-    return ",".join(str(s) for s in seeds)
 
 
 # ---------------------------------------------------------------- small configs (child side)
@@ -576,48 +564,6 @@ def _child(argv: Sequence[str]) -> int:
 
 
 # ---------------------------------------------------------------- rendering (no printing)
-
-_STYLE = {"ok": "green", "hang": "bold red", "silent-corruption": "bold red", "skipped": "yellow"}
-
-
-def scan_table(result: ScanResult, *, all_rows: bool = True) -> Any:
-    """A rich Table: architecture, hash-seed-dependent tensors, verdict (non-ok rows first)."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(
-        title=f"hash-seed scan · transformers {result.transformers} · "
-        f"{len(result.seeds)} seeds · {len(result.rows)} architectures",
-        title_justify="left",
-    )
-    table.add_column("architecture")
-    table.add_column("class")
-    table.add_column("hash-seed-dependent tensors", overflow="fold")
-    table.add_column("verdict")
-    order = {v: i for i, v in enumerate(VERDICTS)}
-    for row in sorted(result.rows, key=lambda r: (order.get(r.verdict, 9), r.id)):
-        if not all_rows and row.verdict == "ok":
-            continue
-        tensors = "; ".join(
-            f"{r.module or '<root>'}: "
-            + ", ".join(f"{t.name.rpartition('.')[2]} {list(t.shape)}" for t in r.tensors)
-            for r in row.reorders
-        )
-        style = _STYLE.get(row.verdict, "")
-        table.add_row(row.id, row.architecture, escape(tensors), f"[{style}]{escape(row.label)}[/]")
-    return table
-
-
-def scan_summary(result: ScanResult) -> str:
-    """One line of counts, as rich markup."""
-    c = result.counts
-    return (
-        f"[bold]{len(result.rows)} architectures[/] in {result.elapsed:.0f} s: "
-        f"[green]{c.get('ok', 0)} ok[/] · [bold red]{c.get('hang', 0)} hang[/] · "
-        f"[bold red]{c.get('silent-corruption', 0)} silent-corruption[/] · "
-        f"[yellow]{c.get('skipped', 0)} skipped[/] (exit {result.exit_code})"
-    )
-
 
 if __name__ == "__main__":
     sys.exit(_child(sys.argv[1:]))

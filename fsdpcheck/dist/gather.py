@@ -1,4 +1,4 @@
-"""Stage 6: bring every rank's record to rank 0 over the gloo side channel.
+"""Bring every rank's record to rank 0 over the gloo side channel.
 
 Built for thousands of ranks: every rank first shares a fixed-size slot (its record's group
 digest and its host); then only one representative per distinct digest sends its full record.
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdpcheck.dist.setup import exchange_slots
-from fsdpcheck.records import RankRecord, from_dict, to_dict
+from fsdpcheck.dist.wire import exchange_slots
+from fsdpcheck.records import Gathered, RankRecord, from_dict, to_dict
 
 _DIGEST_BYTES = 16
 _HOST_BYTES = 64
@@ -22,24 +22,12 @@ _FLAG_META = 1  # this rank built (some of) the model on meta
 SLOT_BYTES = 1 + _DIGEST_BYTES + _HOST_BYTES
 
 
-@dataclass(frozen=True)
-class Gathered:
-    """What rank 0 holds after the gather: every rank's digest and host, and one record per
-    distinct digest (keyed by its representative, the lowest rank with that digest)."""
-
-    digests: dict[int, str]
-    hosts: dict[int, str]
-    records: dict[int, RankRecord]
-    bytes_sent: int  # by this rank
-    meta_ranks: tuple[int, ...] = ()  # ranks whose tensors were on meta before loading
-
-
-def _slot(digest: str, host: str, flags: int) -> bytes:
+def _pack_slot(digest: str, host: str, flags: int) -> bytes:
     raw = bytes([flags]) + bytes.fromhex(digest)[:_DIGEST_BYTES].ljust(_DIGEST_BYTES, b"\0")
     return raw + host.encode()[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
 
 
-def _unslot(raw: bytes) -> tuple[int, str, str]:
+def _unpack_slot(raw: bytes) -> tuple[int, str, str]:
     digest, host = raw[1 : 1 + _DIGEST_BYTES], raw[1 + _DIGEST_BYTES :]
     return raw[0], digest.hex(), host.rstrip(b"\0").decode(errors="replace")
 
@@ -62,11 +50,11 @@ def gather_records(
 ) -> Gathered | None:
     """Collective over ``group``: returns :class:`Gathered` on rank 0 and ``None`` elsewhere."""
     digest = record.group_digest()
-    mine = _slot(digest, record.env.host, _FLAG_META if _built_on_meta(record) else 0)
+    mine = _pack_slot(digest, record.env.host, _FLAG_META if _built_on_meta(record) else 0)
     slots, _ = exchange_slots(mine, group, size=world_size)
     digests, hosts, meta_ranks = {}, {}, []
     for r, slot in enumerate(slots):
-        flags, digests[r], hosts[r] = _unslot(slot)
+        flags, digests[r], hosts[r] = _unpack_slot(slot)
         if flags & _FLAG_META:
             meta_ranks.append(r)
     reps = representatives(digests)
@@ -96,16 +84,3 @@ def _recv_record(src: int, group: object) -> RankRecord:
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(payload, src=src, group=group)
     return from_dict(RankRecord, json.loads(payload.numpy().tobytes()))
-
-
-def broadcast_decision(code: int, text: str, group: object) -> tuple[int, str]:
-    """Rank 0's integer decision and a short text (its one-line conclusion), on every rank."""
-    raw = text.encode()[:4096]
-    header = torch.tensor([code, len(raw)], dtype=torch.int64)
-    dist.broadcast(header, src=0, group=group)
-    size = int(header[1])
-    if size == 0:
-        return int(header[0]), ""
-    payload = torch.frombuffer(bytearray(raw.ljust(size, b"\0")[:size]), dtype=torch.uint8)
-    dist.broadcast(payload, src=0, group=group)
-    return int(header[0]), payload.numpy().tobytes().decode(errors="replace")

@@ -52,7 +52,7 @@ def run_check(
 
     result = check_model(model, timeout=timeout)
     if json_path is not None and result.report is not None:  # rank 0 holds the report
-        from fsdpcheck.report import write_json
+        from fsdpcheck.output import write_json
 
         write_json(result.report, Path(json_path))
     if result.exit_code == 0:

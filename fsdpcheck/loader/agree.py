@@ -1,6 +1,7 @@
 """Before a byte moves: every rank shows the state-dict entries and non-persistent buffers it
 holds (names, shapes, dtypes), in one fixed-size exchange of digests; any difference is named and
-raised on every rank, never a hang and never a partial load. :mod:`fsdpcheck.loader.load` runs it first."""
+raised on every rank, never a hang and never a partial load. :mod:`fsdpcheck.loader.load` runs
+it first."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.dist.setup import exchange_slots, transport_device
+from fsdpcheck.dist.wire import exchange_slots, transport_device
 from fsdpcheck.errors import FsdpcheckError
-from fsdpcheck.model.fingerprint import dtype_name
+from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers
 from fsdpcheck.records import short_digest
+from fsdpcheck.text import name_list, ranks_label
 
 # (name, shape, dtype): what must agree across ranks before a tensor may be paired by name.
 Layout = tuple[tuple[str, tuple[int, ...], str], ...]
@@ -68,22 +70,7 @@ def _tensor_layout(name: str, tensor: torch.Tensor) -> tuple[str, tuple[int, ...
     return (name, tuple(tensor.shape), named)
 
 
-def non_persistent(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Non-persistent buffers by name, as ``named_buffers()`` names them, in one pass."""
-    found: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for prefix, module in model.named_modules():
-        skip = module._non_persistent_buffers_set
-        for name, buf in module._buffers.items():
-            if buf is None or id(buf) in seen:
-                continue
-            seen.add(id(buf))  # shared tensors: the first name only, as named_buffers() does
-            if name in skip:
-                found[f"{prefix}.{name}" if prefix else name] = buf
-    return found
-
-
-def describe(
+def local_layout(
     model: nn.Module,
     rank: int,
     *,
@@ -97,7 +84,7 @@ def describe(
     state: Layout = ()
     named: dict[str, torch.Tensor] | None = None
     try:
-        named = non_persistent(model)
+        named = non_persistent_buffers(model)
         buffers = tuple(sorted(_tensor_layout(n, t) for n, t in named.items()))
         if rank == src:
             on_meta = sorted(n for n, t in named.items() if t.is_meta)
@@ -111,13 +98,13 @@ def describe(
             local = model.state_dict(keep_vars=True)
             state = tuple(sorted(_tensor_layout(k, v) for k, v in local.items()))
             if rank == src:
-                problems.extend(_source_problems(rank, state, source))
+                problems.extend(source_problems(rank, state, source))
     except Exception as exc:  # a local failure must reach the others, not strand them
         problems.append(f"rank {rank} could not describe its model: {type(exc).__name__}: {exc}")
     return Exchange(rank, buffers, state, tuple(problems), named)
 
 
-def _source_problems(rank: int, state: Layout, source: dict[str, torch.Tensor] | None) -> list[str]:
+def source_problems(rank: int, state: Layout, source: dict[str, torch.Tensor] | None) -> list[str]:
     if source is None:
         return [f"rank {rank} was given no full state dict (None); pass rank 0's full state dict."]
     expected = {name: shape for name, shape, _ in state}
@@ -149,7 +136,9 @@ def inline_capacity_for(world_size: int) -> int:
     return max(_INLINE_MIN, min(_INLINE_MAX, _INLINE_TOTAL // max(world_size, 1)))
 
 
-def _slot(mine: Exchange, fast: tuple[str, str | None] | None, inline: bool = False) -> bytes:
+def _exchange_slot(
+    mine: Exchange, fast: tuple[str, str | None] | None, inline: bool = False
+) -> bytes:
     """This rank's fixed-size entry: flags, then digests of its buffers, state and fast layout."""
     flags = _PROBLEMS if mine.problems else 0
     if inline:
@@ -167,6 +156,17 @@ def _slot(mine: Exchange, fast: tuple[str, str | None] | None, inline: bool = Fa
     )
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """The ranks agree: the buffer layout, how many collectives that took, every rank's
+    bucketed-path entry in group order, and ``src``'s inline buffers when they rode along."""
+
+    layout: Layout
+    collectives: int
+    bucketed: list[Any]
+    inline: bytes | None
+
+
 def agree(
     mine: Exchange,
     *,
@@ -176,7 +176,7 @@ def agree(
     fast: tuple[str, str | None] | None = None,
     inline: bytes | None = None,
     inline_capacity: int = 0,
-) -> tuple[Layout, int, list[Any], bytes | None]:
+) -> Agreement:
     """Collective: one fixed-size exchange of digests; more only when something differs.
 
     ``fast`` (this rank's bucketed-path entry: digest and reason, or None) rides along; every
@@ -185,7 +185,7 @@ def agree(
     buffers, or None) to the same round; every rank gets it back when the layouts agree."""
     attach = inline is not None and len(inline) <= inline_capacity
     entries, attached = exchange_slots(
-        _slot(mine, fast, inline=attach),
+        _exchange_slot(mine, fast, inline=attach),
         group,
         size=len(ranks),
         device=transport_device(group),
@@ -200,16 +200,16 @@ def agree(
         if any(e[0] & _FAST_REASON for e in entries):  # the reasons, in words
             fasts: list[Any] = [None] * len(ranks)
             dist.all_gather_object(fasts, fast, group=group)
-            return mine.buffers, 2, fasts, None
+            return Agreement(mine.buffers, 2, fasts, None)
         digests = [None if e[0] & _NO_FAST else (e[1 + 2 * _DIGEST :].hex(), None) for e in entries]
-        return mine.buffers, 1, digests, attached if reference[0] & _INLINE else None
+        return Agreement(mine.buffers, 1, digests, attached if reference[0] & _INLINE else None)
     # Every rank saw the same summaries, so every rank takes this branch together.
     everyone: list[Any] = [None] * len(ranks)
     dist.all_gather_object(everyone, mine, group=group)
     by_rank = {e.global_rank: e for e in everyone}
     problems = [p for e in everyone for p in e.problems]
-    buffer_diffs = _differences(by_rank, src, "buffers", "non-persistent buffer")
-    state_diffs = _differences(by_rank, src, "state", "state-dict entry")
+    buffer_diffs = layout_differences(by_rank, src, "buffers", "non-persistent buffer")
+    state_diffs = layout_differences(by_rank, src, "state", "state-dict entry")
     differences = problems + buffer_diffs + state_diffs
     listed = "\n".join(f"  - {d}" for d in differences)
     if buffer_diffs:
@@ -228,7 +228,7 @@ def agree(
     )
 
 
-def _differences(by_rank: dict[int, Exchange], src: int, field: str, what: str) -> list[str]:
+def layout_differences(by_rank: dict[int, Exchange], src: int, field: str, what: str) -> list[str]:
     """Every difference from ``src``, one line per distinct difference, naming its ranks."""
     reference = {n: (s, d) for n, s, d in getattr(by_rank[src], field)}
     found: dict[str, list[int]] = defaultdict(list)
@@ -253,7 +253,7 @@ def _differences(by_rank: dict[int, Exchange], src: int, field: str, what: str) 
             else:
                 continue
             found[line].append(rank)
-    return [f"{rank_word(ranks)} {compact(ranks)}: {line}" for line, ranks in found.items()]
+    return [f"{ranks_label(ranks)}: {line}" for line, ranks in found.items()]
 
 
 def raise_if_any_failed(failure: str | None, group: Any, ranks: list[int]) -> None:
@@ -268,25 +268,5 @@ def raise_if_any_failed(failure: str | None, group: Any, ranks: list[int]) -> No
         )
 
 
-def group_ranks(group: Any) -> list[int]:
+def member_ranks(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-
-
-def rank_word(ranks: list[int]) -> str:
-    return "rank" if len(ranks) == 1 else "ranks"
-
-
-def compact(ranks: Iterable[int]) -> str:
-    """``[1, 2, 3, 5]`` → ``"1-3, 5"``: a readable list at thousands of ranks."""
-    spans: list[list[int]] = []
-    for r in sorted(ranks):
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-
-
-def name_list(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -23,8 +23,8 @@ position:
 - Non-persistent buffers, which no state dict carries, are broadcast by sorted name, one flat
   tensor per dtype (small ones ride with the check itself: one collective in all).
 
-The checks live in :mod:`fsdpcheck.loader.agree`, the bucketed transfer in :mod:`fsdpcheck.loader.transfer`;
-this module puts them together.
+The checks live in :mod:`fsdpcheck.loader.agree`, the bucketed transfer in
+:mod:`fsdpcheck.loader.transfer`; this module puts them together.
 """
 
 from __future__ import annotations
@@ -39,22 +39,22 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fsdpcheck.dist.setup import transport_device
+from fsdpcheck.dist.wire import transport_device
 from fsdpcheck.errors import InputError
-from fsdpcheck.model.fingerprint import non_persistent_buffer_names
 from fsdpcheck.loader.agree import (
     BufferMismatchError,
     Layout,
     StateDictMismatchError,
     agree,
-    compact,
-    describe,
-    group_ranks,
     inline_capacity_for,
-    non_persistent,
+    local_layout,
+    member_ranks,
     raise_if_any_failed,
 )
-from fsdpcheck.loader.transfer import Transfer, aligned, choose_method, fast_info
+from fsdpcheck.loader.transfer import Transfer, aligned, bucketed_info, choose_method
+from fsdpcheck.model.fingerprint import non_persistent_buffers
+from fsdpcheck.text import int_ranges
+from fsdpcheck.vocab import LoadMethod
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -127,34 +127,34 @@ def load_full_state_dict(
         raise InputError(
             f"load_full_state_dict: bucket_bytes={bucket_bytes} is below {MIN_BUCKET_BYTES}."
         )
-    ranks = group_ranks(group)
+    ranks = member_ranks(group)
     if 0 not in ranks:
         raise InputError(
             "load_full_state_dict: `group` must contain global rank 0, which holds the full "
-            f"state dict; it holds ranks {compact(ranks)}."
+            f"state dict; it holds ranks {int_ranges(ranks)}."
         )
     rank = dist.get_rank()
     source = dict(full_state_dict_on_rank0) if full_state_dict_on_rank0 is not None else None
-    mine = describe(model, rank, src=0, source=source if rank == 0 else None, with_state=True)
+    mine = local_layout(model, rank, src=0, source=source if rank == 0 else None, with_state=True)
     fast = None
-    if method == "bucketed":
-        fast = fast_info(model, rank, ranks, group, int(bucket_bytes))
+    if method == LoadMethod.BUCKETED:
+        fast = bucketed_info(model, rank, ranks, group, int(bucket_bytes))
     shared = fast.shared() if fast is not None else None
-    layout, collectives, fasts, _ = agree(mine, src=0, group=group, ranks=ranks, fast=shared)
-    chosen, reason = choose_method(method, fasts, ranks)
+    agreed = agree(mine, src=0, group=group, ranks=ranks, fast=shared)
+    layout, collectives = agreed.layout, agreed.collectives
+    chosen, reason = choose_method(method, agreed.bucketed, ranks)
 
     failure, materialised = None, False
     messages = moved_bytes = biggest = 0
-    if chosen == "bucketed":
+    if chosen == LoadMethod.BUCKETED:
         try:
-            materialised = _materialise(model)
+            materialised = materialise(model)
         except Exception as exc:  # this rank still takes part in the transfer, then says so
             failure = f"rank {rank}: materialising failed: {type(exc).__name__}: {exc}"
         transfer = Transfer(model, fast.specs, ranks, group, int(bucket_bytes))
-        messages, moved_bytes, biggest, problem = transfer.run(
-            source if rank == 0 else None, write=failure is None
-        )
-        failure = failure or problem
+        moved = transfer.run(source if rank == 0 else None, write=failure is None)
+        messages, moved_bytes, biggest = moved.messages, moved.bytes, moved.largest
+        failure = failure or moved.failure
     else:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -168,7 +168,7 @@ def load_full_state_dict(
             full_state_dict=True, broadcast_from_rank0=True, cpu_offload=cpu_offload
         )
         try:
-            materialised = _materialise(model)
+            materialised = materialise(model)
             set_model_state_dict(model, payload, options=options)
         except Exception as exc:  # reported to every rank below instead of stranding them
             failure = f"rank {rank}: loading failed: {type(exc).__name__}: {exc}"
@@ -194,13 +194,13 @@ def load_full_state_dict(
 def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> BufferBroadcast:
     """Broadcast non-persistent buffers from global rank ``src`` by sorted name, one flat tensor
     per dtype, after checking that every rank holds the same names, shapes and dtypes."""
-    ranks = group_ranks(group)
+    ranks = member_ranks(group)
     if src not in ranks:
         raise InputError(
-            f"broadcast_buffers: src={src} is not in `group` (ranks {compact(ranks)})."
+            f"broadcast_buffers: src={src} is not in `group` (ranks {int_ranges(ranks)})."
         )
     rank = dist.get_rank()
-    mine = describe(model, rank, src=src, source=None, with_state=False)
+    mine = local_layout(model, rank, src=src, source=None, with_state=False)
     capacity = inline_capacity_for(len(ranks))
     payload = None
     if rank == src and not mine.problems:
@@ -208,10 +208,13 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
             payload = _inline_payload(_by_dtype(mine.named, mine.buffers), capacity)
         except Exception:  # too big or unpackable here: the separate broadcast moves them
             payload = None
-    layout, collectives, _, inline = agree(
+    agreed = agree(
         mine, src=src, group=group, ranks=ranks, inline=payload, inline_capacity=capacity
     )
-    moved = _broadcast_flat(model, layout, src=src, group=group, named=mine.named, inline=inline)
+    collectives = agreed.collectives
+    moved = _broadcast_flat(
+        model, agreed.layout, src=src, group=group, named=mine.named, inline=agreed.inline
+    )
     return BufferBroadcast(
         names=moved.names,
         dtypes=moved.dtypes,
@@ -222,7 +225,7 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
     )
 
 
-def _materialise(model: nn.Module) -> bool:
+def materialise(model: nn.Module) -> bool:
     """Give meta tensors real (uninitialised) storage; ranks without meta tensors are untouched."""
     tensors = [*model.parameters(), *model.buffers()]
     if not any(t.is_meta for t in tensors):
@@ -233,7 +236,7 @@ def _materialise(model: nn.Module) -> bool:
     named = dict(model.named_buffers())
     kept = {
         name: named[name].detach().clone()
-        for name in non_persistent_buffer_names(model)
+        for name in non_persistent_buffers(model)
         if name in named and not named[name].is_meta
     }
     model.to_empty(device=_model_device(model))
@@ -310,7 +313,7 @@ def _broadcast_flat(
     ``named``: the buffers, when nothing can have replaced them since they were described.
     ``inline``: the packed values, already received with the check: nothing left to send."""
     if named is None:
-        named = non_persistent(model)  # after to_empty(): the new tensors
+        named = non_persistent_buffers(model)  # after to_empty(): the new tensors
     groups = _by_dtype(named, layout)
     device = transport_device(group)
     is_src = dist.get_rank() == src

@@ -14,10 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.dist.setup import transport_device
+from fsdpcheck.dist.wire import transport_device
+from fsdpcheck.loader.shards import local_shape, mesh_coordinate, shard_of
 from fsdpcheck.model.fingerprint import dtype_name
-from fsdpcheck.loader.agree import compact, rank_word
 from fsdpcheck.records import short_digest
+from fsdpcheck.text import int_ranges, ranks_label
+from fsdpcheck.vocab import LoadMethod
 
 _ALIGN = 16  # every piece starts at a multiple of this in its bucket, so any dtype can view it
 _DIRECT_BYTES = 2**20  # a shard at least this big travels alone, straight from/into the tensor
@@ -38,12 +40,12 @@ class _Spec:
 
 
 @dataclass(frozen=True)
-class _Fast:
+class _Bucketed:
     """One rank's entry for the bucketed path in the layout exchange."""
 
     digest: str  # of everything the transfer layout derives from; every rank must agree
     reason: str | None  # why this rank cannot take the bucketed path
-    specs: tuple[_Spec, ...] = ()  # kept on this rank, never sent (see _Fast.shared)
+    specs: tuple[_Spec, ...] = ()  # kept on this rank, never sent (see _Bucketed.shared)
 
     def shared(self) -> tuple[str, str | None]:
         return self.digest, self.reason
@@ -103,16 +105,16 @@ def _specs(model: nn.Module) -> list[_Spec]:
     return sorted(specs, key=lambda spec: spec.name)
 
 
-def fast_info(
+def bucketed_info(
     model: nn.Module, rank: int, ranks: list[int], group: Any, bucket_bytes: int
-) -> _Fast:
+) -> _Bucketed:
     """What the bucketed path's layout derives from on this rank, and whether this rank can take
     it at all; never raises, so the rank always joins the exchange."""
     try:
         backend = str(dist.get_backend(group)).lower()
         if "gloo" not in backend:
             # Point-to-point from rank 0 over NCCL would set up a communicator per receiver.
-            return _Fast(
+            return _Bucketed(
                 "", f"`group` runs {backend}; the bucketed path sends over gloo (pass a gloo group)"
             )
         specs = _specs(model)
@@ -132,7 +134,7 @@ def fast_info(
                 mesh_key = meshes.get(id(spec.mesh))
                 if mesh_key is None:
                     mesh_key = meshes[id(spec.mesh)] = _mesh_key(spec.mesh)
-                    coordinates[id(spec.mesh)] = _coordinate(spec.mesh, rank)
+                    coordinates[id(spec.mesh)] = mesh_coordinate(spec.mesh, rank)
                     outside[id(spec.mesh)] = sorted(set(mesh_key[2]) - members)
                 where = (outside[id(spec.mesh)], coordinates[id(spec.mesh)])
                 reasons.extend(_shard_problems(spec, tensor, rank, mesh_key, *where))
@@ -145,9 +147,9 @@ def fast_info(
         if reasons:
             more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
             reason = reasons[0] + more
-        return _Fast(digest, reason, tuple(specs))
+        return _Bucketed(digest, reason, tuple(specs))
     except Exception as exc:  # the DCP path may still cope; say why this one cannot
-        return _Fast("", f"could not describe its state dict: {type(exc).__name__}: {exc}")
+        return _Bucketed("", f"could not describe its state dict: {type(exc).__name__}: {exc}")
 
 
 def _mesh_key(mesh: Any) -> tuple[Any, ...]:
@@ -172,7 +174,7 @@ def _shard_problems(
     if len(spec.placements) != len(mesh_shape):
         return [f"{spec.name} has {len(spec.placements)} placements on a {len(mesh_shape)}-D mesh"]
     if outside:
-        return [f"{spec.name}'s mesh holds ranks {compact(outside)} that `group` lacks"]
+        return [f"{spec.name}'s mesh holds ranks {int_ranges(outside)} that `group` lacks"]
     if coordinate is None:
         return [f"rank {rank} is not in {spec.name}'s mesh"]
     with torch.no_grad():
@@ -188,38 +190,12 @@ def _shard_problems(
     return []
 
 
-def _coordinate(mesh: Any, rank: int) -> list[int] | None:
-    where = (mesh.mesh == rank).nonzero()
-    return [int(c) for c in where[0].tolist()] if where.numel() else None
-
-
-def local_shape(
-    shape: Sequence[int],
-    placements: Sequence[Any],
-    mesh_shape: Sequence[int],
-    coordinate: Sequence[int],
-) -> tuple[int, ...]:
-    """The shape :func:`fsdpcheck.loader.verify.shard_of` cuts, from sizes alone: ``Shard(d)`` keeps
-    chunk ``c`` of ``torch.chunk(t, n, d)``, ``ceil(L / n)`` long except at the end."""
-    from torch.distributed.tensor import Replicate
-
-    dims = [int(d) for d in shape]
-    for size, coord, placement in zip(mesh_shape, coordinate, placements, strict=True):
-        if isinstance(placement, Replicate):
-            continue
-        dim = placement.dim % max(len(dims), 1)
-        length = dims[dim]
-        chunk = -(-length // size)
-        dims[dim] = max(0, min(chunk, length - coord * chunk)) if chunk else 0
-    return tuple(dims)
-
-
 def choose_method(method: str, fasts: list[Any], ranks: list[int]) -> tuple[str, str | None]:
     """The same decision on every rank, from every rank's (digest, reason), in group order."""
-    if method == "dcp":
+    if method == LoadMethod.DCP:
         return "dcp", None
     if asked := [r for r, f in zip(ranks, fasts, strict=True) if f is None]:
-        return "dcp", f"{rank_word(asked)} {compact(asked)} asked for method='dcp'"
+        return "dcp", f"{ranks_label(asked)} asked for method='dcp'"
     reasons = [f"rank {r}: {f[1]}" for r, f in zip(ranks, fasts, strict=True) if f[1]]
     if reasons:
         more = f"; and {len(reasons) - 1} more ranks" if len(reasons) > 1 else ""
@@ -227,7 +203,7 @@ def choose_method(method: str, fasts: list[Any], ranks: list[int]) -> tuple[str,
     reference = fasts[ranks.index(0)][0]
     if differ := [r for r, f in zip(ranks, fasts, strict=True) if f[0] != reference]:
         return "dcp", (
-            f"{rank_word(differ)} {compact(differ)} shard, tie or bucket the state dict "
+            f"{ranks_label(differ)} shard, tie or bucket the state dict "
             "differently from rank 0 (placements, meshes, tied weights or bucket_bytes differ)"
         )
     return "bucketed", None
@@ -306,6 +282,14 @@ class _Pipeline:
             self.finish_oldest()
 
 
+@dataclass(frozen=True)
+class TransferStats:
+    messages: int
+    bytes: int  # on the wire
+    largest: int  # one message's bytes
+    failure: str | None  # this rank's, or None
+
+
 class Transfer:
     """Rank 0 sends every other rank its own shards; nobody receives anyone else's.
 
@@ -331,10 +315,8 @@ class Transfer:
         self._flat_index = -1
         self._flat: dict[int, torch.Tensor] = {}
 
-    def run(
-        self, source: Mapping[str, torch.Tensor] | None, *, write: bool
-    ) -> tuple[int, int, int, str | None]:
-        """(messages, bytes on the wire, largest message, this rank's failure or None)."""
+    def run(self, source: Mapping[str, torch.Tensor] | None, *, write: bool) -> TransferStats:
+        """Move every rank's shards; ``failure`` says what went wrong on this rank."""
         targets = None
         if write:
             try:
@@ -345,8 +327,8 @@ class Transfer:
             if self.rank == 0:
                 if source is None:
                     self.failure = self.failure or "rank 0: no full state dict to send"
-                return (*self._send(source, targets), self.failure)
-            return (*self._receive(targets), self.failure)
+                return TransferStats(*self._send(source, targets), self.failure)
+            return TransferStats(*self._receive(targets), self.failure)
 
     # -- layout
 
@@ -371,7 +353,7 @@ class Transfer:
     def _coordinate(self, mesh: Any, rank: int) -> list[int] | None:
         key = (id(mesh), rank)
         if key not in self._coordinates:
-            self._coordinates[key] = _coordinate(mesh, rank)
+            self._coordinates[key] = mesh_coordinate(mesh, rank)
         return self._coordinates[key]
 
     def _targets(self) -> list[torch.Tensor]:
@@ -389,8 +371,6 @@ class Transfer:
         if index != self._flat_index:
             self._flat_index, self._flat = index, {}
         if rank not in self._flat:
-            from fsdpcheck.loader.verify import shard_of
-
             spec = self.specs[index]
             full = source[spec.name].detach()
             if spec.placements is not None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.loader.shards import expected_shard
 from fsdpcheck.model.fingerprint import value_digest
 from fsdpcheck.records import VerifyResult
 
@@ -159,38 +160,3 @@ def _compare(got: _Entry | None, want: _Entry, differs: str) -> str | None:
 def _placements(param: torch.Tensor) -> tuple[str, ...] | None:
     placements = getattr(param, "placements", None)
     return tuple(str(p) for p in placements) if placements is not None else None
-
-
-def expected_shard(full: torch.Tensor, param: torch.Tensor, global_rank: int) -> torch.Tensor:
-    """The part of ``full`` that ``global_rank`` holds for ``param`` (rank 0's view of it)."""
-    placements = getattr(param, "placements", None)
-    if placements is None:
-        return full
-    mesh = param.device_mesh
-    where = (mesh.mesh == global_rank).nonzero()
-    if where.numel() == 0:
-        raise ValueError(f"rank {global_rank} is not in the parameter's device mesh")
-    coordinate = [int(c) for c in where[0].tolist()]
-    return shard_of(full, placements, tuple(mesh.mesh.shape), coordinate)
-
-
-def shard_of(
-    full: torch.Tensor,
-    placements: Sequence[Any],
-    mesh_shape: Sequence[int],
-    coordinate: Sequence[int],
-) -> torch.Tensor:
-    """``Shard(d)`` on mesh dim i keeps ``torch.chunk(t, mesh_shape[i], d)[coordinate[i]]``, or an
-    empty slice when the coordinate is past the last chunk (as FSDP2 and DTensor do)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    tensor = full
-    for size, coord, placement in zip(mesh_shape, coordinate, placements, strict=True):
-        if isinstance(placement, Replicate):
-            continue
-        if not isinstance(placement, Shard):
-            raise ValueError(f"placement {placement} is not supported by verify")
-        dim = placement.dim % max(tensor.dim(), 1)
-        chunks = torch.chunk(tensor, size, dim)
-        tensor = chunks[coord] if coord < len(chunks) else tensor.narrow(dim, 0, 0)
-    return tensor

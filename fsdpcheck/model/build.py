@@ -1,4 +1,4 @@
-"""Stage 2: build the model on this rank, as real training jobs do.
+"""Build the model on this rank, as real training jobs do.
 
 ``rank0``: rank 0 materialises weights on CPU (from the checkpoint, else random with ``seed``),
 other ranks build on ``meta``; ``meta``: every rank on meta; ``all``: every rank materialises.
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from fsdpcheck.errors import InputError
-from fsdpcheck.records import ModelInfo
 from fsdpcheck.model.resolve import ResolvedModel
+from fsdpcheck.records import ModelInfo
 
 INIT_MODES = ("rank0", "meta", "all")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -22,16 +22,23 @@ def value_digest(tensor: torch.Tensor) -> str | None:
     return hashlib.blake2b(data.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
 
 
-def non_persistent_buffer_names(model: nn.Module) -> set[str]:
-    names = set()
+def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Non-persistent buffers by name, as ``named_buffers()`` names them, in one pass."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
     for prefix, module in model.named_modules():
-        for name in module._non_persistent_buffers_set:
-            names.add(f"{prefix}.{name}" if prefix else name)
-    return names
+        skip = module._non_persistent_buffers_set
+        for name, buf in module._buffers.items():
+            if buf is None or id(buf) in seen:
+                continue
+            seen.add(id(buf))  # shared tensors: the first name only, as named_buffers() does
+            if name in skip:
+                found[f"{prefix}.{name}" if prefix else name] = buf
+    return found
 
 
 def fingerprint(model: nn.Module, stage: str, *, with_values: bool = True) -> Fingerprint:
-    non_persistent = non_persistent_buffer_names(model)
+    non_persistent = non_persistent_buffers(model)
     buffers = tuple(
         TensorRecord(
             name=name,

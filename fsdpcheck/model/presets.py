@@ -121,7 +121,3 @@ PRESETS: dict[str, Preset] = {
         Preset("tiny-qwen3", "Qwen3ForCausalLM", "Qwen3, 2 layers", _qwen3),
     )
 }
-
-
-def get_preset(name: str) -> Preset | None:
-    return PRESETS.get(name)

@@ -1,4 +1,4 @@
-"""Stage 1: turn ``--model`` into something buildable (preset, local directory or cached hub id)."""
+"""Turn ``--model`` into something buildable (preset, local directory or cached hub id)."""
 
 from __future__ import annotations
 

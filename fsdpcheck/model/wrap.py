@@ -1,4 +1,4 @@
-"""Stage 4: choose FSDP2 wrap targets and apply ``fully_shard``, leaves first, then the root.
+"""Choose FSDP2 wrap targets and apply ``fully_shard``, leaves first, then the root.
 
 As in verl after its fix: a requested layer class the model does not contain is a warning, and
 when none is present the plan falls back to size-based wrapping.
@@ -7,13 +7,13 @@ when none is present the plan falls back to size-based wrapping.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from fsdpcheck.options import DEFAULT_MIN_PARAMS
 from fsdpcheck.records import WrapPlan
-
-DEFAULT_MIN_PARAMS = 100_000_000
 
 
 def fully_shard_fn() -> Any:
@@ -24,10 +24,18 @@ def fully_shard_fn() -> Any:
     return fully_shard
 
 
+@dataclass(frozen=True)
+class WrapTargets:
+    """What to shard: the plan as reported, and the modules it names (children first)."""
+
+    plan: WrapPlan
+    modules: list[tuple[str, nn.Module]]
+
+
 def plan(
     model: nn.Module, wrap_classes: Iterable[str] = (), *, min_params: int = DEFAULT_MIN_PARAMS
-) -> tuple[WrapPlan, list[tuple[str, nn.Module]]]:
-    """Decide what to shard, without touching the model. Returns the plan and the modules."""
+) -> WrapTargets:
+    """Decide what to shard, without touching the model."""
     requested = tuple(dict.fromkeys(wrap_classes))
     source = "--wrap-class"
     if not requested:
@@ -52,7 +60,7 @@ def plan(
         fallback=not found,
         min_params=min_params,
     )
-    return wrap_plan, targets
+    return WrapTargets(wrap_plan, targets)
 
 
 def _size_based(model: nn.Module, min_params: int) -> list[tuple[str, nn.Module]]:

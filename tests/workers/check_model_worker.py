@@ -9,8 +9,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdpcheck
 from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
-from fsdpcheck.records import to_dict
 from fsdpcheck.model.wrap import fully_shard_fn
+from fsdpcheck.records import to_dict
 
 dist.init_process_group("gloo")
 model = HazardForCausalLM(HazardConfig())

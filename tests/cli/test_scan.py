@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from fsdpcheck.children.scan import ScanResult, scan
 from fsdpcheck.errors import InputError
-from fsdpcheck.children.probe import SeedError
 from fsdpcheck.records import from_dict
-from fsdpcheck.children.scan import ScanResult, ScanTarget, _row, matches, scan
 
 
 def _cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -50,21 +49,3 @@ def test_a_filter_matching_nothing_is_bad_input() -> None:
     with pytest.raises(InputError) as caught:
         scan(["no-such-architecture-*"], seeds=2)
     assert caught.value.exit_code == 2
-
-
-def test_filters_are_case_insensitive_substrings_or_globs() -> None:
-    target = ScanTarget("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", "causal-lm")
-    assert matches(target, [])
-    assert matches(target, ["QWEN3"]) and matches(target, ["moeforcausal"])
-    assert matches(target, ["qwen3_*"]) and matches(target, ["*MoeFor*"])
-    assert not matches(target, ["qwen4"]) and not matches(target, ["qwen3_moe?x"])
-
-
-def test_a_build_failure_is_a_skipped_row_with_its_reason() -> None:
-    target = ScanTarget("broken", "broken", "BrokenForCausalLM", "causal-lm")
-    failed = {"arch": "broken", "ok": False, "reason": "build failed: TypeError: nope"}
-    row = _row(target, {0: failed, 1: failed}, (0, 1), [])
-    assert (row.verdict, row.reason) == ("skipped", "build failed: TypeError: nope")
-    assert row.label == "skipped: build failed: TypeError: nope"
-    lost = _row(target, {}, (0, 1), [SeedError(0, "timeout", "timed out after 5 s (killed)")])
-    assert lost.verdict == "skipped" and "timed out" in lost.reason

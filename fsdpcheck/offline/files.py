@@ -1,8 +1,8 @@
-"""Collective-free fingerprints: each process writes its own record, ``diff`` compares them.
+"""Fingerprint files: what one process writes (its record, with no collective) and how
+``diff`` reads them back, refusing bad input with one paragraph.
 
 A fingerprint file holds one :class:`~fsdpcheck.records.RankRecord`, the same record the audit
-gathers, so ``diff`` runs the audit's own analysis and report over files: ranks of a job that
-hung, or the same model on two machines or two library versions.
+gathers, so ``diff`` runs the audit's own analysis over files.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from fsdpcheck.records import (
     EnvRecord,
     ModelInfo,
     RankRecord,
-    Report,
     WrapPlan,
     from_dict,
     to_dict,
 )
+from fsdpcheck.vocab import Snapshot
 
 FINGERPRINT_SCHEMA = "fsdpcheck.fingerprint/1"
 SCHEMA_PREFIX = "fsdpcheck.fingerprint/"
@@ -96,7 +96,7 @@ def _int_env(name: str, default: int) -> int:
 
 def env_record(identity: Identity) -> EnvRecord:
     """The audit's allowlisted environment record, for a process that has no group."""
-    from fsdpcheck.dist.setup import env_record as audit_env_record
+    from fsdpcheck.dist.environment import env_record as audit_env_record
 
     return audit_env_record(
         identity.rank, identity.local_rank, identity.world_size, identity.backend
@@ -108,7 +108,7 @@ def model_record(model: Any, env: EnvRecord) -> RankRecord:
     from fsdpcheck.model.fingerprint import fingerprint
 
     wrapped = any(hasattr(p, "placements") for p in model.parameters())
-    fp = fingerprint(model, "post-wrap" if wrapped else "pre-wrap")
+    fp = fingerprint(model, Snapshot.POST_WRAP if wrapped else Snapshot.PRE_WRAP)
     return RankRecord(env=env, pre_wrap=None if wrapped else fp, post_wrap=fp if wrapped else None)
 
 
@@ -178,12 +178,12 @@ def format_path(path: str | os.PathLike, env: EnvRecord) -> Path:
 
 def write_fingerprint(content: FingerprintFile, path: str | os.PathLike) -> Path:
     """Write atomically (a reader never sees half a file); unwritable paths are bad input."""
-    from fsdpcheck import __version__
+    from fsdpcheck.dist.environment import package_version
 
     content = replace(
         content,
         created=content.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        fsdpcheck=content.fsdpcheck or __version__,
+        fsdpcheck=content.fsdpcheck or package_version("fsdpcheck") or "unknown",
     )
     path = Path(path)
     tmp = None
@@ -231,7 +231,7 @@ def read_inputs(paths: Sequence[str | os.PathLike]) -> Inputs:
     """Load every FILE and every ``*.json`` fingerprint in every DIR; bad input raises
     :class:`InputError` with one paragraph naming the file and the fix."""
     if not paths:
-        raise InputError(_need_two("no files were given"))
+        raise InputError(need_two("no files were given"))
     files: list[Loaded] = []
     skipped: list[str] = []
     duplicates: list[str] = []
@@ -262,11 +262,11 @@ def read_inputs(paths: Sequence[str | os.PathLike]) -> Inputs:
     loaded = tuple(Loaded(f.path, _parse(Path(f.path), f.content)) for f in files)
     if len(loaded) < 2:
         what = "only one fingerprint was found" if loaded else "no fingerprint was found"
-        raise InputError(_need_two(what + (f" (skipped: {'; '.join(skipped)})" if skipped else "")))
+        raise InputError(need_two(what + (f" (skipped: {'; '.join(skipped)})" if skipped else "")))
     return Inputs(loaded, tuple(skipped), tuple(duplicates))
 
 
-def _need_two(what: str) -> str:
+def need_two(what: str) -> str:
     return (
         f"fsdpcheck diff needs at least two fingerprints to compare, but {what}. Write one per "
         "rank with `fsdpcheck fingerprint --model M --out fp/rank{rank}.json` (under your "
@@ -368,103 +368,3 @@ def _parse(path: Path, data: dict) -> FingerprintFile:
             "with `fsdpcheck fingerprint` or fsdpcheck.save_fingerprint."
         ) from None
     return content
-
-
-# ---------------------------------------------------------------- comparing
-
-
-def diff_fingerprints(paths: Sequence[str | os.PathLike]) -> Report:
-    """``fsdpcheck diff`` as a function: the report over fingerprint files and directories."""
-    return diff_records(read_inputs(paths))
-
-
-def diff_records(inputs: Inputs | Sequence[Loaded]) -> Report:
-    """The audit's analysis and report over saved records (pure: no torch, no processes).
-
-    Each file is one rank. Ranks come from the records; when two files claim the same rank
-    (today's run against last week's), files take positions 0, 1, … in argument order instead,
-    and a warning says so. ``options["inputs"]`` maps each rank to its file.
-    """
-    from fsdpcheck.report import assemble
-
-    if not isinstance(inputs, Inputs):
-        inputs = Inputs(tuple(inputs))
-    files = list(inputs.files)
-    if len(files) < 2:
-        raise InputError(_need_two(f"{len(files)} fingerprint(s) were given"))
-    recorded = [f.content.record.env.rank for f in files]
-    positional = len(set(recorded)) != len(recorded)
-    if positional:
-        ranked = list(enumerate(files))
-    else:
-        ranked = sorted(zip(recorded, files, strict=True), key=lambda pair: pair[0])
-    records = {rank: _as_rank(f.content.record, rank) for rank, f in ranked}
-    gathered = _gathered(records)
-    first = ranked[0][1].content
-    report = assemble(gathered, None, first.model, first.wrap, {})
-    warnings = list(report.warnings)
-    if positional:
-        warnings.append(_positional_note(ranked))
-    warnings.extend(_model_notes([f.content for _, f in ranked]))
-    warnings.extend(f"skipped {item}" for item in inputs.skipped)
-    if inputs.duplicates:
-        warnings.append(f"given more than once, compared once: {', '.join(inputs.duplicates)}")
-    for _, f in ranked:
-        warnings.extend(f"{Path(f.path).name}: {note}" for note in f.content.notes)
-    options = {
-        "command": "diff",
-        "positional": positional,
-        "inputs": [
-            {
-                "rank": rank,
-                "path": f.path,
-                "recorded_rank": f.content.record.env.rank,
-                "host": f.content.record.env.host,
-                "created": f.content.created,
-            }
-            for rank, f in ranked
-        ],
-    }
-    return replace(report, warnings=tuple(warnings), options=options)
-
-
-def _as_rank(record: RankRecord, rank: int) -> RankRecord:
-    if record.env.rank == rank:
-        return record
-    error = record.error and replace(record.error, rank=rank)
-    return replace(record, env=replace(record.env, rank=rank), error=error)
-
-
-def _gathered(records: dict[int, RankRecord]) -> Any:
-    """What the gather would hold had these ranks run together (group digests from records)."""
-    from fsdpcheck.dist.gather import Gathered, _built_on_meta
-
-    return Gathered(
-        digests={rank: r.group_digest() for rank, r in records.items()},
-        hosts={rank: r.env.host for rank, r in records.items()},
-        records=dict(records),
-        bytes_sent=0,
-        meta_ranks=tuple(rank for rank, r in records.items() if _built_on_meta(r)),
-    )
-
-
-def _positional_note(ranked: list[tuple[int, Loaded]]) -> str:
-    mapping = ", ".join(
-        f"{Path(f.path).name} (recorded rank {f.content.record.env.rank}) → rank {rank}"
-        for rank, f in ranked
-    )
-    return f"several files claim the same rank, so ranks follow argument order: {mapping}"
-
-
-def _model_notes(contents: list[FingerprintFile]) -> list[str]:
-    described = {
-        (c.model.name, c.model.architecture, c.model.dtype, c.model.init)
-        for c in contents
-        if c.model is not None
-    }
-    if len(described) <= 1:
-        return []
-    listed = "; ".join(
-        f"{name} ({arch}, {dtype}, init {init})" for name, arch, dtype, init in sorted(described)
-    )
-    return [f"the files describe different model builds: {listed}"]

@@ -4,9 +4,7 @@ and its clean twin (seed 1 on both ranks)."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -60,28 +58,3 @@ def test_hook_is_silent_when_models_agree(tmp_path: Path, framework) -> None:
             assert record[mode]["raised"] is None and record[mode]["warned"] == []
             assert record[mode]["returned"] is not None
     assert json.loads((tmp_path / "raise.json").read_text())["verdict"] == "consistent"
-
-
-@pytest.mark.parametrize(
-    "module, blocked, extra",
-    [
-        ("hf", ("transformers",), "hf"),
-        ("lightning", ("pytorch_lightning", "lightning"), "lightning"),
-    ],
-)
-def test_a_missing_framework_names_the_extra(monkeypatch, module, blocked, extra) -> None:
-    for name in blocked:
-        monkeypatch.setitem(sys.modules, name, None)  # import of it fails, as if not installed
-    monkeypatch.delitem(sys.modules, f"fsdpcheck.integrations.{module}", raising=False)
-    with pytest.raises(ImportError, match=rf"pip install 'fsdpcheck\[{extra}\]'"):
-        importlib.import_module(f"fsdpcheck.integrations.{module}")
-
-
-def test_accelerate_helper_names_the_extra_and_checks_options(monkeypatch) -> None:
-    from fsdpcheck.integrations.accelerate import check_prepared
-
-    with pytest.raises(ValueError, match="choose 'raise' or 'warn'"):
-        check_prepared(object(), object(), on_failure="ignore")
-    monkeypatch.setitem(sys.modules, "accelerate", None)
-    with pytest.raises(ImportError, match=r"pip install 'fsdpcheck\[accelerate\]'"):
-        check_prepared(object(), object())

@@ -11,14 +11,6 @@ from conftest import run_plain as _run
 from fsdpcheck.children.launch import free_port
 
 
-def test_audit_help_shows_examples_and_exit_codes() -> None:
-    result = _run([sys.executable, "-m", "fsdpcheck", "audit", "--help"])
-    assert result.returncode == 0
-    assert "torchrun --nproc-per-node 2 -m fsdpcheck audit" in result.stdout
-    assert "Exit codes" in result.stdout
-    assert "--vary-hash-seed" in result.stdout
-
-
 def test_presets_lists_required_models_without_importing_torch() -> None:
     code = (
         "import sys; from fsdpcheck.cli import app; "

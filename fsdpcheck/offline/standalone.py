@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.model.wrap import DEFAULT_MIN_PARAMS
-from fsdpcheck.offline import FingerprintFile, env_record, process_identity
+from fsdpcheck.offline.files import FingerprintFile, env_record, process_identity
 from fsdpcheck.records import RankError, RankRecord
+from fsdpcheck.vocab import ErrorKind, Snapshot, Stage
 
 T = TypeVar("T")
 
@@ -41,7 +42,7 @@ class _Stages:
     error: RankError | None = None
     timings: dict[str, float] | None = None
 
-    def run(self, name: str, fn: Callable[[], T]) -> T | None:
+    def run(self, name: Stage, fn: Callable[[], T]) -> T | None:
         if self.error is not None:
             return None
         start = time.perf_counter()
@@ -50,7 +51,8 @@ class _Stages:
         except FsdpcheckError as exc:
             self.error = RankError(self.rank, name, str(exc), exc.kind)
         except Exception as exc:  # recorded, so that diff names this rank's failure
-            self.error = RankError(self.rank, name, f"{type(exc).__name__}: {exc}", "runtime")
+            message = f"{type(exc).__name__}: {exc}"
+            self.error = RankError(self.rank, name, message, ErrorKind.RUNTIME)
         finally:
             if self.timings is not None:
                 self.timings[name] = round(time.perf_counter() - start, 4)
@@ -68,13 +70,13 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
     identity = process_identity(options.rank)
     stages = _Stages(identity.rank)
     resolved = stages.run(
-        "resolve",
+        Stage.RESOLVE,
         lambda: resolve.resolve(
             options.model, rank=identity.rank, allow_pickle=options.allow_pickle
         ),
     )
     built = stages.run(
-        "build",
+        Stage.BUILD,
         lambda: build.build(
             resolved,
             rank=identity.rank,
@@ -85,9 +87,11 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
             trust_remote_code=options.trust_remote_code,
         ),
     )
-    pre = stages.run("fingerprint-pre", lambda: fingerprint.fingerprint(built.model, "pre-wrap"))
+    pre = stages.run(
+        Stage.FINGERPRINT_PRE, lambda: fingerprint.fingerprint(built.model, Snapshot.PRE_WRAP)
+    )
     planned = stages.run(
-        "wrap-plan",
+        Stage.WRAP_PLAN,
         lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
     )
     notes: list[str] = []
@@ -100,10 +104,10 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
 
             def wrap_and_fingerprint():
                 with private_mesh() as mesh:
-                    wrap.apply(planned[1], mesh)
-                    return fingerprint.fingerprint(built.model, "post-wrap")
+                    wrap.apply(planned.modules, mesh)
+                    return fingerprint.fingerprint(built.model, Snapshot.POST_WRAP)
 
-            post = stages.run("wrap", wrap_and_fingerprint)
+            post = stages.run(Stage.WRAP, wrap_and_fingerprint)
     elif not options.wrap:
         notes.append("not wrapped (--no-wrap): pre-wrap fingerprint only")
     env = env_record(identity)
@@ -111,7 +115,7 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
     return FingerprintFile(
         record=record,
         model=built.info if built is not None else None,
-        wrap=planned[0] if planned is not None and options.wrap else None,
+        wrap=planned.plan if planned is not None and options.wrap else None,
         notes=tuple(notes),
     )
 

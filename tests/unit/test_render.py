@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from fsdpcheck.records import LoadOutcome, Report, VerifyResult, from_dict, to_dict
 from fsdpcheck.console import render
+from fsdpcheck.records import LoadOutcome, Report, VerifyResult, from_dict, to_dict
 
 
 def _printed(load: LoadOutcome) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -177,90 +176,7 @@ def test_buffers_too_big_to_ride_with_the_check_are_broadcast_after_it(tmp_path:
     assert rank1["buffers"] == rank0["buffers"]
 
 
-def test_source_problems_are_named() -> None:
-    import torch
-
-    from fsdpcheck.loader.agree import _source_problems
-
-    state = (("a", (4,), "float32"), ("b", (2, 2), "float32"))
-    assert _source_problems(0, state, {"a": torch.zeros(4), "b": torch.zeros(2, 2)}) == []
-    problems = _source_problems(0, state, {"a": torch.zeros(5), "c": torch.zeros(1)})
-    assert problems == [
-        "rank 0's full state dict lacks b",
-        "rank 0's full state dict has keys the model lacks: c",
-        "rank 0's full state dict has a with shape [5], the model [4]",
-    ]
-    assert "no full state dict" in _source_problems(0, state, None)[0]
-
-
 # --- pure parts, in process ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("rows", "world", "sizes"),
-    [(255, 2, [128, 127]), (1, 2, [1, 0]), (5, 4, [2, 2, 1, 0]), (8, 4, [2, 2, 2, 2])],
-)
-def test_shard_of_follows_torch_chunk(rows: int, world: int, sizes: list[int]) -> None:
-    import torch
-    from torch.distributed.tensor import Shard
-
-    from fsdpcheck.loader.verify import shard_of
-
-    full = torch.arange(rows * 3).reshape(rows, 3)
-    shards = [shard_of(full, [Shard(0)], [world], [r]) for r in range(world)]
-    assert [s.shape[0] for s in shards] == sizes
-    assert all(s.shape[1] == 3 for s in shards)
-    assert torch.equal(torch.cat(shards), full)
-
-
-def test_shard_of_second_dim_and_replicate() -> None:
-    import torch
-    from torch.distributed.tensor import Replicate, Shard
-
-    from fsdpcheck.loader.verify import shard_of
-
-    full = torch.arange(12).reshape(3, 4)
-    assert torch.equal(shard_of(full, [Shard(1)], [2], [1]), full[:, 2:])
-    assert torch.equal(shard_of(full, [Replicate(), Shard(0)], [2, 2], [1, 0]), full[:2])
-
-
-def test_verify_result_round_trips() -> None:
-    from fsdpcheck.records import from_dict, to_dict
-    from fsdpcheck.loader.verify import VerifyResult
-
-    result = VerifyResult(
-        ran=True,
-        passed=False,
-        checked=13,
-        mismatches=({"name": "w", "kind": "param", "ranks": [1, 3], "reason": "differs"},),
-    )
-    data = json.loads(json.dumps(to_dict(result)))
-    assert from_dict(VerifyResult, data) == result
-
-
-def test_mismatch_message_lists_every_difference_and_groups_ranks() -> None:
-    from fsdpcheck.loader.agree import Exchange as _Exchange
-    from fsdpcheck.loader.agree import _differences
-
-    def exchange(rank: int, *buffers: tuple) -> _Exchange:
-        return _Exchange(rank, tuple(buffers), (), ())
-
-    ref = ("a", (8,), "float32"), ("b", (4,), "float32")
-    by_rank = {
-        0: exchange(0, *ref),
-        1: exchange(1, *ref),
-        2: exchange(2, ("a", (16,), "float32"), ref[1]),
-        3: exchange(3, ("a", (16,), "float32"), ref[1]),
-        4: exchange(4, ref[0], ("b", (4,), "bfloat16"), ("c", (2,), "int64")),
-        5: exchange(5, ref[0]),
-    }
-    lines = _differences(by_rank, 0, "buffers", "buffer")
-    assert lines == [
-        "ranks 2-3: buffer 'a' is shape [16], float32; on rank 0 shape [8], float32",
-        "rank 4: buffer 'b' is shape [4], bfloat16; on rank 0 shape [4], float32",
-        "rank 4: has buffer 'c' (shape [2], int64) that rank 0 does not",
-        "rank 5: lacks buffer 'b' that rank 0 has",
-    ]
 
 
 def test_import_stays_torch_free_and_exports_the_loader() -> None:

@@ -8,10 +8,14 @@ import json
 import pytest
 from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, tensor
 
-from fsdpcheck.checks.layout import analyse, group_ranks, headline, ranks_label, reference_group, verdict
+from fsdpcheck.checks.layout import (
+    analyse,
+    group_ranks,
+    headline,
+    reference_group,
+    verdict,
+)
 from fsdpcheck.records import (
-    CAUSES,
-    FINDING_KINDS,
     EnvRecord,
     Finding,
     Fingerprint,
@@ -20,6 +24,8 @@ from fsdpcheck.records import (
     from_dict,
     to_dict,
 )
+from fsdpcheck.text import ranks_label
+from fsdpcheck.vocab import Cause, FindingKind
 
 
 def buffers(order=(SCALE, FULL, SLIDING), **changes):
@@ -147,7 +153,7 @@ def test_without_pre_wrap_fingerprints_the_cause_is_unknown():
     findings = run({0: record(0, pre=None), 1: swapped(1, before=None)})
     f = only(findings, "buffer-order")
     assert (f.stage, f.cause) == ("post-wrap", "unknown")
-    assert "unknown" in CAUSES
+    assert Cause("unknown") is Cause.UNKNOWN
 
 
 def test_buffer_set_difference():
@@ -294,7 +300,7 @@ def test_findings_are_sorted_by_group_then_kind():
     }
     kinds = [(f.ranks, f.kind) for f in run(per_rank)]
     assert kinds == [((1,), "env"), ((2,), "buffer-order"), ((2,), "buffer-dtype")]
-    order = list(FINDING_KINDS)
+    order = [k.value for k in FindingKind]
     assert order.index("buffer-order") < order.index("buffer-dtype")
 
 
@@ -388,4 +394,4 @@ def test_findings_round_trip_through_json():
     for f in findings:
         again = from_dict(Finding, json.loads(json.dumps(to_dict(f))))
         assert again == f
-        assert f.summary and f.cause in CAUSES and f.kind in FINDING_KINDS
+        assert f.summary and f.cause in set(Cause) and f.kind in set(FindingKind)

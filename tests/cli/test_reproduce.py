@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from fsdpcheck.children.reproduce import run_reproduction
 from fsdpcheck.errors import InputError
 from fsdpcheck.records import to_dict
-from fsdpcheck.children.reproduce import run_reproduction
 
 ROTARY = "model.rotary_emb"
 

@@ -204,8 +204,8 @@ def test_check_model_names_a_peer_that_died(tmp_path: Path) -> None:
     # rank 0's report names the rank and where it stopped.
     from conftest import REPO
 
-    from fsdpcheck.faults import FAULT_ENV
     from fsdpcheck.children.launch import launch
+    from fsdpcheck.faults import FAULT_ENV
 
     out = tmp_path / "report.json"
     result = launch(

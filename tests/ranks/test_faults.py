@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, read_report, run_ranks
 
-from fsdpcheck.faults import FAULT_ENV
 from fsdpcheck.children.launch import free_port, launch
+from fsdpcheck.faults import FAULT_ENV
 
 TIMEOUT = 15  # --timeout for these runs
 BOUND = TIMEOUT + 30  # import + build + the timeout, with room for a loaded CI machine

@@ -9,15 +9,11 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from fsdpcheck.children.probe import (
-    DEFAULT_SEEDS,
-    ChildRunner,
-    ProbeResult,
-    compare_orders,
-    probe,
-    probe_finding,
-)
-from fsdpcheck.records import FINDING_KINDS, Finding, Fingerprint, TensorRecord, from_dict, to_dict
+from fsdpcheck.checks.hash_seed import ProbeResult, probe_finding
+from fsdpcheck.children.harness import ChildRunner
+from fsdpcheck.children.probe import DEFAULT_SEEDS, probe
+from fsdpcheck.records import Finding, Fingerprint, TensorRecord, from_dict, to_dict
+from fsdpcheck.vocab import FindingKind
 
 FULL = "model.rotary_emb.full_attention_inv_freq"
 SLIDING = "model.rotary_emb.sliding_attention_inv_freq"
@@ -46,21 +42,6 @@ def test_default_seeds_find_the_hazard_every_time(hazard: ProbeResult) -> None:
     assert sorted(s for v in reorder.variants for s in v.seeds) == list(range(8))
     assert hazard.orders == 2
     assert from_dict(ProbeResult, json.loads(json.dumps(to_dict(hazard)))) == hazard
-
-
-def test_probe_finding_folds_into_an_audit_report(hazard: ProbeResult) -> None:
-    assert "hash-seed" in FINDING_KINDS
-    finding = probe_finding(hazard)
-    assert finding is not None
-    assert (finding.kind, finding.stage) == ("hash-seed", "probe")
-    assert finding.cause == "construction-time"
-    assert finding.ranks == () and set(finding.tensors) == {FULL, SLIDING}
-    assert finding.details["modules"] == ["model.rotary_emb"]
-    assert finding.details["seeds"] == list(range(8))
-    assert finding.details["sizes_differ"] is True
-    assert {o["order"][0] for o in finding.details["orders"]} == {FULL, SLIDING}
-    assert "hang" in finding.summary
-    assert from_dict(Finding, json.loads(json.dumps(to_dict(finding)))) == finding
 
 
 def test_equal_sizes_mean_silent_corruption() -> None:
@@ -126,21 +107,16 @@ def _fp(buffers=(), params=()) -> Fingerprint:
     return Fingerprint("pre-wrap", tuple(map(rec, buffers)), tuple(map(rec, params)))
 
 
-def test_compare_orders_reports_parameters_and_positional_pairing() -> None:
-    a = _fp(params=[("m.w1", (4,)), ("m.w2", (4,)), ("n.w", (2,))])
-    b = _fp(params=[("m.w2", (4,)), ("m.w1", (4,)), ("n.w", (2,))])
-    [reorder] = compare_orders({0: a, 1: b, 2: a})
-    assert (reorder.kind, reorder.module) == ("param", "m")
-    assert [t.name for t in reorder.tensors] == ["m.w1", "m.w2"]
-    assert [v.seeds for v in reorder.variants] == [(0, 2), (1,)]
-    assert not reorder.sizes_differ
-    assert compare_orders({0: a, 1: a}) == ()
-
-
-def test_compare_orders_names_each_module_that_moves() -> None:
-    # Two modules swap places: each one's own order is unchanged, its positions are not.
-    a = _fp(buffers=[("x.f", (16,)), ("y.f", (8,))])
-    b = _fp(buffers=[("y.f", (8,)), ("x.f", (16,))])
-    reorders = compare_orders({0: a, 1: b})
-    assert [r.module for r in reorders] == ["x", "y"]
-    assert all(r.sizes_differ and len(r.variants) == 2 for r in reorders)
+def test_probe_finding_folds_into_an_audit_report(hazard: ProbeResult) -> None:
+    assert FindingKind("hash-seed") is FindingKind.HASH_SEED
+    finding = probe_finding(hazard)
+    assert finding is not None
+    assert (finding.kind, finding.stage) == ("hash-seed", "probe")
+    assert finding.cause == "construction-time"
+    assert finding.ranks == () and set(finding.tensors) == {FULL, SLIDING}
+    assert finding.details["modules"] == ["model.rotary_emb"]
+    assert finding.details["seeds"] == list(range(8))
+    assert finding.details["sizes_differ"] is True
+    assert {o["order"][0] for o in finding.details["orders"]} == {FULL, SLIDING}
+    assert "hang" in finding.summary
+    assert from_dict(Finding, json.loads(json.dumps(to_dict(finding)))) == finding
