@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 
 from fsdpcheck.errors import InputError
 from fsdpcheck.offline.files import FingerprintFile, Inputs, Loaded, need_two, read_inputs
@@ -53,7 +52,7 @@ def diff_records(inputs: Inputs | Sequence[Loaded]) -> Report:
     if inputs.duplicates:
         warnings.append(f"given more than once, compared once: {', '.join(inputs.duplicates)}")
     for _, f in ranked:
-        warnings.extend(f"{Path(f.path).name}: {note}" for note in f.content.notes)
+        warnings.extend(f"{f.path}: {note}" for note in f.content.notes)
     options = {
         "command": "diff",
         "positional": positional,
@@ -93,7 +92,7 @@ def _gathered(records: dict[int, RankRecord]) -> Gathered:
 
 def _positional_note(ranked: list[tuple[int, Loaded]]) -> str:
     mapping = ", ".join(
-        f"{Path(f.path).name} (recorded rank {f.content.record.env.rank}) → rank {rank}"
+        f"{f.path} (recorded rank {f.content.record.env.rank}) → rank {rank}"
         for rank, f in ranked
     )
     return f"several files claim the same rank, so ranks follow argument order: {mapping}"
