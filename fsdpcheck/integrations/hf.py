@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fsdpcheck.integrations._check import (
+from fsdpcheck.integrations.common import (
     FsdpcheckWarning,
     ModelCheckFailed,
     missing_extra,

@@ -52,7 +52,7 @@ def rank() -> int:
 
 def outcome(run) -> dict:
     """Run ``run()``; say what it returned, what it raised (message, exit code), what it warned."""
-    from fsdpcheck.integrations._check import FsdpcheckWarning, ModelCheckFailed
+    from fsdpcheck.integrations.common import FsdpcheckWarning, ModelCheckFailed
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", FsdpcheckWarning)
