@@ -496,7 +496,13 @@ def fingerprint(
     """Write this process's fingerprint of MODEL (the record the audit gathers) with no
     process group: run it once per rank, on each machine or library version, then `diff`."""
     from fsdpcheck.errors import FsdpcheckError
-    from fsdpcheck.offline.files import format_path, write_fingerprint
+    from fsdpcheck.offline.files import (
+        check_writable,
+        env_record,
+        format_path,
+        process_identity,
+        write_fingerprint,
+    )
     from fsdpcheck.offline.standalone import StandaloneOptions, fingerprint_standalone
     from fsdpcheck.vocab import ErrorKind, ExitCode
 
@@ -515,6 +521,9 @@ def fingerprint(
     )
     gc.set_threshold(50_000, 100, 100)  # as in audit: a short-lived process with a big heap
     try:
+        identity = process_identity(rank)
+        path = format_path(out, env_record(identity))
+        check_writable(path, identity.rank)  # before the build, not after it
         content = fingerprint_standalone(options)
         path = write_fingerprint(content, format_path(out, content.record.env))
     except FsdpcheckError as exc:

@@ -92,8 +92,7 @@ def _gathered(records: dict[int, RankRecord]) -> Gathered:
 
 def _positional_note(ranked: list[tuple[int, Loaded]]) -> str:
     mapping = ", ".join(
-        f"{f.path} (recorded rank {f.content.record.env.rank}) → rank {rank}"
-        for rank, f in ranked
+        f"{f.path} (recorded rank {f.content.record.env.rank}) → rank {rank}" for rank, f in ranked
     )
     return f"several files claim the same rank, so ranks follow argument order: {mapping}"
 

@@ -199,12 +199,30 @@ def write_fingerprint(content: FingerprintFile, path: str | os.PathLike) -> Path
     except OSError as exc:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        raise InputError(
-            f"rank {content.record.env.rank}: cannot write the fingerprint to {path} "
-            f"({exc.strerror or exc}); choose a writable path (--out, or save_fingerprint's "
-            "path), e.g. one under the job's working directory."
-        ) from None
+        raise _unwritable(content.record.env.rank, path, exc) from None
     return path
+
+
+def check_writable(path: str | os.PathLike, rank: int) -> None:
+    """Fail before any work when the fingerprint could not be written (makes its folder)."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "is a directory; pass a file path, e.g. rank0.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".check")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise _unwritable(rank, path, exc) from None
+
+
+def _unwritable(rank: int, path: Path, exc: OSError) -> InputError:
+    return InputError(
+        f"rank {rank}: cannot write the fingerprint to {path} ({exc.strerror or exc}); choose "
+        "a writable path (--out, or save_fingerprint's path), e.g. one under the job's working "
+        "directory."
+    )
 
 
 # ---------------------------------------------------------------- reading

@@ -96,11 +96,13 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
     )
     notes: list[str] = []
     post = None
+    wrapped = False  # fully_shard was applied (or tried): the plan belongs in the file
     if options.wrap and planned is not None:
         skip = _cannot_wrap_alone()
         if skip:
             notes.append(skip)
         else:
+            wrapped = True
 
             def wrap_and_fingerprint():
                 with private_mesh() as mesh:
@@ -115,7 +117,7 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
     return FingerprintFile(
         record=record,
         model=built.info if built is not None else None,
-        wrap=planned.plan if planned is not None and options.wrap else None,
+        wrap=planned.plan if wrapped else None,
         notes=tuple(notes),
     )
 

@@ -55,3 +55,25 @@ def test_fingerprint_under_a_launcher_needs_no_process_group(tmp_path: Path) -> 
     finding = report.findings[0]
     assert (finding.kind, finding.ranks, finding.stage) == ("buffer-order", (1,), "pre-wrap")
     assert [env.hash_seed for env in report.environment] == ["0", "1"]
+
+
+def test_inside_a_job_the_fingerprint_leaves_the_jobs_group_alone() -> None:
+    """With a default group already there, no private group is made: pre-wrap only, a note."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fsdpcheck.offline.standalone import StandaloneOptions, fingerprint_standalone
+
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
+    try:
+        group = dist.group.WORLD
+        content = fingerprint_standalone(StandaloneOptions(model="hazard"))
+        assert dist.is_initialized() and dist.group.WORLD is group
+    finally:
+        dist.destroy_process_group()
+    assert content.record.pre_wrap is not None and content.record.post_wrap is None
+    assert content.record.error is None and content.wrap is None
+    assert any("already belongs to a process group" in note for note in content.notes)

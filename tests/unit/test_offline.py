@@ -227,3 +227,29 @@ def test_fingerprint_and_diff_have_help_with_examples() -> None:
         result = CliRunner().invoke(app, [command, "--help"])
         assert result.exit_code == 0, result.output
         assert "Examples" in result.output and "Exit codes" in result.output
+
+
+def test_the_rank_comes_from_the_launcher_without_a_group(monkeypatch) -> None:
+    from fsdpcheck.offline.files import process_identity
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    identity = process_identity()
+    assert (identity.rank, identity.local_rank, identity.world_size) == (3, 1, 4)
+    assert process_identity(rank=2).rank == 2
+    monkeypatch.setenv("RANK", "three")
+    with pytest.raises(InputError, match=r"RANK='three' is not an integer.*--rank N"):
+        process_identity()
+
+
+def test_fingerprint_refuses_an_unwritable_out_before_building(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = blocker / "fp" / "rank{rank}.json"
+    result = CliRunner().invoke(
+        app, ["fingerprint", "--model", "hazard", "--rank", "5", "--out", str(out)]
+    )
+    assert result.exit_code == 2, result.output
+    assert f"rank 5: cannot write the fingerprint to {blocker}/fp/rank5.json" in result.output
+    assert "Traceback" not in result.output
