@@ -576,6 +576,10 @@ def diff(
 ) -> None:
     """Compare saved fingerprints as ranks, with the audit's analysis and report: ranks of one
     job (hung or not), or the same model across machines and library versions."""
+    # TODO(lead, issue 14): --junit/--annotations as on audit, through ci-formats' _Outputs:
+    # outputs = _Outputs(annotations, json=json_path, junit=junit_path); _refuse_outputs("diff",
+    # outputs) before reading; outputs.publish_report(report, suite="fsdpcheck.diff") after
+    # rendering (replacing the write_json below); exit report.exit_code or 3 if outputs.failed.
     from fsdpcheck.console import render
     from fsdpcheck.errors import FsdpcheckError
     from fsdpcheck.offline.diff import diff_records
