@@ -166,6 +166,9 @@ def test_bad_inputs_are_one_paragraph_naming_the_file_and_fix(tmp_path: Path) ->
     empty.mkdir()
 
     assert "missing.json does not exist" in _bad_input([good, tmp_path / "missing.json"])
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert f"cannot read {binary}" in _bad_input([good, binary])
     assert "truncated.json is not JSON" in _bad_input([good, truncated])
     assert "report.json is not an fsdpcheck fingerprint: it is an fsdpcheck report" in _bad_input(
         [good, report]
