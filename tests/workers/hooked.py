@@ -14,11 +14,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 VOCAB = 64
 
 
-def tiny_llama() -> LlamaForCausalLM:
-    """A 1-layer Llama whose rotary module also registers one buffer per attention type while
-    iterating a set of type names, as transformers 5.0-5.15 did: the order follows
-    PYTHONHASHSEED. Sizes differ per type (16 vs 8) but the total does not, so DDP's
-    coalesced start-up broadcast goes through and scrambles them without an error."""
+def tiny_llama(planted: bool = True) -> LlamaForCausalLM:
+    """A 1-layer Llama. ``planted``: its rotary module also registers one buffer per attention
+    type while iterating a set of type names, as transformers 5.0-5.15 did, so the order follows
+    PYTHONHASHSEED. Sizes differ per type (16 vs 8) but the total does not, so DDP's coalesced
+    start-up broadcast goes through and scrambles them without an error. Not planted: the clean
+    twin, the same on every rank whatever the hash seed."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -30,6 +31,8 @@ def tiny_llama() -> LlamaForCausalLM:
         max_position_embeddings=32,
     )
     model = LlamaForCausalLM(config)
+    if not planted:
+        return model
     dims = {"sliding_attention": 16, "full_attention": 8}
     for layer_type in set(dims):
         inv_freq = 1.0 / (1e4 ** (torch.arange(dims[layer_type]) / dims[layer_type]))
@@ -44,6 +47,9 @@ class Tokens(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids = torch.arange(i, i + 8) % VOCAB
         return {"input_ids": ids, "labels": ids.clone()}
+
+
+VARIANTS = {"clean": False, "planted": True}  # each launch runs both twins, clean first
 
 
 def rank() -> int:

@@ -1,12 +1,13 @@
 """A real Lightning Trainer on 2 CPU ranks (strategy="ddp", gloo; ranks started by the test's
-launcher) with FsdpcheckCallback: one fit with ``on_failure="warn"``, then one with "raise"."""
+launcher) with FsdpcheckCallback: for the clean and the planted tiny Llama, one fit with
+``on_failure="warn"``, then one with "raise"."""
 
 import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from hooked import Tokens, outcome, rank, tiny_llama, write
+from hooked import VARIANTS, Tokens, outcome, rank, tiny_llama, write
 
 from fsdpcheck.integrations.lightning import FsdpcheckCallback
 
@@ -14,9 +15,9 @@ out = Path(sys.argv[1])
 
 
 class Module(pl.LightningModule):
-    def __init__(self):
+    def __init__(self, planted: bool):
         super().__init__()
-        self.model = tiny_llama()
+        self.model = tiny_llama(planted)
 
     def training_step(self, batch, batch_idx):
         return self.model(**batch).loss
@@ -25,12 +26,9 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-module = Module()
-
-
-def fit(on_failure: str, json_name: str):
+def fit(module, on_failure: str, json_path: Path):
     callback = FsdpcheckCallback(
-        on_failure=on_failure, timeout=30, json_path=out / json_name, attribute="model"
+        on_failure=on_failure, timeout=30, json_path=json_path, attribute="model"
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -52,6 +50,12 @@ def fit(on_failure: str, json_name: str):
     return run
 
 
-record = {"warn": outcome(fit("warn", "warn.json")), "raise": outcome(fit("raise", "raise.json"))}
+record = {}
+for variant, planted in VARIANTS.items():
+    module = Module(planted)
+    record[variant] = {
+        mode: outcome(fit(module, mode, out / f"{variant}-{mode}.json"))
+        for mode in ("warn", "raise")
+    }
 write(out, record)
 print(f"rank {rank()} done")
