@@ -79,8 +79,6 @@ def _as_rank(record: RankRecord, rank: int) -> RankRecord:
 
 def _gathered(records: dict[int, RankRecord]) -> Gathered:
     """What the gather would hold had these ranks run together (group digests from records)."""
-    from fsdpcheck.dist.gather import _built_on_meta
-
     return Gathered(
         digests={rank: r.group_digest() for rank, r in records.items()},
         hosts={rank: r.env.host for rank, r in records.items()},
@@ -109,3 +107,9 @@ def _model_notes(contents: list[FingerprintFile]) -> list[str]:
         f"{name} ({arch}, {dtype}, init {init})" for name, arch, dtype, init in sorted(described)
     )
     return [f"the files describe different model builds: {listed}"]
+
+
+def _built_on_meta(record: RankRecord) -> bool:
+    """As the gather flags it: some tensor was on ``meta`` before wrapping."""
+    fp = record.pre_wrap
+    return fp is not None and any(t.device == "meta" for t in (*fp.buffers, *fp.params))

@@ -256,3 +256,24 @@ def test_fingerprint_refuses_an_unwritable_out_before_building(tmp_path: Path) -
     assert result.exit_code == 2, result.output
     assert f"rank 5: cannot write the fingerprint to {blocker}/fp/rank5.json" in result.output
     assert "Traceback" not in result.output
+
+
+def test_diff_needs_no_torch(tmp_path: Path) -> None:
+    """Comparing files is pure: the diff command runs on a laptop without touching torch."""
+    import subprocess
+    import sys
+
+    for rank, order in ((0, ROTARY), (1, SWAPPED)):
+        _save(tmp_path, f"rank{rank}.json", _record(rank, order))
+    code = (
+        "import sys; from fsdpcheck.cli import app\n"
+        f"sys.argv = ['fsdpcheck', 'diff', {str(tmp_path)!r}]\n"
+        "try: app()\nexcept SystemExit as exc: code = exc.code\n"
+        "assert 'torch' not in sys.modules, 'diff imported torch'\n"
+        "sys.exit(code)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1, result.stderr
+    assert "✗ buffer-order" in result.stdout
