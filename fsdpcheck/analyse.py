@@ -39,6 +39,9 @@ PHRASES = {
     "env": "software versions differ",
     "verify": "ranks differ after loading",
     "hash-seed": "tensor order depends on PYTHONHASHSEED",
+    "value": "values differ",
+    "uninitialized": "buffers are not initialised",
+    "tie": "tied weights differ",
 }
 _STAGE_NOTE = {"construction-time": " (before wrapping)", "wrapping": " (after wrapping only)"}
 _ORDER_KINDS = ("buffer-order", "param-order")

@@ -13,6 +13,7 @@ from fsdpcheck import distributed
 from fsdpcheck.errors import EXIT_RUNTIME, FsdpcheckError
 from fsdpcheck.faults import maybe_inject
 from fsdpcheck.records import (
+    EnvRecord,
     LoadOutcome,
     ModelInfo,
     RankError,
@@ -68,6 +69,7 @@ class _RankState:
     model_info: ModelInfo | None = None
     wrap_plan: WrapPlan | None = None
     publish: Callable[[Report], None] | None = None
+    env: EnvRecord | None = None
 
     def stage(self, name: str, fn: Callable[[], T]) -> T | None:
         """Run one stage unless an earlier one failed; record its time or its error."""
@@ -118,11 +120,14 @@ def run_audit(
 
 
 def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
-    """Pre-flight check of a training script's own model: every rank calls it, after building
-    (and optionally wrapping) the model and before loading weights. Reuses the script's process
-    group; metadata goes over a gloo side channel bounded by ``timeout``. The report (rank 0)
-    has findings and loader predictions; ``exit_code`` is the same on every rank."""
+    """Check a training script's own model: every rank calls it, after building (and optionally
+    wrapping) the model, before its loader, after it, or both. Reuses the script's process
+    group; metadata goes over a gloo side channel bounded by ``timeout``. Always: layouts, ties,
+    loader predictions; where two or more ranks hold real values (after a load, or a model every
+    rank initialised): values, and buffers against what the model's own config computes. The
+    report (rank 0) has the findings; ``exit_code`` is the same on every rank."""
     from fsdpcheck.fingerprint import fingerprint
+    from fsdpcheck.model.state import buffer_problems, buffer_reference, shard_key, tie_record
 
     ctx = distributed.init("auto", timeout)
     try:
@@ -131,12 +136,21 @@ def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
             env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
             wrapped = any(hasattr(p, "placements") for p in model.parameters())
             stage = "post-wrap" if wrapped else "pre-wrap"
-            fp = state.stage("fingerprint", lambda: fingerprint(model, stage))
+
+            def look() -> tuple:
+                fp = fingerprint(model, stage, param_values=True)
+                problems = buffer_problems(model, stage, buffer_reference(model))
+                return fp, tie_record(model, stage), problems, shard_key(model)
+
+            fp, ties, problems, key = state.stage("fingerprint", look) or (None, None, (), None)
             record = RankRecord(
                 env=env,
                 pre_wrap=None if wrapped else fp,
                 post_wrap=fp if wrapped else None,
                 error=state.error,
+                ties=(ties,) if ties is not None else (),
+                uninitialized=problems,
+                shard_key=key,
             )
             return _conclude(None, ctx, state, record, watch, built=None)
     finally:
@@ -150,9 +164,13 @@ def _audit(
     publish: Callable[[Report], None] | None,
 ) -> AuditResult:
     from fsdpcheck import build, fingerprint, resolve, wrap
+    from fsdpcheck.model.state import shard_key, tie_record
 
     state = _RankState(ctx, publish=publish)
     env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
+    state.env = env
+    # Parameters' values are compared only where every rank holds its own (--init all).
+    values = options.init == "all"
     probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
     if options.download:
         _download_on_rank0(options, ctx, state)
@@ -172,20 +190,38 @@ def _audit(
             trust_remote_code=options.trust_remote_code,
         ),
     )
-    pre = state.stage("fingerprint-pre", lambda: fingerprint.fingerprint(built.model, "pre-wrap"))
+    pre = state.stage(
+        "fingerprint-pre",
+        lambda: (
+            fingerprint.fingerprint(built.model, "pre-wrap", param_values=values),
+            tie_record(built.model, "pre-wrap"),
+        ),
+    )
     planned = state.stage(
         "wrap-plan",
         lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
     )
     state.stage("wrap", lambda: wrap.apply(planned[1], ctx.mesh))
     post = state.stage(
-        "fingerprint-post", lambda: fingerprint.fingerprint(built.model, "post-wrap")
+        "fingerprint-post",
+        lambda: (
+            fingerprint.fingerprint(built.model, "post-wrap", param_values=values),
+            tie_record(built.model, "post-wrap"),
+            shard_key(built.model),
+        ),
     )
     if built is not None:
         state.model_info = built.info
     if planned is not None:
         state.wrap_plan = planned[0]
-    record = RankRecord(env=env, pre_wrap=pre, post_wrap=post, error=state.error)
+    record = RankRecord(
+        env=env,
+        pre_wrap=pre[0] if pre else None,
+        post_wrap=post[0] if post else None,
+        error=state.error,
+        ties=tuple(t for t in (pre and pre[1], post and post[1]) if t),
+        shard_key=post[2] if post else None,
+    )
     return _conclude(options, ctx, state, record, watch, built, probing)
 
 
@@ -311,13 +347,18 @@ def _load_stage(
 ) -> Report | None:
     """Collective: rank 0 decides whether the loader runs; then load and verify, or say why not."""
     from fsdpcheck.gather import broadcast_decision
-    from fsdpcheck.report import with_load
+    from fsdpcheck.report import with_load, with_state_after_load
 
     skip = _load_skip_reason(options, report, built) if ctx.rank == 0 else ""
     go, _ = broadcast_decision(0 if skip else 1, "", ctx.meta_group)
     if go:
         load, verified = _load_and_verify(ctx, state, built)
-        return with_load(report, load, verified) if report is not None else None
+        # The outcome is the same on every rank (a refusal or failure is raised on all).
+        after = _state_after_load(ctx, state, built) if load.outcome == "loaded" else None
+        if report is None:
+            return None
+        report = with_load(report, load, verified)
+        return with_state_after_load(report, after) if after is not None else report
     if report is not None:
         return with_load(report, LoadOutcome(False, "skipped", skip), None)
     return None
@@ -342,6 +383,7 @@ def _load_and_verify(
     ctx: distributed.DistContext, state: _RankState, built: BuiltModel | None
 ) -> tuple[LoadOutcome, VerifyResult | None]:
     """Collective: the sorted, validated loader, then the proof that every rank is equal."""
+    from fsdpcheck.layout import LoadFailedError
     from fsdpcheck.load import load_full_state_dict
     from fsdpcheck.verify import verify_load
 
@@ -353,9 +395,11 @@ def _load_and_verify(
     try:
         maybe_inject(ctx.rank, "load")
         result = load_full_state_dict(built.model, full or {}, group=ctx.meta_group)
-    except FsdpcheckError as exc:  # refused on every rank alike: nothing was loaded
+    except FsdpcheckError as exc:  # raised on every rank alike
         state.timings["load"] = round(time.perf_counter() - start, 4)
-        return LoadOutcome(True, "refused", str(exc), seconds=state.timings["load"]), None
+        # Failed mid-transfer (partly loaded), or refused before anything moved.
+        outcome = "failed" if isinstance(exc, LoadFailedError) else "refused"
+        return LoadOutcome(True, outcome, str(exc), seconds=state.timings["load"]), None
     state.timings["load"] = round(time.perf_counter() - start, 4)
     load = LoadOutcome(
         ran=True,
@@ -375,3 +419,25 @@ def _load_and_verify(
     verified = verify_load(built.model, full, group=ctx.meta_group)
     state.timings["verify"] = round(time.perf_counter() - start, 4)
     return load, verified
+
+
+def _state_after_load(ctx: distributed.DistContext, state: _RankState, built: BuiltModel) -> Any:
+    """Collective: every rank's ties and buffer problems after the load, gathered on rank 0
+    (``Gathered`` there, ``None`` elsewhere). Values are the verification's business."""
+    from fsdpcheck.gather import gather_records
+    from fsdpcheck.model.state import buffer_problems, buffer_reference, tie_record
+
+    start = time.perf_counter()
+    try:
+        model = built.model
+        record = RankRecord(
+            env=state.env,
+            ties=(tie_record(model, "load"),),
+            uninitialized=buffer_problems(model, "load", buffer_reference(model)),
+        )
+    except Exception as exc:  # this rank still joins the gather, with its failure
+        error = RankError(ctx.rank, "verify", f"{type(exc).__name__}: {exc}", "runtime")
+        record = RankRecord(env=state.env, error=error)
+    gathered = gather_records(record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size)
+    state.timings["state-after-load"] = round(time.perf_counter() - start, 4)
+    return gathered

@@ -86,6 +86,13 @@ def render(report: Report, console: Console) -> None:
         )
         console.print(f"  {escape(finding.summary)}", highlight=False)
 
+    if report.not_compared:
+        console.print(
+            f"values not compared on ranks {rank_ranges(report.not_compared)}: every tensor "
+            "on meta (nothing to compare before the load)",
+            style="dim",
+            highlight=False,
+        )
     _render_loaders(report, console)
     _render_load(report, console)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
@@ -14,6 +15,7 @@ from fsdpcheck.analyse import analyse, group_ranks, ranks_label, verdict
 from fsdpcheck.predict import predict_loaders
 from fsdpcheck.records import (
     Finding,
+    Group,
     LoadOutcome,
     ModelInfo,
     RankError,
@@ -38,7 +40,7 @@ def assemble(
 ) -> Report:
     groups = group_ranks(gathered.digests, gathered.hosts)
     records = gathered.records
-    findings = analyse(groups, records)
+    findings = analyse(groups, records) + state_findings(groups, gathered)
     loaders = predict_loaders(groups, records, gathered.meta_ranks)
     errors = tuple(
         sorted((r.error for r in records.values() if r.error is not None), key=lambda e: e.rank)
@@ -60,13 +62,60 @@ def assemble(
         environment=tuple(records[g.representative].env for g in groups),
         options=to_dict(options) if options is not None else {},
         timings=timings,
+        not_compared=_not_compared(gathered),
     )
 
 
+def state_findings(groups: Sequence[Group], gathered: Gathered) -> list[Finding]:
+    """``tie``, ``uninitialized`` and ``value`` findings from one gather."""
+    from fsdpcheck.checks.ties import tie_findings
+    from fsdpcheck.checks.uninitialized import uninitialized_findings
+    from fsdpcheck.checks.value import value_findings
+
+    records = gathered.records
+    findings = tie_findings(groups, records) + uninitialized_findings(groups, records)
+    if gathered.values is not None:
+        everyone = {**records, **(gathered.extra or {})}
+        findings += value_findings(
+            everyone, gathered.values, gathered.replicas or {}, gathered.shard_keys or {}
+        )
+    return findings
+
+
+def _not_compared(gathered: Gathered) -> tuple[int, ...]:
+    from fsdpcheck.checks.value import not_compared
+
+    if gathered.values is None or len(gathered.digests) < 2:
+        return ()
+    return not_compared(gathered.values, gathered.replicas or {})
+
+
+def with_state_after_load(report: Report, gathered: Gathered) -> Report:
+    """Fold in what every rank found after the load: ``tie`` and ``uninitialized`` findings
+    (values are the verification's), and any rank that failed to look."""
+    from fsdpcheck.checks.ties import tie_findings
+    from fsdpcheck.checks.uninitialized import uninitialized_findings
+
+    groups = group_ranks(gathered.digests, gathered.hosts)
+    records = gathered.records
+    found = tie_findings(groups, records) + uninitialized_findings(groups, records)
+    failed = [r.error for r in records.values() if r.error is not None]
+    findings = report.findings + tuple(found)
+    errors = tuple(sorted((*report.errors, *failed), key=lambda e: e.rank))
+    name, code = verdict(findings, errors)
+    return replace(report, findings=findings, errors=errors, verdict=name, exit_code=code)
+
+
 def with_load(report: Report, load: LoadOutcome, verified: VerifyResult | None) -> Report:
-    """Fold the loader's outcome and the verification into the report; a failed proof is a
-    ``verify`` finding (exit 1)."""
+    """Fold the loader's outcome and the verification into the report; a failed proof or a
+    refused load is a ``verify`` finding (exit 1), a failed load an error (exit 3): a load that
+    did not happen is never ``consistent``."""
     findings = list(report.findings)
+    errors = tuple(report.errors)
+    if load.outcome == "refused":
+        findings.append(_refused(load, report.world_size))
+    elif load.outcome == "failed":
+        errors = (*errors, *_load_errors(load))
     if verified is not None and verified.ran and not verified.passed:
         for mismatch in verified.mismatches:
             findings.append(
@@ -83,10 +132,37 @@ def with_load(report: Report, load: LoadOutcome, verified: VerifyResult | None) 
                     details=dict(mismatch),
                 )
             )
-    name, code = verdict(findings, report.errors)
+    name, code = verdict(findings, errors)
     return replace(
-        report, load=load, verify=verified, findings=tuple(findings), verdict=name, exit_code=code
+        report,
+        load=load,
+        verify=verified,
+        findings=tuple(findings),
+        errors=errors,
+        verdict=name,
+        exit_code=code,
     )
+
+
+def _refused(load: LoadOutcome, world_size: int) -> Finding:
+    lines = load.message.strip().splitlines()
+    return Finding(
+        kind="verify",
+        ranks=tuple(range(world_size)),
+        reference_rank=0,
+        stage="load",
+        cause="loading",
+        summary=f"the sorted loader refused to load (nothing moved): "
+        f"{lines[0] if lines else 'no reason given'}",
+        details={"outcome": "refused", "message": load.message},
+    )
+
+
+def _load_errors(load: LoadOutcome) -> tuple[RankError, ...]:
+    """One error per rank the failure names (``- rank N: ...``), else one on rank 0."""
+    ranks = sorted({int(r) for r in re.findall(r"^\s*- rank (\d+):", load.message, re.M)})
+    message = f"the sorted loader failed: {load.message}"
+    return tuple(RankError(r, "load", message, "runtime") for r in ranks or [0])
 
 
 def with_probe(report: Report, result: Any) -> Report:

@@ -1,0 +1,1 @@
+"""Cross-rank checks: pure functions from gathered records to findings."""

@@ -1,0 +1,1 @@
+"""The model: resolve, build, wrap, fingerprint and the live state collectors."""
