@@ -88,7 +88,8 @@ def render(report: Report, console: Console) -> None:
 
     if report.not_compared:
         console.print(
-            f"values not compared on ranks {rank_ranges(report.not_compared)}: every tensor "
+            f"values not compared on {_ranks_word(report.not_compared)} "
+            f"{rank_ranges(report.not_compared)}: every tensor "
             "on meta (nothing to compare before the load)",
             style="dim",
             highlight=False,
@@ -182,3 +183,7 @@ def report_headline(report: Report) -> str:
     elif load is not None and load.outcome == "refused":
         line += "; sorted loader refused (names, shapes or dtypes differ)"
     return line
+
+
+def _ranks_word(ranks: Iterable[int]) -> str:
+    return "rank" if len(set(ranks)) == 1 else "ranks"

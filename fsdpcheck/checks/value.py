@@ -25,7 +25,10 @@ _CAUSE = {"pre-wrap": "construction-time", "post-wrap": "wrapping", "load": "loa
 
 
 def is_sharded(t: TensorRecord) -> bool:
-    return t.placements is not None and any("Shard" in p for p in t.placements)
+    """Any placement but Replicate: ``S(0)``, ``_S(0, 2)``, ``Shard(dim=0)``, ``P(sum)``..."""
+    return t.placements is not None and any(
+        p not in ("R", "Replicate()") for p in t.placements
+    )
 
 
 def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
