@@ -26,9 +26,7 @@ _CAUSE = {"pre-wrap": "construction-time", "post-wrap": "wrapping", "load": "loa
 
 def is_sharded(t: TensorRecord) -> bool:
     """Any placement but Replicate: ``S(0)``, ``_S(0, 2)``, ``Shard(dim=0)``, ``P(sum)``..."""
-    return t.placements is not None and any(
-        p not in ("R", "Replicate()") for p in t.placements
-    )
+    return t.placements is not None and any(p not in ("R", "Replicate()") for p in t.placements)
 
 
 def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
@@ -142,6 +140,9 @@ def _finding(
             details={"examined": False, "replicas": list(replicas)},
         )
     diffs = compare_values(ref, other, sharded=sharded)
+    if sharded:  # shards of parameters that already differed whole, before wrapping, are told
+        before = {d["name"] for d in compare_values(ref, other, sharded=False)}
+        diffs = [d for d in diffs if d["name"] not in before]
     if not diffs:  # only meta-vs-real or buffers already reported as uninitialized
         return None
     first = diffs[0]
