@@ -88,10 +88,11 @@ def _audit(spec: str) -> dict:
         dtype=dtype or None,
         mesh=tuple(int(x) for x in mesh.split(",")) if mesh else None,
         seed=dist.get_rank() if seed == "rank" else int(seed or 0),
-        load=init != "all",
+        load=seed != "rank",  # per-rank values: as `--no-load`, the state before any load
     )
     result = run_audit(options)
-    return {"spec": spec, "report": to_dict(result.report) if result.report else None}
+    report = to_dict(result.report) if result.report else None
+    return {"spec": spec, "report": report, "exit_code": result.exit_code}
 
 
 def main() -> int:
@@ -106,7 +107,7 @@ def main() -> int:
     code = 0
     if args.case == "audits":
         reports = [_audit(spec) for spec in args.audit]
-        code = max((r["report"] or {}).get("exit_code", 0) for r in reports) if reports else 0
+        code = max((r["exit_code"] for r in reports), default=0)
         payload: object = reports
     else:
         cases = {
