@@ -1,1 +1,1 @@
-"""Cross-rank checks: pure functions from gathered records to findings."""
+"""Analysis: pure functions from per-rank records to findings and loader predictions."""

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from fsdpcheck.analyse import ranks_label, reference_group, usable_groups
+from fsdpcheck.checks.layout import reference_group, usable_groups
 from fsdpcheck.records import Finding, Group, RankRecord, TieRecord
+from fsdpcheck.text import ranks_label
 
 _CAUSE = {"pre-wrap": "construction-time", "post-wrap": "wrapping", "load": "loading"}
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from fsdpcheck.analyse import ranks_label, usable_groups
+from fsdpcheck.checks.layout import usable_groups
 from fsdpcheck.records import BufferProblem, Finding, Group, RankRecord
+from fsdpcheck.text import ranks_label
 
 _LISTED = 3
 _WHY = {

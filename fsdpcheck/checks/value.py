@@ -16,8 +16,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdpcheck.analyse import ranks_label
 from fsdpcheck.records import Finding, Fingerprint, RankRecord, TensorRecord, short_digest
+from fsdpcheck.text import ranks_label
 
 SENDER_LIMIT = 8  # distinct value digests (and replica sets) examined in detail
 _LISTED = 3

@@ -1,1 +1,1 @@
-"""The model: resolve, build, wrap, fingerprint and the live state collectors."""
+"""Resolve, build, wrap and fingerprint the model on one rank."""

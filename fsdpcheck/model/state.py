@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdpcheck.fingerprint import head_values, non_persistent_buffer_names
+from fsdpcheck.model.fingerprint import head_values, non_persistent_buffers
 from fsdpcheck.records import BufferProblem, TieRecord, short_digest
 
 # ---------------------------------------------------------------- ties
@@ -235,7 +235,7 @@ def buffer_problems(
 ) -> tuple[BufferProblem, ...]:
     """Non-persistent buffers that differ from the reference; NaN, Inf or denormal values in any
     buffer the reference does not cover. Buffers on meta are skipped (nothing to check)."""
-    non_persistent = non_persistent_buffer_names(model)
+    non_persistent = set(non_persistent_buffers(model))
     problems = []
     for name, buf in model.named_buffers():
         if buf.is_meta:

@@ -30,8 +30,8 @@ from fsdpcheck.records import to_dict
 
 
 def _build(model_name: str, *, real: bool) -> nn.Module:
-    from fsdpcheck.build import _from_config
-    from fsdpcheck.presets import PRESETS
+    from fsdpcheck.model.build import _from_config
+    from fsdpcheck.model.presets import PRESETS
 
     torch.manual_seed(0)
     with torch.device("cpu" if real else "meta"):
@@ -41,11 +41,11 @@ def _build(model_name: str, *, real: bool) -> nn.Module:
 def _wrap(model: nn.Module) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdpcheck.wrap import fully_shard_fn, plan
+    from fsdpcheck.model.wrap import fully_shard_fn, plan
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     fully_shard = fully_shard_fn()
-    for _, module in plan(model)[1]:
+    for _, module in plan(model).modules:
         fully_shard(module, mesh=mesh)
 
 
@@ -61,7 +61,7 @@ def _dcp(model_name: str, *, buffers: bool) -> nn.Module:
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, source, options=options)
     if buffers:
-        from fsdpcheck.load import broadcast_buffers
+        from fsdpcheck.loader.load import broadcast_buffers
 
         broadcast_buffers(model)
     return model
