@@ -12,14 +12,19 @@ from collections.abc import Mapping, Sequence
 from fsdpcheck.checks.layout import reference_group, usable_groups
 from fsdpcheck.records import Finding, Group, RankRecord, TieRecord
 from fsdpcheck.text import ranks_label
+from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
-_CAUSE = {"pre-wrap": "construction-time", "post-wrap": "wrapping", "load": "loading"}
+_CAUSE = {
+    Snapshot.PRE_WRAP: Cause.CONSTRUCTION_TIME,
+    Snapshot.POST_WRAP: Cause.WRAPPING,
+    Snapshot.LOAD: Cause.LOADING,
+}
 
 
-def _cause(stage: str, ties: Sequence[TieRecord]) -> str:
-    if stage == "post-wrap" and not any(t.stage == "pre-wrap" for t in ties):
-        return "unknown"  # no pre-wrap record to tell construction (or a loader) from wrapping
-    return _CAUSE.get(stage, "unknown")
+def _cause(stage: str, ties: Sequence[TieRecord]) -> Cause:
+    if stage == Snapshot.POST_WRAP and not any(t.stage == Snapshot.PRE_WRAP for t in ties):
+        return Cause.UNKNOWN  # no pre-wrap record to tell construction (or a loader) from wrapping
+    return _CAUSE.get(stage, Cause.UNKNOWN)
 
 
 def missing_ties(tie: TieRecord) -> list[tuple[str, str]]:
@@ -54,7 +59,7 @@ def _missing(group: Group, ties: Sequence[TieRecord]) -> Finding | None:
             pairs = ", ".join(f"{t} and {s}" for t, s in missing[:3])
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             return Finding(
-                kind="tie",
+                kind=FindingKind.TIE,
                 ranks=tuple(group.ranks),
                 reference_rank=group.representative,
                 stage=tie.stage,
@@ -88,7 +93,7 @@ def _different(
         if only_other:
             parts.append(f"only {who} tie {'; '.join(', '.join(s) for s in only_other)}")
         return Finding(
-            kind="tie",
+            kind=FindingKind.TIE,
             ranks=tuple(group.ranks),
             reference_rank=ref_rank,
             stage=tie.stage,

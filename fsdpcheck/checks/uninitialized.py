@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from fsdpcheck.checks.layout import usable_groups
 from fsdpcheck.records import BufferProblem, Finding, Group, RankRecord
 from fsdpcheck.text import ranks_label
+from fsdpcheck.vocab import Cause, FindingKind
 
 _LISTED = 3
 _WHY = {
@@ -41,11 +42,11 @@ def _finding(group: Group, problems: Sequence[BufferProblem]) -> Finding:
     if len(problems) > _LISTED:
         shown += f"; and {len(problems) - _LISTED} more"
     return Finding(
-        kind="uninitialized",
+        kind=FindingKind.UNINITIALIZED,
         ranks=tuple(group.ranks),
         reference_rank=group.representative,
         stage=first.stage,
-        cause="loading",
+        cause=Cause.LOADING,
         summary=f"buffers are not initialised on {who}: {shown}",
         tensors=tuple(p.name for p in problems),
         details={

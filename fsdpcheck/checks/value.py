@@ -18,10 +18,15 @@ from typing import Any
 
 from fsdpcheck.records import Finding, Fingerprint, RankRecord, TensorRecord, short_digest
 from fsdpcheck.text import ranks_label
+from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 SENDER_LIMIT = 8  # distinct value digests (and replica sets) examined in detail
 _LISTED = 3
-_CAUSE = {"pre-wrap": "construction-time", "post-wrap": "wrapping", "load": "loading"}
+_CAUSE = {
+    Snapshot.PRE_WRAP: Cause.CONSTRUCTION_TIME,
+    Snapshot.POST_WRAP: Cause.WRAPPING,
+    Snapshot.LOAD: Cause.LOADING,
+}
 
 
 def is_sharded(t: TensorRecord) -> bool:
@@ -130,11 +135,11 @@ def _finding(
     what = "values differ between HSDP replicas" if sharded else "values differ"
     if ref is None or other is None:  # past SENDER_LIMIT: known to differ, not examined
         return Finding(
-            kind="value",
+            kind=FindingKind.VALUE,
             ranks=tuple(ranks),
             reference_rank=ref_rank,
-            stage="post-wrap" if sharded else "pre-wrap",
-            cause="unknown",
+            stage=Snapshot.POST_WRAP if sharded else Snapshot.PRE_WRAP,
+            cause=Cause.UNKNOWN,
             summary=f"{what} on {who} from rank {ref_rank}'s (not examined: more than "
             f"{SENDER_LIMIT} distinct values)",
             details={"examined": False, "replicas": list(replicas)},
@@ -147,16 +152,16 @@ def _finding(
         return None
     first = diffs[0]
     stages = {fp.stage for fp in ref.fingerprints()} & {fp.stage for fp in other.fingerprints()}
-    cause = _CAUSE.get(first["stage"], "unknown")
-    if cause == "wrapping" and "pre-wrap" not in stages:
-        cause = "unknown"  # no pre-wrap values to tell construction from wrapping
+    cause = _CAUSE.get(first["stage"], Cause.UNKNOWN)
+    if cause == Cause.WRAPPING and Snapshot.PRE_WRAP not in stages:
+        cause = Cause.UNKNOWN  # no pre-wrap values to tell construction from wrapping
     shown = "; ".join(_describe(d, ref_rank, who) for d in diffs[:_LISTED])
     more = f"; and {len(diffs) - _LISTED} more" if len(diffs) > _LISTED else ""
     where = {"pre-wrap": " (before wrapping)", "post-wrap": " (after wrapping)"}.get(
         first["stage"], ""
     )
     return Finding(
-        kind="value",
+        kind=FindingKind.VALUE,
         ranks=tuple(ranks),
         reference_rank=ref_rank,
         stage=first["stage"],

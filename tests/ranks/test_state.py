@@ -70,6 +70,19 @@ def test_a_tied_model_built_on_every_rank_is_consistent(tmp_path: Path) -> None:
     assert codes == [0, 0] and report["verdict"] == "consistent", report["findings"]
 
 
+def test_hsdp_replicas_whose_local_shards_drift_apart_are_a_value_finding(tmp_path: Path) -> None:
+    # (2, 1) mesh: ranks 0 and 1 hold the same shard; rank 1's copy of one tensor differs.
+    codes, report = _worker(tmp_path, "replica-drift", "--model", "hazard")
+    assert codes == [1, 1]
+    (finding,) = report["findings"]
+    assert (finding["kind"], finding["ranks"], finding["stage"]) == ("value", [1], "post-wrap")
+    assert finding["tensors"] == ["model.norm.weight"]
+    assert finding["summary"].startswith("values differ between HSDP replicas on rank 1")
+    (diff,) = finding["details"]["differences"]
+    assert diff["reference"][:1] == ["1"] and diff["other"][:1] == ["2"]
+    assert diff["max_abs_diff_first_values"] == 1.0
+
+
 def test_per_rank_seeds_with_init_all_are_value_findings(tmp_path: Path) -> None:
     # FSDP2 has no sync_module_states: every rank trains from its own initial values. On a
     # (2, 1) HSDP mesh the two ranks are replicas, so their local shards must agree too.

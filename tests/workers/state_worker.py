@@ -9,6 +9,8 @@ Cases (``--case``), each writing rank 0's report(s) as JSON into ``--out``:
 - ``untied``: every rank builds real, re-assigns ``lm_head.weight`` as a new Parameter (a loader
   that breaks the tie), wraps, then ``check_model``.
 - ``tied``: the same without the re-assignment (the clean twin).
+- ``replica-drift``: every rank builds real, wraps on a (2, 1) HSDP mesh (the two ranks are
+  replicas), then rank 1's loader writes other values into its local shard of one parameter.
 - ``audits``: ``run_audit`` once per ``--audit`` spec ``MODEL:INIT[:DTYPE[:MESH[:SEED]]]`` in this
   one process group; ``SEED`` ``rank`` means this rank's number (per-rank initial values).
 """
@@ -38,12 +40,14 @@ def _build(model_name: str, *, real: bool) -> nn.Module:
         return _from_config(PRESETS[model_name].make_config(), False)
 
 
-def _wrap(model: nn.Module) -> None:
+def _wrap(model: nn.Module, shape: tuple[int, ...] | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdpcheck.model.wrap import fully_shard_fn, plan
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    shape = shape or (dist.get_world_size(),)
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     fully_shard = fully_shard_fn()
     for _, module in plan(model).modules:
         fully_shard(module, mesh=mesh)
@@ -72,6 +76,15 @@ def _tie_case(model_name: str, *, untie: bool) -> nn.Module:
     if untie:  # what a loader does when it assigns a fresh tensor to every name it loads
         model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
     _wrap(model)
+    return model
+
+
+def _replica_drift(model_name: str) -> nn.Module:
+    model = _build(model_name, real=True)
+    _wrap(model, (dist.get_world_size(), 1))
+    if dist.get_rank() == 1:  # this replica's loader read another checkpoint for one tensor
+        with torch.no_grad():
+            model.model.norm.weight.to_local().add_(1.0)
     return model
 
 
@@ -115,6 +128,7 @@ def main() -> int:
             "dcp-and-buffers": lambda: _dcp(args.model, buffers=True),
             "untied": lambda: _tie_case(args.model, untie=True),
             "tied": lambda: _tie_case(args.model, untie=False),
+            "replica-drift": lambda: _replica_drift(args.model),
         }
         model = cases[args.case]()
         result = fsdpcheck.check_model(model, timeout=60)
