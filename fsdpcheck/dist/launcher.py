@@ -55,12 +55,10 @@ class LaunchEnv:
         return self.launcher in ("torchrun", "accelerate")
 
 
-def detect(environ: Mapping[str, str], *, rendezvous: bool = True) -> LaunchEnv:
+def detect(environ: Mapping[str, str]) -> LaunchEnv:
     """The launcher and this rank's place, from ``environ``; one rank when nothing is set.
 
-    ``rendezvous``: require MASTER_ADDR/MASTER_PORT for more than one rank (not when the
-    caller's script already joined a process group its own way). Raises :class:`InputError`
-    naming the variables at fault and the fix."""
+    Raises :class:`InputError` naming the variables at fault and the fix."""
     torch_set = [v for v in TORCH[:2] if environ.get(v, "") != ""]
     ompi_set = [v for v in OMPI[:2] if environ.get(v, "") != ""]
     slurm_set = [v for v in SLURM[:2] if _slurm(environ, v) is not None]
@@ -98,12 +96,10 @@ def detect(environ: Mapping[str, str], *, rendezvous: bool = True) -> LaunchEnv:
                 "as one rank."
             )
         return LaunchEnv("none", 0, 0, 1, environ.get("MASTER_ADDR") or None, _port(environ))
-    return _checked(launcher, rank, local, world, environ, rendezvous)
+    return _checked(launcher, rank, local, world, environ)
 
 
-def _checked(
-    launcher: str, rank: int, local: int, world: int, environ, rendezvous: bool
-) -> LaunchEnv:
+def _checked(launcher: str, rank: int, local: int, world: int, environ) -> LaunchEnv:
     names = {
         "torchrun": TORCH, "accelerate": TORCH, "srun": SLURM, "mpirun": OMPI,
     }[launcher]  # fmt: skip
@@ -119,7 +115,7 @@ def _checked(
     if local < 0:
         raise InputError(f"{names[2]}={local} is negative; fix the launcher.")
     addr, port = environ.get("MASTER_ADDR") or None, _port(environ)
-    if rendezvous and world > 1 and (addr is None or port is None):
+    if world > 1 and (addr is None or port is None):
         missing = " and ".join(v for v in RENDEZVOUS if not environ.get(v))
         hint = {"srun": SRUN_HINT, "mpirun": MPIRUN_HINT}.get(launcher, "torchrun sets them")
         raise InputError(
@@ -201,6 +197,17 @@ def rank_hint(environ: Mapping[str, str]) -> int:
         except ValueError:
             continue
     return 0
+
+
+def local_rank_hint(environ: Mapping[str, str], rank: int) -> int:
+    """This process's local rank from any launcher's variable, else ``rank`` (for a script that
+    joined its own process group, whose launcher variables may be partial or gone)."""
+    for name in ("LOCAL_RANK", OMPI[2], "SLURM_LOCALID"):
+        try:
+            return int(environ.get(name, ""))
+        except ValueError:
+            continue
+    return rank
 
 
 def world_hint(environ: Mapping[str, str]) -> int:

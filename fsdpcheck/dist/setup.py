@@ -69,9 +69,13 @@ def init(
     Everything that can be checked without a peer is checked first, so bad input never leaves
     another rank waiting in a rendezvous.
     """
-    # A script that joined a group its own way (tcp://, say) needs no MASTER_ADDR/PORT here.
-    found = launcher.detect(os.environ, rendezvous=not dist.is_initialized())
-    rank, local_rank, world_size = found.rank, found.local_rank, found.world_size
+    found = None
+    if dist.is_initialized():  # a script's own group: its launcher variables may be gone
+        rank, world_size = dist.get_rank(), dist.get_world_size()  # (Lightning drops WORLD_SIZE)
+        local_rank = launcher.local_rank_hint(os.environ, rank)
+    else:
+        found = launcher.detect(os.environ)
+        rank, local_rank, world_size = found.rank, found.local_rank, found.world_size
     backend = resolve_backend(backend)
     shape = _mesh_shape(mesh_shape, world_size, rank)
     device_type = "cuda" if backend == "nccl" else "cpu"
@@ -90,7 +94,7 @@ def init(
     if owns:
         # srun and mpirun set no RANK/WORLD_SIZE: hand them to env:// explicitly rather than
         # exporting them, so nothing leaks into this process's environment or a report.
-        explicit = not found.from_torch_env
+        explicit = found is not None and not found.from_torch_env
         _init_default_group(backend, rank, world_size, wait, timeout, explicit=explicit)
     else:
         rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdpcheck.dist.launcher import LaunchEnv, detect, rank_hint
+from fsdpcheck.dist.launcher import LaunchEnv, detect, local_rank_hint, rank_hint
 from fsdpcheck.errors import InputError
 
 RDV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
@@ -92,11 +92,10 @@ def test_rank_hint_names_a_rank_even_for_bad_input() -> None:
     assert rank_hint({"RANK": "x"}) == 0
 
 
-def test_a_script_that_joined_its_own_group_needs_no_rendezvous_variables() -> None:
-    environ = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}
-    assert detect(environ, rendezvous=False) == LaunchEnv("srun", 1, 1, 2)
-    with pytest.raises(InputError):
-        detect(environ)
+def test_local_rank_hint_for_a_script_that_joined_its_own_group() -> None:
+    assert local_rank_hint({"LOCAL_RANK": "3"}, 7) == 3
+    assert local_rank_hint({"SLURM_LOCALID": "1"}, 7) == 1
+    assert local_rank_hint({}, 7) == 7
 
 
 def test_only_torch_launchers_leave_rank_and_world_size_to_env_init() -> None:
