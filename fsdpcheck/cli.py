@@ -681,24 +681,25 @@ def diff(
     json_path: Path | None = typer.Option(
         None, "--json", help="Write the machine-readable report here (the audit's schema)."
     ),
+    junit_path: Path | None = typer.Option(
+        None, "--junit", help="Write a JUnit XML file here: a test case per check."
+    ),
+    annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
 ) -> None:
     """Compare saved fingerprints as ranks, with the audit's analysis and report: ranks of one
     job (hung or not), or the same model across machines and library versions."""
-    # TODO(lead, issue 14): --junit/--annotations as on audit, through ci-formats' _Outputs:
-    # outputs = _Outputs(annotations, json=json_path, junit=junit_path); _refuse_outputs("diff",
-    # outputs) before reading; outputs.publish_report(report, suite="fsdpcheck.diff") after
-    # rendering (replacing the write_json below); exit report.exit_code or 3 if outputs.failed.
     from fsdpcheck.console import render
     from fsdpcheck.errors import FsdpcheckError
     from fsdpcheck.offline.diff import diff_records
     from fsdpcheck.offline.files import read_inputs
-    from fsdpcheck.output import write_json
-    from fsdpcheck.vocab import ExitCode
 
+    outputs = _Outputs(annotations, json=json_path, junit=junit_path)
+    _refuse_outputs("diff", outputs)
     try:
         report = diff_records(read_inputs(paths))
     except FsdpcheckError as exc:
         _stderr().print(f"[bold red]fsdpcheck diff[/]: {escape(str(exc))}", highlight=False)
+        outputs.annotations(_error_annotation("fsdpcheck diff", str(exc)))
         raise typer.Exit(exc.exit_code) from None
     console = _stdout()
     for item in report.options.get("inputs", ()):
@@ -710,18 +711,8 @@ def diff(
             highlight=False,
         )
     render(report, console, title="fsdpcheck diff")
-    if json_path is not None:
-        try:
-            write_json(report, json_path)
-        except OSError as exc:
-            _stderr().print(
-                f"[bold red]fsdpcheck diff[/]: cannot write the report to "
-                f"{escape(str(json_path))} ({escape(exc.strerror or str(exc))}); choose a "
-                "writable --json path.",
-                highlight=False,
-            )
-            raise typer.Exit(ExitCode.BAD_INPUT) from None
-    raise typer.Exit(report.exit_code)
+    outputs.publish_report(report, suite="fsdpcheck.diff")
+    raise typer.Exit(report.exit_code or (3 if outputs.failed else 0))
 
 
 def main() -> None:

@@ -277,3 +277,35 @@ def test_diff_needs_no_torch(tmp_path: Path) -> None:
     )
     assert result.returncode == 1, result.stderr
     assert "✗ buffer-order" in result.stdout
+
+
+def test_diff_junit_and_annotations(tmp_path: Path) -> None:
+    import xml.etree.ElementTree as ET
+
+    a = _save(tmp_path, "a.json", _record(0))
+    b = _save(tmp_path, "b.json", _record(1, SWAPPED))
+    junit = tmp_path / "diff.xml"
+    args = ["diff", str(a), str(b), "--junit", str(junit), "--annotations", "github"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "::error title=fsdpcheck diff%3A buffer-order::" in result.output
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite.get("name") == "fsdpcheck.diff"
+    order = [c for c in suite.iter("testcase") if c.get("name") == "buffer-order"]
+    assert order[0].get("classname") == "fsdpcheck.diff.checks"
+    assert order[0].find("failure") is not None
+    # The clean twin: the same record twice, as ranks 0 and 1.
+    twin = CliRunner().invoke(
+        app, ["diff", str(a), str(_save(tmp_path, "c.json", _record(1))), "--junit", str(junit)]
+    )
+    assert twin.exit_code == 0, twin.output
+    assert ET.parse(junit).getroot().get("failures") == "0"
+
+
+def test_diff_unwritable_output_is_bad_input_before_reading(tmp_path: Path) -> None:
+    a = _save(tmp_path, "a.json", _record(0))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = CliRunner().invoke(app, ["diff", str(a), str(a), "--junit", f"{blocker}/d.xml"])
+    assert result.exit_code == 2
+    assert "is a file, not a folder" in result.output and "Traceback" not in result.output
