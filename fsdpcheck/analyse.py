@@ -21,7 +21,7 @@ from fsdpcheck.records import (
 
 STAGES = ("pre-wrap", "post-wrap")
 KIND_ORDER = {kind: i for i, kind in enumerate(FINDING_KINDS)}
-ENV_FIELDS = ("python", "torch", "transformers", "backend")
+ENV_FIELDS = ("python", "torch", "transformers", "backend", "accelerate", "nccl", "cuda")
 
 # First words of a summary, and the whole of a headline's "what".
 PHRASES = {
@@ -36,6 +36,10 @@ PHRASES = {
     "param-dtype": "parameter dtypes differ",
     "param-placement": "parameter placements differ",
     "state-dict-order": "state-dict order differs",
+    "requires-grad": "requires_grad differs",
+    "wrap-plan": "FSDP2 wrap plan differs",
+    "device": "tensors on the wrong device",
+    "config": "model config differs",
     "env": "software versions differ",
     "verify": "ranks differ after loading",
     "hash-seed": "tensor order depends on PYTHONHASHSEED",
@@ -124,6 +128,7 @@ def analyse(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> list[
     for group in usable_groups(groups, records):
         if group is not reference:
             findings.extend(_compare(reference, group, records))
+    findings.extend(_state_findings(reference, groups, records))
     return findings
 
 
@@ -238,6 +243,32 @@ def _compare(reference: Group, group: Group, records: Mapping[int, RankRecord]) 
     return findings
 
 
+def _state_findings(
+    reference: Group, groups: Sequence[Group], records: Mapping[int, RankRecord]
+) -> list[Finding]:
+    """Wrap plan, config and devices (fsdpcheck.checks); imported here because they use this
+    module's phrases."""
+    from fsdpcheck.checks.config import config_findings
+    from fsdpcheck.checks.flags import device_findings
+    from fsdpcheck.checks.wrap_plan import wrap_plan_findings
+
+    ref_rank = reference.representative
+    ref = records[ref_rank]
+    usable = usable_groups(groups, records)
+    findings: list[Finding] = []
+    for group in usable:
+        if group is not reference:
+            other = records[group.representative]
+            findings.extend(
+                wrap_plan_findings(ref_rank, ref.fsdp_plan, group.ranks, other.fsdp_plan)
+            )
+            findings.extend(config_findings(ref_rank, ref.config, group.ranks, other.config))
+    findings.extend(
+        device_findings(ref_rank, [(g.ranks, records[g.representative]) for g in usable])
+    )
+    return findings
+
+
 def _explained(kind: str, diffs: Mapping[str, tuple]) -> bool:
     # A state-dict walk follows module order, so a buffer/param order change already explains it.
     return kind == "state-dict-order" and any(k in diffs for k in _ORDER_KINDS)
@@ -292,6 +323,11 @@ def _stage_differences(a: Fingerprint, b: Fingerprint, stage: str, sides: _Sides
     sd = _state_dict_order(a.state_dict_keys, b.state_dict_keys, sides)
     if sd is not None:
         out["state-dict-order"] = sd
+    from fsdpcheck.checks.flags import requires_grad_difference
+
+    grads = requires_grad_difference(a, b, sides.ref, sides.other)
+    if grads is not None:
+        out["requires-grad"] = grads
     return out
 
 

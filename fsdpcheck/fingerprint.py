@@ -61,4 +61,5 @@ def _param_record(name: str, param: torch.Tensor) -> TensorRecord:
         device=param.device.type,
         placements=placements,
         local_shape=local_shape,
+        requires_grad=bool(param.requires_grad),
     )

@@ -80,6 +80,7 @@ class TensorRecord:
     digest: str | None = None  # of the values, when materialised (not on meta)
     placements: tuple[str, ...] | None = None  # DTensor placements, after wrapping
     local_shape: tuple[int, ...] | None = None  # this rank's shard, after wrapping
+    requires_grad: bool | None = None  # parameters only
 
     @property
     def numel(self) -> int:
@@ -91,6 +92,14 @@ class TensorRecord:
     def layout(self) -> tuple:
         """What must agree across ranks (not values, devices or per-rank shard sizes)."""
         return (self.name, self.shape, self.dtype, self.persistent, self.placements)
+
+
+def _requires_grad_part(params: tuple[TensorRecord, ...]) -> tuple[str, ...]:
+    """The layout digest's extra part for ``requires_grad``; empty when never recorded, so
+    digests of records without it are unchanged."""
+    if all(t.requires_grad is None for t in params):
+        return ()
+    return (repr([t.requires_grad for t in params]),)
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,7 @@ class Fingerprint:
             repr([t.layout() for t in self.buffers]),
             repr([t.layout() for t in self.params]),
             repr(self.state_dict_keys),
+            *_requires_grad_part(self.params),
         )
 
 
@@ -124,9 +134,26 @@ class EnvRecord:
     torch: str
     transformers: str | None
     hash_seed: str  # PYTHONHASHSEED as set, or "random"
+    accelerate: str | None = None  # installed version, when installed
+    nccl: str | None = None  # torch.cuda.nccl.version(), when torch has NCCL
+    cuda: str | None = None  # torch.version.cuda (None on CPU builds)
 
-    def versions(self) -> tuple[str, str, str | None, str]:
-        return (self.python, self.torch, self.transformers, self.backend)
+    def versions(self) -> tuple[str | None, ...]:
+        """In the order of ``analyse.ENV_FIELDS``."""
+        return (
+            self.python,
+            self.torch,
+            self.transformers,
+            self.backend,
+            self.accelerate,
+            self.nccl,
+            self.cuda,
+        )
+
+    def _digest_part(self) -> str:
+        # The first four alone keep digests of records without the newer fields unchanged.
+        versions = self.versions()
+        return repr(versions[:4] if versions[4:] == (None, None, None) else versions)
 
 
 @dataclass(frozen=True)
@@ -138,6 +165,45 @@ class RankError:
 
 
 @dataclass(frozen=True)
+class FsdpGroupRecord:
+    """One FSDP2 parameter group: what ``fully_shard`` was applied to and how."""
+
+    modules: tuple[str, ...]  # names of the module(s) passed to fully_shard ("" = the root)
+    params: tuple[str, ...]  # names of the parameters it manages
+    param_dtype: str | None = None  # MixedPrecisionPolicy
+    reduce_dtype: str | None = None
+    output_dtype: str | None = None
+    cast_forward_inputs: bool | None = None
+    reshard_after_forward: bool | int | None = None  # int: the world size it reshards to
+    offload: str | None = None  # offload policy class, e.g. "OffloadPolicy", "CPUOffloadPolicy"
+    pin_memory: bool | None = None  # CPUOffloadPolicy only
+    mesh_shape: tuple[int, ...] | None = None
+    mesh_dim_names: tuple[str, ...] | None = None
+    mesh_device_type: str | None = None
+
+
+@dataclass(frozen=True)
+class FsdpPlanRecord:
+    """A rank's live FSDP2 plan, read after wrapping. Fields the installed torch does not
+    expose are ``None``; ``groups`` come in ``named_modules()`` order."""
+
+    groups: tuple[FsdpGroupRecord, ...]
+    unavailable: str | None = None  # why the plan could not be read (private API changed)
+
+    def digest(self) -> str:
+        return short_digest(dumps(self))
+
+
+@dataclass(frozen=True)
+class ConfigRecord:
+    """A rank's resolved model config: ``canonical`` is its ``to_dict()`` with volatile keys
+    (versions, paths, attention backends) dropped and secret-looking values redacted."""
+
+    digest: str
+    canonical: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RankRecord:
     """Everything one rank contributes to the gather."""
 
@@ -145,16 +211,30 @@ class RankRecord:
     pre_wrap: Fingerprint | None = None
     post_wrap: Fingerprint | None = None
     error: RankError | None = None
+    fsdp_plan: FsdpPlanRecord | None = None  # after wrapping
+    config: ConfigRecord | None = None
 
     def group_digest(self) -> str:
-        """Equal for ranks that must be treated alike: same layouts, same versions, no error."""
+        """Equal for ranks that must be treated alike: same layouts, same versions, same state
+        flags, wrap plan and config, no error."""
         if self.error is not None:
             return short_digest("error", str(self.env.rank), self.error.stage, self.error.message)
-        return short_digest(
-            repr(self.env.versions()),
+        from fsdpcheck.checks.flags import device_signature
+
+        parts = [
+            self.env._digest_part(),
             self.pre_wrap.layout_digest() if self.pre_wrap else "-",
             self.post_wrap.layout_digest() if self.post_wrap else "-",
-        )
+        ]
+        # Optional parts only when present, so older records keep their digests.
+        if self.fsdp_plan is not None:
+            parts.append("fsdp:" + self.fsdp_plan.digest())
+        if self.config is not None:
+            parts.append("config:" + self.config.digest)
+        devices = device_signature(self)
+        if devices:
+            parts.append("devices:" + devices)
+        return short_digest(*parts)
 
 
 @dataclass(frozen=True)
@@ -196,6 +276,11 @@ FINDING_KINDS = {
     "param-dtype": "a parameter with the same name has a different dtype",
     "param-placement": "a parameter is sharded differently after wrapping",
     "state-dict-order": "the same state-dict keys, walked in a different order",
+    "requires-grad": "a parameter is trainable on one side and frozen on the other",
+    "wrap-plan": "the FSDP2 plan differs: parameter groups, mixed precision, resharding, "
+    "offload or mesh",
+    "device": "a tensor sits on a device the job cannot use, or on different device types",
+    "config": "the resolved model config differs between ranks",
     "hash-seed": "tensor order depends on the interpreter's string-hash seed (PYTHONHASHSEED)",
     "env": "library or interpreter versions differ between ranks",
     "verify": "after the project's loader ran, a rank's tensor differs from rank 0's source",

@@ -1,0 +1,1 @@
+"""Pure cross-rank checks over gathered records."""

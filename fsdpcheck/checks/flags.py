@@ -1,0 +1,220 @@
+"""Per-tensor flags that must agree across ranks: ``requires_grad`` and device placement.
+
+Pure functions over :mod:`fsdpcheck.records`. FSDP2 assumes every rank does the same thing
+(SPMD): a parameter frozen on one rank only makes its reduce-scatter mismatch or its gradients
+differ silently; a tensor left on a device the job's collectives or kernels cannot use fails
+(or silently slows) the first step on that rank only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fsdpcheck.analyse import PHRASES, ranks_label
+from fsdpcheck.records import (
+    Finding,
+    Fingerprint,
+    FsdpPlanRecord,
+    RankRecord,
+    TensorRecord,
+)
+
+_LISTED = 3
+# Backends whose collectives only take accelerator tensors. A mixed backend string such as
+# "cpu:gloo,cuda:nccl" also serves CPU tensors, so it is not in here.
+_DEVICE_ONLY_BACKENDS = {"nccl": "cuda", "xccl": "xpu", "hccl": "npu"}
+
+
+# ---------------------------------------------------------------- requires-grad
+
+
+def requires_grad_difference(
+    a: Fingerprint, b: Fingerprint, ref_label: str, other_label: str
+) -> tuple[list[str], dict[str, Any], str] | None:
+    """Parameters present on both sides whose ``requires_grad`` differs, as
+    ``(tensors, details, summary)``; None when they agree or either side did not record it."""
+    others = {t.name: t for t in b.params}
+    diffs = []
+    for t in a.params:
+        o = others.get(t.name)
+        if o is None or t.requires_grad is None or o.requires_grad is None:
+            continue
+        if t.requires_grad != o.requires_grad:
+            diffs.append((t.name, t.requires_grad, o.requires_grad))
+    if not diffs:
+        return None
+    shown = "; ".join(
+        f"{name} is {_trainable(x)} on {ref_label} but {_trainable(y)} on {other_label}"
+        for name, x, y in diffs[:_LISTED]
+    )
+    if len(diffs) > _LISTED:
+        shown += f"; and {len(diffs) - _LISTED} more"
+    details = {
+        "differences": [{"name": n, "reference": x, "other": y} for n, x, y in diffs],
+    }
+    return [n for n, _, _ in diffs], details, f"{PHRASES['requires-grad']}: {shown}"
+
+
+def _trainable(flag: bool) -> str:
+    return "trainable" if flag else "frozen"
+
+
+# ---------------------------------------------------------------- device
+
+
+def device_exceptions(record: RankRecord) -> list[dict[str, Any]]:
+    """This rank's tensors that sit where its job cannot use them, from its own record only.
+
+    Tensors on ``meta`` are never exceptions: ranks > 0 hold the model on meta until the
+    loader runs. Before wrapping, a CPU-built model is normal (``fully_shard`` moves it), so
+    only a model already on an accelerator with stragglers on CPU counts. After wrapping, each
+    tensor belongs where FSDP2 put it: the mesh's device type, or CPU for parameters under a
+    CPU offload policy; tensors FSDP2 does not manage belong on the backend's device.
+    """
+    out: list[dict[str, Any]] = []
+    backend_device = _DEVICE_ONLY_BACKENDS.get(record.env.backend)
+    if record.pre_wrap is not None:
+        expected = _accelerator_majority(record.pre_wrap) if backend_device else None
+        if expected is not None:
+            for kind, t in _tensors(record.pre_wrap):
+                if t.device not in ("meta", expected):
+                    out.append(_exception("pre-wrap", kind, t, expected))
+    if record.post_wrap is not None:
+        params, buffers = _post_wrap_expectations(record.fsdp_plan, record.post_wrap)
+        for kind, t in _tensors(record.post_wrap):
+            # A parameter FSDP2 does not manage (or an unreadable plan) has no rule: it may be
+            # offloaded on purpose. A buffer outside every fully_shard belongs on the backend's.
+            if kind == "param":
+                expected = params.get(t.name)
+            else:
+                expected = buffers.get(t.name, backend_device)
+            if expected is not None and t.device not in ("meta", expected):
+                out.append(_exception("post-wrap", kind, t, expected))
+    return out
+
+
+def device_signature(record: RankRecord) -> str:
+    """The part of the group digest that separates ranks with device exceptions ("" if none)."""
+    return "|".join(f"{e['stage']}:{e['name']}:{e['device']}" for e in device_exceptions(record))
+
+
+def device_findings(
+    ref_rank: int, groups: Sequence[tuple[Sequence[int], RankRecord]]
+) -> list[Finding]:
+    """One finding per group (the reference group included) whose tensors are on a device its
+    job cannot use; then, after wrapping, names whose device type differs from the reference."""
+    findings = []
+    for ranks, record in groups:
+        wrong = device_exceptions(record)
+        if wrong:
+            findings.append(_exceptions_finding(ref_rank, ranks, wrong))
+    ref = next((rec for ranks, rec in groups if ref_rank in ranks), None)
+    if ref is not None and ref.post_wrap is not None:
+        for ranks, record in groups:
+            if ref_rank not in ranks and record.post_wrap is not None:
+                finding = _cross_rank(ref_rank, ref.post_wrap, ranks, record.post_wrap)
+                if finding is not None:
+                    findings.append(finding)
+    return findings
+
+
+def _tensors(fp: Fingerprint):
+    yield from (("buffer", t) for t in fp.buffers)
+    yield from (("param", t) for t in fp.params)
+
+
+def _accelerator_majority(fp: Fingerprint) -> str | None:
+    """The device type most real parameters sit on, when it is not the CPU."""
+    counts: dict[str, int] = {}
+    for t in fp.params:
+        if t.device != "meta":
+            counts[t.device] = counts.get(t.device, 0) + 1
+    if not counts:
+        return None
+    device = max(counts, key=lambda d: counts[d])
+    return None if device == "cpu" else device
+
+
+def _post_wrap_expectations(
+    plan: FsdpPlanRecord | None, fp: Fingerprint
+) -> tuple[dict[str, str], dict[str, str]]:
+    """name → expected device type, for parameters and buffers FSDP2 manages."""
+    params: dict[str, str] = {}
+    owners: list[tuple[str, str]] = []  # (fully_shard module prefix, mesh device type)
+    if plan is None:
+        return params, {}
+    for group in plan.groups:
+        device = group.mesh_device_type
+        if device is None:
+            continue
+        offloaded = group.offload is not None and "CPU" in group.offload
+        for name in group.params:
+            params[name] = "cpu" if offloaded else device
+        owners.extend((module, device) for module in group.modules)
+    buffers: dict[str, str] = {}
+    for t in fp.buffers:
+        # fully_shard moves the buffers of every module under the one it was applied to.
+        under = [(m, d) for m, d in owners if m == "" or t.name.startswith(m + ".")]
+        if under:
+            buffers[t.name] = max(under, key=lambda md: len(md[0]))[1]
+    return params, buffers
+
+
+def _exception(stage: str, kind: str, t: TensorRecord, expected: str) -> dict[str, Any]:
+    return {"stage": stage, "kind": kind, "name": t.name, "device": t.device, "expected": expected}
+
+
+def _exceptions_finding(
+    ref_rank: int, ranks: Sequence[int], wrong: list[dict[str, Any]]
+) -> Finding:
+    stage = "post-wrap" if any(e["stage"] == "post-wrap" for e in wrong) else "pre-wrap"
+    shown = [e for e in wrong if e["stage"] == stage]
+    text = ", ".join(f"{e['name']} on {e['device']}" for e in shown[:_LISTED])
+    if len(shown) > _LISTED:
+        text += f" and {len(shown) - _LISTED} more"
+    where = "the FSDP2 mesh" if stage == "post-wrap" else "the rest of the model"
+    summary = (
+        f"{PHRASES['device']}: {ranks_label(ranks)} {'has' if len(ranks) == 1 else 'have'} "
+        f"{text}, but {where} is on {shown[0]['expected']}"
+    )
+    return Finding(
+        kind="device",
+        ranks=tuple(ranks),
+        reference_rank=ref_rank,
+        stage=stage,
+        cause="construction-time" if stage == "pre-wrap" else "unknown",
+        summary=summary,
+        tensors=tuple(e["name"] for e in shown),
+        details={"misplaced": shown},
+    )
+
+
+def _cross_rank(
+    ref_rank: int, a: Fingerprint, ranks: Sequence[int], b: Fingerprint
+) -> Finding | None:
+    devices: Mapping[str, str] = {t.name: t.device for _, t in _tensors(a) if t.device != "meta"}
+    diffs = [
+        {"name": t.name, "reference": devices[t.name], "other": t.device}
+        for _, t in _tensors(b)
+        if t.device != "meta" and t.name in devices and devices[t.name] != t.device
+    ]
+    if not diffs:
+        return None
+    text = "; ".join(
+        f"{d['name']} is on {d['reference']} on rank {ref_rank} but on {d['other']} on "
+        f"{ranks_label(ranks)}"
+        for d in diffs[:_LISTED]
+    )
+    if len(diffs) > _LISTED:
+        text += f"; and {len(diffs) - _LISTED} more"
+    return Finding(
+        kind="device",
+        ranks=tuple(ranks),
+        reference_rank=ref_rank,
+        stage="post-wrap",
+        cause="unknown",
+        summary=f"{PHRASES['device']}: {text}",
+        tensors=tuple(d["name"] for d in diffs),
+        details={"differences": diffs},
+    )

@@ -1,0 +1,1 @@
+"""Building, wrapping and reading a rank's model."""
