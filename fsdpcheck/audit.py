@@ -123,6 +123,8 @@ def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
     group; metadata goes over a gloo side channel bounded by ``timeout``. The report (rank 0)
     has findings and loader predictions; ``exit_code`` is the same on every rank."""
     from fsdpcheck.fingerprint import fingerprint
+    from fsdpcheck.model.config_record import config_record
+    from fsdpcheck.model.fsdp_plan import fsdp_plan
 
     ctx = distributed.init("auto", timeout)
     try:
@@ -132,11 +134,15 @@ def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
             wrapped = any(hasattr(p, "placements") for p in model.parameters())
             stage = "post-wrap" if wrapped else "pre-wrap"
             fp = state.stage("fingerprint", lambda: fingerprint(model, stage))
+            plan = state.stage("fsdp-plan", lambda: fsdp_plan(model))
+            config = state.stage("config", lambda: config_record(getattr(model, "config", None)))
             record = RankRecord(
                 env=env,
                 pre_wrap=None if wrapped else fp,
                 post_wrap=fp if wrapped else None,
                 error=state.error,
+                fsdp_plan=plan,
+                config=config,
             )
             return _conclude(None, ctx, state, record, watch, built=None)
     finally:
@@ -150,6 +156,8 @@ def _audit(
     publish: Callable[[Report], None] | None,
 ) -> AuditResult:
     from fsdpcheck import build, fingerprint, resolve, wrap
+    from fsdpcheck.model.config_record import config_record
+    from fsdpcheck.model.fsdp_plan import fsdp_plan
 
     state = _RankState(ctx, publish=publish)
     env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
@@ -172,6 +180,7 @@ def _audit(
             trust_remote_code=options.trust_remote_code,
         ),
     )
+    config = state.stage("config", lambda: config_record(built.config))
     pre = state.stage("fingerprint-pre", lambda: fingerprint.fingerprint(built.model, "pre-wrap"))
     planned = state.stage(
         "wrap-plan",
@@ -181,11 +190,14 @@ def _audit(
     post = state.stage(
         "fingerprint-post", lambda: fingerprint.fingerprint(built.model, "post-wrap")
     )
+    plan = state.stage("fsdp-plan", lambda: fsdp_plan(built.model))
     if built is not None:
         state.model_info = built.info
     if planned is not None:
         state.wrap_plan = planned[0]
-    record = RankRecord(env=env, pre_wrap=pre, post_wrap=post, error=state.error)
+    record = RankRecord(
+        env=env, pre_wrap=pre, post_wrap=post, error=state.error, fsdp_plan=plan, config=config
+    )
     return _conclude(options, ctx, state, record, watch, built, probing)
 
 
