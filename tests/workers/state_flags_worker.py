@@ -21,13 +21,13 @@ from fsdpcheck.presets import PRESETS
 from fsdpcheck.records import to_dict
 from fsdpcheck.wrap import fully_shard_fn
 
-FAULTS = ("none", "freeze", "mixed-precision", "config")
+FAULTS = ("freeze", "mixed-precision", "config")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--fault", choices=FAULTS, default="none")
+    parser.add_argument("--fault", choices=FAULTS, action="append", default=[])
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--cpu-offload", action="store_true", help="on every rank")
     parser.add_argument("--bf16-everywhere", action="store_true", help="param_dtype on every rank")
@@ -36,17 +36,17 @@ def main() -> int:
     dist.init_process_group("gloo")
     odd = dist.get_rank() == args.fault_rank
     config = PRESETS["tiny-llama"].make_config()
-    if odd and args.fault == "config":  # a stale config.json on this rank's node
+    if odd and "config" in args.fault:  # a stale config.json on this rank's node
         config.rope_parameters["rope_theta"] = 500000.0
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    if odd and args.fault == "freeze":
+    if odd and "freeze" in args.fault:
         model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
 
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     mp = MixedPrecisionPolicy()
-    if args.bf16_everywhere or (odd and args.fault == "mixed-precision"):
+    if args.bf16_everywhere or (odd and "mixed-precision" in args.fault):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     offload = CPUOffloadPolicy(pin_memory=False) if args.cpu_offload else OffloadPolicy()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
