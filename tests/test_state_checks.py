@@ -446,3 +446,23 @@ def test_fsdp_plan_reads_the_live_policies(one_rank_group):
     assert params == {"0.weight": False, "0.bias": True, "1.0.weight": True, "1.0.bias": True}
     rank = RankRecord(env=env(0), post_wrap=fingerprint(model, "post-wrap"), fsdp_plan=got)
     assert device_exceptions(rank) == []
+
+
+def test_every_finding_kind_has_a_phrase_and_a_readme_entry():
+    from pathlib import Path
+
+    from fsdpcheck.analyse import PHRASES
+    from fsdpcheck.records import FINDING_KINDS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert set(FINDING_KINDS) <= set(PHRASES)
+    assert [k for k in FINDING_KINDS if f"`{k}`" not in readme] == []
+
+
+def test_device_cause_after_wrapping_depends_on_a_pre_wrap_record():
+    bad = fp("post-wrap", device="cuda", buffer_devices={FULL: "cpu"})
+    audit = nccl_record(0, bad, plan("cuda"))
+    audit = dataclasses.replace(audit, pre_wrap=fp("pre-wrap"))
+    script = nccl_record(0, bad, plan("cuda"))
+    assert [f.cause for f in run({0: audit})[1]] == ["wrapping"]
+    assert [f.cause for f in run({0: script})[1]] == ["unknown"]

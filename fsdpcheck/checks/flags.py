@@ -108,7 +108,9 @@ def device_findings(
     for ranks, record in groups:
         wrong = device_exceptions(record)
         if wrong:
-            findings.append(_exceptions_finding(ref_rank, ranks, wrong))
+            # After wrapping with a pre-wrap record at hand, FSDP2's placement left it there.
+            after = "wrapping" if record.pre_wrap is not None else "unknown"
+            findings.append(_exceptions_finding(ref_rank, ranks, wrong, after))
     ref = next((rec for ranks, rec in groups if ref_rank in ranks), None)
     if ref is not None and ref.post_wrap is not None:
         for ranks, record in groups:
@@ -166,7 +168,7 @@ def _exception(stage: str, kind: str, t: TensorRecord, expected: str) -> dict[st
 
 
 def _exceptions_finding(
-    ref_rank: int, ranks: Sequence[int], wrong: list[dict[str, Any]]
+    ref_rank: int, ranks: Sequence[int], wrong: list[dict[str, Any]], after: str
 ) -> Finding:
     stage = "post-wrap" if any(e["stage"] == "post-wrap" for e in wrong) else "pre-wrap"
     shown = [e for e in wrong if e["stage"] == stage]
@@ -183,7 +185,7 @@ def _exceptions_finding(
         ranks=tuple(ranks),
         reference_rank=ref_rank,
         stage=stage,
-        cause="construction-time" if stage == "pre-wrap" else "unknown",
+        cause="construction-time" if stage == "pre-wrap" else after,
         summary=summary,
         tensors=tuple(e["name"] for e in shown),
         details={"misplaced": shown},
