@@ -313,7 +313,16 @@ def test_a_cpu_buffer_in_an_nccl_job_is_a_device_finding_on_every_rank_that_has_
     assert len(groups) == 1 and kinds(findings) == ["device"]
     f = findings[0]
     assert f.ranks == (0, 1) and f.tensors == (FULL,)
-    assert f"{FULL} on cpu, but the FSDP2 mesh is on cuda" in f.summary
+    assert f"ranks 0,1 have {FULL} on cpu, not cuda (the FSDP2 mesh)" in f.summary
+    assert f.details["misplaced"] == [
+        {
+            "kind": "buffer",
+            "name": FULL,
+            "device": "cpu",
+            "expected": "cuda",
+            "because": "the FSDP2 mesh",
+        }
+    ]
 
 
 def test_a_cpu_buffer_on_one_rank_only_splits_the_group():
@@ -353,12 +362,8 @@ def test_no_device_finding_where_placement_is_legitimate():
 
 
 def test_device_exceptions_that_are_real():
-    # Unwrapped model already on the accelerator with a straggler; offloaded params whose
-    # buffers stayed on CPU; a buffer outside every fully_shard in an NCCL job.
-    straggler = nccl_record(
-        0, fp("pre-wrap", device="cuda", buffer_devices={SCALE: "cpu"}), stage="pre-wrap"
-    )
-    assert [e["name"] for e in device_exceptions(straggler)] == [SCALE]
+    # Offloaded parameters whose buffers stayed on CPU; a buffer outside every fully_shard in
+    # an NCCL job; any tensor on CPU when the FSDP2 mesh is on the accelerator.
     offloaded = nccl_record(
         0, fp("post-wrap", device="cpu"), plan("cuda", offload="CPUOffloadPolicy")
     )
@@ -367,12 +372,25 @@ def test_device_exceptions_that_are_real():
     outside = nccl_record(
         0, fp("post-wrap", device="cuda", buffer_devices={FULL: "cpu"}), layer_only
     )
-    assert [e["name"] for e in device_exceptions(outside)] == [FULL]
-    _, findings = run({0: straggler})
-    assert (
-        findings[0].stage == "pre-wrap"
-        and "but the rest of the model is on cuda" in findings[0].summary
+    assert device_exceptions(outside) == [
+        {
+            "kind": "buffer",
+            "name": FULL,
+            "device": "cpu",
+            "expected": "cuda",
+            "because": "the nccl backend",
+        }
+    ]
+    param = nccl_record(
+        0, fp("post-wrap", device="cuda", param_devices={K_PROJ: "cpu"}), plan("cuda")
     )
+    assert [(e["kind"], e["name"]) for e in device_exceptions(param)] == [("param", K_PROJ)]
+
+
+def test_before_wrapping_any_placement_is_fine():
+    # fully_shard will move a CPU straggler of a model already on the accelerator.
+    straggler = fp("pre-wrap", device="cuda", buffer_devices={SCALE: "cpu"})
+    assert device_exceptions(nccl_record(0, straggler, stage="pre-wrap")) == []
 
 
 # ---------------------------------------------------------------- env

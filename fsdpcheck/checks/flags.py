@@ -17,7 +17,6 @@ from fsdpcheck.records import (
     Fingerprint,
     FsdpPlanRecord,
     RankRecord,
-    TensorRecord,
 )
 
 _LISTED = 3
@@ -66,37 +65,43 @@ def _trainable(flag: bool) -> str:
 def device_exceptions(record: RankRecord) -> list[dict[str, Any]]:
     """This rank's tensors that sit where its job cannot use them, from its own record only.
 
-    Tensors on ``meta`` are never exceptions: ranks > 0 hold the model on meta until the
-    loader runs. Before wrapping, a CPU-built model is normal (``fully_shard`` moves it), so
-    only a model already on an accelerator with stragglers on CPU counts. After wrapping, each
-    tensor belongs where FSDP2 put it: the mesh's device type, or CPU for parameters under a
-    CPU offload policy; tensors FSDP2 does not manage belong on the backend's device.
+    Only the wrapped model is judged: before ``fully_shard`` any placement is fine, because
+    ``fully_shard`` moves every tensor of the modules it manages to the mesh's device. After
+    it, each tensor belongs where FSDP2 put it: the mesh's device type, or CPU for parameters
+    under a CPU offload policy; a buffer outside every ``fully_shard`` belongs on the backend's
+    device. Tensors on ``meta`` are never exceptions: ranks > 0 hold the model on meta until
+    the loader runs.
     """
     out: list[dict[str, Any]] = []
-    backend_device = _DEVICE_ONLY_BACKENDS.get(record.env.backend)
-    if record.pre_wrap is not None:
-        expected = _accelerator_majority(record.pre_wrap) if backend_device else None
-        if expected is not None:
-            for kind, t in _tensors(record.pre_wrap):
-                if t.device not in ("meta", expected):
-                    out.append(_exception("pre-wrap", kind, t, expected))
-    if record.post_wrap is not None:
-        params, buffers = _post_wrap_expectations(record.fsdp_plan, record.post_wrap)
-        for kind, t in _tensors(record.post_wrap):
-            # A parameter FSDP2 does not manage (or an unreadable plan) has no rule: it may be
-            # offloaded on purpose. A buffer outside every fully_shard belongs on the backend's.
-            if kind == "param":
-                expected = params.get(t.name)
-            else:
-                expected = buffers.get(t.name, backend_device)
-            if expected is not None and t.device not in ("meta", expected):
-                out.append(_exception("post-wrap", kind, t, expected))
+    if record.post_wrap is None:
+        return out
+    backend = record.env.backend
+    backend_rule = (
+        (_DEVICE_ONLY_BACKENDS[backend], f"the {backend} backend")
+        if (backend in _DEVICE_ONLY_BACKENDS)
+        else None
+    )
+    params, buffers = _post_wrap_expectations(record.fsdp_plan, record.post_wrap)
+    for kind, t in _tensors(record.post_wrap):
+        # A parameter FSDP2 does not manage (or an unreadable plan) has no rule: it may be
+        # offloaded on purpose. A buffer outside every fully_shard belongs on the backend's.
+        rule = params.get(t.name) if kind == "param" else buffers.get(t.name, backend_rule)
+        if rule is not None and t.device not in ("meta", rule[0]):
+            out.append(
+                {
+                    "kind": kind,
+                    "name": t.name,
+                    "device": t.device,
+                    "expected": rule[0],
+                    "because": rule[1],
+                }
+            )
     return out
 
 
 def device_signature(record: RankRecord) -> str:
     """The part of the group digest that separates ranks with device exceptions ("" if none)."""
-    return "|".join(f"{e['stage']}:{e['name']}:{e['device']}" for e in device_exceptions(record))
+    return "|".join(f"{e['name']}:{e['device']}" for e in device_exceptions(record))
 
 
 def device_findings(
@@ -126,66 +131,54 @@ def _tensors(fp: Fingerprint):
     yield from (("param", t) for t in fp.params)
 
 
-def _accelerator_majority(fp: Fingerprint) -> str | None:
-    """The device type most real parameters sit on, when it is not the CPU."""
-    counts: dict[str, int] = {}
-    for t in fp.params:
-        if t.device != "meta":
-            counts[t.device] = counts.get(t.device, 0) + 1
-    if not counts:
-        return None
-    device = max(counts, key=lambda d: counts[d])
-    return None if device == "cpu" else device
+_Rule = tuple[str, str]  # (expected device type, why)
 
 
 def _post_wrap_expectations(
     plan: FsdpPlanRecord | None, fp: Fingerprint
-) -> tuple[dict[str, str], dict[str, str]]:
-    """name → expected device type, for parameters and buffers FSDP2 manages."""
-    params: dict[str, str] = {}
+) -> tuple[dict[str, _Rule], dict[str, _Rule]]:
+    """name → (expected device type, why), for the parameters and buffers FSDP2 manages."""
+    params: dict[str, _Rule] = {}
     owners: list[tuple[str, str]] = []  # (fully_shard module prefix, mesh device type)
     if plan is None:
         return params, {}
+    mesh = "the FSDP2 mesh"
     for group in plan.groups:
         device = group.mesh_device_type
         if device is None:
             continue
         offloaded = group.offload is not None and "CPU" in group.offload
+        rule = ("cpu", "the CPU offload policy") if offloaded else (device, mesh)
         for name in group.params:
-            params[name] = "cpu" if offloaded else device
+            params[name] = rule
         owners.extend((module, device) for module in group.modules)
-    buffers: dict[str, str] = {}
+    buffers: dict[str, _Rule] = {}
     for t in fp.buffers:
         # fully_shard moves the buffers of every module under the one it was applied to.
         under = [(m, d) for m, d in owners if m == "" or t.name.startswith(m + ".")]
         if under:
-            buffers[t.name] = max(under, key=lambda md: len(md[0]))[1]
+            buffers[t.name] = (max(under, key=lambda md: len(md[0]))[1], mesh)
     return params, buffers
 
 
-def _exception(stage: str, kind: str, t: TensorRecord, expected: str) -> dict[str, Any]:
-    return {"stage": stage, "kind": kind, "name": t.name, "device": t.device, "expected": expected}
-
-
 def _exceptions_finding(
-    ref_rank: int, ranks: Sequence[int], wrong: list[dict[str, Any]], after: str
+    ref_rank: int, ranks: Sequence[int], shown: list[dict[str, Any]], cause: str
 ) -> Finding:
-    stage = "post-wrap" if any(e["stage"] == "post-wrap" for e in wrong) else "pre-wrap"
-    shown = [e for e in wrong if e["stage"] == stage]
-    text = ", ".join(f"{e['name']} on {e['device']}" for e in shown[:_LISTED])
+    text = ", ".join(
+        f"{e['name']} on {e['device']}, not {e['expected']} ({e['because']})"
+        for e in shown[:_LISTED]
+    )
     if len(shown) > _LISTED:
-        text += f" and {len(shown) - _LISTED} more"
-    where = "the FSDP2 mesh" if stage == "post-wrap" else "the rest of the model"
+        text += f"; and {len(shown) - _LISTED} more"
     summary = (
-        f"{PHRASES['device']}: {ranks_label(ranks)} {'has' if len(ranks) == 1 else 'have'} "
-        f"{text}, but {where} is on {shown[0]['expected']}"
+        f"{PHRASES['device']}: {ranks_label(ranks)} {'has' if len(ranks) == 1 else 'have'} {text}"
     )
     return Finding(
         kind="device",
         ranks=tuple(ranks),
         reference_rank=ref_rank,
-        stage=stage,
-        cause="construction-time" if stage == "pre-wrap" else after,
+        stage="post-wrap",
+        cause=cause,
         summary=summary,
         tensors=tuple(e["name"] for e in shown),
         details={"misplaced": shown},
