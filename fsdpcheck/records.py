@@ -56,10 +56,6 @@ def _convert(hint: Any, value: Any) -> Any:
     return value
 
 
-def dumps(record: Any) -> str:
-    return json.dumps(to_dict(record), sort_keys=True, separators=(",", ":"))
-
-
 def short_digest(*parts: str, size: int = 16) -> str:
     h = hashlib.blake2b(digest_size=size)
     for part in parts:
@@ -139,7 +135,7 @@ class EnvRecord:
     cuda: str | None = None  # torch.version.cuda (None on CPU builds)
 
     def versions(self) -> tuple[str | None, ...]:
-        """In the order of ``analyse.ENV_FIELDS``."""
+        """In the order of ``fsdpcheck.checks.layout.ENV_FIELDS``."""
         return (
             self.python,
             self.torch,
@@ -191,7 +187,7 @@ class FsdpPlanRecord:
     unavailable: str | None = None  # why the plan could not be read (private API changed)
 
     def digest(self) -> str:
-        return short_digest(dumps(self))
+        return short_digest(json.dumps(to_dict(self), sort_keys=True, separators=(",", ":")))
 
 
 @dataclass(frozen=True)
@@ -213,14 +209,16 @@ class RankRecord:
     error: RankError | None = None
     fsdp_plan: FsdpPlanRecord | None = None  # after wrapping
     config: ConfigRecord | None = None
+    # "name:device" of this rank's tensors on a device its job cannot use, as the rank itself
+    # judged them (fsdpcheck.checks.flags.misplaced): in the digest, so such a rank sends its
+    # record even when its layout agrees.
+    misplaced: tuple[str, ...] = ()
 
     def group_digest(self) -> str:
         """Equal for ranks that must be treated alike: same layouts, same versions, same state
         flags, wrap plan and config, no error."""
         if self.error is not None:
             return short_digest("error", str(self.env.rank), self.error.stage, self.error.message)
-        from fsdpcheck.checks.flags import device_signature
-
         parts = [
             self.env._digest_part(),
             self.pre_wrap.layout_digest() if self.pre_wrap else "-",
@@ -231,10 +229,26 @@ class RankRecord:
             parts.append("fsdp:" + self.fsdp_plan.digest())
         if self.config is not None:
             parts.append("config:" + self.config.digest)
-        devices = device_signature(self)
-        if devices:
-            parts.append("devices:" + devices)
+        if self.misplaced:
+            parts.append("misplaced:" + repr(self.misplaced))
         return short_digest(*parts)
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What rank 0 holds after the gather: every rank's digest and host, and one record per
+    distinct digest (keyed by its representative, the lowest rank with that digest)."""
+
+    digests: dict[int, str]
+    hosts: dict[int, str]
+    records: dict[int, RankRecord]
+    bytes_sent: int  # by this rank
+    meta_ranks: tuple[int, ...] = ()  # ranks whose tensors were on meta before loading
+
+    @property
+    def errors(self) -> tuple[RankError, ...]:
+        found = (r.error for r in self.records.values() if r.error is not None)
+        return tuple(sorted(found, key=lambda e: e.rank))
 
 
 @dataclass(frozen=True)
@@ -252,53 +266,21 @@ class Group:
 
 @dataclass(frozen=True)
 class Finding:
-    """One cross-rank difference. ``kind`` comes from :data:`FINDING_KINDS`."""
+    """One cross-rank difference; ``kind`` and ``cause`` are words of :mod:`fsdpcheck.vocab`."""
 
     kind: str
     ranks: tuple[int, ...]
     reference_rank: int
     stage: str  # "pre-wrap" | "post-wrap" | "load" | "probe"
-    cause: str  # see CAUSES
+    cause: str
     summary: str
     tensors: tuple[str, ...] = ()
     details: Mapping[str, Any] = field(default_factory=dict)
 
 
-FINDING_KINDS = {
-    "buffer-order": "same buffers on both sides, iterated in a different order",
-    "buffer-set": "buffer names present on one side only",
-    "buffer-shape": "a buffer with the same name has a different shape",
-    "buffer-dtype": "a buffer with the same name has a different dtype",
-    "buffer-persistence": "a buffer is persistent on one side and not on the other",
-    "param-order": "same parameters, iterated in a different order",
-    "param-set": "parameter names present on one side only",
-    "param-shape": "a parameter with the same name has a different shape",
-    "param-dtype": "a parameter with the same name has a different dtype",
-    "param-placement": "a parameter is sharded differently after wrapping",
-    "state-dict-order": "the same state-dict keys, walked in a different order",
-    "requires-grad": "a parameter is trainable on one side and frozen on the other",
-    "wrap-plan": "the FSDP2 plan differs: parameter groups, mixed precision, resharding, "
-    "offload or mesh",
-    "device": "a tensor sits on a device the job cannot use, or on different device types",
-    "config": "the resolved model config differs between ranks",
-    "hash-seed": "tensor order depends on the interpreter's string-hash seed (PYTHONHASHSEED)",
-    "env": "library or interpreter versions differ between ranks",
-    "verify": "after the project's loader ran, a rank's tensor differs from rank 0's source",
-}
-
-CAUSES = {
-    "construction-time": "already present before wrapping: the model was built differently",
-    "wrapping": "appeared only after fully_shard",
-    "environment": "the ranks run different software",
-    "configuration": "how the audit was asked to run",
-    "loading": "the loader itself left ranks different",
-    "unknown": "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
-}
-
-
 @dataclass(frozen=True)
 class LoaderPrediction:
-    """What one known loader would do on these ranks (see ``fsdpcheck.predict.LOADERS``)."""
+    """What one known loader would do on these ranks (see ``fsdpcheck.checks.predict.LOADERS``)."""
 
     name: str
     verdict: str  # "ok" | "uninitialized" | "silent-corruption" | "refused" | "hang"

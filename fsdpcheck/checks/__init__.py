@@ -1,1 +1,1 @@
-"""Pure cross-rank checks over gathered records."""
+"""Analysis: pure functions from per-rank records to findings and loader predictions."""

@@ -13,8 +13,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdpcheck.analyse import PHRASES, ranks_label
 from fsdpcheck.records import ConfigRecord, Finding
+from fsdpcheck.text import ranks_label
+from fsdpcheck.vocab import FindingKind
 
 _LISTED = 3
 _MAX_PATHS = 200  # details stay bounded whatever the config's size
@@ -40,12 +41,12 @@ def config_findings(
         text += f"; and {len(diffs) - _LISTED} more"
     return [
         Finding(
-            kind="config",
+            kind=FindingKind.CONFIG,
             ranks=tuple(ranks),
             reference_rank=ref_rank,
             stage="pre-wrap",
             cause="construction-time",
-            summary=f"{PHRASES['config']}: {text}",
+            summary=f"{FindingKind.CONFIG.phrase}: {text}",
             details={"differences": diffs[:_MAX_PATHS], "count": len(diffs)},
         )
     ]

@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdpcheck.analyse import PHRASES, ranks_label
 from fsdpcheck.records import (
     Finding,
     Fingerprint,
     FsdpPlanRecord,
     RankRecord,
 )
+from fsdpcheck.text import ranks_label
+from fsdpcheck.vocab import FindingKind
 
 _LISTED = 3
 # Backends whose collectives only take accelerator tensors. A mixed backend string such as
@@ -52,7 +53,7 @@ def requires_grad_difference(
     details = {
         "differences": [{"name": n, "reference": x, "other": y} for n, x, y in diffs],
     }
-    return [n for n, _, _ in diffs], details, f"{PHRASES['requires-grad']}: {shown}"
+    return [n for n, _, _ in diffs], details, f"{FindingKind.REQUIRES_GRAD.phrase}: {shown}"
 
 
 def _trainable(flag: bool) -> str:
@@ -99,9 +100,10 @@ def device_exceptions(record: RankRecord) -> list[dict[str, Any]]:
     return out
 
 
-def device_signature(record: RankRecord) -> str:
-    """The part of the group digest that separates ranks with device exceptions ("" if none)."""
-    return "|".join(f"{e['name']}:{e['device']}" for e in device_exceptions(record))
+def misplaced(record: RankRecord) -> tuple[str, ...]:
+    """``name:device`` of each device exception: what a rank puts in ``RankRecord.misplaced``,
+    so that its group digest separates it from ranks whose tensors are where they belong."""
+    return tuple(f"{e['name']}:{e['device']}" for e in device_exceptions(record))
 
 
 def device_findings(
@@ -170,11 +172,10 @@ def _exceptions_finding(
     )
     if len(shown) > _LISTED:
         text += f"; and {len(shown) - _LISTED} more"
-    summary = (
-        f"{PHRASES['device']}: {ranks_label(ranks)} {'has' if len(ranks) == 1 else 'have'} {text}"
-    )
+    verb = "has" if len(ranks) == 1 else "have"
+    summary = f"{FindingKind.DEVICE.phrase}: {ranks_label(ranks)} {verb} {text}"
     return Finding(
-        kind="device",
+        kind=FindingKind.DEVICE,
         ranks=tuple(ranks),
         reference_rank=ref_rank,
         stage="post-wrap",
@@ -204,12 +205,12 @@ def _cross_rank(
     if len(diffs) > _LISTED:
         text += f"; and {len(diffs) - _LISTED} more"
     return Finding(
-        kind="device",
+        kind=FindingKind.DEVICE,
         ranks=tuple(ranks),
         reference_rank=ref_rank,
         stage="post-wrap",
         cause="unknown",
-        summary=f"{PHRASES['device']}: {text}",
+        summary=f"{FindingKind.DEVICE.phrase}: {text}",
         tensors=tuple(d["name"] for d in diffs),
         details={"differences": diffs},
     )

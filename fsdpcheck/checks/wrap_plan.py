@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fsdpcheck.analyse import PHRASES, ranks_label
 from fsdpcheck.records import Finding, FsdpGroupRecord, FsdpPlanRecord
+from fsdpcheck.text import ranks_label
+from fsdpcheck.vocab import FindingKind
 
 _LISTED = 3
 POLICY_FIELDS = (
@@ -40,7 +41,7 @@ def wrap_plan_findings(
     ref_label, other_label = f"rank {ref_rank}", ranks_label(ranks)
     if ref is None or other is None:
         unwrapped = ref_label if ref is None else other_label
-        summary = f"{PHRASES['wrap-plan']}: {unwrapped} did not apply fully_shard at all"
+        summary = f"{FindingKind.WRAP_PLAN.phrase}: {unwrapped} did not apply fully_shard at all"
         details = {"unwrapped": "reference" if ref is None else "other"}
         return [_finding(ref_rank, ranks, summary, details, ())]
     if ref.unavailable or other.unavailable:
@@ -84,7 +85,7 @@ def wrap_plan_findings(
             )
     if not parts:
         return []
-    summary = f"{PHRASES['wrap-plan']}: " + "; ".join(parts)
+    summary = f"{FindingKind.WRAP_PLAN.phrase}: " + "; ".join(parts)
     return [_finding(ref_rank, ranks, summary, details, tensors)]
 
 
@@ -164,7 +165,7 @@ def _jsonable(value: Any) -> Any:
 
 def _finding(ref_rank, ranks, summary, details, tensors) -> Finding:
     return Finding(
-        kind="wrap-plan",
+        kind=FindingKind.WRAP_PLAN,
         ranks=tuple(ranks),
         reference_rank=ref_rank,
         stage="post-wrap",

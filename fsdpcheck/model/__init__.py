@@ -1,1 +1,1 @@
-"""Building, wrapping and reading a rank's model."""
+"""Resolve, build, wrap and fingerprint the model on one rank."""

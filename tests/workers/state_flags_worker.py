@@ -17,9 +17,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
 import fsdpcheck
-from fsdpcheck.presets import PRESETS
+from fsdpcheck.model.presets import PRESETS
+from fsdpcheck.model.wrap import fully_shard_fn
 from fsdpcheck.records import to_dict
-from fsdpcheck.wrap import fully_shard_fn
 
 FAULTS = ("freeze", "mixed-precision", "config")
 
