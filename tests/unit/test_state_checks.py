@@ -487,3 +487,28 @@ def test_device_cause_after_wrapping_depends_on_a_pre_wrap_record():
     script = nccl_record(0, bad, plan("cuda"))
     assert [f.cause for f in run({0: audit})[1]] == ["wrapping"]
     assert [f.cause for f in run({0: script})[1]] == ["unknown"]
+
+
+def test_fsdp_plan_survives_private_state_it_does_not_know():
+    # Another torch release: the state lacks the attributes this one has, or reading it fails.
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from fsdpcheck.model.fsdp_plan import fsdp_plan
+
+    class Bare(nn.Linear):
+        def _get_fsdp_state(self):
+            return SimpleNamespace()
+
+    class Broken(nn.Linear):
+        def _get_fsdp_state(self):
+            raise AttributeError("_fsdp_param_groups moved")
+
+    bare = fsdp_plan(Bare(2, 2))
+    assert bare == FsdpPlanRecord(groups=(FsdpGroupRecord(modules=(), params=()),))
+    broken = fsdp_plan(Broken(2, 2))
+    assert broken.groups == () and "moved" in broken.unavailable
+    # An unreadable plan is never a finding, and never splits ranks by itself.
+    _, findings = run({0: record(0, fsdp_plan=broken), 1: record(1, fsdp_plan=broken)})
+    assert findings == []
