@@ -29,9 +29,9 @@ _VERDICT_STYLE = {
 }
 
 
-def render(report: Report, console: Console) -> None:
+def render(report: Report, console: Console, *, title: str = "fsdpcheck audit") -> None:
     model = report.model
-    title = Text("fsdpcheck audit", style="bold")
+    title = Text(title, style="bold")
     if model is not None:
         title.append(f" · {model.name} ({model.architecture}, {model.kind})")
         title.append(f" · init {model.init} · {model.dtype}")

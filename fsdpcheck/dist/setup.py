@@ -89,7 +89,11 @@ def init(
     Everything that can be checked without a peer is checked first, so bad input never leaves
     another rank waiting in a rendezvous.
     """
-    rank, local_rank, world_size = launch_env()
+    if dist.is_initialized():  # a script's own group: its launcher variables may be gone
+        rank, world_size = dist.get_rank(), dist.get_world_size()  # (Lightning drops WORLD_SIZE)
+        local_rank = _int_env("LOCAL_RANK", rank)
+    else:
+        rank, local_rank, world_size = launch_env()
     backend = resolve_backend(backend)
     shape = _mesh_shape(mesh_shape, world_size, rank)
     device_type = "cuda" if backend == "nccl" else "cpu"
