@@ -15,6 +15,7 @@ from fsdpcheck.dist import setup as distributed
 from fsdpcheck.dist.environment import env_record
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.faults import maybe_inject
+from fsdpcheck.model.rank_state import with_state
 from fsdpcheck.options import AuditOptions
 from fsdpcheck.records import (
     Gathered,
@@ -139,7 +140,7 @@ def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
                 post_wrap=fp if wrapped else None,
                 error=state.error,
             )
-            record = _with_state(record, model, getattr(model, "config", None))
+            record = with_state(record, model, getattr(model, "config", None))
             return _conclude(None, state, record, watch, built=None)
     finally:
         distributed.shutdown(ctx)
@@ -186,30 +187,8 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         state.wrap_plan = targets.plan
     record = RankRecord(env=env, pre_wrap=pre, post_wrap=post, error=state.error)
     if built is not None:
-        record = _with_state(record, built.model, built.config)
+        record = with_state(record, built.model, built.config)
     return _conclude(options, state, record, watch, built, probing)
-
-
-def _with_state(record: RankRecord, model: Any, config: Any) -> RankRecord:
-    """Add the FSDP2 plan, the canonical config and the misplaced tensors to a rank's record.
-
-    None of them may fail a rank: each reads only what is there (a plan that torch does not
-    expose says so inside the record) and is left out when it cannot be read."""
-    from fsdpcheck.checks.flags import misplaced
-    from fsdpcheck.model.config_record import config_record
-    from fsdpcheck.model.fsdp_plan import fsdp_plan
-
-    if record.error is not None:
-        return record
-    try:
-        record = replace(record, fsdp_plan=fsdp_plan(model))
-    except Exception:  # fsdp_plan catches its own; this is the last line of defence
-        pass
-    try:
-        record = replace(record, config=config_record(config))
-    except Exception:  # a config without a usable dict form: nothing to compare
-        pass
-    return replace(record, misplaced=misplaced(record))
 
 
 def _conclude(
