@@ -177,7 +177,10 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         Stage.WRAP_PLAN,
         lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
     )
-    state.stage(Stage.WRAP, lambda: wrap.apply(targets.modules, ctx.mesh))
+    state.stage(
+        Stage.WRAP,
+        lambda: wrap.apply(targets.modules, ctx.mesh, cpu_offload=options.cpu_offload),
+    )
     post = state.stage(
         Stage.FINGERPRINT_POST, lambda: fingerprint.fingerprint(built.model, Snapshot.POST_WRAP)
     )

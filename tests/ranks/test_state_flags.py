@@ -109,10 +109,12 @@ def test_audit_names_the_stale_config_key_on_one_node(tmp_path: Path, hf_home: P
     )
 
 
-def test_audit_per_node_caches_hsdp_clean_twin(tmp_path: Path, hf_home: Path) -> None:
+def test_audit_per_node_caches_hsdp_cpu_offload_clean_twin(tmp_path: Path, hf_home: Path) -> None:
     # Each node reads the same model from its own path: not a config difference. HSDP on a
-    # 1x2 mesh: every rank's plan agrees.
+    # 1x2 mesh with CPU offload: every rank's plan agrees, offloaded parameters on CPU are
+    # where they belong, and the loader and its verification run on them.
     homes = _per_rank_homes(tmp_path, hf_home, rope_theta=None)
-    codes, report = _audit_per_node(tmp_path, homes, "--mesh", "1,2")
+    codes, report = _audit_per_node(tmp_path, homes, "--mesh", "1,2", "--cpu-offload")
     assert codes == [0, 0], report["findings"]
     assert report["verdict"] == "consistent" and len(report["groups"]) == 1
+    assert report["options"]["cpu_offload"] is True and report["verify"]["passed"] is True
