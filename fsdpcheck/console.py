@@ -14,7 +14,7 @@ from rich.text import Text
 
 from fsdpcheck.records import LoadOutcome, Report
 from fsdpcheck.report import report_headline
-from fsdpcheck.text import int_ranges
+from fsdpcheck.text import int_ranges, ranks_label
 from fsdpcheck.vocab import LoaderVerdict, LoadMethod, LoadStatus, ScanVerdict
 
 if TYPE_CHECKING:
@@ -81,6 +81,13 @@ def render(report: Report, console: Console, *, title: str = "fsdpcheck audit") 
         )
         console.print(f"  {escape(finding.summary)}", highlight=False)
 
+    if report.not_compared:
+        console.print(
+            f"values not compared on {ranks_label(report.not_compared)}: every tensor on meta "
+            "(nothing to compare before the load)",
+            style="dim",
+            highlight=False,
+        )
     _render_loaders(report, console)
     _render_load(report, console)
 

@@ -76,6 +76,7 @@ class TensorRecord:
     digest: str | None = None  # of the values, when materialised (not on meta)
     placements: tuple[str, ...] | None = None  # DTensor placements, after wrapping
     local_shape: tuple[int, ...] | None = None  # this rank's shard, after wrapping
+    head: tuple[str, ...] | None = None  # first values ("%.6g"), when materialised: a hint only
     requires_grad: bool | None = None  # parameters only
 
     @property
@@ -200,6 +201,34 @@ class ConfigRecord:
 
 
 @dataclass(frozen=True)
+class TieRecord:
+    """Which parameter names share storage on one rank at one stage, and which ties the model's
+    config asks for (``tie_word_embeddings``, ``_tied_weights_keys``). Names sorted."""
+
+    stage: str  # "pre-wrap" | "post-wrap" | "load"
+    shared: tuple[tuple[str, ...], ...] = ()  # groups of two or more names on one storage
+    expected: tuple[tuple[str, str], ...] = ()  # (tied name, its source)
+
+    def digest_part(self) -> str:
+        return repr((self.stage, self.shared, self.expected))
+
+
+@dataclass(frozen=True)
+class BufferProblem:
+    """A buffer whose value is not what its module computes, or is garbage (NaN, Inf, denormal)."""
+
+    name: str
+    stage: str  # "pre-wrap" | "post-wrap" | "load"
+    reason: str  # "differs" (from the recomputed reference) | "nan" | "inf" | "denormal"
+    got: tuple[str, ...] = ()  # first values on this rank ("%.6g")
+    expected: tuple[str, ...] = ()  # first values of the reference, for "differs"
+
+    def digest_part(self) -> str:
+        # Values stay out: garbage differs per rank, and must not split ranks into groups.
+        return repr((self.name, self.stage, self.reason))
+
+
+@dataclass(frozen=True)
 class RankRecord:
     """Everything one rank contributes to the gather."""
 
@@ -213,10 +242,14 @@ class RankRecord:
     # judged them (fsdpcheck.checks.flags.misplaced): in the digest, so such a rank sends its
     # record even when its layout agrees.
     misplaced: tuple[str, ...] = ()
+    ties: tuple[TieRecord, ...] = ()  # per stage: which names share storage
+    uninitialized: tuple[BufferProblem, ...] = ()  # buffers that are not what the module computes
+    shard_key: str | None = None  # equal on HSDP replicas: the same shard coordinate(s)
 
     def group_digest(self) -> str:
         """Equal for ranks that must be treated alike: same layouts, same versions, same state
-        flags, wrap plan and config, no error."""
+        flags, wrap plan, config, ties and buffer problems, no error. Values stay out (see
+        :func:`value_digest`)."""
         if self.error is not None:
             return short_digest("error", str(self.env.rank), self.error.stage, self.error.message)
         parts = [
@@ -225,6 +258,9 @@ class RankRecord:
             self.post_wrap.layout_digest() if self.post_wrap else "-",
         ]
         # Optional parts only when present, so older records keep their digests.
+        if self.ties or self.uninitialized:
+            parts.append(repr([t.digest_part() for t in self.ties]))
+            parts.append(repr(sorted(p.digest_part() for p in self.uninitialized)))
         if self.fsdp_plan is not None:
             parts.append("fsdp:" + self.fsdp_plan.digest())
         if self.config is not None:
@@ -232,6 +268,9 @@ class RankRecord:
         if self.misplaced:
             parts.append("misplaced:" + repr(self.misplaced))
         return short_digest(*parts)
+
+    def fingerprints(self) -> tuple[Fingerprint, ...]:
+        return tuple(fp for fp in (self.pre_wrap, self.post_wrap) if fp is not None)
 
 
 @dataclass(frozen=True)
@@ -244,6 +283,11 @@ class Gathered:
     records: dict[int, RankRecord]
     bytes_sent: int  # by this rank
     meta_ranks: tuple[int, ...] = ()  # ranks whose tensors were on meta before loading
+    # What the value check needs (fsdpcheck.checks.value): per rank, None where it holds none.
+    values: dict[int, str | None] | None = None
+    replicas: dict[int, str | None] | None = None
+    shard_keys: dict[int, str | None] | None = None
+    extra: dict[int, RankRecord] | None = None  # records of value senders that are no group's
 
     @property
     def errors(self) -> tuple[RankError, ...]:
@@ -362,3 +406,5 @@ class Report:
     options: Mapping[str, Any] = field(default_factory=dict)
     timings: Mapping[str, float] = field(default_factory=dict)
     schema: str = SCHEMA
+    # Ranks whose tensors were all on meta when gathered: their values were not compared.
+    not_compared: tuple[int, ...] = ()

@@ -62,6 +62,7 @@ class Stage(Word):
     GATHER = "gather"
     LOAD = "load"
     VERIFY = "verify"
+    STATE_AFTER_LOAD = "state-after-load"  # every rank's ties and buffers, after the load
     ABORT = "abort"
 
 
@@ -218,6 +219,21 @@ class FindingKind(_Described):
         "verify",
         "after the project's loader ran, a rank's tensor differs from rank 0's source",
         "ranks differ after loading",
+    )
+    VALUE = (
+        "value",
+        "a tensor that must be identical on every rank (or HSDP replica) holds other values",
+        "values differ",
+    )
+    UNINITIALIZED = (
+        "uninitialized",
+        "a buffer is not what its module computes (garbage after to_empty, NaN, Inf)",
+        "buffers are not initialised",
+    )
+    TIE = (
+        "tie",
+        "parameters the config ties hold separate storage, or ranks tie different names",
+        "tied weights differ",
     )
 
     @property

@@ -1,514 +1,340 @@
-"""The state checks (requires-grad, wrap-plan, device, config, env) on synthetic records, and
-the collectors on live objects in this process."""
+"""value, uninitialized and tie checks: pure analysis on synthetic records, and the collectors
+on real (single-process) models."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
-from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, tensor
+import torch
+from synthetic import EMBED, FULL, SCALE, state_record, valued
+from torch import nn
 
-from fsdpcheck.checks.config import config_differences
-from fsdpcheck.checks.flags import device_exceptions, misplaced
-from fsdpcheck.checks.layout import analyse, group_ranks, verdict
-from fsdpcheck.model.config_record import REDACTED, config_record
+from fsdpcheck.checks.layout import group_ranks, headline, verdict
+from fsdpcheck.checks.loaded import load_errors, load_findings
+from fsdpcheck.checks.ties import missing_ties, tie_findings
+from fsdpcheck.checks.uninitialized import uninitialized_findings
+from fsdpcheck.checks.value import (
+    SENDER_LIMIT,
+    not_compared,
+    value_digests,
+    value_findings,
+    value_senders,
+)
+from fsdpcheck.dist.gather import SLOT_BYTES, _pack_slot, _unpack_slot
 from fsdpcheck.records import (
-    EnvRecord,
-    Fingerprint,
-    FsdpGroupRecord,
-    FsdpPlanRecord,
+    BufferProblem,
+    Gathered,
+    LoadOutcome,
     RankRecord,
+    TieRecord,
     from_dict,
     to_dict,
 )
+from fsdpcheck.report import AuditOutcome, assemble
+from fsdpcheck.vocab import FindingKind
 
-LAYER0 = "model.layers.0"
-
-
-def env(rank, backend="gloo", **versions):
-    return EnvRecord(
-        rank=rank,
-        local_rank=rank,
-        world_size=2,
-        host="node0",
-        backend=backend,
-        python="3.11.9",
-        torch="2.13.0",
-        transformers="5.24.0",
-        hash_seed="0",
-        **versions,
-    )
+SHARD = ("S(0)",)
+HSDP = ("R", "S(0)")
+LM_HEAD = "lm_head.weight"
 
 
-def fp(stage, *, device="cpu", frozen=(), buffer_devices=None, param_devices=None):
-    buffer_devices = buffer_devices or {}
-    param_devices = param_devices or {}
-    placements = ("Shard(dim=0)",) if stage == "post-wrap" else None
-    bufs = tuple(
-        tensor(n, (8,), persistent=False, device=buffer_devices.get(n, device))
-        for n in (SCALE, FULL, SLIDING)
-    )
-    prms = tuple(
-        dataclasses.replace(
-            tensor(n, (8, 8), placements=placements, device=param_devices.get(n, device)),
-            requires_grad=n not in frozen,
-        )
-        for n in (EMBED, Q_PROJ, K_PROJ)
-    )
-    return Fingerprint(stage=stage, buffers=bufs, params=prms)
+def _digests(records):
+    values, replicas = {}, {}
+    for rank, record in records.items():
+        values[rank], replicas[rank] = value_digests(record)
+    return values, replicas
 
 
-def plan(device="cpu", param_dtype=None, offload="OffloadPolicy", layer_params=(Q_PROJ, K_PROJ)):
-    def group(modules, names):
-        return FsdpGroupRecord(
-            modules=modules,
-            params=tuple(names),
-            param_dtype=param_dtype,
-            reshard_after_forward=True,
-            offload=offload,
-            mesh_shape=(2,),
-            mesh_device_type=device,
-        )
-
-    rest = [n for n in (EMBED, Q_PROJ, K_PROJ) if n not in layer_params]
-    return FsdpPlanRecord(groups=(group(("",), rest), group((LAYER0,), layer_params)))
+def _groups(records):
+    return group_ranks({r: rec.group_digest() for r, rec in records.items()})
 
 
-def dumps(record):
-    return json.dumps(to_dict(record))
+# ---------------------------------------------------------------- value
 
 
-def record(rank, **fields):
-    """A rank's record as the rank sends it: with its own judgement of misplaced tensors."""
-    rec = RankRecord(env=fields.pop("env", env(rank)), **fields)
-    return dataclasses.replace(rec, misplaced=misplaced(rec))
+def test_meta_ranks_have_no_value_digest_and_are_not_compared():
+    real = state_record(0, pre=([valued(FULL, "aa", ["1"])], [valued(EMBED, "bb")]))
+    meta = state_record(1, pre=([valued(FULL, None)], [valued(EMBED, None)]))
+    values, replicas = _digests({0: real, 1: meta})
+    assert values[0] is not None and values[1] is None and replicas == {0: None, 1: None}
+    assert value_senders(values, replicas, {}) == set()
+    assert value_findings({0: real, 1: meta}, values, replicas, {}) == []
+    assert not_compared(values, replicas) == (1,)
 
 
-def run(records):
-    """Analyse as rank 0 would after the gather: group by digest, keep representatives."""
-    groups = group_ranks({r: rec.group_digest() for r, rec in records.items()})
-    reps = {g.representative: records[g.representative] for g in groups}
-    return groups, analyse(groups, reps)
-
-
-def kinds(findings):
-    return [f.kind for f in findings]
-
-
-# ---------------------------------------------------------------- requires-grad
-
-
-def test_one_frozen_parameter_is_a_requires_grad_finding():
+def test_equal_values_send_nothing_extra_and_find_nothing():
     records = {
-        0: record(0, pre_wrap=fp("pre-wrap"), post_wrap=fp("post-wrap")),
-        1: record(
-            1, pre_wrap=fp("pre-wrap", frozen={Q_PROJ}), post_wrap=fp("post-wrap", frozen={Q_PROJ})
-        ),
+        r: state_record(r, pre=([valued(FULL, "aa")], [valued(EMBED, "bb")])) for r in (0, 1, 2)
     }
-    groups, findings = run(records)
-    assert len(groups) == 2
-    assert kinds(findings) == ["requires-grad"]
-    f = findings[0]
-    assert (f.ranks, f.stage, f.cause, f.tensors) == (
-        (1,),
+    values, replicas = _digests(records)
+    assert len(set(values.values())) == 1
+    assert value_senders(values, replicas, {}) == set()
+    assert value_findings(records, values, replicas, {}) == []
+
+
+def test_per_rank_initial_values_name_ranks_tensors_and_first_values():
+    def rec(rank, digest, head):
+        return state_record(rank, pre=([valued(FULL, "aa", ["1"])], [valued(EMBED, digest, head)]))
+
+    records = {
+        0: rec(0, "e0", ["0.5", "1"]),
+        1: rec(1, "e1", ["-1", "1"]),
+        2: rec(2, "e0", ["0.5", "1"]),
+    }
+    values, replicas = _digests(records)
+    assert value_senders(values, replicas, {}) == {0, 1}
+    (finding,) = value_findings(records, values, replicas, {})
+    assert (finding.kind, finding.ranks, finding.reference_rank) == ("value", (1,), 0)
+    assert (finding.stage, finding.cause, finding.tensors) == (
         "pre-wrap",
         "construction-time",
-        (Q_PROJ,),
+        (EMBED,),
     )
-    assert f"{Q_PROJ} is trainable on rank 0 but frozen on rank 1" in f.summary
-    assert f.details["persists_after_wrap"] is True
+    assert f"param {EMBED} (first values 0.5, 1 on rank 0; -1, 1 on rank 1" in finding.summary
+    (diff,) = finding.details["differences"]
+    assert diff["max_abs_diff_first_values"] == 1.5
+    assert json.loads(json.dumps(to_dict(finding))) == to_dict(finding)
+
+
+def test_buffers_reported_uninitialized_are_not_reported_again_as_values():
+    garbage = BufferProblem(SCALE, "post-wrap", "differs", ("1e-38",), ("8",))
+    ref = state_record(0, post=([valued(SCALE, "ok", ["8"])], []))
+    bad = state_record(1, post=([valued(SCALE, "junk", ["1e-38"])], []), uninitialized=[garbage])
+    records = {0: ref, 1: bad}
+    values, replicas = _digests(records)
+    assert value_findings(records, values, replicas, {}) == []
+
+
+def test_hsdp_replicas_compare_local_shards_only_with_their_own_replicas():
+    # mesh (2, 2): ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1; rank 3's shard differs.
+    shards = {0: "s0", 1: "s1", 2: "s0", 3: "bad"}
+    keys = {0: "k0", 1: "k1", 2: "k0", 3: "k1"}
+    records = {
+        r: state_record(
+            r, post=([], [valued(EMBED, shards[r], [str(r)], placements=HSDP)]), shard_key=keys[r]
+        )
+        for r in range(4)
+    }
+    values, replicas = _digests(records)
+    assert set(values.values()) == {None}  # sharded parameters never enter the all-rank digest
+    assert value_senders(values, replicas, keys) == {1, 3}
+    (finding,) = value_findings(records, values, replicas, keys)
+    assert (finding.ranks, finding.reference_rank, finding.stage) == ((3,), 1, "post-wrap")
+    assert finding.summary.startswith("values differ between HSDP replicas on rank 3")
+    assert finding.details["replicas"] == [1, 3]
+
+
+def test_plain_fsdp_shards_differ_by_design_and_are_never_compared():
+    keys = {0: "k0", 1: "k1"}
+    records = {
+        r: state_record(r, post=([], [valued(EMBED, f"s{r}", placements=SHARD)]), shard_key=keys[r])
+        for r in (0, 1)
+    }
+    values, replicas = _digests(records)
+    assert value_senders(values, replicas, keys) == set()
+    assert value_findings(records, values, replicas, keys) == []
+
+
+def test_replica_difference_already_seen_before_wrapping_is_reported_once():
+    def rec(rank, digest):
+        return state_record(
+            rank,
+            pre=([], [valued(EMBED, digest)]),
+            post=([], [valued(EMBED, digest + "-shard", placements=HSDP)]),
+            shard_key="k0",
+        )
+
+    records = {0: rec(0, "a"), 1: rec(1, "b")}
+    values, replicas = _digests(records)
+    keys = {0: "k0", 1: "k0"}
+    (finding,) = value_findings(records, values, replicas, keys)
+    assert finding.stage == "pre-wrap"
+
+
+def test_value_senders_are_bounded_however_many_ranks_differ():
+    values = {r: f"{r:032x}" for r in range(100)}
+    senders = value_senders(values, {}, {})
+    assert senders == set(range(SENDER_LIMIT))
+    records = {r: state_record(r, pre=([valued(FULL, values[r], ["1"])], [])) for r in senders}
+    findings = value_findings(records, values, {}, {})
+    assert len(findings) == 99
+    unexamined = [f for f in findings if not f.details["examined"]]
+    assert len(unexamined) == 100 - SENDER_LIMIT and "not examined" in unexamined[0].summary
+
+
+def test_slot_carries_value_fields_and_none_round_trips():
+    raw = _pack_slot("ab" * 16, "node-7", 1, "cd" * 16, None, "ef" * 16)
+    assert len(raw) == SLOT_BYTES
+    assert _unpack_slot(raw) == (1, "ab" * 16, "node-7", "cd" * 16, None, "ef" * 16)
+
+
+# ---------------------------------------------------------------- uninitialized
+
+
+def test_uninitialized_values_do_not_split_ranks_with_the_same_problem():
+    def rec(rank, got):
+        problem = BufferProblem(SCALE, "load", "differs", (got,), ("8",))
+        return state_record(rank, uninitialized=[problem])
+
+    records = {0: state_record(0), 1: rec(1, "1e-38"), 2: rec(2, "-7e-39")}
+    groups = _groups(records)
+    assert [g.ranks for g in groups] == [(0,), (1, 2)]
+    (finding,) = uninitialized_findings(groups, records)
+    assert (finding.kind, finding.ranks, finding.stage, finding.cause) == (
+        "uninitialized",
+        (1, 2),
+        "load",
+        "loading",
+    )
+    assert f"{SCALE} not what its module computes (first values 1e-38 on ranks 1" in finding.summary
+    assert "expected 8" in finding.summary
+
+
+# ---------------------------------------------------------------- ties
+
+
+TIED = TieRecord("post-wrap", shared=((LM_HEAD, EMBED),), expected=((LM_HEAD, EMBED),))
+UNTIED = TieRecord("post-wrap", shared=(), expected=((LM_HEAD, EMBED),))
+
+
+def test_a_configured_tie_held_as_separate_tensors_is_a_finding_on_every_rank():
+    assert missing_ties(UNTIED) == [(LM_HEAD, EMBED)] and missing_ties(TIED) == []
+    records = {r: state_record(r, ties=[UNTIED]) for r in (0, 1)}
+    (finding,) = tie_findings(_groups(records), records)
+    assert (finding.kind, finding.ranks, finding.stage) == ("tie", (0, 1), "post-wrap")
+    assert finding.cause == "unknown"  # no pre-wrap record to tell a loader from wrapping
+    assert f"{LM_HEAD} and {EMBED} are separate tensors" in finding.summary
+
+
+def test_ranks_that_tie_different_names_are_a_finding():
+    extra = TieRecord("pre-wrap", shared=(("a.weight", "b.weight"),))
+    records = {0: state_record(0, ties=[TieRecord("pre-wrap")]), 1: state_record(1, ties=[extra])}
+    (finding,) = tie_findings(_groups(records), records)
+    assert (finding.ranks, finding.stage, finding.cause) == ((1,), "pre-wrap", "construction-time")
+    assert "only rank 1 tie a.weight, b.weight" in finding.summary
+
+
+def test_ties_kept_everywhere_are_consistent_and_share_one_group():
+    records = {r: state_record(r, ties=[TIED]) for r in (0, 1)}
+    groups = _groups(records)
+    assert len(groups) == 1 and tie_findings(groups, records) == []
+
+
+# ---------------------------------------------------------------- vocabulary, report
+
+
+def test_new_kinds_are_in_the_vocabulary_and_headline():
+    for kind in ("value", "uninitialized", "tie"):
+        assert FindingKind(kind).phrase != kind
+    records = {r: state_record(r, ties=[UNTIED]) for r in (0, 1)}
+    findings = tie_findings(_groups(records), records)
+    assert headline(findings, [], 2) == "tied weights differ on ranks 0,1 (unknown)"
     assert verdict(findings, []) == ("inconsistent", 1)
 
 
-def test_the_same_frozen_parameter_on_every_rank_is_consistent():
-    records = {r: record(r, pre_wrap=fp("pre-wrap", frozen={EMBED})) for r in (0, 1)}
-    groups, findings = run(records)
-    assert len(groups) == 1 and findings == []
-
-
-def test_records_without_requires_grad_keep_their_digest():
-    bare = Fingerprint(
-        "pre-wrap",
-        fp("pre-wrap").buffers,
-        tuple(dataclasses.replace(t, requires_grad=None) for t in fp("pre-wrap").params),
+def test_records_with_state_round_trip_through_json():
+    record = state_record(
+        1,
+        pre=([valued(FULL, "aa", ["1", "nan"])], []),
+        ties=[TIED],
+        uninitialized=[BufferProblem(SCALE, "load", "nan", ("nan",))],
+        shard_key="k",
     )
-    trainable = fp("pre-wrap")
-    assert bare.layout_digest() != trainable.layout_digest()
-    old = Fingerprint("pre-wrap", bare.buffers, tuple(tensor(t.name, t.shape) for t in bare.params))
-    assert old.layout_digest() == bare.layout_digest()
+    assert from_dict(RankRecord, json.loads(json.dumps(to_dict(record)))) == record
 
 
-# ---------------------------------------------------------------- wrap-plan
+def test_a_refused_load_is_never_consistent():
+    load = LoadOutcome(True, "refused", "ranks disagree on the state dict:\n  - x")
+    (finding,) = load_findings(load, 2)
+    assert (finding.kind, finding.stage, finding.ranks) == ("verify", "load", (0, 1))
+    assert "refused to load" in finding.summary
+    records = {r: state_record(r) for r in (0, 1)}
+    gathered = Gathered({0: "d", 1: "d"}, {0: "h", 1: "h"}, {0: records[0]}, 81)
+    report = assemble(AuditOutcome(gathered, load=load), None)
+    assert (report.verdict, report.exit_code) == ("inconsistent", 1)
 
 
-def test_mixed_precision_on_one_rank_is_a_wrap_plan_finding():
-    records = {
-        0: record(0, post_wrap=fp("post-wrap"), fsdp_plan=plan()),
-        1: record(1, post_wrap=fp("post-wrap"), fsdp_plan=plan(param_dtype="bfloat16")),
-    }
-    groups, findings = run(records)
-    assert len(groups) == 2 and kinds(findings) == ["wrap-plan"]
-    f = findings[0]
-    assert f.stage == "post-wrap" and f.ranks == (1,)
-    assert (
-        "param_dtype unset on rank 0 but bfloat16 on rank 1 (groups <root>, model.layers.0)"
-        in f.summary
-    )
-    assert {p["group"] for p in f.details["policies"]} == {"<root>", LAYER0}
+def test_a_failed_load_is_an_error_naming_the_ranks():
+    message = "loading the state dict failed; partly loaded:\n  - rank 1: loading failed: boom"
+    load = LoadOutcome(True, "failed", message)
+    assert [(e.rank, e.stage) for e in load_errors(load)] == [(1, "load")]
+    gathered = Gathered({0: "d", 1: "d"}, {0: "h", 1: "h"}, {0: state_record(0)}, 81)
+    report = assemble(AuditOutcome(gathered, load=load), None)
+    assert (report.verdict, report.exit_code) == ("error", 3)
 
 
-def test_regrouped_parameters_and_other_targets_are_named():
-    other = FsdpPlanRecord(
-        groups=(
-            FsdpGroupRecord(modules=("",), params=(EMBED, K_PROJ), mesh_shape=(2,)),
-            FsdpGroupRecord(modules=("model.layers.0.attn",), params=(Q_PROJ,), mesh_shape=(2,)),
-        )
-    )
-    ref = dataclasses.replace(
-        plan(),
-        groups=tuple(
-            dataclasses.replace(g, offload=None, reshard_after_forward=None, mesh_device_type=None)
-            for g in plan().groups
-        ),
-    )
-    records = {0: record(0, fsdp_plan=ref), 1: record(1, fsdp_plan=other)}
-    _, findings = run(records)
-    f = findings[0]
-    assert f.kind == "wrap-plan"
-    assert f.details["only_reference"] == [LAYER0]
-    assert f.details["only_other"] == ["model.layers.0.attn"]
-    moved = {m["name"]: (m["reference"], m["other"]) for m in f.details["regrouped"]}
-    assert moved == {Q_PROJ: (LAYER0, "model.layers.0.attn"), K_PROJ: (LAYER0, "<root>")}
-    assert set(f.tensors) == {Q_PROJ, K_PROJ}
+# ---------------------------------------------------------------- collectors, on real models
 
 
-def test_mesh_shape_and_names_differ():
-    hsdp = FsdpPlanRecord(
-        groups=tuple(
-            dataclasses.replace(g, mesh_shape=(1, 2), mesh_dim_names=("replicate", "shard"))
-            for g in plan().groups
-        )
-    )
-    _, findings = run({0: record(0, fsdp_plan=plan()), 1: record(1, fsdp_plan=hsdp)})
-    fields = {p["field"] for p in findings[0].details["policies"]}
-    assert fields == {"mesh_shape", "mesh_dim_names"}
-    assert "mesh_shape (2) on rank 0 but (1, 2) on rank 1" in findings[0].summary
-
-
-def test_a_rank_that_did_not_wrap_and_unreadable_plans():
-    _, findings = run({0: record(0, fsdp_plan=plan()), 1: record(1)})
-    assert (
-        kinds(findings) == ["wrap-plan"]
-        and "rank 1 did not apply fully_shard" in findings[0].summary
-    )
-    unreadable = FsdpPlanRecord(groups=(), unavailable="AttributeError: private API moved")
-    _, findings = run({0: record(0, fsdp_plan=plan()), 1: record(1, fsdp_plan=unreadable)})
-    assert findings == []  # never a finding from what could not be read
-
-
-def test_identical_plans_are_one_group_and_round_trip():
-    records = {
-        r: record(r, post_wrap=fp("post-wrap"), fsdp_plan=plan(param_dtype="bfloat16"))
-        for r in (0, 1)
-    }
-    groups, findings = run(records)
-    assert len(groups) == 1 and findings == []
-    again = from_dict(RankRecord, json.loads(dumps(records[1])))
-    assert again == records[1]
-    assert again.group_digest() == records[1].group_digest()
-
-
-# ---------------------------------------------------------------- config
-
-
-def test_config_difference_names_the_key_path_and_both_values():
-    base = {"rope_parameters": {"full_attention": {"rope_theta": 1000000.0}}, "vocab_size": 256}
-    stale = {"rope_parameters": {"full_attention": {"rope_theta": 500000.0}}, "vocab_size": 256}
-    records = {0: record(0, config=config_record(base)), 1: record(1, config=config_record(stale))}
-    groups, findings = run(records)
-    assert len(groups) == 2 and kinds(findings) == ["config"]
-    assert (
-        "rope_parameters.full_attention.rope_theta: 1000000.0 on rank 0, 500000.0 on rank 1"
-        in findings[0].summary
-    )
-    assert findings[0].details["count"] == 1
-
-
-def test_config_differences_cover_missing_keys_and_lists():
-    diffs = config_differences(
-        {"layer_types": ["sliding", "full"], "a": 1, "b": {"c": True}},
-        {"layer_types": ["sliding", "sliding"], "b": {"c": True, "d": 2}},
-    )
-    assert diffs == [
-        {"path": "a", "reference": 1, "other": None, "missing": "other"},
-        {"path": "b.d", "reference": None, "other": 2, "missing": "reference"},
-        {"path": "layer_types[1]", "reference": "full", "other": "sliding"},
-    ]
-    assert config_differences({"x": [1, 2]}, {"x": [1]}) == [
-        {"path": "x", "reference": [1, 2], "other": [1]}
-    ]
-
-
-def test_volatile_keys_paths_and_numbers_do_not_split_ranks():
-    a = {
-        "_name_or_path": "/node0/llama",
-        "transformers_version": "5.24.0",
-        "dtype": "bfloat16",
-        "text_config": {"_attn_implementation_internal": "sdpa", "rope_theta": 10000},
-    }
-    b = {
-        "_name_or_path": "/node1/llama",
-        "transformers_version": "5.23.0",
-        "dtype": "float32",
-        "text_config": {"_attn_implementation_internal": "eager", "rope_theta": 10000.0},
-    }
-    assert config_record(a).digest == config_record(b).digest
-    assert config_record(a).canonical == {"text_config": {"rope_theta": 10000}}
-
-
-def test_secret_looking_config_values_are_redacted():
-    rec = config_record(
-        {
-            "hub_token": "abc",
-            "pad_token_id": 0,
-            "note": "hf_" + "x" * 30,
-            "nested": {"api_key": "k"},
-            "value": float("nan"),
-        }
-    )
-    assert rec.canonical == {
-        "hub_token": REDACTED,
-        "pad_token_id": 0,
-        "note": REDACTED,
-        "nested": {"api_key": REDACTED},
-        "value": "nan",
-    }
-    assert "abc" not in dumps(rec) and "xxxx" not in dumps(rec)
-
-
-def test_config_records_of_real_configs():
-    from fsdpcheck.model.hazard import HazardConfig
+@pytest.fixture(scope="module")
+def gemma3():
+    from fsdpcheck.model.build import _from_config
     from fsdpcheck.model.presets import PRESETS
 
-    gemma = PRESETS["tiny-gemma3"].make_config()
-    rec = config_record(gemma)
-    assert rec.canonical["rope_parameters"]["full_attention"]["rope_theta"] == 1000000.0
-    assert "transformers_version" not in rec.canonical and "_name_or_path" not in rec.canonical
-    gemma.rope_parameters["full_attention"]["rope_theta"] = 500000.0
-    assert config_record(gemma).digest != rec.digest
-    hazard = config_record(HazardConfig())
-    assert hazard.canonical["layer_types"] == ["sliding_attention", "full_attention"]
-    assert config_record(None) is None and config_record(object()) is None
+    torch.manual_seed(0)
+    return _from_config(PRESETS["tiny-gemma3"].make_config(), False)
 
 
-# ---------------------------------------------------------------- device
+def test_a_clean_model_has_no_buffer_problems_in_float32_and_bfloat16(gemma3):
+    from fsdpcheck.model.state import buffer_problems, buffer_reference
+
+    assert buffer_problems(gemma3, "pre-wrap", buffer_reference(gemma3)) == ()
+    import copy
+
+    half = copy.deepcopy(gemma3).to(torch.bfloat16)  # a model cast after building
+    assert buffer_problems(half, "pre-wrap", buffer_reference(half)) == ()
 
 
-def nccl_record(rank, fingerprint, fsdp_plan=None, stage="post-wrap"):
-    key = "post_wrap" if stage == "post-wrap" else "pre_wrap"
-    return record(rank, env=env(rank, backend="nccl"), fsdp_plan=fsdp_plan, **{key: fingerprint})
+def test_garbage_buffers_after_to_empty_differ_from_the_recomputed_reference(gemma3):
+    import copy
+
+    from fsdpcheck.model.state import buffer_problems, buffer_reference
+
+    model = copy.deepcopy(gemma3)
+    with torch.no_grad():
+        model.model.embed_tokens.embed_scale.fill_(-7.0e-39)
+    (problem,) = buffer_problems(model, "load", buffer_reference(model))
+    assert (problem.name, problem.reason) == ("model.embed_tokens.embed_scale", "differs")
+    assert problem.got == ("-7e-39",) and problem.expected == ("8",)
 
 
-def test_a_cpu_buffer_in_an_nccl_job_is_a_device_finding_on_every_rank_that_has_it():
-    # transformers >= 5 left inv_freq on CPU (unsloth #6662): every rank, including rank 0.
-    wrapped = fp("post-wrap", device="cuda", buffer_devices={FULL: "cpu"})
-    records = {r: nccl_record(r, wrapped, plan("cuda")) for r in (0, 1)}
-    groups, findings = run(records)
-    assert len(groups) == 1 and kinds(findings) == ["device"]
-    f = findings[0]
-    assert f.ranks == (0, 1) and f.tensors == (FULL,)
-    assert f"ranks 0,1 have {FULL} on cpu, not cuda (the FSDP2 mesh)" in f.summary
-    assert f.details["misplaced"] == [
-        {
-            "kind": "buffer",
-            "name": FULL,
-            "device": "cpu",
-            "expected": "cuda",
-            "because": "the FSDP2 mesh",
-        }
-    ]
+def test_garbage_test_without_a_reference():
+    from fsdpcheck.model.state import buffer_problems, garbage
+
+    assert garbage(torch.tensor([1.0, float("nan")])) == "nan"
+    assert garbage(torch.tensor([1.0, float("inf")])) == "inf"
+    assert garbage(torch.tensor([0.0, float("-inf")])) is None  # an attention mask
+    assert garbage(torch.tensor([1.0, 1e-40])) == "denormal"
+    assert garbage(torch.tensor([1.0, 1e-30], dtype=torch.bfloat16)) is None
+    assert garbage(torch.arange(4)) is None
+
+    module = nn.Module()
+    module.register_buffer("table", torch.tensor([2.0, 4.5e-41]), persistent=False)
+    (problem,) = buffer_problems(module, "post-wrap", None)
+    assert (problem.name, problem.reason) == ("table", "denormal")
 
 
-def test_a_cpu_buffer_on_one_rank_only_splits_the_group():
-    good = fp("post-wrap", device="cuda")
-    bad = fp("post-wrap", device="cuda", buffer_devices={SLIDING: "cpu"})
-    records = {0: nccl_record(0, good, plan("cuda")), 1: nccl_record(1, bad, plan("cuda"))}
-    groups, findings = run(records)
-    assert [g.ranks for g in groups] == [(0,), (1,)]
-    assert [(f.kind, f.ranks) for f in findings] == [("device", (1,)), ("device", (1,))]
-    cross = findings[1]
-    assert f"{SLIDING} is on cuda on rank 0 but on cpu on rank 1" in cross.summary
+def test_ties_seen_on_a_real_model_and_a_loader_that_breaks_them(gemma3):
+    import copy
+
+    from fsdpcheck.model.state import tie_record
+
+    pair = (("lm_head.weight", "model.embed_tokens.weight"),)
+    assert tie_record(gemma3, "pre-wrap") == TieRecord("pre-wrap", pair, pair)
+    model = copy.deepcopy(gemma3)
+    model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    assert tie_record(model, "load") == TieRecord("load", (), pair)
+    # Sharing the storage (same view) is a tie even through two Parameter objects.
+    model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.data)
+    assert tie_record(model, "load").shared == pair
 
 
-def test_no_device_finding_where_placement_is_legitimate():
-    # Meta on ranks > 0 before the load; a CPU-built model before fully_shard moves it;
-    # CPU-offloaded parameters; a gloo job on CPU; no readable plan (parameters unknown).
-    cases = [
-        (nccl_record(1, fp("post-wrap", device="meta"), plan("cuda")), ()),
-        (nccl_record(0, fp("pre-wrap", device="cpu"), stage="pre-wrap"), ()),
-        (
-            nccl_record(
-                0,
-                fp(
-                    "post-wrap",
-                    device="cuda",
-                    param_devices={EMBED: "cpu", Q_PROJ: "cpu", K_PROJ: "cpu"},
-                ),
-                plan("cuda", offload="CPUOffloadPolicy"),
-            ),
-            (),
-        ),
-        (record(0, post_wrap=fp("post-wrap"), fsdp_plan=plan("cpu")), ()),
-        (nccl_record(0, fp("post-wrap", device="cuda", param_devices={EMBED: "cpu"})), ()),
-    ]
-    for rec, expected in cases:
-        assert tuple(device_exceptions(rec)) == expected, rec
+def test_views_of_one_flat_allocation_are_not_ties():
+    from fsdpcheck.model.state import shared_parameters
 
-
-def test_device_exceptions_that_are_real():
-    # Offloaded parameters whose buffers stayed on CPU; a buffer outside every fully_shard in
-    # an NCCL job; any tensor on CPU when the FSDP2 mesh is on the accelerator.
-    offloaded = nccl_record(
-        0, fp("post-wrap", device="cpu"), plan("cuda", offload="CPUOffloadPolicy")
-    )
-    assert [e["name"] for e in device_exceptions(offloaded)] == [SCALE, FULL, SLIDING]
-    layer_only = FsdpPlanRecord(groups=(plan("cuda").groups[1],))
-    outside = nccl_record(
-        0, fp("post-wrap", device="cuda", buffer_devices={FULL: "cpu"}), layer_only
-    )
-    assert device_exceptions(outside) == [
-        {
-            "kind": "buffer",
-            "name": FULL,
-            "device": "cpu",
-            "expected": "cuda",
-            "because": "the nccl backend",
-        }
-    ]
-    param = nccl_record(
-        0, fp("post-wrap", device="cuda", param_devices={K_PROJ: "cpu"}), plan("cuda")
-    )
-    assert [(e["kind"], e["name"]) for e in device_exceptions(param)] == [("param", K_PROJ)]
-
-
-def test_before_wrapping_any_placement_is_fine():
-    # fully_shard will move a CPU straggler of a model already on the accelerator.
-    straggler = fp("pre-wrap", device="cuda", buffer_devices={SCALE: "cpu"})
-    assert device_exceptions(nccl_record(0, straggler, stage="pre-wrap")) == []
-
-
-# ---------------------------------------------------------------- env
-
-
-def test_nccl_and_cuda_versions_are_compared():
-    records = {
-        0: record(0, env=env(0, nccl="2.21.5", cuda="12.4", accelerate="1.15.0")),
-        1: record(1, env=env(1, nccl="2.26.2", cuda="12.4", accelerate="1.15.0")),
-    }
-    _, findings = run(records)
-    assert kinds(findings) == ["env"]
-    assert findings[0].details["differences"] == [
-        {"field": "nccl", "reference": "2.21.5", "other": "2.26.2"}
-    ]
-
-
-def test_env_records_from_older_reports_still_load_and_keep_their_digest():
-    old = {k: v for k, v in to_dict(env(0)).items() if k not in ("accelerate", "nccl", "cuda")}
-    loaded = from_dict(EnvRecord, old)
-    assert loaded == env(0) and loaded.nccl is None
-    assert loaded._digest_part() == repr(("3.11.9", "2.13.0", "5.24.0", "gloo"))
-
-
-# ---------------------------------------------------------------- collectors, live
-
-
-@pytest.fixture()
-def one_rank_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_fsdp_plan_reads_the_live_policies(one_rank_group):
-    import torch
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-    from fsdpcheck.model.fingerprint import fingerprint
-    from fsdpcheck.model.fsdp_plan import fsdp_plan
-    from fsdpcheck.model.wrap import fully_shard_fn
-
-    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 2)))
-    model.register_buffer("table", torch.ones(3), persistent=False)
-    model[0].weight.requires_grad_(False)
-    assert fsdp_plan(model) is None
-    mesh = init_device_mesh("cpu", (1,))
-    fully_shard = fully_shard_fn()
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fully_shard(model[1], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    got = fsdp_plan(model)
-    assert got.unavailable is None
-    root, inner = got.groups
-    assert root.modules == ("",) and root.params == ("0.weight", "0.bias")
-    assert (root.offload, root.pin_memory, root.param_dtype) == ("CPUOffloadPolicy", False, None)
-    assert root.reshard_after_forward is True and root.mesh_shape == (1,)
-    assert root.mesh_device_type == "cpu"
-    assert inner.modules == ("1",) and inner.params == ("1.0.weight", "1.0.bias")
-    assert (inner.param_dtype, inner.reduce_dtype, inner.reshard_after_forward) == (
-        "bfloat16",
-        "float32",
-        False,
-    )
-    assert from_dict(FsdpPlanRecord, json.loads(dumps(got))) == got
-    params = {t.name: t.requires_grad for t in fingerprint(model, "post-wrap").params}
-    assert params == {"0.weight": False, "0.bias": True, "1.0.weight": True, "1.0.bias": True}
-    rank = RankRecord(env=env(0), post_wrap=fingerprint(model, "post-wrap"), fsdp_plan=got)
-    assert device_exceptions(rank) == []
-
-
-def test_every_finding_kind_has_a_readme_entry():
-    from pathlib import Path
-
-    from fsdpcheck.vocab import FindingKind
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert [k.value for k in FindingKind if f"`{k.value}`" not in readme] == []
-
-
-def test_device_cause_after_wrapping_depends_on_a_pre_wrap_record():
-    bad = fp("post-wrap", device="cuda", buffer_devices={FULL: "cpu"})
-    audit = nccl_record(0, bad, plan("cuda"))
-    audit = dataclasses.replace(audit, pre_wrap=fp("pre-wrap"))
-    script = nccl_record(0, bad, plan("cuda"))
-    assert [f.cause for f in run({0: audit})[1]] == ["wrapping"]
-    assert [f.cause for f in run({0: script})[1]] == ["unknown"]
-
-
-def test_fsdp_plan_survives_private_state_it_does_not_know():
-    # Another torch release: the state lacks the attributes this one has, or reading it fails.
-    from types import SimpleNamespace
-
-    from torch import nn
-
-    from fsdpcheck.model.fsdp_plan import fsdp_plan
-
-    class Bare(nn.Linear):
-        def _get_fsdp_state(self):
-            return SimpleNamespace()
-
-    class Broken(nn.Linear):
-        def _get_fsdp_state(self):
-            raise AttributeError("_fsdp_param_groups moved")
-
-    bare = fsdp_plan(Bare(2, 2))
-    assert bare == FsdpPlanRecord(groups=(FsdpGroupRecord(modules=(), params=()),))
-    broken = fsdp_plan(Broken(2, 2))
-    assert broken.groups == () and "moved" in broken.unavailable
-    # An unreadable plan is never a finding, and never splits ranks by itself.
-    _, findings = run({0: record(0, fsdp_plan=broken), 1: record(1, fsdp_plan=broken)})
-    assert findings == []
+    flat = torch.zeros(8)
+    module = nn.Module()
+    module.a = nn.Parameter(flat[:4])
+    module.b = nn.Parameter(flat[4:])
+    assert shared_parameters(module) == ()
