@@ -15,6 +15,7 @@ from fsdpcheck.dist import setup as distributed
 from fsdpcheck.dist.environment import env_record
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.faults import maybe_inject
+from fsdpcheck.model.rank_state import with_state
 from fsdpcheck.options import AuditOptions
 from fsdpcheck.records import (
     EnvRecord,
@@ -186,6 +187,7 @@ def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
                 uninitialized=problems,
                 shard_key=key,
             )
+            record = with_state(record, model, getattr(model, "config", None))
             return _conclude(None, state, record, watch, built=None)
     finally:
         distributed.shutdown(ctx)
@@ -230,7 +232,10 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         Stage.WRAP_PLAN,
         lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
     )
-    state.stage(Stage.WRAP, lambda: wrap.apply(targets.modules, ctx.mesh))
+    state.stage(
+        Stage.WRAP,
+        lambda: wrap.apply(targets.modules, ctx.mesh, cpu_offload=options.cpu_offload),
+    )
     post = state.stage(
         Stage.FINGERPRINT_POST,
         lambda: (
@@ -251,6 +256,8 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         ties=tuple(t for t in (pre and pre[1], post and post[1]) if t),
         shard_key=post[2] if post else None,
     )
+    if built is not None:
+        record = with_state(record, built.model, built.config)
     return _conclude(options, state, record, watch, built, probing)
 
 

@@ -131,6 +131,11 @@ def audit(
     mesh: str | None = typer.Option(
         None, help="REPLICATE,SHARD for HSDP (a 2-D mesh whose product is the world size)."
     ),
+    cpu_offload: bool = typer.Option(
+        False,
+        help="Shard with FSDP2's CPUOffloadPolicy (parameters live on CPU between steps), as "
+        "offloading jobs do.",
+    ),
     json_path: Path | None = typer.Option(
         None, "--json", help="Write the machine-readable report here (rank 0)."
     ),
@@ -164,6 +169,7 @@ def audit(
         wrap_classes=tuple(wrap_class),
         min_params=min_params,
         mesh=_parse_mesh(mesh),
+        cpu_offload=cpu_offload,
         load=load,
         reproduce=reproduce,
         probe=probe,

@@ -193,6 +193,22 @@ class FindingKind(_Described):
         "the same state-dict keys, walked in a different order",
         "state-dict order differs",
     )
+    REQUIRES_GRAD = (
+        "requires-grad",
+        "a parameter is trainable on one side and frozen on the other",
+        "requires_grad differs",
+    )
+    WRAP_PLAN = (
+        "wrap-plan",
+        "the FSDP2 plan differs: parameter groups, mixed precision, resharding, offload or mesh",
+        "FSDP2 wrap plan differs",
+    )
+    DEVICE = (
+        "device",
+        "a tensor sits on a device the job cannot use, or on different device types",
+        "tensors on the wrong device",
+    )
+    CONFIG = "config", "the resolved model config differs between ranks", "model config differs"
     HASH_SEED = (
         "hash-seed",
         "tensor order depends on the interpreter's string-hash seed (PYTHONHASHSEED)",

@@ -92,4 +92,5 @@ def _param_record(name: str, param: torch.Tensor, with_values: bool = False) -> 
         local_shape=local_shape,
         digest=value_digest(local) if with_values else None,
         head=head_values(local) if with_values else None,
+        requires_grad=bool(param.requires_grad),
     )

@@ -104,12 +104,17 @@ def env_record(identity: Identity) -> EnvRecord:
 
 
 def model_record(model: Any, env: EnvRecord) -> RankRecord:
-    """Fingerprint ``model`` as it is now: ``post-wrap`` when FSDP2 has sharded it."""
+    """Fingerprint ``model`` as it is now: ``post-wrap`` when FSDP2 has sharded it; with its
+    FSDP2 plan and config, as ``check_model`` records them."""
     from fsdpcheck.model.fingerprint import fingerprint
+    from fsdpcheck.model.rank_state import with_state
 
     wrapped = any(hasattr(p, "placements") for p in model.parameters())
     fp = fingerprint(model, Snapshot.POST_WRAP if wrapped else Snapshot.PRE_WRAP)
-    return RankRecord(env=env, pre_wrap=None if wrapped else fp, post_wrap=fp if wrapped else None)
+    record = RankRecord(
+        env=env, pre_wrap=None if wrapped else fp, post_wrap=fp if wrapped else None
+    )
+    return with_state(record, model, getattr(model, "config", None))
 
 
 def describe_model(model: Any) -> ModelInfo:

@@ -114,6 +114,10 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
         notes.append("not wrapped (--no-wrap): pre-wrap fingerprint only")
     env = env_record(identity)
     record = RankRecord(env=env, pre_wrap=pre, post_wrap=post, error=stages.error)
+    if built is not None:
+        from fsdpcheck.model.rank_state import with_state
+
+        record = with_state(record, built.model, built.config)
     return FingerprintFile(
         record=record,
         model=built.info if built is not None else None,
