@@ -1,5 +1,9 @@
 """Prove a load: every rank's buffers equal rank 0's, every parameter shard equals its slice of the
-source state dict. Digests travel to rank 0 over a gloo group; values never leave their rank."""
+source state dict. Digests travel to rank 0 over a gloo group; values never leave their rank.
+
+Digests are :mod:`fsdpcheck.loader.checksum` checksums: every rank digests its own shards (on
+their device), and rank 0 its source slices, once over the source, at memory bandwidth across
+threads."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpcheck.errors import FsdpcheckError
-from fsdpcheck.fingerprint import value_digest
+from fsdpcheck.loader.checksum import checksums
 from fsdpcheck.records import VerifyResult
 
 # Status codes rank 0 broadcasts with its verdict.
@@ -70,19 +74,52 @@ def verify_load(
 
 
 def _digests(model: nn.Module, rank: int) -> _Digests:
-    buffers = {
-        name: _Entry(value_digest(buf), tuple(buf.shape)) for name, buf in model.named_buffers()
-    }
-    params = {}
+    buffers = list(model.named_buffers())
+    params = []
     for name, param in model.named_parameters():
         placements = getattr(param, "placements", None)
         local = param.to_local() if placements is not None else param
-        params[name] = _Entry(
-            value_digest(local),
-            tuple(local.shape),
-            tuple(str(p) for p in placements) if placements is not None else None,
-        )
-    return _Digests(rank, buffers, params)
+        params.append((name, local, tuple(str(p) for p in placements) if placements else None))
+    digests = checksums([b for _, b in buffers] + [local for _, local, _ in params])
+    return _Digests(
+        rank,
+        {
+            name: _Entry(digest, tuple(buf.shape))
+            for (name, buf), digest in zip(buffers, digests, strict=False)
+        },
+        {
+            name: _Entry(digest, tuple(local.shape), placements)
+            for (name, local, placements), digest in zip(
+                params, digests[len(buffers) :], strict=True
+            )
+        },
+    )
+
+
+class _Expected:
+    """Rank 0's expected digests, computed in batches (one threaded checksum pass per batch).
+    Slices of the source are views; only dtype conversions copy, so a batch closes once those
+    copies reach ``_BATCH_COPY_BYTES``."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+        self.copied = 0
+        self.done: dict[Any, str | None] = {}
+
+    def add(self, key: Any, tensor: torch.Tensor, copied: bool) -> None:
+        self.pending.append((key, tensor))
+        self.copied += tensor.numel() * tensor.element_size() if copied else 0
+        if self.copied >= _BATCH_COPY_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            digests = checksums([t for _, t in self.pending])
+            self.done.update((key, d) for (key, _), d in zip(self.pending, digests, strict=True))
+        self.pending, self.copied = [], 0
+
+
+_BATCH_COPY_BYTES = 256 * 2**20
 
 
 def _check(
@@ -96,35 +133,57 @@ def _check(
     own_buffers = dict(model.named_buffers())
     own_params = dict(model.named_parameters())
 
+    # First every expected tensor, then all their digests in threaded batches, then compare.
+    expected = _Expected()
+    shapes: dict[Any, tuple[int, ...]] = {}
     for name, buf in own_buffers.items():
+        want = source[name] if name in source else buf
+        converted = want.to(buf.dtype)
+        expected.add(("buffer", name), converted, converted is not want)
+        shapes[("buffer", name)] = tuple(want.shape)
+    problems: dict[tuple[str, int], str] = {}
+    for name, param in own_params.items():
+        full = source.get(name)
+        if full is None:
+            continue
+        converted = full.to(param.dtype)
+        copied = converted is not full
+        for digests in gathered:
+            try:
+                shard = expected_shard(converted, param, digests.global_rank)
+            except ValueError as exc:
+                problems[(name, digests.global_rank)] = str(exc)
+                continue
+            key = ("param", name, digests.global_rank)
+            expected.add(key, shard, copied)
+            shapes[key] = tuple(shard.shape)
+            copied = False  # one conversion per parameter, sliced for every rank
+    expected.flush()
+
+    for name in own_buffers:
         if name in source:  # persistent: the source is the truth, rank 0 included
-            want = _Entry(value_digest(source[name].to(buf.dtype)), tuple(source[name].shape))
             differs = "values differ from the source state dict"
         else:
-            want = _Entry(value_digest(buf), tuple(buf.shape))
             differs = f"values differ from rank {root}'s"
+        want = _Entry(expected.done[("buffer", name)], shapes[("buffer", name)])
         for digests in gathered:
             reason = _compare(digests.buffers.get(name), want, differs)
             if reason:
                 found[(name, "buffer", reason)].append(digests.global_rank)
 
     for name, param in own_params.items():
-        full = source.get(name)
-        if full is not None:
-            full = full.to(param.dtype)
         for digests in gathered:
             got = digests.params.get(name)
-            if full is None:
+            key = ("param", name, digests.global_rank)
+            if name not in source:
                 reason = "not in the source state dict"
             elif got is not None and got.placements != _placements(param):
                 reason = f"sharded as {got.placements}, on rank {root} as {_placements(param)}"
+            elif (name, digests.global_rank) in problems:
+                reason = problems[(name, digests.global_rank)]
             else:
-                try:
-                    shard = expected_shard(full, param, digests.global_rank)
-                    want = _Entry(value_digest(shard), tuple(shard.shape))
-                    reason = _compare(got, want, "values differ from the source state dict")
-                except ValueError as exc:
-                    reason = str(exc)
+                want = _Entry(expected.done[key], shapes[key])
+                reason = _compare(got, want, "values differ from the source state dict")
             if reason:
                 found[(name, "param", reason)].append(digests.global_rank)
 

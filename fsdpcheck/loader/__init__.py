@@ -1,0 +1,1 @@
+"""The loader: agree on layouts, move the state dict, prove the result."""

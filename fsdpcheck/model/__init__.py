@@ -1,0 +1,1 @@
+"""Resolving, building, wrapping and fingerprinting the model."""
