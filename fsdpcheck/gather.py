@@ -1,8 +1,10 @@
 """Stage 6: bring every rank's record to rank 0 over the gloo side channel.
 
-Built for thousands of ranks: every rank first shares a fixed-size slot (its record's group
-digest and its host); then only one representative per distinct digest sends its full record.
-When all ranks agree, each rank sends the same few bytes whatever the model's size.
+Built for thousands of ranks: every rank first sends rank 0 a fixed-size slot (its record's
+group digest and its host); rank 0 broadcasts which ranks represent a digest other than its own,
+and only those send their full records. When all ranks agree, each rank sends one slot and
+receives one 8-byte header, whatever the model's size and the world size (a gather and a
+broadcast, not an all_to_all: no rank but rank 0 needs the others' slots).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdpcheck.distributed import exchange_slots
 from fsdpcheck.records import RankRecord, from_dict, to_dict
 
 _DIGEST_BYTES = 16
@@ -63,24 +64,44 @@ def gather_records(
     """Collective over ``group``: returns :class:`Gathered` on rank 0 and ``None`` elsewhere."""
     digest = record.group_digest()
     mine = _slot(digest, record.env.host, _FLAG_META if _built_on_meta(record) else 0)
-    slots, _ = exchange_slots(mine, group, size=world_size)
+    slots = _gather_slots(mine, group, rank=rank, world_size=world_size)
+    sent = SLOT_BYTES
+    if rank != 0:
+        if rank in _broadcast_ranks(None, group):
+            sent += _send_record(record, group)
+        return None
     digests, hosts, meta_ranks = {}, {}, []
     for r, slot in enumerate(slots):
         flags, digests[r], hosts[r] = _unslot(slot)
         if flags & _FLAG_META:
             meta_ranks.append(r)
     reps = representatives(digests)
-    sent = SLOT_BYTES
-    records: dict[int, RankRecord] = {}
-    if rank == 0:
-        records[0] = record
-        for rep in sorted(reps.values()):
-            if rep != 0:
-                records[rep] = _recv_record(rep, group)
-        return Gathered(digests, hosts, records, sent, tuple(meta_ranks))
-    if reps[digests[rank]] == rank:
-        sent += _send_record(record, group)
-    return None
+    others = sorted(r for r in reps.values() if r != 0)
+    _broadcast_ranks(others, group)
+    records: dict[int, RankRecord] = {0: record}
+    for rep in others:
+        records[rep] = _recv_record(rep, group)
+    return Gathered(digests, hosts, records, sent, tuple(meta_ranks))
+
+
+def _gather_slots(mine: bytes, group: object, *, rank: int, world_size: int) -> list[bytes]:
+    """Every rank's slot on rank 0 (in rank order); ``[]`` elsewhere."""
+    tensor = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    out = [torch.empty_like(tensor) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(tensor, out, dst=0, group=group)
+    return [t.numpy().tobytes() for t in out] if out is not None else []
+
+
+def _broadcast_ranks(ranks: list[int] | None, group: object) -> list[int]:
+    """Rank 0's list (``ranks``) on every rank: a count, then the ranks only when there are any."""
+    header = torch.tensor([len(ranks) if ranks is not None else 0], dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group)
+    count = int(header[0])
+    if count == 0:
+        return []
+    payload = torch.tensor(ranks if ranks is not None else [0] * count, dtype=torch.int64)
+    dist.broadcast(payload, src=0, group=group)
+    return [int(r) for r in payload.tolist()]
 
 
 def _send_record(record: RankRecord, group: object) -> int:
