@@ -142,6 +142,7 @@ def _check(
         expected.add(("buffer", name), converted, converted is not want)
         shapes[("buffer", name)] = tuple(want.shape)
     problems: dict[tuple[str, int], str] = {}
+    coordinates: dict = {}
     for name, param in own_params.items():
         full = source.get(name)
         if full is None:
@@ -150,7 +151,7 @@ def _check(
         copied = converted is not full
         for digests in gathered:
             try:
-                shard = expected_shard(converted, param, digests.global_rank)
+                shard = expected_shard(converted, param, digests.global_rank, coordinates)
             except ValueError as exc:
                 problems[(name, digests.global_rank)] = str(exc)
                 continue
@@ -220,17 +221,29 @@ def _placements(param: torch.Tensor) -> tuple[str, ...] | None:
     return tuple(str(p) for p in placements) if placements is not None else None
 
 
-def expected_shard(full: torch.Tensor, param: torch.Tensor, global_rank: int) -> torch.Tensor:
-    """The part of ``full`` that ``global_rank`` holds for ``param`` (rank 0's view of it)."""
+def expected_shard(
+    full: torch.Tensor, param: torch.Tensor, global_rank: int, cache: dict | None = None
+) -> torch.Tensor:
+    """The part of ``full`` that ``global_rank`` holds for ``param`` (rank 0's view of it).
+    ``cache``: where a rank's mesh coordinate is kept across calls (``DeviceMesh.mesh``
+    rebuilds its tensor on every access)."""
     placements = getattr(param, "placements", None)
     if placements is None:
         return full
     mesh = param.device_mesh
-    where = (mesh.mesh == global_rank).nonzero()
-    if where.numel() == 0:
+    key = (id(mesh), global_rank)
+    found = cache.get(key) if cache is not None else None
+    if found is None:
+        grid = mesh.mesh
+        where = (grid == global_rank).nonzero()
+        coordinate = [int(c) for c in where[0].tolist()] if where.numel() else None
+        found = (coordinate, tuple(grid.shape))
+        if cache is not None:
+            cache[key] = found
+    coordinate, mesh_shape = found
+    if coordinate is None:
         raise ValueError(f"rank {global_rank} is not in the parameter's device mesh")
-    coordinate = [int(c) for c in where[0].tolist()]
-    return shard_of(full, placements, tuple(mesh.mesh.shape), coordinate)
+    return shard_of(full, placements, mesh_shape, coordinate)
 
 
 def shard_of(
