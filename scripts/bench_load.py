@@ -3,12 +3,12 @@
 
 Methods: ``bucketed`` (fsdpcheck's loader, default path), ``p2p-floor`` (see :func:`p2p_floor`),
 ``dcp`` (what trainers use today: ``to_empty`` + ``set_model_state_dict(...,
-full_state_dict=True, broadcast_from_rank0=True)``),
-``accelerate`` (accelerate's own ``fsdp2_load_full_state_dict``, the real function: one broadcast
-of every full tensor, ``distribute_tensor`` on every rank), ``raw`` (one ``dist.broadcast`` of the same bytes from a
-flat tensor on rank 0 into a freshly
-allocated one on the others; then, untimed for the peak, a second broadcast into the memory the
-first one touched: the wire alone, ``seconds_warm``) and ``raw-warm`` (only the latter).
+full_state_dict=True, broadcast_from_rank0=True)``), ``accelerate`` (accelerate's own
+``fsdp2_load_full_state_dict``, the real function: one broadcast of every full tensor,
+``distribute_tensor`` on every rank), ``raw`` (one ``dist.broadcast`` of the same bytes from a
+flat tensor on rank 0 into a freshly allocated one on the others; then, untimed for the peak, a
+second broadcast into the memory the first one touched: the wire alone, ``seconds_warm``) and
+``raw-warm`` (only the latter).
 Prints one line ``@bench {json}``; run by scripts/bench.py through fsdpcheck.launch.
 """
 
