@@ -794,6 +794,7 @@ def row_verdict(s: Settings) -> Row:
     )
     return row
 
+
 def audit_runs(
     variants: dict[str, list[str]], rounds: int, row: Row, s: Settings, label: str
 ) -> dict[str, dict[str, list]]:

@@ -65,7 +65,9 @@ def _install_counters() -> None:
             _count(tensor.numel() * tensor.element_size())
         return broadcast(tensor, src, group, **kw)
 
-    def counted_a2a(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kw):  # noqa: E501
+    def counted_a2a(
+        output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kw
+    ):  # noqa: E501
         me = dist.get_rank(group)
         world = dist.get_world_size(group)
         item = input.element_size()
