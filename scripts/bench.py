@@ -106,6 +106,8 @@ class Row:
     raw: dict = field(default_factory=dict)
     seconds: float = 0.0
     error: str | None = None
+    date: str | None = None  # when this row was measured
+    load: list[float] | None = None  # the load average as it started
 
 
 @dataclass
@@ -976,8 +978,8 @@ def row_scale(s: Settings) -> Row:
         "with many lightweight ranks: threads on real gloo groups and a real TCPStore, no model "
         "(scripts/bench_scale.py)",
     )
-    gather_worlds = (2, 8, 64) if s.quick else (2, 8, 32, 64, 128, 256)
-    slot_worlds = (2, 8) if s.quick else (2, 8, 32, 64)
+    gather_worlds = (2, 8, 64) if s.quick else (2, 16, 64, 256)
+    slot_worlds = (2, 8) if s.quick else (2, 16, 64, 256)
     diagnose_worlds = (64,) if s.quick else (64, 256)
 
     def scale(*argv: str) -> dict:
@@ -990,7 +992,7 @@ def row_scale(s: Settings) -> Row:
             raise RuntimeError(f"bench_scale {' '.join(argv)}: {done.stderr[-2000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    repeats = str(3 if s.quick else 5)
+    repeats = "3"
     gathered = {w: scale("gather", "--world", str(w), "--repeats", repeats) for w in gather_worlds}
     slots = {w: scale("slots", "--world", str(w), "--repeats", repeats) for w in slot_worlds}
     diagnosed = {w: scale("diagnose", "--world", str(w)) for w in diagnose_worlds}
@@ -1067,8 +1069,8 @@ def row_scale(s: Settings) -> Row:
     row.notes.append(
         "How: each rank is a thread with its own c10d world (torch's ThreadLocalWorld) and its "
         "own gloo group on one TCPStore, at most 32 ranks per process (a rank holds one socket "
-        "per peer it talks to; the slot exchange connects every pair, so it stops at 64 ranks "
-        "here, where 256 would need 65,280 sockets). Bytes: the payload each rank hands to "
+        "per peer it talks to, and the slot exchange connects every pair: 65,280 sockets at 256 "
+        "ranks, 8,160 per process). Bytes: the payload each rank hands to "
         "torch.distributed calls (a wrapper counts send, gather, broadcast and all_to_all_single"
         "), per rank; the gather row below also measures them at the socket, one process per "
         "rank. Times are rank 0's, from a barrier to the call's return, with up to 256 threads "
@@ -1200,6 +1202,8 @@ def to_json(rows: list[Row], meta: dict) -> dict:
                 "compare": r.compare,
                 "seconds": round(r.seconds, 1),
                 "error": r.error,
+                "date": r.date,
+                "load": r.load,
                 "lines": [vars(line) for line in r.lines],
                 "notes": r.notes,
                 "raw": r.raw,
@@ -1232,6 +1236,15 @@ def to_markdown(rows: list[Row], meta: dict) -> str:
         f"{meta['load_after']} (other work on the machine shows here; it adds noise to every "
         "row alike)",
         "- Ranks: `fsdpcheck.launch` with env:// variables, gloo, `OMP_NUM_THREADS=1`",
+        *(
+            [
+                "- The machine was loaded (load average above its core count: other work ran "
+                "alongside, here other engineers' test suites): absolute times are inflated and "
+                "noisy; read the ratios, measured side by side, and each row's own load average"
+            ]
+            if (meta["load_before"] or [0])[0] > m["cores"]
+            else []
+        ),
         "",
         "| row | compared | result | goal | |",
         "|---|---|---|---|---|",
@@ -1245,7 +1258,13 @@ def to_markdown(rows: list[Row], meta: dict) -> str:
                 f"| {row.title} | {line.what} | {line.result} | {line.goal} | {mark(line.met)} |"
             )
     for row in rows:
-        out += ["", f"## {row.title}", "", f"{row.compare}. ({fmt_s(row.seconds)} for this row.)"]
+        when = f"; measured {row.date}, load average {row.load}" if row.date else ""
+        out += [
+            "",
+            f"## {row.title}",
+            "",
+            f"{row.compare}. ({fmt_s(row.seconds)} for this row{when}.)",
+        ]
         if row.error:
             out += ["", "```", row.error.strip()[-3000:], "```"]
             continue
@@ -1257,8 +1276,36 @@ def to_markdown(rows: list[Row], meta: dict) -> str:
         ]
         for note in row.notes:
             out += ["", note]
-    out += ["", "Raw figures for every repeat: `docs/benchmarks.json`.", ""]
+    out += [
+        "",
+        "## Gemma3-27B-shaped audit on one GPU (NCCL)",
+        "",
+        "Not run: no GPU lent this session. The target is a bfloat16 `--init rank0` audit under "
+        "60 s on one H200 (issue 13); `--init rank0` now fills parameters at memory speed on "
+        "the CPU (fsdpcheck/model/fill.py) and verify checksums CUDA shards on the GPU "
+        "(fsdpcheck/loader/checksum.py), the two stages that dominated there.",
+        "",
+        "Raw figures for every repeat: `docs/benchmarks.json`.",
+        "",
+    ]
     return "\n".join(out)
+
+
+def merged(fresh: list[Row], previous: Path) -> list[Row]:
+    """``fresh`` rows, and the previous run's rows for every other row, in ROWS order."""
+    by_name = {r.name: r for r in fresh}
+    if previous.exists():
+        old = json.loads(previous.read_text())
+        for r in old.get("rows", []):
+            if r["row"] in by_name or r["row"] not in ROWS:
+                continue
+            by_name[r["row"]] = Row(
+                r["row"], r["title"], r["compare"],
+                lines=[Line(**line) for line in r["lines"]], notes=r["notes"], raw=r["raw"],
+                seconds=r["seconds"], error=r["error"], date=r.get("date") or old.get("date"),
+                load=r.get("load") or old.get("load_before"),
+            )  # fmt: skip
+    return [by_name[name] for name in ROWS if name in by_name]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1267,12 +1314,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", action="append", choices=ROWS, help="run this row (repeatable)")
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
     parser.add_argument("--out", type=Path, default=None, help="default docs/ (full runs)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows not run from docs/benchmarks.json and write docs/ (each row says "
+        "when it was measured)",
+    )
     args = parser.parse_args(argv)
 
     repeats = args.repeats or (1 if args.quick else 3)
     out = args.out
     if out is None:
         partial = args.quick or args.only or args.repeats is not None and args.repeats < 3
+        if args.merge:
+            partial = False
         out = Path(tempfile.mkdtemp(prefix="fsdpcheck-bench-")) if partial else REPO / "docs"
     out.mkdir(parents=True, exist_ok=True)
     selected = [r for r in ROWS if not args.only or r in args.only]
@@ -1289,11 +1344,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in selected:
             print(f"bench: {name} ...", file=sys.stderr, flush=True)
             began = time.perf_counter()
+            start_wall, load = time.time(), load_average()
             try:
                 row = RUNNERS[name](settings)
             except Exception as exc:  # one broken row must not lose the others
                 row = Row(name, name, "", error=f"{type(exc).__name__}: {exc}")
             row.seconds = time.perf_counter() - began
+            row.date, row.load = time.strftime("%Y-%m-%d %H:%M %Z", time.gmtime(start_wall)), load
             rows.append(row)
             for line in row.lines:
                 print(
@@ -1313,6 +1370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_before": load_before,
         "load_after": load_average(),
     }
+    if args.merge:
+        rows = merged(rows, REPO / "docs" / "benchmarks.json")
+        meta["command"] += " (rows not run kept from the previous docs/benchmarks.json)"
     (out / "benchmarks.json").write_text(json.dumps(to_json(rows, meta), indent=2) + "\n")
     (out / "benchmarks.md").write_text(to_markdown(rows, meta))
     print(f"bench: wrote {out / 'benchmarks.md'} and benchmarks.json", file=sys.stderr)
