@@ -127,11 +127,13 @@ def audit(
     if vary_hash_seed and os.environ.get(_REEXEC_MARK) != "1":
         _reexec_with_rank_hash_seed()
 
-    from fsdpcheck.audit import AuditOptions, run_audit
+    from fsdpcheck.audit import run_audit
+    from fsdpcheck.console import StageStatus, render
     from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.options import AuditOptions
+    from fsdpcheck.output import write_json
     from fsdpcheck.records import RankError
-    from fsdpcheck.render import render
-    from fsdpcheck.report import write_json
+    from fsdpcheck.vocab import Stage
 
     options = AuditOptions(
         model=model,
@@ -164,10 +166,10 @@ def audit(
     # (about 0.6 s of CPU per rank on a 70B-shaped config); far fewer young ones do the job.
     gc.set_threshold(50_000, 100, 100)
     try:
-        with _StageStatus(rank) as status:
+        with StageStatus(rank) as status:
             result = run_audit(options, progress=status.update, publish=publish)
     except FsdpcheckError as exc:  # raised before any gather: bad input, unreachable rendezvous
-        _fail(RankError(rank, "launch", str(exc), exc.kind), exc.exit_code, json_path, options)
+        _fail(RankError(rank, Stage.LAUNCH, str(exc), exc.kind), exc.exit_code, json_path, options)
 
     if result.report is None and result.own_error is not None:
         _stderr().print(
@@ -180,28 +182,6 @@ def audit(
     raise typer.Exit(result.exit_code)
 
 
-class _StageStatus:
-    """A spinner on rank 0's terminal naming the stage in progress; silent in logs and CI."""
-
-    def __init__(self, rank: int):
-        self._status = None
-        if rank == 0 and sys.stderr.isatty():
-            self._status = _stderr().status("fsdpcheck: starting", spinner="dots")
-
-    def __enter__(self) -> _StageStatus:
-        if self._status is not None:
-            self._status.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._status is not None:
-            self._status.stop()
-
-    def update(self, stage: str) -> None:
-        if self._status is not None:
-            self._status.update(f"fsdpcheck: {stage}")
-
-
 def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
     if not text:
         return None
@@ -212,16 +192,20 @@ def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
 
 
 def _stdout() -> Console:
-    # Logs and CI capture are not terminals: give tables room instead of rich's 80 columns.
-    return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+    from fsdpcheck.console import stdout_console
+
+    return stdout_console()
 
 
 def _stderr() -> Console:
-    return Console(stderr=True, soft_wrap=True)
+    from fsdpcheck.console import stderr_console
+
+    return stderr_console()
 
 
 def _fail(error: RankError, exit_code: int, json_path: Path | None, options: object) -> None:
-    from fsdpcheck.report import error_report, write_json
+    from fsdpcheck.output import write_json
+    from fsdpcheck.report import error_report
 
     _stderr().print(
         f"[bold red]fsdpcheck: rank {error.rank}: {error.stage}[/]: {escape(error.message)}",
@@ -277,7 +261,7 @@ def presets() -> None:
     """List the built-in models."""
     from rich.table import Table
 
-    from fsdpcheck.presets import PRESETS
+    from fsdpcheck.model.presets import PRESETS
 
     table = Table(title="fsdpcheck presets")
     table.add_column("name", style="bold")
@@ -326,9 +310,11 @@ def probe(
     agree by chance with probability 2·2⁻⁸ = 1/128 (< 1%); seeds 0 and 1 already differ for
     {"sliding_attention", "full_attention"}.
     """
+    from fsdpcheck.children.probe import DEFAULT_SEEDS
+    from fsdpcheck.children.probe import probe as run_probe
+    from fsdpcheck.console import probe_errors, probe_summary, probe_table
     from fsdpcheck.errors import FsdpcheckError
-    from fsdpcheck.probe import DEFAULT_SEEDS, probe_errors, probe_summary, probe_table, write_json
-    from fsdpcheck.probe import probe as run_probe
+    from fsdpcheck.output import write_json
 
     try:
         result = run_probe(
@@ -406,10 +392,11 @@ def scan(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    from fsdpcheck.children.probe import DEFAULT_SEEDS
+    from fsdpcheck.children.scan import scan as run_scan
+    from fsdpcheck.console import scan_summary, scan_table
     from fsdpcheck.errors import FsdpcheckError
-    from fsdpcheck.probe import DEFAULT_SEEDS, write_json
-    from fsdpcheck.scan import scan as run_scan
-    from fsdpcheck.scan import scan_summary, scan_table
+    from fsdpcheck.output import write_json
 
     families = ("causal-lm", "masked-lm") if masked_lm else ("causal-lm",)
     columns = (
@@ -447,6 +434,186 @@ def scan(
     if json_path is not None:
         write_json(result, json_path)
     raise typer.Exit(result.exit_code)
+
+
+FINGERPRINT_EPILOG = """
+[bold]Examples[/]
+
+  fsdpcheck fingerprint --model hazard --out fp/rank0.json
+
+  torchrun --nproc-per-node 8 -m fsdpcheck fingerprint --model /ckpt/m --out 'fp/rank{rank}.json'
+
+  fsdpcheck diff fp/          [dim](compare them: no process group needed)[/]
+
+[bold]Exit codes[/]: 0 written · 2 bad usage or input · 3 runtime failure (the record, with the
+error, is still written when --out is writable).
+"""
+
+
+@app.command(epilog=FINGERPRINT_EPILOG)
+def fingerprint(
+    model: str = typer.Option(
+        ..., "--model", "-m", help="Preset name, local model directory, or cached hub id."
+    ),
+    out: Path = typer.Option(
+        ...,
+        "--out",
+        "-o",
+        help="Where to write the fingerprint; may contain {rank}, {local_rank}, {host}.",
+    ),
+    init: Init = typer.Option(
+        Init.rank0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
+    ),
+    dtype: DType | None = typer.Option(None, help="Build dtype \\[default: the config's]."),
+    seed: int = typer.Option(0, help="Random-init seed when the model has no checkpoint."),
+    wrap: bool = typer.Option(
+        True, help="Also fully_shard on a one-rank group of this process's own, and record after."
+    ),
+    wrap_class: list[str] = typer.Option(
+        [],
+        "--wrap-class",
+        help="Layer class to fully_shard (repeatable) \\[default: _no_split_modules].",
+    ),
+    min_params: int = typer.Option(
+        100_000_000, help="Size-based wrapping threshold, used when no wrap class is present."
+    ),
+    text_only: bool = typer.Option(False, help="Build only the text model of a multimodal config."),
+    trust_remote_code: bool = typer.Option(
+        False, help="Allow the model's own Python code (off: never runs remote code)."
+    ),
+    allow_pickle: bool = typer.Option(
+        False, help="Allow pickle weights (*.bin, *.pt); safetensors only by default."
+    ),
+    rank: int | None = typer.Option(
+        None,
+        "--rank",
+        "--rank-hint",
+        min=0,
+        help="Record this rank \\[default: the launcher's RANK, else 0]; it also decides what "
+        "--init rank0 builds.",
+    ),
+) -> None:
+    """Write this process's fingerprint of MODEL (the record the audit gathers) with no
+    process group: run it once per rank, on each machine or library version, then `diff`."""
+    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.offline.files import (
+        check_writable,
+        env_record,
+        format_path,
+        process_identity,
+        write_fingerprint,
+    )
+    from fsdpcheck.offline.standalone import StandaloneOptions, fingerprint_standalone
+    from fsdpcheck.vocab import ErrorKind, ExitCode
+
+    options = StandaloneOptions(
+        model=model,
+        init=init.value,
+        dtype=dtype.value if dtype else None,
+        seed=seed,
+        text_only=text_only,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
+        wrap=wrap,
+        wrap_classes=tuple(wrap_class),
+        min_params=min_params,
+        rank=rank,
+    )
+    gc.set_threshold(50_000, 100, 100)  # as in audit: a short-lived process with a big heap
+    try:
+        identity = process_identity(rank)
+        path = format_path(out, env_record(identity))
+        check_writable(path, identity.rank)  # before the build, not after it
+        content = fingerprint_standalone(options)
+        path = write_fingerprint(content, format_path(out, content.record.env))
+    except FsdpcheckError as exc:
+        _stderr().print(f"[bold red]fsdpcheck fingerprint[/]: {escape(str(exc))}", highlight=False)
+        raise typer.Exit(exc.exit_code) from None
+    record, console = content.record, _stderr()
+    if record.error is not None:
+        console.print(
+            f"[bold red]fsdpcheck fingerprint: rank {record.env.rank} failed at "
+            f"{record.error.stage}[/]: {escape(record.error.message)}\n"
+            f"(the error is recorded in {escape(str(path))}, so `fsdpcheck diff` names it)",
+            highlight=False,
+        )
+        bad_input = record.error.kind == ErrorKind.INPUT
+        raise typer.Exit(ExitCode.BAD_INPUT if bad_input else ExitCode.RUNTIME)
+    stages = [
+        f"{fp.stage} {len(fp.buffers)} buffers, {len(fp.params)} params"
+        for fp in (record.pre_wrap, record.post_wrap)
+        if fp is not None
+    ]
+    _stdout().print(
+        f"fsdpcheck fingerprint: rank {record.env.rank} ({'; '.join(stages)}) → "
+        f"{escape(str(path))}",
+        highlight=False,
+    )
+    for note in content.notes:
+        _stdout().print(f"[yellow]! {escape(note)}[/]", highlight=False)
+
+
+DIFF_EPILOG = """
+[bold]Examples[/]
+
+  fsdpcheck diff fp/                          [dim](every *.json fingerprint in fp/)[/]
+
+  fsdpcheck diff today/rank0.json lastweek/rank0.json --json diff.json
+
+[bold]Exit codes[/]: 0 consistent · 1 findings · 2 bad input (unreadable or foreign JSON, mixed
+schema versions, fewer than two fingerprints) · 3 a fingerprinted rank failed at runtime.
+"""
+
+
+@app.command(epilog=DIFF_EPILOG)
+def diff(
+    paths: list[Path] = typer.Argument(
+        ..., help="Fingerprint files, or directories of them (their *.json).", show_default=False
+    ),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="Write the machine-readable report here (the audit's schema)."
+    ),
+) -> None:
+    """Compare saved fingerprints as ranks, with the audit's analysis and report: ranks of one
+    job (hung or not), or the same model across machines and library versions."""
+    # TODO(lead, issue 14): --junit/--annotations as on audit, through ci-formats' _Outputs:
+    # outputs = _Outputs(annotations, json=json_path, junit=junit_path); _refuse_outputs("diff",
+    # outputs) before reading; outputs.publish_report(report, suite="fsdpcheck.diff") after
+    # rendering (replacing the write_json below); exit report.exit_code or 3 if outputs.failed.
+    from fsdpcheck.console import render
+    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.offline.diff import diff_records
+    from fsdpcheck.offline.files import read_inputs
+    from fsdpcheck.output import write_json
+    from fsdpcheck.vocab import ExitCode
+
+    try:
+        report = diff_records(read_inputs(paths))
+    except FsdpcheckError as exc:
+        _stderr().print(f"[bold red]fsdpcheck diff[/]: {escape(str(exc))}", highlight=False)
+        raise typer.Exit(exc.exit_code) from None
+    console = _stdout()
+    for item in report.options.get("inputs", ()):
+        recorded = item["recorded_rank"]
+        moved = f" (recorded as rank {recorded})" if recorded != item["rank"] else ""
+        console.print(
+            f"[dim]rank {item['rank']}{moved} ← {escape(item['path'])} · {escape(item['host'])}"
+            f"{' · ' + escape(item['created']) if item['created'] else ''}[/]",
+            highlight=False,
+        )
+    render(report, console, title="fsdpcheck diff")
+    if json_path is not None:
+        try:
+            write_json(report, json_path)
+        except OSError as exc:
+            _stderr().print(
+                f"[bold red]fsdpcheck diff[/]: cannot write the report to "
+                f"{escape(str(json_path))} ({escape(exc.strerror or str(exc))}); choose a "
+                "writable --json path.",
+                highlight=False,
+            )
+            raise typer.Exit(ExitCode.BAD_INPUT) from None
+    raise typer.Exit(report.exit_code)
 
 
 def main() -> None:

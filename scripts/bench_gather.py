@@ -1,10 +1,10 @@
 """One rank of the gather benchmark, one process per rank (no model: a synthetic record of 64
-buffers and 256 parameters): ``fsdpcheck.gather.gather_records`` with every rank agreeing and
+buffers and 256 parameters): ``fsdpcheck.dist.gather.gather_records`` with every rank agreeing and
 with the last rank divergent. Bytes each rank sent are measured two ways: at the socket (the
 growth of this process's ``wchar`` in /proc/self/io over the call: every byte gloo wrote,
 headers included) and at the call site (the payload handed to torch.distributed calls, counted
 by the wrapper in scripts/bench_scale.py). Prints one line ``@bench {json}`` per rank; run by
-scripts/bench.py through fsdpcheck.launch."""
+scripts/bench.py through fsdpcheck.children.launch."""
 
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
 
-    from fsdpcheck import distributed, gather
+    from fsdpcheck.dist import gather, setup
 
     bench_scale._install_counters()
-    ctx = distributed.init("gloo", 120.0)
+    ctx = setup.init("gloo", 120.0)
     last = ctx.world_size - 1
     variants = {
         "agree": bench_scale._record(ctx.rank, ctx.world_size, False),
@@ -48,17 +48,19 @@ def main() -> int:
     }
     for _ in range(2):  # warm-up
         for record in variants.values():
-            gather.gather_records(record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size)
+            gather.gather_records(
+                record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size
+            )
     results: dict[str, dict] = {}
     for name, record in variants.items():
         results[name] = {"seconds": [], "socket_bytes": [], "call_bytes": [], "groups": None}
         for _ in range(args.repeats):
-            dist.barrier(group=ctx.meta_group)
+            dist.barrier(group=ctx.side_channel)
             bench_scale._sent.bytes = 0
             before = written()
             start = time.perf_counter()
             got = gather.gather_records(
-                record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size
+                record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size
             )
             results[name]["seconds"].append(time.perf_counter() - start)
             results[name]["socket_bytes"].append(written() - before)
@@ -72,7 +74,7 @@ def main() -> int:
         "results": results,
     }
     print(MARK + json.dumps(out), flush=True)
-    distributed.shutdown(ctx)
+    setup.shutdown(ctx)
     return 0
 
 

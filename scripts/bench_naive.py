@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 
 def main() -> int:
-    from fsdpcheck.build import build
-    from fsdpcheck.resolve import resolve
+    from fsdpcheck.model.build import build
+    from fsdpcheck.model.resolve import resolve
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

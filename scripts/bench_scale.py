@@ -4,7 +4,7 @@ lightweight ranks (no model, no transformers), on a real TCPStore and real gloo 
 Each rank is a thread; a process hosts at most ``--per-proc`` of them (each rank holds a socket
 per peer it talks to, and a process has a limited number of file descriptors). Threads get their
 own c10d world (torch's ``ThreadLocalWorld``, as torch's multi-threaded test groups use), so
-``fsdpcheck.gather.gather_records`` and ``exchange_slots`` run unchanged on real gloo groups.
+``fsdpcheck.dist.gather.gather_records`` and ``exchange_slots`` run unchanged on real gloo groups.
 
 Bytes are counted at the call site, per rank: a wrapper around every ``torch.distributed``
 call the code issues (send, recv, gather, broadcast, all_to_all_single) adds the payload this
@@ -96,7 +96,7 @@ def _thread_worlds() -> None:
 
 def _record(rank: int, world: int, divergent: bool):
     """A rank's record: 64 buffers and 256 parameters, as a mid-size model's fingerprint."""
-    from fsdpcheck.distributed import env_record
+    from fsdpcheck.dist.environment import env_record
     from fsdpcheck.records import Fingerprint, RankRecord, TensorRecord
 
     buffers = tuple(
@@ -121,7 +121,7 @@ def _rank_main(what: str, rank: int, world: int, port: int, repeats: int, out: d
     try:
         results = {}
         if what == "gather":
-            from fsdpcheck.gather import gather_records
+            from fsdpcheck.dist.gather import gather_records
 
             variants = {"agree": False, "one-divergent": rank == world - 1}
             for name, divergent in variants.items():
@@ -141,7 +141,7 @@ def _rank_main(what: str, rank: int, world: int, port: int, repeats: int, out: d
                     "groups": len(got.records) if got is not None else None,
                 }
         else:  # slots: the layout check's exchange, an all_to_all of fixed-size slots
-            from fsdpcheck.distributed import exchange_slots
+            from fsdpcheck.dist.wire import exchange_slots
 
             slot = bytes([rank % 256]) * 49
             exchange_slots(slot, None, size=world)
@@ -245,7 +245,8 @@ class CountingStore:
 def run_diagnose(world: int, dead: int) -> dict:
     """Every rank but ``dead`` reaches the gather and gives up; all call diagnose_peers at once.
     Rank ``dead`` marked 'build' and never beat. Counts the store calls diagnosis makes."""
-    from fsdpcheck import distributed
+    from fsdpcheck.dist import liveness
+    from fsdpcheck.dist.setup import DistContext
 
     port = _free_port()
     timeout = timedelta(seconds=120)
@@ -253,10 +254,10 @@ def run_diagnose(world: int, dead: int) -> dict:
     counts: dict[str, int] = {}
     lock = threading.Lock()
 
-    def ctx_for(rank: int, store) -> distributed.DistContext:
-        return distributed.DistContext(
+    def ctx_for(rank: int, store) -> DistContext:
+        return DistContext(
             rank=rank, local_rank=rank, world_size=world, backend="gloo", device_type="cpu",
-            timeout=60.0, meta_group=None, owns_default_group=False, store=store,
+            timeout=60.0, side_channel=None, owns_default_group=False, store=store,
         )  # fmt: skip
 
     def client() -> dist.TCPStore:
@@ -265,18 +266,18 @@ def run_diagnose(world: int, dead: int) -> dict:
     clients = [client() for _ in range(world)]
     beats = [client() for _ in range(world)]
     for r in range(world):
-        distributed.mark_stage(ctx_for(r, clients[r]), "build" if r == dead else "gather")
-    watches = [distributed.AbortWatch(ctx_for(r, beats[r])) for r in range(world) if r != dead]
+        liveness.mark_stage(ctx_for(r, clients[r]), "build" if r == dead else "gather")
+    watches = [liveness.AbortWatch(ctx_for(r, beats[r])) for r in range(world) if r != dead]
     for w in watches:
         w.__enter__()
-    time.sleep(distributed.heartbeat_interval(world))  # every live rank has beaten once
+    time.sleep(liveness.heartbeat_interval(world))  # every live rank has beaten once
     results: dict[int, list] = {}
     seconds: dict[int, float] = {}
 
     def give_up(rank: int) -> None:
         ctx = ctx_for(rank, CountingStore(clients[rank], counts, lock))
         start = time.perf_counter()
-        errors = distributed.diagnose_peers(ctx, TimeoutError("gather timed out"), own=None)
+        errors = liveness.diagnose_peers(ctx, TimeoutError("gather timed out"), own=None)
         seconds[rank] = time.perf_counter() - start
         results[rank] = [(e.rank, e.stage) for e in errors]
 
@@ -300,7 +301,7 @@ def run_diagnose(world: int, dead: int) -> dict:
         "wall_seconds": wall,
         "slowest_rank_seconds": max(seconds.values()),
         "every_rank_names_the_dead_rank": named == {((dead, "build"),)},
-        "heartbeat_interval": distributed.heartbeat_interval(world),
+        "heartbeat_interval": liveness.heartbeat_interval(world),
     }
 
 

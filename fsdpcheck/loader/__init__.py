@@ -1,1 +1,1 @@
-"""The loader: agree on layouts, move the state dict, prove the result."""
+"""The sorted, validated loader and the proof that every rank holds the same weights."""

@@ -29,12 +29,13 @@ Why it catches what verify must catch:
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from fsdpcheck.dist.environment import worker_threads
 
 _CHUNK = 2**17  # words (1 MiB) per weight table: one chunk's product stays in the CPU's cache
 _BLOCK_CHUNKS = 16  # chunks per torch call on CPU (16 MiB of words)
@@ -146,20 +147,6 @@ def _format(sums: tuple[int, int], nbytes: int) -> str:
 def checksum(tensor: torch.Tensor) -> str | None:
     """The checksum of ``tensor``'s values (its bytes in row-major order); None on meta."""
     return checksums([tensor])[0]
-
-
-def worker_threads() -> int:
-    """Threads for memory-bound work on this rank: this process's cores, shared with the other
-    ranks on the host (torchrun's LOCAL_WORLD_SIZE), at least one."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    return max(1, cores // local)
 
 
 def checksums(tensors: Sequence[torch.Tensor], *, threads: int | None = None) -> list[str | None]:

@@ -1,1 +1,1 @@
-"""Resolving, building, wrapping and fingerprinting the model."""
+"""Resolve, build, wrap and fingerprint the model on one rank."""

@@ -1,0 +1,1 @@
+"""Analysis: pure functions from per-rank records to findings and loader predictions."""

@@ -1,0 +1,1 @@
+"""Work that runs in isolated child processes: probe, scan, reproduction."""

@@ -1,0 +1,49 @@
+"""What software a rank runs, from an allowlist only (no arbitrary variables, no secrets)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from importlib import metadata
+
+
+from fsdpcheck.records import EnvRecord
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def env_record(rank: int, local_rank: int, world_size: int, backend: str) -> EnvRecord:
+    """The allowlisted environment of this rank: versions and placement, nothing else."""
+    import torch
+
+    return EnvRecord(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        host=socket.gethostname(),
+        backend=backend,
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=package_version("transformers"),
+        hash_seed=os.environ.get("PYTHONHASHSEED", "random"),
+    )
+
+
+def worker_threads() -> int:
+    """Threads for memory-bound work on this rank: this process's cores, shared with the other
+    ranks on the host (torchrun's LOCAL_WORLD_SIZE), at least one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, cores // local)

@@ -1,0 +1,123 @@
+"""Built-in models: tiny configs of real transformers architectures, and the ``hazard`` fixture.
+
+Configs are built lazily so that listing presets never imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fsdpcheck.errors import InputError
+
+_TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+_MIXED_LAYERS = ["sliding_attention", "full_attention"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    architecture: str
+    description: str
+    make_config: Callable[[], Any]
+
+
+def _transformers_config(class_name: str, preset: str, **kwargs: Any) -> Any:
+    import transformers
+
+    config_class = getattr(transformers, class_name, None)
+    if config_class is None:
+        raise InputError(
+            f"preset {preset!r} needs transformers.{class_name}, which transformers "
+            f"{transformers.__version__} does not have. Upgrade transformers or pick another "
+            "preset (`fsdpcheck presets`)."
+        )
+    return config_class(**kwargs)
+
+
+def _gemma4() -> Any:
+    return _transformers_config(
+        "Gemma4TextConfig",
+        "tiny-gemma4",
+        **_TINY,
+        head_dim=16,
+        global_head_dim=32,
+        layer_types=_MIXED_LAYERS,
+        sliding_window=16,
+        vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=8,
+    )
+
+
+def _gemma3() -> Any:
+    return _transformers_config(
+        "Gemma3TextConfig",
+        "tiny-gemma3",
+        **_TINY,
+        head_dim=16,
+        layer_types=_MIXED_LAYERS,
+        sliding_window=16,
+    )
+
+
+def _llama() -> Any:
+    return _transformers_config("LlamaConfig", "tiny-llama", **_TINY)
+
+
+def _qwen3() -> Any:
+    return _transformers_config("Qwen3Config", "tiny-qwen3", **_TINY, head_dim=16)
+
+
+def _hazard() -> Any:
+    from fsdpcheck.model.hazard import HazardConfig
+
+    return HazardConfig()
+
+
+def _hazard_equal() -> Any:
+    from fsdpcheck.model.hazard import HazardConfig
+
+    return HazardConfig.equal_sizes()
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "hazard",
+            "HazardForCausalLM",
+            "fsdpcheck's fixture: RoPE buffers registered from a set, sizes 16 vs 8 "
+            "(order follows PYTHONHASHSEED; a mismatch hangs the loader)",
+            _hazard,
+        ),
+        Preset(
+            "hazard-equal",
+            "HazardForCausalLM",
+            "the fixture with equal RoPE sizes and different bases (a mismatch corrupts silently)",
+            _hazard_equal,
+        ),
+        Preset(
+            "tiny-gemma4",
+            "Gemma4ForCausalLM",
+            "Gemma4 text, sliding + global layers, RoPE 8 vs 16 elements",
+            _gemma4,
+        ),
+        Preset(
+            "tiny-gemma3",
+            "Gemma3ForCausalLM",
+            "Gemma3 text, sliding + global layers, same RoPE sizes, bases 1e4 vs 1e6",
+            _gemma3,
+        ),
+        Preset("tiny-llama", "LlamaForCausalLM", "Llama, 2 layers", _llama),
+        Preset("tiny-qwen3", "Qwen3ForCausalLM", "Qwen3, 2 layers", _qwen3),
+    )
+}
