@@ -35,13 +35,18 @@ def env_record(rank: int, local_rank: int, world_size: int, backend: str) -> Env
     )
 
 
+def all_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def worker_threads() -> int:
     """Threads for memory-bound work on this rank: this process's cores, shared with the other
     ranks on the host (torchrun's LOCAL_WORLD_SIZE), at least one."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+    cores = all_cores()
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:

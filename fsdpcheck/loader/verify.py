@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdpcheck.dist.environment import all_cores
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.loader.checksum import checksums
 from fsdpcheck.loader.shards import expected_shard
@@ -115,7 +116,9 @@ class _Expected:
 
     def flush(self) -> None:
         if self.pending:
-            digests = checksums([t for _, t in self.pending])
+            # Every core of the host: the other ranks have digested their own (1/world) shards
+            # by now and wait for this verdict, idle.
+            digests = checksums([t for _, t in self.pending], threads=all_cores())
             self.done.update((key, d) for (key, _), d in zip(self.pending, digests, strict=True))
         self.pending, self.copied = [], 0
 
