@@ -900,9 +900,11 @@ def row_init(s: Settings) -> Row:
     row.notes.append(
         "The floor of `--init rank0` over `--init meta` is first touch of the 2.0 GiB rank 0 "
         "materialises (and, with the load, the 1.0 GiB of shards rank 1 receives): `--init "
-        "meta` allocates nothing. On this VM first touch of fresh memory costs 0.2 to 7 s per "
-        "GiB from one run to the next (see the full load row's per-fault figures), which is "
-        "what moves this ratio. transformers' own init, which the fill replaces, took 25 s of "
+        "meta` allocates nothing. On this VM first touch of fresh memory costs about 1 to 7 s "
+        "per GiB from one run to the next (2 GiB took 1.7 s and 15 s in two tries minutes "
+        "apart while writing this row; the full load row shows the per-fault cost), and that, "
+        "not the fill's arithmetic (a broadcast copy: about 0.4 s for 2 GiB of memory already "
+        "touched), is what moves this ratio. transformers' own init, which the fill replaces, took 25 s of "
         "CPU for this model before (issue 13: 32.2 s vs 6.9 s audit wall)."
     )
     return row
