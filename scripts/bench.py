@@ -904,8 +904,9 @@ def row_init(s: Settings) -> Row:
         "per GiB from one run to the next (2 GiB took 1.7 s and 15 s in two tries minutes "
         "apart while writing this row; the full load row shows the per-fault cost), and that, "
         "not the fill's arithmetic (a broadcast copy: about 0.4 s for 2 GiB of memory already "
-        "touched), is what moves this ratio. transformers' own init, which the fill replaces, took 25 s of "
-        "CPU for this model before (issue 13: 32.2 s vs 6.9 s audit wall)."
+        "touched), is what moves this ratio. transformers' own init, which the fill "
+        "replaces, took 25 s of CPU for this model before (issue 13: 32.2 s vs 6.9 s audit "
+        "wall)."
     )
     return row
 
