@@ -131,11 +131,19 @@ def test_verify_names_a_tampered_shard_and_its_rank(tmp_path: Path) -> None:
     assert rank1["verify"]["passed"] is False  # every rank learns the verdict
 
 
-def test_verify_catches_one_bit_of_one_element_in_a_shard(tmp_path: Path) -> None:
-    result, records = run_worker(tmp_path, "hazard", "--tamper-one", "model.embed_tokens.weight")
+@pytest.mark.parametrize("rank", [0, 1])  # rank 0 compares in place, rank 1 by checksum
+def test_verify_catches_one_bit_of_one_element_in_a_shard(tmp_path: Path, rank: int) -> None:
+    result, records = run_worker(
+        tmp_path,
+        "hazard",
+        "--tamper-one",
+        "model.embed_tokens.weight",
+        "--tamper-rank",
+        str(rank),
+    )
     assert result.codes == [0, 0], result.output(0) + result.output(1)
     assert [(m["name"], m["ranks"]) for m in records[0]["verify"]["mismatches"]] == [
-        ("model.embed_tokens.weight", [1])
+        ("model.embed_tokens.weight", [rank])
     ]
 
 
