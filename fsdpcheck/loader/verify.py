@@ -80,8 +80,8 @@ _IN_PLACE = "in-place"  # rank 0's own shards: compared with its source directly
 
 def _digests(model: nn.Module, rank: int, *, in_place: bool = False) -> _Digests:
     """This rank's digests. ``in_place`` (rank 0): parameters are not digested, because rank 0
-    compares its own shards with its source slices directly (``torch.equal``: one read of
-    each, no arithmetic), which halves its checksum work on two ranks."""
+    compares its own shards with its source slices directly (bitwise, in int64 words: one read
+    of each at memory speed, no arithmetic), which halves its checksum work on two ranks."""
     buffers = list(model.named_buffers())
     params = []
     for name, param in model.named_parameters():
@@ -116,9 +116,25 @@ def _in_place_reason(param: torch.Tensor, shard: torch.Tensor) -> str | None:
         return "still on meta (never materialised)"
     if tuple(local.shape) != tuple(shard.shape):
         return f"local shape {list(local.shape)}, expected {list(shard.shape)}"
-    if not torch.equal(local.detach(), shard.to(local.device)):
+    if not _same_bytes(local.detach(), shard.to(local.device)):
         return "values differ from the source state dict"
     return None
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, compared in the widest integer words both allow: ``torch.equal`` on
+    bfloat16 runs at ~1 GB/s on one core, on int64 words at ~5 GB/s (and NaNs compare equal to
+    themselves, as bytes should)."""
+    raw_a = a.reshape(-1).contiguous().view(torch.uint8)
+    raw_b = b.reshape(-1).contiguous().view(torch.uint8)
+    if raw_a.numel() != raw_b.numel():
+        return False
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        aligned = raw_a.data_ptr() % size == 0 and raw_b.data_ptr() % size == 0
+        if aligned and raw_a.numel() % size == 0:
+            return torch.equal(raw_a.view(dtype), raw_b.view(dtype))
+    return torch.equal(raw_a, raw_b)
 
 
 class _Expected:

@@ -87,3 +87,17 @@ def test_fill_keeps_tied_weights_tied() -> None:
     model = build(resolved, rank=0, init="rank0").model
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert build(resolve("hazard", rank=0), rank=0, init="meta").info.init_values is None
+
+
+def test_rank0s_in_place_comparison_is_bitwise() -> None:
+    from fsdpcheck.loader.verify import _same_bytes
+
+    full = torch.randn(1001).to(torch.bfloat16)
+    part = full[3:]  # not 8-byte aligned: narrower words
+    assert _same_bytes(part, part.clone())
+    flipped = part.clone()
+    flipped.view(torch.int16)[500] ^= 1
+    assert not _same_bytes(part, flipped)
+    nan = torch.tensor([float("nan"), 1.0])
+    assert _same_bytes(nan, nan.clone())  # the same bytes, though NaN != NaN
+    assert not _same_bytes(torch.tensor([0.0]), torch.tensor([-0.0]))  # equal values, not bytes
