@@ -88,15 +88,15 @@ GEMMA3_1B = {
 VERIFY_FLOOR = (
     "Where verify misses 0.5× the load: verify must read every byte twice over, once where it "
     "landed (each rank its shards, in parallel) and once in rank 0's source, which only rank 0 "
-    "holds: rank 0 checksums the other ranks' slices (two position-weighted int64 sums, about 3 "
-    "GB/s per core quiet, on every core of the host) and compares its own shards with its "
+    "holds: rank 0 checksums the other ranks' slices (two position-weighted int64 sums, about "
+    "3 GB/s per core quiet, on every core of the host) and compares its own shards with its "
     "source bitwise in int64 words (about 5 GB/s). The load moves rank 1's half once, over "
-    "loopback, straight from the source tensors. So on 2 ranks verify reads 1.5× the model "
-    "on rank 0 where the load writes 0.5× into each rank; with both ranks and other work on "
-    "2 cores, rank 0 gets about one core and the ratio lands between 1× and 2× here. On a "
-    "host with more cores than ranks the checksum spreads over them (rank 0 uses all of them while the "
-    "others wait for its verdict). Profiled: no single-threaded pass and no host copy remain; "
-    "the floor is rank 0's memory bandwidth over the source."
+    "loopback, straight from the source tensors. So on 2 ranks verify reads 1.5× the model on "
+    "rank 0 where the load writes 0.5× into each rank; with both ranks and other work on 2 "
+    "cores, rank 0 gets about one core and the ratio lands between 1× and 2× here. On a host "
+    "with more cores than ranks the checksum spreads over them (rank 0 uses all of them while "
+    "the others wait for its verdict). Profiled: no single-threaded pass over the whole model "
+    "and no host copy remain; the floor is rank 0's memory bandwidth over its source."
 )
 
 
