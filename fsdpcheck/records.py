@@ -383,6 +383,10 @@ class ModelInfo:
     init: str
     checkpoint: bool  # weights came from a checkpoint (else random init)
     text_only: bool = False
+    # Where this rank's values came from: "checkpoint", "deterministic-fill" (a seeded pattern at
+    # memory speed, fsdpcheck.model.fill), "transformers-init" (the model's own init, when the
+    # fill could not build it) or None (built on meta).
+    init_values: str | None = None
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,12 @@
 
 Methods: ``bucketed`` (fsdpcheck's loader, default path), ``p2p-floor`` (see :func:`p2p_floor`),
 ``dcp`` (what trainers use today: ``to_empty`` + ``set_model_state_dict(...,
-full_state_dict=True, broadcast_from_rank0=True)``),
-``raw`` (one ``dist.broadcast`` of the same bytes from a flat tensor on rank 0 into a freshly
-allocated one on the others; then, untimed for the peak, a second broadcast into the memory the
-first one touched: the wire alone, ``seconds_warm``) and ``raw-warm`` (only the latter).
+full_state_dict=True, broadcast_from_rank0=True)``), ``accelerate`` (accelerate's own
+``fsdp2_load_full_state_dict``, the real function: one broadcast of every full tensor,
+``distribute_tensor`` on every rank), ``raw`` (one ``dist.broadcast`` of the same bytes from a
+flat tensor on rank 0 into a freshly allocated one on the others; then, untimed for the peak, a
+second broadcast into the memory the first one touched: the wire alone, ``seconds_warm``) and
+``raw-warm`` (only the latter).
 Prints one line ``@bench {json}``; run by scripts/bench.py through fsdpcheck.children.launch.
 """
 
@@ -121,11 +123,15 @@ def p2p_floor(model: nn.Module, source: dict | None, rank: int, group) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--method", choices=("bucketed", "dcp", "raw", "raw-warm", "p2p-floor"), required=True
+        "--method",
+        choices=("bucketed", "dcp", "accelerate", "raw", "raw-warm", "p2p-floor"),
+        required=True,
     )
     parser.add_argument("--size", choices=tuple(SIZES), default="full")
     parser.add_argument("--bucket-mib", type=int, default=256)
-    parser.add_argument("--verify", action="store_true", help="verify_load afterwards (untimed)")
+    parser.add_argument(
+        "--verify", action="store_true", help="verify_load afterwards, timed apart from the load"
+    )
     args = parser.parse_args()
 
     from fsdpcheck.dist import setup as distributed
@@ -180,6 +186,14 @@ def main() -> int:
             model.to_empty(device="cpu")
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(model, dict(source) if source else {}, options=options)
+    elif args.method == "accelerate":
+        from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
+
+        # The function reads `accelerator.is_main_process` and nothing else of it.
+        class Accelerator:
+            is_main_process = rank == 0
+
+        fsdp2_load_full_state_dict(Accelerator(), model, dict(source) if source else {})
     else:
         if flat is None:
             flat = torch.empty(nbytes, dtype=torch.uint8)
@@ -213,11 +227,15 @@ def main() -> int:
         fresh.fill_(1)
         touch = {"bytes": fresh.numel(), "seconds": time.perf_counter() - begin}
         del fresh
-    verified = None
+    verified = verify_seconds = None
     if args.verify and model is not None:
         from fsdpcheck.loader.verify import verify_load
 
+        dist.barrier(group=ctx.side_channel)
+        begin = time.perf_counter()
         verified = verify_load(model, source, group=ctx.side_channel).passed
+        dist.barrier(group=ctx.side_channel)
+        verify_seconds = time.perf_counter() - begin
     record = {
         "rank": rank,
         "method": args.method,
@@ -229,6 +247,7 @@ def main() -> int:
         "peak_rss_load": peak if reset else None,
         "peak_rss_process": status("VmHWM") if not reset else None,
         "verified": verified,
+        "verify_seconds": verify_seconds,
         "first_touch": touch,
         "rusage": kernel,
         **extra,

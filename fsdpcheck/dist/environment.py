@@ -7,7 +7,6 @@ import platform
 import socket
 from importlib import metadata
 
-
 from fsdpcheck.records import EnvRecord
 
 
@@ -49,3 +48,22 @@ def nccl_version() -> str | None:
     if isinstance(version, tuple):
         return ".".join(str(v) for v in version)
     return str(version)
+
+
+def all_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def worker_threads() -> int:
+    """Threads for memory-bound work on this rank: this process's cores, shared with the other
+    ranks on the host (torchrun's LOCAL_WORLD_SIZE), at least one."""
+    cores = all_cores()
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, cores // local)

@@ -1,20 +1,19 @@
 """Bring every rank's record to rank 0 over the gloo side channel.
 
-Built for thousands of ranks: every rank first shares a fixed-size slot (its record's group
-digest and its host); then only one representative per distinct digest sends its full record.
-When all ranks agree, each rank sends the same few bytes whatever the model's size.
+Built for thousands of ranks: every rank first sends rank 0 a fixed-size slot (its record's
+group digest, its host, and digests of the values that must agree); then only one
+representative per distinct digest, and the few ranks whose values differ, send their full
+record. When all ranks agree, each rank sends the same few bytes whatever the model's size.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from fsdpcheck.checks.value import value_digests, value_senders
-from fsdpcheck.dist.wire import exchange_slots
 from fsdpcheck.records import Gathered, RankRecord, from_dict, to_dict
 
 _DIGEST_BYTES = 16
@@ -77,12 +76,21 @@ def representatives(digests: dict[int, str]) -> dict[str, int]:
 def gather_records(
     record: RankRecord, group: object, *, rank: int, world_size: int
 ) -> Gathered | None:
-    """Collective over ``group``: returns :class:`Gathered` on rank 0 and ``None`` elsewhere."""
+    """Collective over ``group``: returns :class:`Gathered` on rank 0 and ``None`` elsewhere.
+
+    Every rank's slot goes to rank 0 (a gather, not an exchange: nobody else needs them);
+    rank 0 broadcasts which ranks must also send their full record: one representative per
+    distinct group digest, and the few ranks whose values differ."""
     digest = record.group_digest()
     value, replica = value_digests(record)
     flags = _FLAG_META if _built_on_meta(record) else 0
     mine = _pack_slot(digest, record.env.host, flags, value, record.shard_key, replica)
-    slots, _ = exchange_slots(mine, group, size=world_size)
+    slots = _gather_slots(mine, group, rank=rank, world_size=world_size)
+    sent = SLOT_BYTES
+    if rank != 0:
+        if rank in _broadcast_ranks(None, group):
+            sent += _send_record(record, group)
+        return None
     digests, hosts, meta_ranks = {}, {}, []
     values, keys, replicas = {}, {}, {}
     for r, slot in enumerate(slots):
@@ -90,21 +98,35 @@ def gather_records(
         if flags & _FLAG_META:
             meta_ranks.append(r)
     reps = set(representatives(digests).values())
-    # Ranks whose values differ send too (no group's representative, no more than a few):
-    # every rank derives the same list from the same slots.
+    # Ranks whose values differ send too (no group's representative, no more than a few).
     extra_senders = value_senders(values, replicas, keys) - reps
-    sent = SLOT_BYTES
-    if rank == 0:
-        records: dict[int, RankRecord] = {0: record}
-        extra: dict[int, RankRecord] = {}
-        for sender in sorted((reps | extra_senders) - {0}):
-            (extra if sender in extra_senders else records)[sender] = _recv_record(sender, group)
-        return Gathered(
-            digests, hosts, records, sent, tuple(meta_ranks), values, replicas, keys, extra
-        )
-    if rank in reps or rank in extra_senders:
-        sent += _send_record(record, group)
-    return None
+    senders = sorted((reps | extra_senders) - {0})
+    _broadcast_ranks(senders, group)
+    records: dict[int, RankRecord] = {0: record}
+    extra: dict[int, RankRecord] = {}
+    for sender in senders:
+        (extra if sender in extra_senders else records)[sender] = _recv_record(sender, group)
+    return Gathered(digests, hosts, records, sent, tuple(meta_ranks), values, replicas, keys, extra)
+
+
+def _gather_slots(mine: bytes, group: object, *, rank: int, world_size: int) -> list[bytes]:
+    """Every rank's slot on rank 0 (in rank order); ``[]`` elsewhere."""
+    tensor = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    out = [torch.empty_like(tensor) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(tensor, out, dst=0, group=group)
+    return [t.numpy().tobytes() for t in out] if out is not None else []
+
+
+def _broadcast_ranks(ranks: list[int] | None, group: object) -> list[int]:
+    """Rank 0's list (``ranks``) on every rank: a count, then the ranks only when there are any."""
+    header = torch.tensor([len(ranks) if ranks is not None else 0], dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group)
+    count = int(header[0])
+    if count == 0:
+        return []
+    payload = torch.tensor(ranks if ranks is not None else [0] * count, dtype=torch.int64)
+    dist.broadcast(payload, src=0, group=group)
+    return [int(r) for r in payload.tolist()]
 
 
 def _send_record(record: RankRecord, group: object) -> int:

@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
 
 from fsdpcheck.dist.setup import DistContext
 from fsdpcheck.records import RankError, from_dict, to_dict
@@ -124,31 +126,45 @@ class AbortWatch:
         os._exit(ExitCode.RUNTIME)
 
 
+def _read_many(store: Any, keys: list[str], default: bytes | None) -> list[bytes | None]:
+    """Every key's value: two store calls when every key exists (``check`` + ``multi_get``),
+    else one ``check`` + ``get`` per key (``default`` for the missing ones)."""
+    try:
+        if keys and store.check(keys):
+            return list(store.multi_get(keys))
+    except Exception:  # an older store without multi_get: one key at a time
+        pass
+    return [store.get(k) if store.check([k]) else default for k in keys]
+
+
+def _counters(store: Any, keys: list[str]) -> list[int]:
+    return [int(v) if v else 0 for v in _read_many(store, keys, b"0")]
+
+
 def dead_ranks(ctx: DistContext) -> set[int]:
     """Ranks whose heartbeat does not move over a few intervals (needs the abort watch)."""
     if ctx.store is None or ctx.world_size == 1:
         return set()
+    keys = [_ALIVE_KEY.format(r) for r in range(ctx.world_size)]
     try:
-        before = {r: ctx.store.add(_ALIVE_KEY.format(r), 0) for r in range(ctx.world_size)}
+        before = _counters(ctx.store, keys)
         time.sleep(3 * heartbeat_interval(ctx.world_size))
-        after = {r: ctx.store.add(_ALIVE_KEY.format(r), 0) for r in range(ctx.world_size)}
+        after = _counters(ctx.store, keys)
     except Exception:
         return set()
-    return {r for r in before if r != ctx.rank and before[r] == after[r]}
+    return {r for r in range(ctx.world_size) if r != ctx.rank and before[r] == after[r]}
 
 
 def last_stages(ctx: DistContext) -> dict[int, str | None]:
     """Each rank's last marked stage; empty when the store is gone (its host died)."""
     if ctx.store is None:
         return {}
-    stages: dict[int, str | None] = {}
+    keys = [_STAGE_KEY.format(r) for r in range(ctx.world_size)]
     try:
-        for r in range(ctx.world_size):
-            key = _STAGE_KEY.format(r)
-            stages[r] = ctx.store.get(key).decode() if ctx.store.check([key]) else None
+        values = _read_many(ctx.store, keys, None)
     except Exception:
         return {}
-    return stages
+    return {r: v.decode() if v is not None else None for r, v in enumerate(values)}
 
 
 def collective_cause(exc: BaseException) -> str:
@@ -164,6 +180,10 @@ def _stage_index(stage: str | None) -> int:
     return STAGE_ORDER.index(stage) if stage in STAGE_ORDER else 0
 
 
+_DIAGNOSER_KEY = "fsdpcheck/diagnoser"
+_DIAGNOSIS_KEY = "fsdpcheck/diagnosis"
+
+
 def diagnose_peers(
     ctx: DistContext, exc: BaseException, *, own: RankError | None
 ) -> list[RankError]:
@@ -171,7 +191,42 @@ def diagnose_peers(
 
     A rank whose heartbeat stopped died; failing that, a rank marked at an earlier stage than
     this one is stuck there; failing that, the failure is this rank's own.
+
+    Only the first rank to give up reads every rank's marks and heartbeats (O(world) store
+    calls, or a few ``multi_get`` calls) and publishes its findings; the others wait for them
+    (three store calls each), so a failure costs the store O(world) calls in all, not
+    O(world^2). A rank that waits in vain (the diagnosing rank died too) diagnoses alone.
     """
+    if ctx.store is None or ctx.world_size == 1:
+        return _diagnose(ctx, exc, own=own)
+    try:
+        first = ctx.store.add(_DIAGNOSER_KEY, 1) == 1
+    except Exception:
+        return _diagnose(ctx, exc, own=own)
+    if first:
+        errors = _diagnose(ctx, exc, own=own)
+        try:
+            ctx.store.set(_DIAGNOSIS_KEY, json.dumps([to_dict(e) for e in errors[:64]]))
+        except Exception:
+            pass
+        return errors
+    try:
+        ctx.store.wait([_DIAGNOSIS_KEY], timedelta(seconds=diagnosis_wait(ctx.world_size)))
+        published = _abort_errors(ctx.store.get(_DIAGNOSIS_KEY))
+    except Exception:
+        return _diagnose(ctx, exc, own=own)
+    if own is None:
+        return published
+    return [own, *(e for e in published if e != own)]
+
+
+def diagnosis_wait(world_size: int) -> float:
+    """How long a rank waits for the published diagnosis: the diagnosing rank's heartbeat
+    watch (three intervals) plus its store reads, with room to spare."""
+    return 3 * heartbeat_interval(world_size) + 10.0 + world_size / 200
+
+
+def _diagnose(ctx: DistContext, exc: BaseException, *, own: RankError | None) -> list[RankError]:
     cause = collective_cause(exc)
     stages = last_stages(ctx)
     mine = stages.get(ctx.rank) or Stage.GATHER

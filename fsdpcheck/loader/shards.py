@@ -39,16 +39,26 @@ def local_shape(
     return tuple(dims)
 
 
-def expected_shard(full: torch.Tensor, param: torch.Tensor, global_rank: int) -> torch.Tensor:
-    """The part of ``full`` that ``global_rank`` holds for ``param`` (rank 0's view of it)."""
+def expected_shard(
+    full: torch.Tensor, param: torch.Tensor, global_rank: int, cache: dict | None = None
+) -> torch.Tensor:
+    """The part of ``full`` that ``global_rank`` holds for ``param`` (rank 0's view of it).
+    ``cache``: where a rank's mesh coordinate is kept across calls (``DeviceMesh.mesh``
+    rebuilds its tensor on every access: a quarter of verify's time on a small model)."""
     placements = getattr(param, "placements", None)
     if placements is None:
         return full
     mesh = param.device_mesh
-    coordinate = mesh_coordinate(mesh, global_rank)
+    key = (id(mesh), global_rank)
+    found = cache.get(key) if cache is not None else None
+    if found is None:
+        found = (mesh_coordinate(mesh, global_rank), tuple(mesh.mesh.shape))
+        if cache is not None:
+            cache[key] = found
+    coordinate, mesh_shape = found
     if coordinate is None:
         raise ValueError(f"rank {global_rank} is not in the parameter's device mesh")
-    return shard_of(full, placements, tuple(mesh.mesh.shape), coordinate)
+    return shard_of(full, placements, mesh_shape, coordinate)
 
 
 def shard_of(

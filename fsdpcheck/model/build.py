@@ -1,7 +1,8 @@
 """Build the model on this rank, as real training jobs do.
 
-``rank0``: rank 0 materialises weights on CPU (from the checkpoint, else random with ``seed``),
-other ranks build on ``meta``; ``meta``: every rank on meta; ``all``: every rank materialises.
+``rank0``: rank 0 materialises weights on CPU (from the checkpoint, else a deterministic fill
+with ``seed``: see :mod:`fsdpcheck.model.fill`), other ranks build on ``meta``; ``meta``: every
+rank on meta; ``all``: every rank materialises (the same values on every rank for one seed).
 """
 
 from __future__ import annotations
@@ -48,12 +49,24 @@ def build(
     config = _load_config(resolved, text_only=text_only, trust_remote_code=trust_remote_code)
     torch_dtype = _resolve_dtype(dtype, config)
     use_checkpoint = materialise and resolved.has_checkpoint and not text_only
+    init_values = None
     if use_checkpoint:
         model = _from_checkpoint(resolved, torch_dtype, rank, trust_remote_code)
-    else:
+        init_values = "checkpoint"
+    elif materialise:
+        from fsdpcheck.model.fill import FILL, TRANSFORMERS_INIT, build_filled
+
         torch.manual_seed(seed)
-        device = "cpu" if materialise else "meta"
-        with torch.device(device), _default_dtype(torch_dtype):
+        with _default_dtype(torch_dtype):
+            model = build_filled(lambda: _from_config(config, trust_remote_code), seed=seed)
+        init_values = FILL
+        if model is None:  # its __init__ needs real parameters: the model's own init, slowly
+            torch.manual_seed(seed)
+            with torch.device("cpu"), _default_dtype(torch_dtype):
+                model = _from_config(config, trust_remote_code)
+            init_values = TRANSFORMERS_INIT
+    else:
+        with torch.device("meta"), _default_dtype(torch_dtype):
             model = _from_config(config, trust_remote_code)
     info = ModelInfo(
         spec=resolved.spec,
@@ -65,6 +78,7 @@ def build(
         init=init,
         checkpoint=resolved.has_checkpoint and not text_only,
         text_only=text_only,
+        init_values=init_values,
     )
     full = dict(model.state_dict()) if materialise else None
     return BuiltModel(

@@ -131,6 +131,22 @@ def test_verify_names_a_tampered_shard_and_its_rank(tmp_path: Path) -> None:
     assert rank1["verify"]["passed"] is False  # every rank learns the verdict
 
 
+@pytest.mark.parametrize("rank", [0, 1])  # rank 0 compares in place, rank 1 by checksum
+def test_verify_catches_one_bit_of_one_element_in_a_shard(tmp_path: Path, rank: int) -> None:
+    result, records = run_worker(
+        tmp_path,
+        "hazard",
+        "--tamper-one",
+        "model.embed_tokens.weight",
+        "--tamper-rank",
+        str(rank),
+    )
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    assert [(m["name"], m["ranks"]) for m in records[0]["verify"]["mismatches"]] == [
+        ("model.embed_tokens.weight", [rank])
+    ]
+
+
 def test_state_dict_load_leaves_buffers_empty_until_broadcast_buffers(tmp_path: Path) -> None:
     # set_model_state_dict alone never touches non-persistent buffers: on the meta rank they
     # hold whatever to_empty() left there. broadcast_buffers alone then fixes exactly those.

@@ -47,6 +47,10 @@ def main() -> int:
     parser.add_argument("--odd-on-meta", action="store_true", help="rank 0's odd params too")
     parser.add_argument("--loader", choices=("safe", "dcp"), default="safe")
     parser.add_argument("--tamper", default=None, help="rank 1 adds 1.0 to this param's shard")
+    parser.add_argument(
+        "--tamper-one", default=None, help="flips the lowest bit of one element of this param"
+    )
+    parser.add_argument("--tamper-rank", type=int, default=1, help="the rank --tamper-one edits")
     parser.add_argument("--dump", action="append", default=[], help="gather this param's full")
     args = parser.parse_args()
 
@@ -86,6 +90,10 @@ def main() -> int:
         if args.tamper and ctx.rank == 1:
             with torch.no_grad():
                 dict(model.named_parameters())[args.tamper].to_local().add_(1.0)
+        if args.tamper_one and ctx.rank == args.tamper_rank:
+            local = dict(model.named_parameters())[args.tamper_one].to_local()
+            words = local.detach().view(-1).view(torch.int16)  # bfloat16/float16/float32 alike
+            words[words.numel() // 2 + 1] ^= 1  # one element, its least significant bit
         result = verify_load(model, source, group=ctx.side_channel)
         record["verify"] = to_dict(result)
         record["n_params"] = len(list(model.named_parameters()))

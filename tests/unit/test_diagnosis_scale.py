@@ -1,0 +1,66 @@
+"""After a failure, one rank diagnoses and the others read its findings: O(world) store calls in
+all, not O(world^2). Threads stand in for ranks on one real in-process store (HashStore)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch.distributed as dist
+
+from fsdpcheck.dist import liveness
+from fsdpcheck.dist.setup import DistContext
+
+
+class CountingStore:
+    """Forwards to a store and counts the calls made through it."""
+
+    def __init__(self, store: dist.Store, counts: list[int], lock: threading.Lock):
+        self._store, self._counts, self._lock = store, counts, lock
+
+    def __getattr__(self, name: str):
+        method = getattr(self._store, name)
+
+        def call(*args, **kwargs):
+            with self._lock:
+                self._counts[0] += 1
+            return method(*args, **kwargs)
+
+        return call
+
+
+def test_one_rank_diagnoses_and_every_rank_names_the_dead_one() -> None:
+    world, dead = 16, 5
+    store = dist.HashStore()
+
+    def ctx(rank: int, through: object) -> DistContext:
+        return DistContext(
+            rank=rank, local_rank=rank, world_size=world, backend="gloo", device_type="cpu",
+            timeout=30.0, side_channel=None, owns_default_group=False, store=through,
+        )  # fmt: skip
+
+    for r in range(world):
+        liveness.mark_stage(ctx(r, store), "build" if r == dead else "gather")
+    watches = [liveness.AbortWatch(ctx(r, store)) for r in range(world) if r != dead]
+    for watch in watches:
+        watch.__enter__()
+    counts, lock, found = [0], threading.Lock(), {}
+
+    def give_up(rank: int) -> None:
+        errors = liveness.diagnose_peers(
+            ctx(rank, CountingStore(store, counts, lock)), TimeoutError("gather"), own=None
+        )
+        found[rank] = [(e.rank, str(e.stage)) for e in errors]
+
+    try:
+        threads = [threading.Thread(target=give_up, args=(r,)) for r in range(world) if r != dead]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        for watch in watches:
+            watch.__exit__(None, None, None)
+    assert len(found) == world - 1
+    assert all(errors == [(dead, "build")] for errors in found.values()), found
+    # One diagnosing rank: a few calls per key; every other rank: add, wait, get.
+    assert counts[0] <= 8 * world, counts[0]

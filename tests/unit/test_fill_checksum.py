@@ -1,0 +1,103 @@
+"""The deterministic fill (--init rank0/all without a checkpoint) and verify's checksum: pure,
+single-process, fast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdpcheck.loader.checksum import _CHUNK, checksum, checksums
+from fsdpcheck.model.build import _from_config, _load_config, build
+from fsdpcheck.model.resolve import resolve
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool]
+)
+def test_checksum_catches_every_single_changed_element(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    base = (torch.randn(2 * _CHUNK + 13, generator=gen) * 50).to(dtype)
+    want = checksum(base)
+    positions = [0, 1, 7, _CHUNK - 1, _CHUNK, 2 * _CHUNK + 12]
+    positions += torch.randint(0, base.numel(), (40,), generator=gen).tolist()
+    for position in positions:
+        changed = base.clone()
+        raw = changed.view(-1).view(torch.uint8)
+        size = base.element_size()
+        for bit in (0, 7):  # the lowest bit of the element's first byte, and its top bit
+            flipped = raw.clone()
+            flipped[position * size + (size - 1 if bit == 7 else 0)] ^= 1 << bit
+            assert checksum(flipped.view(dtype)) != want, (position, bit)
+
+
+def test_checksum_catches_swaps_and_top_bit_pairs() -> None:
+    base = torch.arange(1000, dtype=torch.float32)
+    swapped = base.clone()
+    swapped[[10, 500]] = swapped[[500, 10]]
+    assert checksum(swapped) != checksum(base)
+    words = torch.zeros(64, dtype=torch.int64)
+    pair = words.clone()
+    pair[3] = pair[9] = -(2**63)  # a pair of top bits: cancels in a plain odd-weighted sum
+    assert checksum(pair) != checksum(words)
+    assert checksum(base.reshape(10, 100)) == checksum(base)  # values in row-major order
+
+
+def test_checksum_ignores_alignment_threads_and_strides() -> None:
+    full = torch.randn(3 * _CHUNK + 5).to(torch.bfloat16)
+    part = full[3:]  # starts 6 bytes into an aligned allocation
+    assert part.data_ptr() % 8 != 0
+    assert checksum(part) == checksum(part.clone())
+    one, many = checksums([full, part], threads=1), checksums([full, part], threads=4)
+    assert one == many
+    matrix = torch.randn(64, 48)
+    assert checksum(matrix.t()) == checksum(matrix.t().contiguous())
+    assert checksum(torch.empty(3, device="meta")) is None
+    assert checksum(torch.zeros(0)) != checksum(torch.zeros(1))
+
+
+@pytest.mark.parametrize("spec", ["hazard", "tiny-gemma3"])
+def test_fill_keeps_the_modules_real_buffers_and_is_the_same_on_every_rank(spec: str) -> None:
+    resolved = resolve(spec, rank=0)
+    rank0 = build(resolved, rank=0, init="rank0", seed=3)
+    assert rank0.info.init_values == "deterministic-fill"
+    # Buffers: exactly what an ordinary CPU build of the model computes (RoPE, embed_scale).
+    config = _load_config(resolved, text_only=False, trust_remote_code=False)
+    reference = _from_config(config, False)
+    expected = dict(reference.named_buffers())
+    got = dict(rank0.model.named_buffers())
+    assert got.keys() == expected.keys() and got
+    for name, buf in got.items():
+        assert buf.dtype == expected[name].dtype and torch.equal(buf, expected[name]), name
+    # --init all: every rank fills the same values for the same seed; another seed differs.
+    other_rank = build(resolved, rank=1, init="all", seed=3)
+    reseeded = build(resolved, rank=0, init="rank0", seed=4)
+    for name, tensor in rank0.full_state_dict.items():
+        assert torch.equal(tensor, other_rank.full_state_dict[name]), name
+    params = dict(rank0.model.named_parameters())
+    assert all(not p.is_meta for p in params.values())
+    changed = [n for n, p in reseeded.model.named_parameters() if not torch.equal(p, params[n])]
+    assert len(changed) == len(params)
+    # Tensors get different values (a name-dependent start in the pattern), not one shared fill.
+    digests = {checksum(p) for p in params.values() if p.numel() > 64}
+    assert len(digests) == len({id(p) for p in params.values() if p.numel() > 64})
+
+
+def test_fill_keeps_tied_weights_tied() -> None:
+    resolved = resolve("tiny-gemma3", rank=0)
+    model = build(resolved, rank=0, init="rank0").model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert build(resolve("hazard", rank=0), rank=0, init="meta").info.init_values is None
+
+
+def test_rank0s_in_place_comparison_is_bitwise() -> None:
+    from fsdpcheck.loader.verify import _same_bytes
+
+    full = torch.randn(1001).to(torch.bfloat16)
+    part = full[3:]  # not 8-byte aligned: narrower words
+    assert _same_bytes(part, part.clone())
+    flipped = part.clone()
+    flipped.view(torch.int16)[500] ^= 1
+    assert not _same_bytes(part, flipped)
+    nan = torch.tensor([float("nan"), 1.0])
+    assert _same_bytes(nan, nan.clone())  # the same bytes, though NaN != NaN
+    assert not _same_bytes(torch.tensor([0.0]), torch.tensor([-0.0]))  # equal values, not bytes
