@@ -89,6 +89,24 @@ def _hazard_equal() -> Any:
     return HazardConfig.equal_sizes()
 
 
+def _fixture(variant: str) -> Callable[[], Any]:
+    def make() -> Any:
+        from fsdpcheck.model.fixtures import FixtureConfig
+
+        return FixtureConfig.of(variant)
+
+    return make
+
+
+def _fixtures() -> tuple[Preset, ...]:
+    from fsdpcheck.model.fixtures import VARIANTS
+
+    return tuple(
+        Preset(f"fixture-{variant}", "FixtureForCausalLM", f"fixture: {why}", _fixture(variant))
+        for variant, why in VARIANTS.items()
+    )
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -119,6 +137,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset("tiny-llama", "LlamaForCausalLM", "Llama, 2 layers", _llama),
         Preset("tiny-qwen3", "Qwen3ForCausalLM", "Qwen3, 2 layers", _qwen3),
+        *_fixtures(),  # one per-rank difference each (docs/loaders.md)
     )
 }
 

@@ -1,0 +1,1 @@
+"""Pure checks over gathered records."""

@@ -1,0 +1,1 @@
+"""Child jobs: isolated, time-bounded multi-rank runs started by the audit."""

@@ -1,0 +1,1 @@
+"""Models fsdpcheck builds: presets, fixtures and the hazard model."""
