@@ -449,4 +449,5 @@ def env_record(rank: int, local_rank: int, world_size: int, backend: str) -> Env
         torch=torch.__version__,
         transformers=package_version("transformers"),
         hash_seed=os.environ.get("PYTHONHASHSEED", "random"),
+        accelerate=package_version("accelerate"),
     )

@@ -124,6 +124,7 @@ class EnvRecord:
     torch: str
     transformers: str | None
     hash_seed: str  # PYTHONHASHSEED as set, or "random"
+    accelerate: str | None = None  # installed version: decides what its loader row means
 
     def versions(self) -> tuple[str, str, str | None, str]:
         return (self.python, self.torch, self.transformers, self.backend)
@@ -199,6 +200,7 @@ FINDING_KINDS = {
     "hash-seed": "tensor order depends on the interpreter's string-hash seed (PYTHONHASHSEED)",
     "env": "library or interpreter versions differ between ranks",
     "verify": "after the project's loader ran, a rank's tensor differs from rank 0's source",
+    "prediction": "a real loader did not do what fsdpcheck predicted (a bug in fsdpcheck)",
 }
 
 CAUSES = {
@@ -207,6 +209,7 @@ CAUSES = {
     "environment": "the ranks run different software",
     "configuration": "how the audit was asked to run",
     "loading": "the loader itself left ranks different",
+    "fsdpcheck": "fsdpcheck's own model of a loader was wrong",
     "unknown": "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
 }
 
@@ -220,6 +223,10 @@ class LoaderPrediction:
     summary: str
     ranks: tuple[int, ...] = ()  # ranks affected
     first_issue: Mapping[str, Any] | None = None
+    products: str = ""  # the products and versions this row stands for
+    # --reproduce: what the real loader did in a child job (same vocabulary; None: not run)
+    observed: str | None = None
+    observed_detail: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class FixtureForCausalLM(HazardForCausalLM):
             self.model = HazardModel(config)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if variant == "tied":
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.tie_weights()
         norm = self.model.norm
         if variant == "param-shape" and other:
             mlp = self.model.layers[0].mlp
@@ -84,3 +84,8 @@ class FixtureForCausalLM(HazardForCausalLM):
         elif variant == "extra-buffer" and other:
             extra = 1.0 / (1e5 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
             self.model.rotary_emb.register_buffer("extra_inv_freq", extra, persistent=False)
+
+    def tie_weights(self) -> None:
+        """As transformers models do (accelerate calls it after loading)."""
+        if self.config.variant == "tied":
+            self.lm_head.weight = self.model.embed_tokens.weight
