@@ -101,6 +101,8 @@ class Fingerprint:
     buffers: tuple[TensorRecord, ...]
     params: tuple[TensorRecord, ...]
     state_dict_keys: tuple[str, ...] = ()  # ``model.state_dict()`` order, as loaders walk it
+    # Tied weights: (name, the parameter it is), for names named_parameters() deduplicates.
+    aliases: tuple[tuple[str, str], ...] = ()
 
     def layout_digest(self) -> str:
         return short_digest(

@@ -24,6 +24,7 @@ from fsdpcheck.records import Finding, LoaderPrediction
 
 SEVERITY = {"ok": 0, "uninitialized": 1, "silent-corruption": 2, "refused": 3, "hang": 4}
 _LISTED = 8  # differing tensors kept in the detail
+_GARBAGE = "holds uninitialised memory (built on meta, never loaded)"
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,15 @@ def classify(loader: str, runs: Sequence[RankRun], elapsed: float = 0.0) -> Obse
             f"rank {r.rank} was killed by {r.signal} inside the loader's collectives "
             f"({r.last_error or 'no message'}): gloo aborts a mismatched collective, NCCL blocks",
         )
-    refused = [r for r in runs if _error(r, "refused") and r.stage == LOADING]
+    refused = [r for r in runs if _error(r, "refused", LOADING)]
     if refused:
         r = refused[0]
         return done("refused", f"rank {r.rank} raised {r.record['error']['message']}")
     stuck = [r for r in runs if r.returncode is None and r.stage == LOADING]
-    failed = [r for r in runs if _error(r, "collective") and r.record["error"].get("stage") == LOADING]
+    failed = [r for r in runs if _error(r, "collective", LOADING)]
     if stuck or failed:
-        parts = [f"rank {r.rank} still inside the loader's collectives at the deadline" for r in stuck]
+        late = "still inside the loader's collectives at the deadline"
+        parts = [f"rank {r.rank} {late}" for r in stuck]
         parts += [f"rank {r.rank}: {r.record['error']['message']}" for r in failed]
         return done("hang", "; ".join(parts))
     unfinished = [r for r in runs if r.returncode != 0 or not r.record or r.record.get("error")]
@@ -84,9 +86,8 @@ def classify(loader: str, runs: Sequence[RankRun], elapsed: float = 0.0) -> Obse
     worst = max(differing, key=lambda d: SEVERITY[d["verdict"]])
     first = next(d for d in differing if d["verdict"] == worst["verdict"])
     more = f" (and {len(differing) - 1} more)" if len(differing) > 1 else ""
-    return done(
-        worst["verdict"], f"finished, but on rank {first['rank']} {first['name']} {first['state']}{more}"
-    )
+    where = f"rank {first['rank']} {first['name']} {first['state']}"
+    return done(worst["verdict"], f"finished, but on {where}{more}")
 
 
 def compare_holdings(
@@ -96,7 +97,8 @@ def compare_holdings(
     ref = records[min(records)]
     ref_tensors = ref.get("tensors", {})
     expected = ref.get("expected", {})
-    known_values = {t["digest"] for t in ref_tensors.values() if t["digest"]}
+    first = min(records)
+    known = {t["digest"] for t in ref_tensors.values() if t["digest"]}
     differing: list[dict[str, Any]] = []
     only: list[dict[str, Any]] = []
     for rank in sorted(records):
@@ -106,18 +108,20 @@ def compare_holdings(
         wants = expected.get(str(rank), {})
         for name, t in tensors.items():
             volatile = t["kind"] == "buffer" and t["persistent"] is False
-            if volatile and record.get("meta_built") and t["digest"] != own.get(name):
-                if t["digest"] not in known_values | set(own.values()):
-                    differing.append(_entry(name, rank, "uninitialized", "holds uninitialised memory"))
+            if volatile and t["digest"] != own.get(name):
+                if record.get("meta_built") and t["digest"] not in known | set(own.values()):
+                    differing.append(_entry(name, rank, "uninitialized", _GARBAGE))
                     continue
             if name in wants:
                 if t["digest"] == wants[name].get(t["dtype"]):
                     continue
-                state = f"differs from rank {min(records)}'s source"
+                state = f"differs from rank {first}'s source"
             elif name in ref_tensors:
-                if rank == min(records) or t["digest"] == ref_tensors[name]["digest"]:
+                if rank == first or t["digest"] == ref_tensors[name]["digest"]:
                     continue
-                state = f"differs from rank {min(records)}'s"
+                state = f"differs from rank {first}'s"
+            elif volatile and t["digest"] != own.get(name):
+                state = "is only on this rank, and the loader overwrote its own value"
             else:
                 only.append({"name": name, "rank": rank})
                 continue
@@ -127,8 +131,8 @@ def compare_holdings(
             elif volatile and t["digest"] == own.get(name):
                 state = "kept its own value, not rank 0's"
             differing.append(_entry(name, rank, "silent-corruption", state))
-        if rank != min(records):
-            only += [{"name": n, "rank": min(records)} for n in ref_tensors if n not in tensors]
+        if rank != first:
+            only += [{"name": n, "rank": first} for n in ref_tensors if n not in tensors]
     return differing, only
 
 
@@ -136,9 +140,10 @@ def _entry(name: str, rank: int, verdict: str, state: str) -> dict[str, Any]:
     return {"name": name, "rank": rank, "verdict": verdict, "state": state}
 
 
-def _error(run: RankRun, kind: str) -> bool:
+def _error(run: RankRun, kind: str, stage: str) -> bool:
+    """The rank's child reported an error of ``kind`` raised in ``stage``."""
     error = (run.record or {}).get("error")
-    return bool(error) and error.get("kind") == kind
+    return bool(error) and error.get("kind") == kind and error.get("stage") == stage
 
 
 def _rank_detail(run: RankRun) -> dict[str, Any]:
