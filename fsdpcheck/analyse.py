@@ -145,6 +145,7 @@ def headline(findings: Sequence[Finding], errors: Sequence[RankError], world_siz
     """One short line a person can act on."""
     if errors:
         return _error_headline(errors)
+    findings = [f for f in findings if f.kind != "prediction"]  # report_headline says those
     if not findings:
         if world_size <= 1:
             return "1 rank: nothing to compare across ranks"

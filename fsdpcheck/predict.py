@@ -106,14 +106,24 @@ def predict_loaders(
     ref = records[reference.representative]
     pairs = [(g, records[g.representative]) for g in others]
     ctx = _Context(reference, ref, pairs, backend)
-    predictions = [
+    predictions = _predict(ctx, records, meta_ranks)
+    if backend == "nccl":  # --reproduce runs on gloo: keep its verdict where it differs
+        on_gloo = _predict(replace(ctx, backend="gloo"), records, meta_ranks)
+        predictions = [
+            replace(p, on_gloo=g.verdict) if g.verdict != p.verdict else p
+            for p, g in zip(predictions, on_gloo, strict=True)
+        ]
+    return [replace(p, products=products(p.name, ref.env)) for p in predictions]
+
+
+def _predict(ctx: _Context, records, meta_ranks) -> list[LoaderPrediction]:
+    return [
         _named_buffers(ctx),
         _state_dict_order(ctx),
         _ddp(ctx),
         _dcp(ctx, records, meta_ranks),
         _sorted_names(ctx),
     ]
-    return [replace(p, products=products(p.name, ref.env)) for p in predictions]
 
 
 def products(name: str, env: EnvRecord | None = None) -> str:

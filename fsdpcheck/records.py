@@ -226,6 +226,7 @@ class LoaderPrediction:
     ranks: tuple[int, ...] = ()  # ranks affected
     first_issue: Mapping[str, Any] | None = None
     products: str = ""  # the products and versions this row stands for
+    on_gloo: str | None = None  # the verdict on gloo where it differs (a larger receive buffer)
     # --reproduce: what the real loader did in a child job (same vocabulary; None: not run)
     observed: str | None = None
     observed_detail: Mapping[str, Any] | None = None

@@ -117,15 +117,26 @@ _LOADER_STYLE = {
 def _render_loaders(report: Report, console: Console) -> None:
     if not report.loaders or (report.errors and not report.findings):
         return
-    if all(p.verdict == "ok" for p in report.loaders):
-        console.print(f"loaders: all {len(report.loaders)} known loaders would load these ranks")
+    if all(p.verdict == "ok" and p.observed in (None, "ok") for p in report.loaders):
+        ran = sum(p.observed == "ok" for p in report.loaders)
+        tail = f" ({ran} run for real: ok)" if ran else ""
+        count = len(report.loaders)
+        console.print(f"loaders: all {count} known loaders would load these ranks{tail}")
         return
+    observed = any(p.observed_detail is not None for p in report.loaders)
     table = Table(title="what each loader would do on these ranks", title_justify="left")
     table.add_column("loader", style="bold")
     table.add_column("verdict")
+    if observed:
+        table.add_column("observed (gloo)")
     table.add_column("why", overflow="fold")
     for p in report.loaders:
-        table.add_row(p.name, Text(p.verdict, style=_LOADER_STYLE.get(p.verdict, "")), p.summary)
+        cells = [p.name, Text(p.verdict, style=_LOADER_STYLE.get(p.verdict, ""))]
+        if observed:
+            seen = p.observed or "not run"
+            cells.append(Text(seen, style=_LOADER_STYLE.get(seen, "dim")))
+        cells.append(p.summary)
+        table.add_row(*cells)
     console.print(table)
 
 
@@ -143,12 +154,10 @@ def _render_load(report: Report, console: Console) -> None:
         console.print(f"[yellow]sorted loader refused[/] (no rank hung): {escape(load.message)}")
     elif load is not None and load.outcome == "skipped" and not report.errors:
         console.print(f"sorted loader not run: {escape(load.message)}", style="dim")
-    if report.reproduction:
-        repro = report.reproduction
-        console.print(
-            f"reproduction of named-buffers-order (child job): [bold]{repro.get('outcome')}[/] "
-            f"— {escape(str(repro.get('summary', '')))}"
-        )
+    for p in report.loaders:
+        if p.observed_detail is not None and p.observed is None:
+            why = escape(str(p.observed_detail.get("summary", "")))
+            console.print(f"{p.name} not run for real: {why}", style="dim")
 
 
 def _load_method(load: LoadOutcome) -> str:
@@ -165,8 +174,13 @@ def report_headline(report: Report) -> str:
 
     line = headline(report.findings, report.errors, report.world_size)
     bad = [f"{p.name} → {p.verdict}" for p in report.loaders if p.verdict != "ok"]
-    if bad and report.findings:
+    if bad and any(f.kind != "prediction" for f in report.findings):
         line += ": " + ", ".join(bad)
+    wrong = [f.details for f in report.findings if f.kind == "prediction"]
+    if wrong:
+        line += "; PREDICTION WRONG (a bug in fsdpcheck): " + ", ".join(
+            f"{w['loader']} predicted {w['predicted']}, observed {w['observed']}" for w in wrong
+        )
     load, verified = report.load, report.verify
     ranks = f"{report.world_size} rank{'s' if report.world_size != 1 else ''}"
     if load is not None and load.outcome == "loaded" and verified is not None:

@@ -101,25 +101,10 @@ def with_probe(report: Report, result: Any) -> Report:
 
 
 def with_reproduction(report: Report, options: AuditOptions) -> Report:
-    """Run the unsafe named-buffers-order loader in an isolated child job (never in-process)."""
-    from fsdpcheck.reproduce import run_reproduction
+    """Run every known loader for real, each in an isolated child job (never in-process)."""
+    from fsdpcheck.children.observe import fold_reproduction
 
-    seeds = _divergent_seeds(report)
-    try:
-        result = run_reproduction(
-            options.model, nprocs=2, seeds=seeds, timeout=max(10.0, 0.75 * options.timeout)
-        )
-        return replace(report, reproduction=to_dict(result))
-    except Exception as exc:  # the reproduction is an extra; its failure must not end the audit
-        return replace(report, reproduction={"outcome": "error", "summary": str(exc)})
-
-
-def _divergent_seeds(report: Report) -> tuple[int, int]:
-    """Rank 0's hash seed and the first differing group's, when both are fixed numbers."""
-    seeds = [env.hash_seed for env in report.environment[:2]]
-    if len(seeds) == 2 and all(s.isdigit() for s in seeds) and seeds[0] != seeds[1]:
-        return int(seeds[0]), int(seeds[1])
-    return 0, 1
+    return fold_reproduction(report, options)
 
 
 def ranks_by_host(hosts: dict[int, str]) -> dict[str, tuple[int, ...]]:

@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from fsdpcheck.checks.observed import Observation, classify
 from fsdpcheck.children.harness import ChildSpec, run_job
 from fsdpcheck.children.loaders import MODULE, RUNNERS, accelerate_version
+from fsdpcheck.records import Report
+
+if TYPE_CHECKING:
+    from fsdpcheck.audit import AuditOptions
 
 MIN_JOB_SECONDS = 8.0  # below this a job cannot even import torch on a busy machine
 
@@ -67,3 +73,46 @@ def job_seeds(hash_seeds: Sequence[str]) -> tuple[int, int]:
     if len(numeric) >= 2 and len(numeric) == len(hash_seeds):
         return numeric[0], numeric[1]
     return 0, 1
+
+
+def fold_reproduction(report: Report, options: AuditOptions) -> Report:
+    """``--reproduce``: every loader for real; ``observed`` on each row, a ``prediction``
+    finding where the real loader disagreed. Bounded by three quarters of ``--timeout``,
+    because the other ranks wait for rank 0's decision meanwhile."""
+    from fsdpcheck.analyse import verdict
+    from fsdpcheck.checks.observed import with_observations
+
+    spec = ChildSpec(
+        model=options.model,
+        init=options.init,
+        dtype=options.dtype,
+        seed=options.seed,
+        text_only=options.text_only,
+        trust_remote_code=options.trust_remote_code,
+        allow_pickle=options.allow_pickle,
+    )
+    seeds = job_seeds([env.hash_seed for env in report.environment])
+    try:
+        seen = observe_loaders(spec, seeds=seeds, budget=max(10.0, 0.75 * options.timeout))
+    except Exception as exc:  # an extra: its failure must not end the audit
+        why = f"--reproduce failed: {type(exc).__name__}: {exc}"
+        return replace(report, warnings=(*report.warnings, why))
+    loaders, findings = with_observations(report.loaders, seen)
+    named = seen.get("named-buffers-order")
+    reproduction = {
+        "outcome": named.verdict if named is not None and named.verdict else "not-run",
+        "summary": named.detail.get("summary", "") if named is not None else "",
+        "seeds": list(seeds),
+        "loader": "named-buffers-order",
+        "observed": {name: o.verdict for name, o in seen.items()},
+    }
+    all_findings = report.findings + findings
+    name, code = verdict(all_findings, report.errors)
+    return replace(
+        report,
+        loaders=loaders,
+        findings=all_findings,
+        reproduction=reproduction,
+        verdict=name,
+        exit_code=code,
+    )

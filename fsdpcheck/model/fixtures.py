@@ -24,6 +24,10 @@ VARIANTS: dict[str, str] = {
     "dtype": "ranks other than 0 build the final norm's weight in bfloat16 (same shape)",
     "persistence": "buffer model.norm.scale is persistent on rank 0, non-persistent elsewhere",
     "extra-buffer": "ranks other than 0 register one more non-persistent buffer",
+    "bucket-swap": "ranks other than 0 register layer 0's equal-sized gate and up projections "
+    "in swapped order, and a bfloat16 buffer of 4 elements where rank 0 has 8",
+    "buffer-values": "ranks other than 0 compute RoPE with another base: same names and shapes, "
+    "other values",
 }
 
 
@@ -36,11 +40,12 @@ class FixtureConfig(HazardConfig):
     def of(cls, variant: str) -> FixtureConfig:
         if variant not in VARIANTS:
             raise ValueError(f"unknown fixture variant {variant!r}")
+        base = 5e5 if variant == "buffer-values" and _differs() else 1e4
         return cls(
             variant=variant,
             layer_types=("full_attention",),
             head_dims={"full_attention": 16},
-            rope_bases={"full_attention": 1e4},
+            rope_bases={"full_attention": base},
         )
 
     def build_model(self) -> nn.Module:
@@ -84,6 +89,14 @@ class FixtureForCausalLM(HazardForCausalLM):
         elif variant == "extra-buffer" and other:
             extra = 1.0 / (1e5 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
             self.model.rotary_emb.register_buffer("extra_inv_freq", extra, persistent=False)
+        elif variant == "bucket-swap":
+            if other:
+                mlp = self.model.layers[0].mlp
+                gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+                del mlp.gate_proj, mlp.up_proj, mlp.down_proj
+                mlp.up_proj, mlp.gate_proj, mlp.down_proj = up, gate, down
+            table = torch.linspace(0, 1, 4 if other else 8, dtype=torch.bfloat16)
+            self.model.rotary_emb.register_buffer("bf16_table", table, persistent=False)
 
     def tie_weights(self) -> None:
         """As transformers models do (accelerate calls it after loading)."""
