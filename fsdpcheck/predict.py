@@ -433,8 +433,10 @@ def _state_dict_order(ctx: _Context) -> LoaderPrediction:
 
 
 def _kept_buffer_values(a: Fingerprint, b: Fingerprint, ref_rank: int, group: Group):
-    """Buffers each rank keeps: a recorded value that differs from rank 0's stays different.
-    Digests come from materialised ranks only; ``None`` (meta) is unknown and not judged."""
+    """Buffers each rank keeps (accelerate; DCP, which leaves them alone): a recorded value that
+    differs from rank 0's stays different. Digests come from materialised ranks only; ``None``
+    (meta) is unknown and not judged here. Values are not in a group's digest, so only ranks
+    that differ in layout too (or a value-aware gather) get compared."""
     theirs = {t.name: t for t in b.buffers if t.persistent is False}
     for i, x in enumerate(t for t in a.buffers if t.persistent is False):
         y = theirs.get(x.name)
@@ -648,6 +650,10 @@ def _dcp(ctx: _Context, records, meta_ranks) -> LoaderPrediction:
             results.append((group.ranks, _dcp_refusal(*views, ctx.ref_rank, group)))
     if any(_stops(issue) for _, issue in results):
         return _aggregate("dcp-broadcast", results, "")
+    for group, other in ctx.pairs:  # untouched, so a rank built for real keeps its own values
+        views = _views(ctx.ref, other, prefer="post_wrap")
+        if views is not None:
+            results.append((group.ranks, _kept_buffer_values(*views, ctx.ref_rank, group)))
 
     # Not in the state dict, so DCP leaves these as built: garbage where built on meta.
     view = _loader_view(ctx.ref)

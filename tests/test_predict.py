@@ -400,7 +400,8 @@ def test_accelerate_keeps_each_ranks_buffer_values():
     sd = out["state-dict-order"]
     assert sd.verdict == "silent-corruption"
     assert "kept per rank" in sd.summary
-    assert out["named-buffers-order"].verdict == "ok"  # values are not in the layout
+    assert out["dcp-broadcast"].verdict == "silent-corruption"  # DCP leaves them alone too
+    assert out["named-buffers-order"].verdict == "ok"  # broadcast from rank 0
     unknown = (dataclasses.replace(bufs[0], digest=None), ours[1])
     records[1] = record(1, unknown)
     assert predict_loaders(groups, records)[1].verdict == "ok"  # not recorded: not judged
