@@ -137,3 +137,25 @@ def test_observations_fold_into_rows_and_disagreements_become_findings():
     assert [f.details["loader"] for f in findings] == ["dcp-broadcast"]  # gloo said ok for DDP
     assert findings[0].kind == "prediction"
     assert "rank 1 raised X" in findings[0].summary
+
+
+def test_a_wrong_prediction_is_in_the_headline_but_not_the_verdict():
+    from rich.console import Console
+
+    from fsdpcheck.analyse import verdict
+    from fsdpcheck.records import Report, from_dict, to_dict
+    from fsdpcheck.render import render, report_headline
+
+    rows = (LoaderPrediction("dcp-broadcast", "ok", "keyed by name", products="torch"),)
+    seen = {"dcp-broadcast": Observation("dcp-broadcast", "refused", {"summary": "rank 1 raised"})}
+    loaders, findings = with_observations(rows, seen)
+    assert verdict(findings, ()) == ("consistent", 0)  # the ranks agree; fsdpcheck was wrong
+    report = Report("consistent", 0, 2, None, None, (), findings, (), loaders=loaders)
+    assert from_dict(Report, to_dict(report)) == report
+    line = report_headline(report)
+    assert line.startswith("all 2 ranks consistent; PREDICTION WRONG (a bug in fsdpcheck)")
+    assert "dcp-broadcast predicted ok, observed refused" in line
+    console = Console(record=True, width=200, color_system=None)
+    render(report, console)
+    text = console.export_text()
+    assert "observed (gloo)" in text and "refused" in text
