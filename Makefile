@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 NPROC ?= 2
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-unit lint bench clean
 
 install: $(STAMP)
 
@@ -30,6 +30,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The fast tier: pure tests, no processes, seconds.
+test-unit: install
+	$(BIN)/python -m pytest -q tests/unit
 
 lint: install
 	$(BIN)/ruff check fsdpcheck tests scripts

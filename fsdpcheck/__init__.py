@@ -6,12 +6,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "run_audit": "fsdpcheck.audit",
     "check_model": "fsdpcheck.audit",
-    "AuditOptions": "fsdpcheck.audit",
+    "AuditOptions": "fsdpcheck.options",
     "AuditResult": "fsdpcheck.audit",
-    "load_full_state_dict": "fsdpcheck.load",
-    "broadcast_buffers": "fsdpcheck.load",
-    "BufferMismatchError": "fsdpcheck.load",
-    "verify_load": "fsdpcheck.verify",
+    "load_full_state_dict": "fsdpcheck.loader.load",
+    "broadcast_buffers": "fsdpcheck.loader.load",
+    "BufferMismatchError": "fsdpcheck.loader.load",
+    "verify_load": "fsdpcheck.loader.verify",
 }
 
 

@@ -1,18 +1,23 @@
 """The audit, one rank's view: resolve → build → fingerprint → wrap → fingerprint → gather →
-analyse → report. Library code: takes options, returns data, never prints."""
+load → verify, then rank 0 assembles the report once. Library code: returns data, never prints."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fsdpcheck import distributed
-from fsdpcheck.errors import EXIT_RUNTIME, FsdpcheckError
+from fsdpcheck.dist import liveness
+from fsdpcheck.dist import setup as distributed
+from fsdpcheck.dist.environment import env_record
+from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.faults import maybe_inject
+from fsdpcheck.options import AuditOptions
 from fsdpcheck.records import (
+    Gathered,
     LoadOutcome,
     ModelInfo,
     RankError,
@@ -20,33 +25,18 @@ from fsdpcheck.records import (
     Report,
     VerifyResult,
     WrapPlan,
+    to_dict,
 )
-from fsdpcheck.wrap import DEFAULT_MIN_PARAMS
+from fsdpcheck.report import AuditOutcome, assemble, error_report, report_headline
+from fsdpcheck.vocab import ErrorKind, ExitCode, LoadStatus, ReproOutcome, Snapshot, Stage
 
 if TYPE_CHECKING:
-    from fsdpcheck.build import BuiltModel
+    from fsdpcheck.checks.hash_seed import ProbeResult
+    from fsdpcheck.model.build import BuiltModel
 
 T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class AuditOptions:
-    model: str
-    backend: str = "auto"
-    timeout: float = 60.0
-    init: str = "rank0"
-    dtype: str | None = None
-    seed: int = 0
-    text_only: bool = False
-    trust_remote_code: bool = False
-    allow_pickle: bool = False
-    wrap_classes: tuple[str, ...] = ()
-    min_params: int = DEFAULT_MIN_PARAMS
-    mesh: tuple[int, ...] | None = None  # (replicate, shard) for HSDP; default: 1-D, all ranks
-    load: bool = True  # run the project's loader and verify every rank afterwards
-    reproduce: bool = False  # also run the unsafe loader, in an isolated child job
-    probe: int = 0  # rank 0 also probes the build under this many hash seeds (0: off)
-    download: bool = False  # rank 0 fetches a hub id into the cache first; the others wait
+__all__ = ["AuditOptions", "AuditResult", "check_model", "run_audit"]
 
 
 @dataclass(frozen=True)
@@ -63,28 +53,41 @@ class _RankState:
     """What one rank learns on its way to the gather."""
 
     ctx: distributed.DistContext
+    progress: Callable[[str], None] | None = None  # rank 0's console, told each stage
+    publish: Callable[[Report], None] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     error: RankError | None = None
     model_info: ModelInfo | None = None
     wrap_plan: WrapPlan | None = None
-    publish: Callable[[Report], None] | None = None
 
-    def stage(self, name: str, fn: Callable[[], T]) -> T | None:
+    def enter(self, stage: Stage) -> None:
+        liveness.mark_stage(self.ctx, stage)
+        if self.progress is not None:
+            self.progress(stage)
+
+    @contextmanager
+    def timed(self, stage: Stage) -> Iterator[None]:
+        """Mark ``stage`` for liveness and progress, inject a test fault, record its time."""
+        self.enter(stage)
+        start = time.perf_counter()
+        try:
+            maybe_inject(self.ctx.rank, stage)
+            yield
+        finally:
+            self.timings[stage] = round(time.perf_counter() - start, 4)
+
+    def stage(self, name: Stage, fn: Callable[[], T]) -> T | None:
         """Run one stage unless an earlier one failed; record its time or its error."""
         if self.error is not None:
             return None
         rank = self.ctx.rank
-        distributed.mark_stage(self.ctx, name)
-        start = time.perf_counter()
         try:
-            maybe_inject(rank, name)
-            return fn()
+            with self.timed(name):
+                return fn()
         except FsdpcheckError as exc:
             self.error = RankError(rank, name, str(exc), exc.kind)
         except Exception as exc:  # any failure must reach the gather, not strand the others
-            self.error = RankError(rank, name, f"{type(exc).__name__}: {exc}", "runtime")
-        finally:
-            self.timings[name] = round(time.perf_counter() - start, 4)
+            self.error = RankError(rank, name, f"{type(exc).__name__}: {exc}", ErrorKind.RUNTIME)
         return None
 
 
@@ -101,18 +104,16 @@ def run_audit(
     torchrun stop every rank as soon as one exits non-zero, so the report must be out first.
     """
     ctx = distributed.init(options.backend, options.timeout, mesh_shape=options.mesh)
-    ctx.on_stage = progress if ctx.rank == 0 else None
     try:
         on_abort = None
         if ctx.rank == 0 and publish is not None:
 
             def on_abort(errors: list[RankError]) -> None:
-                from fsdpcheck.report import error_report
-
                 publish(error_report(errors, ctx.world_size, options))
 
-        with distributed.AbortWatch(ctx, on_abort) as watch:
-            return _audit(options, ctx, watch, publish)
+        with liveness.AbortWatch(ctx, on_abort) as watch:
+            state = _RankState(ctx, progress=progress if ctx.rank == 0 else None, publish=publish)
+            return _audit(options, state, watch)
     finally:
         distributed.shutdown(ctx)
 
@@ -122,46 +123,41 @@ def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
     (and optionally wrapping) the model and before loading weights. Reuses the script's process
     group; metadata goes over a gloo side channel bounded by ``timeout``. The report (rank 0)
     has findings and loader predictions; ``exit_code`` is the same on every rank."""
-    from fsdpcheck.fingerprint import fingerprint
+    from fsdpcheck.model.fingerprint import fingerprint
 
     ctx = distributed.init("auto", timeout)
     try:
-        with distributed.AbortWatch(ctx) as watch:
+        with liveness.AbortWatch(ctx) as watch:
             state = _RankState(ctx)
-            env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
+            env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
             wrapped = any(hasattr(p, "placements") for p in model.parameters())
-            stage = "post-wrap" if wrapped else "pre-wrap"
-            fp = state.stage("fingerprint", lambda: fingerprint(model, stage))
+            snapshot = Snapshot.POST_WRAP if wrapped else Snapshot.PRE_WRAP
+            fp = state.stage(Stage.FINGERPRINT, lambda: fingerprint(model, snapshot))
             record = RankRecord(
                 env=env,
                 pre_wrap=None if wrapped else fp,
                 post_wrap=fp if wrapped else None,
                 error=state.error,
             )
-            return _conclude(None, ctx, state, record, watch, built=None)
+            return _conclude(None, state, record, watch, built=None)
     finally:
         distributed.shutdown(ctx)
 
 
-def _audit(
-    options: AuditOptions,
-    ctx: distributed.DistContext,
-    watch: distributed.AbortWatch,
-    publish: Callable[[Report], None] | None,
-) -> AuditResult:
-    from fsdpcheck import build, fingerprint, resolve, wrap
+def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch) -> AuditResult:
+    from fsdpcheck.model import build, fingerprint, resolve, wrap
 
-    state = _RankState(ctx, publish=publish)
-    env = distributed.env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
+    ctx = state.ctx
+    env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
     if options.download:
-        _download_on_rank0(options, ctx, state)
+        _download_on_rank0(options, state)
     resolved = state.stage(
-        "resolve",
+        Stage.RESOLVE,
         lambda: resolve.resolve(options.model, rank=ctx.rank, allow_pickle=options.allow_pickle),
     )
     built = state.stage(
-        "build",
+        Stage.BUILD,
         lambda: build.build(
             resolved,
             rank=ctx.rank,
@@ -172,93 +168,163 @@ def _audit(
             trust_remote_code=options.trust_remote_code,
         ),
     )
-    pre = state.stage("fingerprint-pre", lambda: fingerprint.fingerprint(built.model, "pre-wrap"))
-    planned = state.stage(
-        "wrap-plan",
+    pre = state.stage(
+        Stage.FINGERPRINT_PRE, lambda: fingerprint.fingerprint(built.model, Snapshot.PRE_WRAP)
+    )
+    targets = state.stage(
+        Stage.WRAP_PLAN,
         lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
     )
-    state.stage("wrap", lambda: wrap.apply(planned[1], ctx.mesh))
+    state.stage(Stage.WRAP, lambda: wrap.apply(targets.modules, ctx.mesh))
     post = state.stage(
-        "fingerprint-post", lambda: fingerprint.fingerprint(built.model, "post-wrap")
+        Stage.FINGERPRINT_POST, lambda: fingerprint.fingerprint(built.model, Snapshot.POST_WRAP)
     )
     if built is not None:
         state.model_info = built.info
-    if planned is not None:
-        state.wrap_plan = planned[0]
+    if targets is not None:
+        state.wrap_plan = targets.plan
     record = RankRecord(env=env, pre_wrap=pre, post_wrap=post, error=state.error)
-    return _conclude(options, ctx, state, record, watch, built, probing)
+    return _conclude(options, state, record, watch, built, probing)
 
 
 def _conclude(
     options: AuditOptions | None,
-    ctx: distributed.DistContext,
     state: _RankState,
     record: RankRecord,
-    watch: distributed.AbortWatch,
+    watch: liveness.AbortWatch,
     built: BuiltModel | None,
     probing: _ProbeThread | None = None,
 ) -> AuditResult:
-    """Gather, analyse on rank 0, and agree on one exit code; a dead peer ends it with exit 3.
+    """Gather, load and verify, let rank 0 assemble the report, and agree on one exit code; a
+    dead peer ends it with exit 3.
 
     ``options`` None: :func:`check_model`, which only checks (the script loads its own weights).
     """
-    from fsdpcheck.gather import broadcast_decision, gather_records
-    from fsdpcheck.render import report_headline
-    from fsdpcheck.report import assemble, error_report, with_reproduction
+    from fsdpcheck.dist.gather import gather_records
+    from fsdpcheck.dist.wire import broadcast_decision
 
-    distributed.mark_stage(ctx, "gather")
-    start = time.perf_counter()
+    ctx = state.ctx
     try:
-        maybe_inject(ctx.rank, "gather")
-        gathered = gather_records(record, ctx.meta_group, rank=ctx.rank, world_size=ctx.world_size)
-        state.timings["gather"] = round(time.perf_counter() - start, 4)
-        report = None
+        with state.timed(Stage.GATHER):
+            gathered = gather_records(
+                record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size
+            )
+        outcome = None
         if gathered is not None:
-            report = assemble(gathered, options, state.model_info, state.wrap_plan, state.timings)
+            outcome = AuditOutcome(gathered, state.model_info, state.wrap_plan, state.timings)
         if options is not None:  # every rank knows, so every rank takes the same branch
-            report = _load_stage(options, ctx, state, built, report)
-            if report is not None and options.reproduce:
-                report = with_reproduction(report, options)
-            if report is not None and probing is not None:
-                report = probing.fold_into(report)
-        code, headline = EXIT_RUNTIME, ""
+            load, verified = _load_stage(options, state, built, gathered)
+            if outcome is not None:
+                outcome = replace(outcome, load=load, verify=verified)
+                outcome = _rank0_extras(outcome, options, probing)
+        report = assemble(outcome, options) if outcome is not None else None
+        code, headline = ExitCode.RUNTIME, ""
         if report is not None:
             code, headline = report.exit_code, report_headline(report)
             if state.publish is not None:
                 state.publish(report)
-        code, headline = broadcast_decision(code, headline, ctx.meta_group)
+        code, headline = broadcast_decision(code, headline, ctx.side_channel)
         return AuditResult(ctx.rank, code, report, state.error, headline)
     except Exception as exc:  # a peer died or timed out: name it from heartbeats and marks
         watch.disarm()
-        errors = distributed.diagnose_peers(ctx, exc, own=state.error)
-        distributed.signal_abort(ctx, errors)
+        errors = liveness.diagnose_peers(ctx, exc, own=state.error)
+        liveness.signal_abort(ctx, errors)
         report = error_report(errors, ctx.world_size, options) if ctx.rank == 0 else None
         if report is not None and state.publish is not None:
             state.publish(report)
         own = state.error or RankError(
-            ctx.rank, "gather", f"gave up: {errors[0].message}", "runtime"
+            ctx.rank, Stage.GATHER, f"gave up: {errors[0].message}", ErrorKind.RUNTIME
         )
-        return AuditResult(ctx.rank, EXIT_RUNTIME, report, own, errors[0].message)
+        return AuditResult(ctx.rank, ExitCode.RUNTIME, report, own, errors[0].message)
 
 
-def _download_on_rank0(options: AuditOptions, ctx: distributed.DistContext, state: _RankState):
+def _rank0_extras(
+    outcome: AuditOutcome, options: AuditOptions, probing: _ProbeThread | None
+) -> AuditOutcome:
+    """Rank 0's optional extras: every loader for real and the unsafe loader's value-level
+    reproduction, each in child jobs, and the probe's result."""
+    if options.reproduce:
+        start = time.monotonic()
+        observed, note = _observe_loaders(options, outcome.gathered)
+        left = max(10.0, options.budgets.reproduce - (time.monotonic() - start))
+        outcome = replace(
+            outcome,
+            observed=observed,
+            reproduction=_reproduce(options, outcome.gathered, left),
+            notes=(*outcome.notes, *filter(None, [note])),
+        )
+    if probing is not None:
+        result, note = probing.result()
+        outcome = replace(outcome, probe=result, notes=(*outcome.notes, *filter(None, [note])))
+    return outcome
+
+
+def _observe_loaders(options: AuditOptions, gathered: Gathered) -> tuple[dict, str | None]:
+    """Every known loader, run for real in its own 2-rank gloo child job (five sixths of the
+    --reproduce budget): ``({loader: Observation}, a note if it could not run)``."""
+    from fsdpcheck.children.jobs import ChildSpec
+    from fsdpcheck.children.observe import job_seeds, observe_loaders
+
+    spec = ChildSpec(
+        model=options.model,
+        init=options.init,
+        dtype=options.dtype,
+        seed=options.seed,
+        text_only=options.text_only,
+        trust_remote_code=options.trust_remote_code,
+        allow_pickle=options.allow_pickle,
+    )
+    seeds = job_seeds([gathered.records[r].env.hash_seed for r in sorted(gathered.records)])
+    try:
+        budget = options.budgets.reproduce * 5 / 6
+        return observe_loaders(spec, seeds=seeds, budget=budget), None
+    except Exception as exc:  # an extra: its failure must not end the audit
+        return {}, f"--reproduce could not run the loaders: {type(exc).__name__}: {exc}"
+
+
+def _reproduce(options: AuditOptions, gathered: Gathered, timeout: float) -> dict[str, Any]:
+    """Run the unsafe named-buffers-order loader in an isolated child job (never in-process)."""
+    from fsdpcheck.children.reproduce import run_reproduction
+
+    try:
+        result = run_reproduction(
+            options.model,
+            nprocs=2,
+            seeds=_divergent_seeds(gathered),
+            timeout=timeout,
+        )
+        return to_dict(result)
+    except Exception as exc:  # the reproduction is an extra; its failure must not end the audit
+        return {"outcome": ReproOutcome.ERROR, "summary": str(exc)}
+
+
+def _divergent_seeds(gathered: Gathered) -> tuple[int, int]:
+    """Rank 0's hash seed and the first differing group's, when both are fixed numbers."""
+    representatives = sorted(gathered.records)[:2]
+    seeds = [gathered.records[r].env.hash_seed for r in representatives]
+    if len(seeds) == 2 and all(s.isdigit() for s in seeds) and seeds[0] != seeds[1]:
+        return int(seeds[0]), int(seeds[1])
+    return 0, 1
+
+
+def _download_on_rank0(options: AuditOptions, state: _RankState) -> None:
     """Rank 0 downloads into the shared cache while the others wait, then all read the cache."""
     import torch.distributed as dist
 
-    from fsdpcheck.resolve import download
+    from fsdpcheck.model.resolve import download
 
+    ctx = state.ctx
     if ctx.rank == 0:
         state.stage(
-            "download",
+            Stage.DOWNLOAD,
             lambda: download(options.model, rank=0, allow_pickle=options.allow_pickle),
         )
     try:
-        dist.barrier(group=ctx.meta_group)
+        dist.barrier(group=ctx.side_channel)
     except Exception as exc:  # a dead peer: the gather will name it
         if state.error is None:
-            state.error = RankError(
-                ctx.rank, "download", distributed.collective_cause(exc), "runtime"
-            )
+            cause = liveness.collective_cause(exc)
+            state.error = RankError(ctx.rank, Stage.DOWNLOAD, cause, ErrorKind.RUNTIME)
 
 
 class _ProbeThread:
@@ -269,14 +335,14 @@ class _ProbeThread:
     def __init__(self, options: AuditOptions):
         self._options = options
         self._started = time.monotonic()
-        self._budget = max(5.0, 0.8 * options.timeout)
-        self._result: Any = None
+        self._budget = options.budgets.probe
+        self._result: ProbeResult | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="fsdpcheck-probe", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        from fsdpcheck.probe import probe
+        from fsdpcheck.children.probe import probe
 
         o = self._options
         try:
@@ -290,44 +356,40 @@ class _ProbeThread:
         except BaseException as exc:  # reported in the audit's warnings, never fatal
             self._error = exc
 
-    def fold_into(self, report: Report) -> Report:
-        from dataclasses import replace
-
-        from fsdpcheck.report import with_probe
-
+    def result(self) -> tuple[ProbeResult | None, str | None]:
+        """The probe's result, or why there is none (a warning for the report)."""
         self._thread.join(max(0.0, self._budget + 5 - (time.monotonic() - self._started)))
         if self._result is not None:
-            return with_probe(report, self._result)
+            return self._result, None
         why = f"{type(self._error).__name__}: {self._error}" if self._error else "timed out"
-        return replace(report, warnings=(*report.warnings, f"--probe did not finish: {why}"))
+        return None, f"--probe did not finish: {why}"
 
 
 def _load_stage(
     options: AuditOptions,
-    ctx: distributed.DistContext,
     state: _RankState,
     built: BuiltModel | None,
-    report: Report | None,
-) -> Report | None:
-    """Collective: rank 0 decides whether the loader runs; then load and verify, or say why not."""
-    from fsdpcheck.gather import broadcast_decision
-    from fsdpcheck.report import with_load
+    gathered: Gathered | None,
+) -> tuple[LoadOutcome | None, VerifyResult | None]:
+    """Collective: rank 0 decides whether the loader runs; then load and verify, or say why not.
+    The outcome is known on rank 0 (``None`` elsewhere when skipped)."""
+    from fsdpcheck.dist.wire import broadcast_decision
 
-    skip = _load_skip_reason(options, report, built) if ctx.rank == 0 else ""
-    go, _ = broadcast_decision(0 if skip else 1, "", ctx.meta_group)
+    ctx = state.ctx
+    skip = _load_skip_reason(options, gathered, built) if ctx.rank == 0 else ""
+    go, _ = broadcast_decision(0 if skip else 1, "", ctx.side_channel)
     if go:
-        load, verified = _load_and_verify(ctx, state, built)
-        return with_load(report, load, verified) if report is not None else None
-    if report is not None:
-        return with_load(report, LoadOutcome(False, "skipped", skip), None)
-    return None
+        return _load_and_verify(state, built)
+    if ctx.rank == 0:
+        return LoadOutcome(False, LoadStatus.SKIPPED, skip), None
+    return None, None
 
 
 def _load_skip_reason(
-    options: AuditOptions, report: Report | None, built: BuiltModel | None
+    options: AuditOptions, gathered: Gathered | None, built: BuiltModel | None
 ) -> str:
     """Why rank 0 will not run the loader ("" to run it). Decided on rank 0, then shared."""
-    if report is None or report.errors:
+    if gathered is None or gathered.errors:
         return "a rank failed before the load"
     if not options.load:
         return "--no-load"
@@ -339,39 +401,34 @@ def _load_skip_reason(
 
 
 def _load_and_verify(
-    ctx: distributed.DistContext, state: _RankState, built: BuiltModel | None
+    state: _RankState, built: BuiltModel | None
 ) -> tuple[LoadOutcome, VerifyResult | None]:
     """Collective: the sorted, validated loader, then the proof that every rank is equal."""
-    from fsdpcheck.load import load_full_state_dict
-    from fsdpcheck.verify import verify_load
+    from fsdpcheck.loader.load import load_full_state_dict
+    from fsdpcheck.loader.verify import verify_load
 
-    distributed.mark_stage(ctx, "load")
+    ctx = state.ctx
     full = built.full_state_dict if ctx.rank == 0 else None
     # The gloo channel on every backend: the bucketed path stages CUDA shards through host
     # memory, and the audit's collectives stay bounded by --timeout, whatever NCCL's state.
-    start = time.perf_counter()
     try:
-        maybe_inject(ctx.rank, "load")
-        result = load_full_state_dict(built.model, full or {}, group=ctx.meta_group)
+        with state.timed(Stage.LOAD):
+            result = load_full_state_dict(built.model, full or {}, group=ctx.side_channel)
     except FsdpcheckError as exc:  # refused on every rank alike: nothing was loaded
-        state.timings["load"] = round(time.perf_counter() - start, 4)
-        return LoadOutcome(True, "refused", str(exc), seconds=state.timings["load"]), None
-    state.timings["load"] = round(time.perf_counter() - start, 4)
+        seconds = state.timings[Stage.LOAD]
+        return LoadOutcome(True, LoadStatus.REFUSED, str(exc), seconds=seconds), None
     load = LoadOutcome(
         ran=True,
-        outcome="loaded",
+        outcome=LoadStatus.LOADED,
         params_loaded=result.params_loaded,
         buffers_broadcast=result.buffers_broadcast,
         collectives=result.collectives,
-        seconds=state.timings["load"],
+        seconds=state.timings[Stage.LOAD],
         method=result.method,
         fallback_reason=result.fallback_reason,
         state_messages=result.state_messages,
         state_bytes=result.state_bytes,
     )
-    distributed.mark_stage(ctx, "verify")
-    start = time.perf_counter()
-    maybe_inject(ctx.rank, "verify")
-    verified = verify_load(built.model, full, group=ctx.meta_group)
-    state.timings["verify"] = round(time.perf_counter() - start, 4)
+    with state.timed(Stage.VERIFY):
+        verified = verify_load(built.model, full, group=ctx.side_channel)
     return load, verified

@@ -127,11 +127,13 @@ def audit(
     if vary_hash_seed and os.environ.get(_REEXEC_MARK) != "1":
         _reexec_with_rank_hash_seed()
 
-    from fsdpcheck.audit import AuditOptions, run_audit
+    from fsdpcheck.audit import run_audit
+    from fsdpcheck.console import StageStatus, render
     from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.options import AuditOptions
+    from fsdpcheck.output import write_json
     from fsdpcheck.records import RankError
-    from fsdpcheck.render import render
-    from fsdpcheck.report import write_json
+    from fsdpcheck.vocab import Stage
 
     options = AuditOptions(
         model=model,
@@ -164,10 +166,10 @@ def audit(
     # (about 0.6 s of CPU per rank on a 70B-shaped config); far fewer young ones do the job.
     gc.set_threshold(50_000, 100, 100)
     try:
-        with _StageStatus(rank) as status:
+        with StageStatus(rank) as status:
             result = run_audit(options, progress=status.update, publish=publish)
     except FsdpcheckError as exc:  # raised before any gather: bad input, unreachable rendezvous
-        _fail(RankError(rank, "launch", str(exc), exc.kind), exc.exit_code, json_path, options)
+        _fail(RankError(rank, Stage.LAUNCH, str(exc), exc.kind), exc.exit_code, json_path, options)
 
     if result.report is None and result.own_error is not None:
         _stderr().print(
@@ -180,28 +182,6 @@ def audit(
     raise typer.Exit(result.exit_code)
 
 
-class _StageStatus:
-    """A spinner on rank 0's terminal naming the stage in progress; silent in logs and CI."""
-
-    def __init__(self, rank: int):
-        self._status = None
-        if rank == 0 and sys.stderr.isatty():
-            self._status = _stderr().status("fsdpcheck: starting", spinner="dots")
-
-    def __enter__(self) -> _StageStatus:
-        if self._status is not None:
-            self._status.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._status is not None:
-            self._status.stop()
-
-    def update(self, stage: str) -> None:
-        if self._status is not None:
-            self._status.update(f"fsdpcheck: {stage}")
-
-
 def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
     if not text:
         return None
@@ -212,16 +192,20 @@ def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
 
 
 def _stdout() -> Console:
-    # Logs and CI capture are not terminals: give tables room instead of rich's 80 columns.
-    return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+    from fsdpcheck.console import stdout_console
+
+    return stdout_console()
 
 
 def _stderr() -> Console:
-    return Console(stderr=True, soft_wrap=True)
+    from fsdpcheck.console import stderr_console
+
+    return stderr_console()
 
 
 def _fail(error: RankError, exit_code: int, json_path: Path | None, options: object) -> None:
-    from fsdpcheck.report import error_report, write_json
+    from fsdpcheck.output import write_json
+    from fsdpcheck.report import error_report
 
     _stderr().print(
         f"[bold red]fsdpcheck: rank {error.rank}: {error.stage}[/]: {escape(error.message)}",
@@ -277,7 +261,7 @@ def presets() -> None:
     """List the built-in models."""
     from rich.table import Table
 
-    from fsdpcheck.presets import PRESETS
+    from fsdpcheck.model.presets import PRESETS
 
     table = Table(title="fsdpcheck presets")
     table.add_column("name", style="bold")
@@ -326,9 +310,11 @@ def probe(
     agree by chance with probability 2·2⁻⁸ = 1/128 (< 1%); seeds 0 and 1 already differ for
     {"sliding_attention", "full_attention"}.
     """
+    from fsdpcheck.children.probe import DEFAULT_SEEDS
+    from fsdpcheck.children.probe import probe as run_probe
+    from fsdpcheck.console import probe_errors, probe_summary, probe_table
     from fsdpcheck.errors import FsdpcheckError
-    from fsdpcheck.probe import DEFAULT_SEEDS, probe_errors, probe_summary, probe_table, write_json
-    from fsdpcheck.probe import probe as run_probe
+    from fsdpcheck.output import write_json
 
     try:
         result = run_probe(
@@ -406,10 +392,11 @@ def scan(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    from fsdpcheck.children.probe import DEFAULT_SEEDS
+    from fsdpcheck.children.scan import scan as run_scan
+    from fsdpcheck.console import scan_summary, scan_table
     from fsdpcheck.errors import FsdpcheckError
-    from fsdpcheck.probe import DEFAULT_SEEDS, write_json
-    from fsdpcheck.scan import scan as run_scan
-    from fsdpcheck.scan import scan_summary, scan_table
+    from fsdpcheck.output import write_json
 
     families = ("causal-lm", "masked-lm") if masked_lm else ("causal-lm",)
     columns = (

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import types
 import typing
 from collections.abc import Mapping
@@ -54,10 +53,6 @@ def _convert(hint: Any, value: Any) -> Any:
     if origin in (dict, Mapping, typing.Mapping) or hint in (dict, Mapping):
         return dict(value)
     return value
-
-
-def dumps(record: Any) -> str:
-    return json.dumps(to_dict(record), sort_keys=True, separators=(",", ":"))
 
 
 def short_digest(*parts: str, size: int = 16) -> str:
@@ -161,6 +156,23 @@ class RankRecord:
 
 
 @dataclass(frozen=True)
+class Gathered:
+    """What rank 0 holds after the gather: every rank's digest and host, and one record per
+    distinct digest (keyed by its representative, the lowest rank with that digest)."""
+
+    digests: dict[int, str]
+    hosts: dict[int, str]
+    records: dict[int, RankRecord]
+    bytes_sent: int  # by this rank
+    meta_ranks: tuple[int, ...] = ()  # ranks whose tensors were on meta before loading
+
+    @property
+    def errors(self) -> tuple[RankError, ...]:
+        found = (r.error for r in self.records.values() if r.error is not None)
+        return tuple(sorted(found, key=lambda e: e.rank))
+
+
+@dataclass(frozen=True)
 class Group:
     """Ranks whose records share one digest; ``representative`` is the lowest rank."""
 
@@ -175,50 +187,21 @@ class Group:
 
 @dataclass(frozen=True)
 class Finding:
-    """One cross-rank difference. ``kind`` comes from :data:`FINDING_KINDS`."""
+    """One cross-rank difference; ``kind`` and ``cause`` are words of :mod:`fsdpcheck.vocab`."""
 
     kind: str
     ranks: tuple[int, ...]
     reference_rank: int
     stage: str  # "pre-wrap" | "post-wrap" | "load" | "probe"
-    cause: str  # see CAUSES
+    cause: str
     summary: str
     tensors: tuple[str, ...] = ()
     details: Mapping[str, Any] = field(default_factory=dict)
 
 
-FINDING_KINDS = {
-    "buffer-order": "same buffers on both sides, iterated in a different order",
-    "buffer-set": "buffer names present on one side only",
-    "buffer-shape": "a buffer with the same name has a different shape",
-    "buffer-dtype": "a buffer with the same name has a different dtype",
-    "buffer-persistence": "a buffer is persistent on one side and not on the other",
-    "param-order": "same parameters, iterated in a different order",
-    "param-set": "parameter names present on one side only",
-    "param-shape": "a parameter with the same name has a different shape",
-    "param-dtype": "a parameter with the same name has a different dtype",
-    "param-placement": "a parameter is sharded differently after wrapping",
-    "state-dict-order": "the same state-dict keys, walked in a different order",
-    "hash-seed": "tensor order depends on the interpreter's string-hash seed (PYTHONHASHSEED)",
-    "env": "library or interpreter versions differ between ranks",
-    "verify": "after the project's loader ran, a rank's tensor differs from rank 0's source",
-    "prediction": "a real loader did not do what fsdpcheck predicted (a bug in fsdpcheck)",
-}
-
-CAUSES = {
-    "construction-time": "already present before wrapping: the model was built differently",
-    "wrapping": "appeared only after fully_shard",
-    "environment": "the ranks run different software",
-    "configuration": "how the audit was asked to run",
-    "loading": "the loader itself left ranks different",
-    "fsdpcheck": "fsdpcheck's own model of a loader was wrong",
-    "unknown": "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
-}
-
-
 @dataclass(frozen=True)
 class LoaderPrediction:
-    """What one known loader would do on these ranks (see ``fsdpcheck.predict.LOADERS``)."""
+    """What one known loader would do on these ranks (see ``fsdpcheck.checks.predict.LOADERS``)."""
 
     name: str
     verdict: str  # "ok" | "uninitialized" | "silent-corruption" | "refused" | "hang"

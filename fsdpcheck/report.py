@@ -1,113 +1,134 @@
-"""Stage 9: assemble the report from gathered records, and write it as JSON."""
+"""Assemble the report, once, from everything the audit gathered (pure: no I/O, no processes)."""
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-from collections.abc import Sequence
-from dataclasses import replace
-from pathlib import Path
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fsdpcheck.analyse import analyse, group_ranks, ranks_label, verdict
-from fsdpcheck.predict import predict_loaders
+from fsdpcheck.checks.hash_seed import probe_finding
+from fsdpcheck.checks.layout import analyse, group_ranks, headline, verdict
+from fsdpcheck.checks.loaded import verify_findings
+from fsdpcheck.checks.observed import Observation, with_observations
+from fsdpcheck.checks.predict import predict_loaders
 from fsdpcheck.records import (
-    Finding,
+    Gathered,
     LoadOutcome,
     ModelInfo,
     RankError,
     Report,
     VerifyResult,
     WrapPlan,
-    from_dict,
     to_dict,
+)
+from fsdpcheck.vocab import (
+    ErrorKind,
+    ExitCode,
+    FindingKind,
+    LoaderVerdict,
+    LoadStatus,
+    Verdict,
 )
 
 if TYPE_CHECKING:
-    from fsdpcheck.audit import AuditOptions
-    from fsdpcheck.gather import Gathered
+    from fsdpcheck.checks.hash_seed import ProbeResult
+    from fsdpcheck.options import AuditOptions
 
 
-def assemble(
-    gathered: Gathered,
-    options: AuditOptions | None,
-    model: ModelInfo | None,
-    wrap_plan: WrapPlan | None,
-    timings: dict[str, float],
-) -> Report:
+@dataclass(frozen=True)
+class AuditOutcome:
+    """Everything rank 0 learned in one audit, before any of it is judged."""
+
+    gathered: Gathered
+    model: ModelInfo | None = None
+    wrap_plan: WrapPlan | None = None
+    timings: Mapping[str, float] = field(default_factory=dict)
+    load: LoadOutcome | None = None
+    verify: VerifyResult | None = None
+    reproduction: Mapping[str, Any] | None = None  # --reproduce: the unsafe loader's child job
+    observed: Mapping[str, Observation] | None = None  # --reproduce: every loader, for real
+    probe: ProbeResult | None = None  # --probe K
+    notes: tuple[str, ...] = ()  # warnings from optional extras that did not finish
+
+
+def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
+    """The report: findings, loader predictions and one verdict."""
+    gathered = outcome.gathered
     groups = group_ranks(gathered.digests, gathered.hosts)
     records = gathered.records
     findings = analyse(groups, records)
-    loaders = predict_loaders(groups, records, gathered.meta_ranks)
-    errors = tuple(
-        sorted((r.error for r in records.values() if r.error is not None), key=lambda e: e.rank)
-    )
-    warnings = wrap_warnings(wrap_plan)
+    if outcome.verify is not None:
+        findings.extend(verify_findings(outcome.verify))
+    if outcome.probe is not None and (found := probe_finding(outcome.probe)) is not None:
+        findings.append(found)
+    loaders = tuple(predict_loaders(groups, records, gathered.meta_ranks))
+    if outcome.observed:
+        loaders, wrong = with_observations(loaders, outcome.observed)
+        findings.extend(wrong)
+    errors = gathered.errors
     name, code = verdict(findings, errors)
     return Report(
         verdict=name,
         exit_code=code,
         world_size=len(gathered.digests),
-        model=model,
-        wrap=wrap_plan,
+        model=outcome.model,
+        wrap=outcome.wrap_plan,
         groups=tuple(groups),
         findings=tuple(findings),
         errors=errors,
-        loaders=tuple(loaders),
+        loaders=loaders,
+        load=outcome.load,
+        verify=outcome.verify,
+        reproduction=outcome.reproduction,
+        probe=to_dict(outcome.probe) if outcome.probe is not None else None,
         hosts=ranks_by_host(gathered.hosts),
-        warnings=warnings,
+        warnings=(*wrap_warnings(outcome.wrap_plan), *outcome.notes),
         environment=tuple(records[g.representative].env for g in groups),
         options=to_dict(options) if options is not None else {},
-        timings=timings,
+        timings=dict(outcome.timings),
     )
 
 
-def with_load(report: Report, load: LoadOutcome, verified: VerifyResult | None) -> Report:
-    """Fold the loader's outcome and the verification into the report; a failed proof is a
-    ``verify`` finding (exit 1)."""
-    findings = list(report.findings)
-    if verified is not None and verified.ran and not verified.passed:
-        for mismatch in verified.mismatches:
-            findings.append(
-                Finding(
-                    kind="verify",
-                    ranks=tuple(mismatch.get("ranks", ())),
-                    reference_rank=0,
-                    stage="load",
-                    cause="loading",
-                    summary=f"after the sorted loader, {mismatch.get('kind', 'tensor')} "
-                    f"{mismatch.get('name')} differs from rank 0's source on ranks "
-                    f"{ranks_label(mismatch.get('ranks', ()))}: {mismatch.get('reason', '')}",
-                    tensors=(str(mismatch.get("name")),),
-                    details=dict(mismatch),
-                )
-            )
-    name, code = verdict(findings, report.errors)
-    return replace(
-        report, load=load, verify=verified, findings=tuple(findings), verdict=name, exit_code=code
+def error_report(
+    errors: Sequence[RankError], world_size: int, options: AuditOptions | None
+) -> Report:
+    """A report for a run that could not finish the gather."""
+    bad_input = all(e.kind == ErrorKind.INPUT for e in errors)
+    return Report(
+        verdict=Verdict.ERROR,
+        exit_code=ExitCode.BAD_INPUT if bad_input else ExitCode.RUNTIME,
+        world_size=world_size,
+        model=None,
+        wrap=None,
+        groups=(),
+        findings=(),
+        errors=tuple(errors),
+        options=to_dict(options) if options is not None else {},
     )
 
 
-def with_probe(report: Report, result: Any) -> Report:
-    """Fold ``fsdpcheck.probe``'s result in: a ``hash-seed`` finding, and ``latent`` when that
-    is the only finding (the ranks agree now, but only because they share a hash seed)."""
-    from fsdpcheck.probe import probe_finding
+def report_headline(report: Report) -> str:
+    """The one line a person can act on."""
+    line = headline(report.findings, report.errors, report.world_size)
+    bad = [f"{p.name} → {p.verdict}" for p in report.loaders if p.verdict != LoaderVerdict.OK]
+    if bad and any(f.kind != FindingKind.PREDICTION for f in report.findings):
+        line += ": " + ", ".join(bad)
+    wrong = [f.details for f in report.findings if f.kind == FindingKind.PREDICTION]
+    if wrong:
+        line += "; PREDICTION WRONG (a bug in fsdpcheck): " + ", ".join(
+            f"{w['loader']} predicted {w['predicted']}, observed {w['observed']}" for w in wrong
+        )
+    load, verified = report.load, report.verify
+    ranks = f"{report.world_size} rank{'s' if report.world_size != 1 else ''}"
+    if load is not None and load.outcome == LoadStatus.LOADED and verified is not None:
+        state = "verified" if verified.passed else "left ranks different"
+        line += f"; sorted loader {state} on {ranks}"
+    elif load is not None and load.outcome == LoadStatus.REFUSED:
+        line += "; sorted loader refused (names, shapes or dtypes differ)"
+    return line
 
-    finding = probe_finding(result)
-    findings = report.findings + ((finding,) if finding is not None else ())
-    name, code = verdict(findings, report.errors)
-    return replace(report, probe=to_dict(result), findings=findings, verdict=name, exit_code=code)
 
-
-def with_reproduction(report: Report, options: AuditOptions) -> Report:
-    """Run every known loader for real, each in an isolated child job (never in-process)."""
-    from fsdpcheck.children.observe import fold_reproduction
-
-    return fold_reproduction(report, options)
-
-
-def ranks_by_host(hosts: dict[int, str]) -> dict[str, tuple[int, ...]]:
+def ranks_by_host(hosts: Mapping[int, str]) -> dict[str, tuple[int, ...]]:
     by_host: dict[str, list[int]] = {}
     for rank in sorted(hosts):
         by_host.setdefault(hosts[rank], []).append(rank)
@@ -129,36 +150,3 @@ def wrap_warnings(wrap_plan: WrapPlan | None) -> tuple[str, ...]:
             f"(--min-params {wrap_plan.min_params:,})"
         )
     return tuple(warnings)
-
-
-def error_report(
-    errors: Sequence[RankError], world_size: int, options: AuditOptions | None
-) -> Report:
-    """A report for a run that could not finish the gather."""
-    return Report(
-        verdict="error",
-        exit_code=2 if all(e.kind == "input" for e in errors) else 3,
-        world_size=world_size,
-        model=None,
-        wrap=None,
-        groups=(),
-        findings=(),
-        errors=tuple(errors),
-        options=to_dict(options) if options is not None else {},
-    )
-
-
-def write_json(report: Report, path: Path) -> None:
-    """Write atomically, so a reader never sees half a report."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the report from CI artifact collectors
-    with os.fdopen(fd, "w") as out:
-        json.dump(to_dict(report), out, indent=2, sort_keys=False)
-        out.write("\n")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Report:
-    return from_dict(Report, json.loads(Path(path).read_text()))

@@ -2,8 +2,8 @@
 
 Every row runs its variants interleaved (A, B, A, B, ...) so that drift on a shared machine hits
 both alike, takes the median of the repeats, and reports the ratio and the raw figures. Ranks are
-started by ``fsdpcheck.launch`` with the env:// variables and ``OMP_NUM_THREADS=1`` (as torchrun
-sets it). Writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
+started by ``fsdpcheck.children.launch`` with the env:// variables and ``OMP_NUM_THREADS=1``
+(as torchrun sets it). Writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
 
     .venv/bin/python scripts/bench.py                  # every row, 3 repeats (make bench)
     .venv/bin/python scripts/bench.py --quick          # smoke run: 1 repeat, a smaller model
@@ -33,7 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fsdpcheck.launch import LaunchResult, launch  # noqa: E402  (torch-free)
+from fsdpcheck.children.harness import usable_cores  # noqa: E402  (torch-free)
+from fsdpcheck.children.launch import LaunchResult, launch  # noqa: E402  (torch-free)
 
 SCRIPTS = REPO / "scripts"
 ENV = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
@@ -201,8 +202,9 @@ def row_audit(s: Settings) -> Row:
         f"Median of {plural(s.noisy_repeats, 'repeat')}"
         + ("" if s.quick else " after one warm-up round")
         + ", the two variants in alternating order. "
-        "Wall: from starting both ranks to the last one exiting (fsdpcheck.launch), interpreter "
-        "start-up and imports included, the same for both. Peak RSS: `ru_maxrss` of each rank "
+        "Wall: from starting both ranks to the last one exiting (fsdpcheck.children.launch), "
+        "interpreter start-up and imports included, the same for both. Peak RSS: `ru_maxrss` of "
+        "each rank "
         "process (scripts/bench_rss.py wraps both alike), the larger of the two ranks. CPU time: "
         "user + system time of the busier rank process, which other work on the machine "
         "stretches far less than wall time."
@@ -613,16 +615,17 @@ def row_gather(s: Settings) -> Row:
 
 
 def row_probe(s: Settings) -> Row:
-    from fsdpcheck import probe as probe_module
+    from fsdpcheck.children import probe as probe_module
+    from fsdpcheck.children.harness import ChildRunner
 
     row = Row("probe", "probe", "`probe(tiny-gemma4, seeds=8)` vs one meta build in a child")
     model = "tiny-gemma4"
-    argv = ["-m", "fsdpcheck.probe", "--child", "--model", model]
+    argv = ["-m", "fsdpcheck.children.probe", "--child", "--model", model]
     times: dict[str, list[float]] = {"probe (8 seeds)": [], "one build": []}
     verdicts = set()
     for _ in range(s.repeats):
         start = time.perf_counter()
-        outcome = probe_module.ChildRunner().run(argv, 0, 300.0)
+        outcome = ChildRunner().run(argv, 0, 300.0)
         times["one build"].append(time.perf_counter() - start)
         if outcome.returncode != 0:
             raise RuntimeError(f"one build failed: {outcome.stderr_tail}")
@@ -645,8 +648,9 @@ def row_probe(s: Settings) -> Row:
         )
     )
     row.notes.append(
-        "fsdpcheck.probe builds the model on meta in one child interpreter per hash seed; on 2 "
-        "cores 8 children run 2 at a time, so the floor is about 4 × one child (interpreter, "
+        "fsdpcheck.children.probe builds the model on meta in one child interpreter per hash "
+        "seed; on 2 cores 8 children run 2 at a time, so the floor is about 4 × one child "
+        "(interpreter, "
         "torch and transformers imports dominate a child)."
     )
     return row
@@ -693,13 +697,6 @@ RUNNERS: dict[str, Callable[[Settings], Row]] = {
 
 
 # --- the machine and the report ----------------------------------------------------------------
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def meminfo(field: str) -> int | None:
@@ -792,7 +789,7 @@ def to_markdown(rows: list[Row], meta: dict) -> str:
         f"- Load average (1, 5, 15 min) before: {meta['load_before']}, after: "
         f"{meta['load_after']} (other work on the machine shows here; it adds noise to every "
         "row alike)",
-        "- Ranks: `fsdpcheck.launch` with env:// variables, gloo, `OMP_NUM_THREADS=1`",
+        "- Ranks: `fsdpcheck.children.launch` with env:// variables, gloo, `OMP_NUM_THREADS=1`",
         "",
         "| row | compared | result | goal | |",
         "|---|---|---|---|---|",

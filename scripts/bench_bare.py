@@ -21,7 +21,7 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     args = parser.parse_args()
 
-    from fsdpcheck.presets import PRESETS  # the preset's config, nothing else of fsdpcheck
+    from fsdpcheck.model.presets import PRESETS  # the preset's config, nothing else of fsdpcheck
 
     preset = PRESETS.get(args.model)
     if preset is not None:

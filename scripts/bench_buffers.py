@@ -1,9 +1,10 @@
 """One rank of the buffer-broadcast benchmark: 200 non-persistent buffers (RoPE-sized, 8 to 128
 float32 elements) broadcast from rank 0 one ``dist.broadcast`` per buffer (as loaders do) versus
-``fsdpcheck.load.broadcast_buffers`` (validated layout, one flat broadcast per dtype) versus the
-flat broadcast alone. Methods alternate within each repeat. Prints one line ``@bench {json}``
+``fsdpcheck.loader.load.broadcast_buffers`` (validated layout, one flat broadcast per dtype)
+versus the flat broadcast alone. Methods alternate within each repeat. Prints one line ``@bench
+{json}``
 per rank with every repeat's (start, end) on the host's monotonic clock; run by
-scripts/bench.py through fsdpcheck.launch."""
+scripts/bench.py through fsdpcheck.children.launch."""
 
 from __future__ import annotations
 
@@ -55,11 +56,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
 
-    from fsdpcheck import distributed
-    from fsdpcheck.load import broadcast_buffers
+    from fsdpcheck.dist import setup as distributed
+    from fsdpcheck.loader.load import broadcast_buffers
 
     ctx = distributed.init("gloo", 120.0)
-    group = ctx.meta_group
+    group = ctx.side_channel
     model = make_model(args.buffers, real=ctx.rank == 0)
     methods = {
         "per-buffer": lambda: per_buffer(model, group),

@@ -7,7 +7,7 @@ full_state_dict=True, broadcast_from_rank0=True)``),
 ``raw`` (one ``dist.broadcast`` of the same bytes from a flat tensor on rank 0 into a freshly
 allocated one on the others; then, untimed for the peak, a second broadcast into the memory the
 first one touched: the wire alone, ``seconds_warm``) and ``raw-warm`` (only the latter).
-Prints one line ``@bench {json}``; run by scripts/bench.py through fsdpcheck.launch.
+Prints one line ``@bench {json}``; run by scripts/bench.py through fsdpcheck.children.launch.
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ def main() -> int:
     parser.add_argument("--verify", action="store_true", help="verify_load afterwards (untimed)")
     args = parser.parse_args()
 
-    from fsdpcheck import distributed, wrap
+    from fsdpcheck.dist import setup as distributed
+    from fsdpcheck.model import wrap
 
     ctx = distributed.init("gloo", 300.0)
     rank = ctx.rank
@@ -151,24 +152,24 @@ def main() -> int:
     gc.collect()
     rss_before = status("VmRSS")
     reset = reset_peak()
-    dist.barrier(group=ctx.meta_group)
+    dist.barrier(group=ctx.side_channel)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     extra: dict = {}
     if args.method == "bucketed":
-        from fsdpcheck.load import load_full_state_dict
+        from fsdpcheck.loader.load import load_full_state_dict
         from fsdpcheck.records import to_dict
 
         result = load_full_state_dict(
             model,
             source,
-            group=ctx.meta_group,
+            group=ctx.side_channel,
             method="bucketed",
             bucket_bytes=args.bucket_mib * 2**20,
         )
         extra = {k: v for k, v in to_dict(result).items() if k != "dtypes"}
     elif args.method == "p2p-floor":
-        p2p_floor(model, source, rank, ctx.meta_group)
+        p2p_floor(model, source, rank, ctx.side_channel)
     elif args.method == "dcp":
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -182,8 +183,8 @@ def main() -> int:
     else:
         if flat is None:
             flat = torch.empty(nbytes, dtype=torch.uint8)
-        dist.broadcast(flat, src=0, group=ctx.meta_group)
-    dist.barrier(group=ctx.meta_group)
+        dist.broadcast(flat, src=0, group=ctx.side_channel)
+    dist.barrier(group=ctx.side_channel)
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF)
     # Where the time goes: first touch of fresh pages shows as kernel time and minor faults.
@@ -194,10 +195,10 @@ def main() -> int:
     }
     peak = status("VmHWM")
     if args.method == "raw":  # again, into the buffer the first broadcast touched: the wire alone
-        dist.barrier(group=ctx.meta_group)
+        dist.barrier(group=ctx.side_channel)
         begin = time.perf_counter()
-        dist.broadcast(flat, src=0, group=ctx.meta_group)
-        dist.barrier(group=ctx.meta_group)
+        dist.broadcast(flat, src=0, group=ctx.side_channel)
+        dist.barrier(group=ctx.side_channel)
         extra["seconds_warm"] = time.perf_counter() - begin
     # The machine's price for first touching fresh memory, now: as many bytes as this rank's
     # shards (what a meta rank must fault in, whatever the loader), into a new allocation.
@@ -214,9 +215,9 @@ def main() -> int:
         del fresh
     verified = None
     if args.verify and model is not None:
-        from fsdpcheck.verify import verify_load
+        from fsdpcheck.loader.verify import verify_load
 
-        verified = verify_load(model, source, group=ctx.meta_group).passed
+        verified = verify_load(model, source, group=ctx.side_channel).passed
     record = {
         "rank": rank,
         "method": args.method,

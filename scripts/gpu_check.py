@@ -41,20 +41,20 @@ def build(rank: int, dtype: torch.dtype) -> tuple[nn.Module, dict | None]:
 
 
 def main() -> int:
-    from fsdpcheck import distributed
-    from fsdpcheck.load import broadcast_buffers, load_full_state_dict
+    from fsdpcheck.dist import setup as distributed
+    from fsdpcheck.loader.load import broadcast_buffers, load_full_state_dict
+    from fsdpcheck.loader.verify import verify_load
     from fsdpcheck.records import to_dict
-    from fsdpcheck.verify import verify_load
 
     ctx = distributed.init("nccl", 60.0)
     out: dict = {"rank": ctx.rank, "device": str(ctx.device), "torch": torch.__version__}
     for dtype in (torch.float32, torch.bfloat16):
         key = str(dtype).removeprefix("torch.")
-        for label, group in (("nccl-default", None), ("gloo-channel", ctx.meta_group)):
+        for label, group in (("nccl-default", None), ("gloo-channel", ctx.side_channel)):
             model, source = build(ctx.rank, dtype)
             try:
                 result = load_full_state_dict(model, source, group=group)
-                verified = verify_load(model, source, group=ctx.meta_group)
+                verified = verify_load(model, source, group=ctx.side_channel)
                 on_cuda = all(p.to_local().is_cuda for p in model.parameters())
                 out[f"load/{key}/{label}"] = {
                     "result": to_dict(result),

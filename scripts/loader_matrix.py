@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fsdpcheck.launch import launch  # noqa: E402
+from fsdpcheck.children.launch import launch  # noqa: E402
 from fsdpcheck.model.fixtures import VARIANTS  # noqa: E402
 
 # (model, hash seeds per rank, --init, what differs)
@@ -101,7 +101,7 @@ def render(results: list[tuple[tuple, dict]], elapsed: float) -> str:
         "| row | what it does | who runs it |",
         "|---|---|---|",
     ]
-    from fsdpcheck.predict import LOADERS
+    from fsdpcheck.checks.predict import LOADERS
 
     for name in LOADER_ORDER:
         lines.append(f"| `{name}` | {LOADERS[name]} | {rows[name].get('products', '')} |")

@@ -11,11 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from fsdpcheck.launch import LaunchResult, launch
+from fsdpcheck.children.launch import LaunchResult, launch
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TIERS = ("unit", "ranks", "cli")  # tests/<tier>/: pure, real multi-process, whole commands
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test is marked with its tier, the folder it lives in (`pytest -m unit`)."""
+    for item in items:
+        tier = Path(item.fspath).parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 def run_ranks(
@@ -101,7 +110,7 @@ def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fsdpcheck.presets import PRESETS
+    from fsdpcheck.model.presets import PRESETS
 
     path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(1234)
@@ -131,7 +140,7 @@ def multimodal_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Gemma3 vision-language config (config.json only, no weights)."""
     from transformers import Gemma3Config
 
-    from fsdpcheck.presets import PRESETS
+    from fsdpcheck.model.presets import PRESETS
 
     path = tmp_path_factory.mktemp("tiny-gemma3-vl")
     vision = dict(

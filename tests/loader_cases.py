@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 
-from fsdpcheck.analyse import group_ranks
-from fsdpcheck.build import build
-from fsdpcheck.fingerprint import fingerprint
-from fsdpcheck.predict import predict_loaders
+from fsdpcheck.checks.layout import group_ranks
+from fsdpcheck.checks.predict import predict_loaders
+from fsdpcheck.model.build import build
+from fsdpcheck.model.fingerprint import fingerprint
+from fsdpcheck.model.resolve import resolve
 from fsdpcheck.records import EnvRecord, LoaderPrediction, RankRecord
-from fsdpcheck.resolve import resolve
 
 
 def fixture_records(model: str, init: str = "rank0", world: int = 2) -> dict[int, RankRecord]:

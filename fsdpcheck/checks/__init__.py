@@ -1,1 +1,1 @@
-"""Pure checks over gathered records."""
+"""Analysis: pure functions from per-rank records to findings and loader predictions."""

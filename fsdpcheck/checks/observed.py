@@ -19,12 +19,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fsdpcheck.children.harness import LOADING, RankRun
 from fsdpcheck.records import Finding, LoaderPrediction
+from fsdpcheck.vocab import Cause, FindingKind, LoaderVerdict, Snapshot
 
-SEVERITY = {"ok": 0, "uninitialized": 1, "silent-corruption": 2, "refused": 3, "hang": 4}
+# Stages a child marks; "loading" is the only one inside the loader's own collectives.
+LOADING = "loading"
 _LISTED = 8  # differing tensors kept in the detail
 _GARBAGE = "holds uninitialised memory (built on meta, never loaded)"
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One rank of one loader job, as the parent saw it."""
+
+    rank: int
+    returncode: int | None  # None: killed at the deadline
+    signal: str | None
+    stage: str | None  # the last stage it marked
+    last_error: str  # the most telling stderr line
+    record: Mapping[str, Any] | None = field(default=None)  # rank<N>.json, when written
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,7 @@ def classify(loader: str, runs: Sequence[RankRun], elapsed: float = 0.0) -> Obse
         detail["only_on"] = only[:_LISTED]
     if not differing:
         return done("ok", "every rank holds rank 0's values under every shared name")
-    worst = max(differing, key=lambda d: SEVERITY[d["verdict"]])
+    worst = max(differing, key=lambda d: LoaderVerdict(d["verdict"]).severity)
     first = next(d for d in differing if d["verdict"] == worst["verdict"])
     more = f" (and {len(differing) - 1} more)" if len(differing) > 1 else ""
     where = f"rank {first['rank']} {first['name']} {first['state']}"
@@ -180,11 +193,11 @@ def with_observations(
         if seen.verdict is not None and seen.verdict != expected:
             findings.append(
                 Finding(
-                    kind="prediction",
+                    kind=FindingKind.PREDICTION,
                     ranks=(),
                     reference_rank=0,
-                    stage="reproduce",
-                    cause="fsdpcheck",
+                    stage=Snapshot.REPRODUCE,
+                    cause=Cause.FSDPCHECK,
                     summary=f"fsdpcheck predicted {p.name} → {expected} on gloo, but the real "
                     f"loader was {seen.verdict}: {seen.detail.get('summary', '')} (a bug in "
                     "fsdpcheck's model of this loader; please report it)",

@@ -1,1 +1,1 @@
-"""Child jobs: isolated, time-bounded multi-rank runs started by the audit."""
+"""Work that runs in isolated child processes: probe, scan, reproduction."""

@@ -1,250 +1,177 @@
-"""Shared plumbing of the loader child jobs: the child's side (progress marks, builds, what each
-rank holds after its loader) and the parent's side (one bounded 2-rank job, read back as data).
+"""Child interpreters with a deadline each: the harness behind probe and scan.
 
-A child never talks to its parent over a socket: each rank writes ``rank<N>.stage`` (where it is
-now) and, when it gets that far, ``rank<N>.json`` (what it holds) into a directory the parent
-owns. So the parent can tell a rank killed inside a collective (a hang) from one still importing
-torch at the deadline (too slow to say anything), and a broken process group after a bad loader
-never stands between the parent and the evidence.
+A child prints its results as JSON lines that start with :data:`MARK` (never pickle); anything
+else it prints is ignored. Each child is killed when its deadline passes.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import signal
+import subprocess
+import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Stages a child marks; "loading" is the only one inside the loader's own collectives.
-LOADING = "loading"
-EXIT_REFUSED = 3  # the loader raised a clear exception
-EXIT_COLLECTIVE = 124  # a collective failed or timed out (the peer is gone or out of step)
-_COLLECTIVE_WORDS = re.compile(
-    r"timed out|timeout|connection (closed|reset)|broken pipe|peer|socket|gloo|"
-    r"collective mismatch|preamble",
-    re.IGNORECASE,
-)
-_ERROR_LINE = re.compile(r"error|what\(\)|enforce fail|abort|timed out|timeout", re.IGNORECASE)
-COMMON_DTYPES = ("float32", "bfloat16", "float16")
+MARK = "@fsdpcheck "  # prefix of the JSON lines a child prints (other output is ignored)
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding fsdpcheck/
 
 
 @dataclass(frozen=True)
-class ChildSpec:
-    """The audited model and how the audit built it: every loader job builds it the same way."""
-
-    model: str
-    init: str = "rank0"
-    dtype: str | None = None
-    seed: int = 0
-    text_only: bool = False
-    trust_remote_code: bool = False
-    allow_pickle: bool = False
-
-    def argv(self) -> list[str]:
-        args = ["--model", self.model, "--init", self.init, "--seed", str(self.seed)]
-        if self.dtype:
-            args += ["--dtype", self.dtype]
-        for flag, on in (
-            ("--text-only", self.text_only),
-            ("--trust-remote-code", self.trust_remote_code),
-            ("--allow-pickle", self.allow_pickle),
-        ):
-            if on:
-                args.append(flag)
-        return args
-
-
-@dataclass(frozen=True)
-class RankRun:
-    """One rank of one loader job, as the parent saw it."""
-
-    rank: int
+class ChildOutcome:
+    seed: int
+    lines: tuple[Mapping[str, Any], ...]  # the JSON records the child printed
     returncode: int | None  # None: killed at the deadline
-    signal: str | None
-    stage: str | None  # the last stage it marked
-    last_error: str  # the most telling stderr line
-    record: Mapping[str, Any] | None = field(default=None)  # rank<N>.json, when written
+    timed_out: bool
+    stderr_tail: str
+    elapsed: float
 
 
-# ---------------------------------------------------------------- parent side
+def child_env(seed: int) -> dict[str, str]:
+    """The parent's environment with a fixed hash seed, offline, one thread per child."""
+    env = dict(os.environ)
+    root = str(_PACKAGE_ROOT)
+    env.update(
+        PYTHONHASHSEED=str(seed),
+        TRANSFORMERS_VERBOSITY="error",
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p),
+    )
+    return env
 
 
-def run_job(
-    module: str,
-    loader: str,
-    spec: ChildSpec,
-    *,
-    seeds: Sequence[int],
-    deadline: float,
-    collective_timeout: float,
-) -> tuple[tuple[RankRun, ...], float]:
-    """Run ``python -m module --loader loader`` as len(seeds) ranks on gloo, killed at
-    ``deadline`` seconds with every process they started; returns each rank and the elapsed time."""
-    from fsdpcheck.launch import launch
+class ChildRunner:
+    """Run ``python <argv>`` children with a deadline each; :meth:`kill_all` on the way out."""
 
-    with tempfile.TemporaryDirectory(prefix=f"fsdpcheck-{loader}-") as tmp:
-        argv = ["-m", module, "--loader", loader, "--out", tmp, "--timeout"]
-        argv += [f"{collective_timeout:g}", *spec.argv()]
-        env = {
-            "TRANSFORMERS_VERBOSITY": "error",
-            "HF_HUB_OFFLINE": "1",
-            "OMP_NUM_THREADS": "1",
-            "TORCH_CPP_LOG_LEVEL": "ERROR",
-        }
-        result = launch(
-            argv,
-            len(seeds),
-            env=env,
-            rank_env=lambda r: {"PYTHONHASHSEED": str(seeds[r])},
-            timeout=deadline,
-        )
-        runs = tuple(
-            RankRun(
-                rank=r.rank,
-                returncode=r.returncode,
-                signal=_signal_name(r.returncode),
-                stage=_read_text(Path(tmp) / f"rank{r.rank}.stage"),
-                last_error=_last_error(r.stderr),
-                record=_read_json(Path(tmp) / f"rank{r.rank}.json"),
+    def __init__(self) -> None:
+        self._live: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    def run(
+        self,
+        argv: Sequence[str],
+        seed: int,
+        timeout: float,
+        on_line: Callable[[Mapping[str, Any]], None] | None = None,
+    ) -> ChildOutcome:
+        start = time.monotonic()
+        expired = threading.Event()
+        lines: list[Mapping[str, Any]] = []
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(
+                [sys.executable, *argv],
+                env=child_env(seed),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
             )
-            for r in result.ranks
-        )
-    return runs, result.elapsed
+            with self._lock:
+                self._live.add(proc)
 
+            def expire() -> None:
+                expired.set()
+                proc.kill()
 
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _signal_name(code: int | None) -> str | None:
-    if code is None or code >= 0:
-        return None
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
-
-
-def _last_error(stderr: str) -> str:
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    telling = [line for line in lines if _ERROR_LINE.search(line)]
-    return (telling or lines or [""])[-1][:300]
-
-
-# ---------------------------------------------------------------- child side
-
-
-class Marks:
-    """This rank's stage file and result file in the parent's directory."""
-
-    def __init__(self, out: str, rank: int):
-        self.out = Path(out)
-        self.rank = rank
-        self.current = "start"
-
-    def stage(self, name: str) -> None:
-        self.current = name
-        _atomic_write(self.out / f"rank{self.rank}.stage", name)
-
-    def result(self, record: Mapping[str, Any]) -> None:
-        _atomic_write(self.out / f"rank{self.rank}.json", json.dumps(record, sort_keys=True))
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """A gloo timeout or a vanished peer, as opposed to a loader refusing with its own error."""
-    return bool(_COLLECTIVE_WORDS.search(f"{type(exc).__name__}: {exc}"))
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else ""
-    return f"{type(exc).__name__}: {line}"[:300]
-
-
-def tensors_held(model: Any) -> dict[str, dict[str, Any]]:
-    """Every parameter (deduplicated, as ``named_parameters`` gives them) and buffer: kind,
-    persistence, dtype, local shape, placements and a digest of the local values (None on meta)."""
-    from fsdpcheck.fingerprint import dtype_name, non_persistent_buffer_names, value_digest
-
-    volatile = non_persistent_buffer_names(model)
-    held: dict[str, dict[str, Any]] = {}
-    for name, param in model.named_parameters():
-        placements = getattr(param, "placements", None)
-        local = param.to_local() if placements is not None else param
-        held[name] = {
-            "kind": "param",
-            "persistent": None,
-            "dtype": dtype_name(local.dtype),
-            "shape": list(local.shape),
-            "placements": [str(p) for p in placements] if placements is not None else None,
-            "digest": value_digest(local),
-        }
-    for name, buf in model.named_buffers():
-        held[name] = {
-            "kind": "buffer",
-            "persistent": name not in volatile,
-            "dtype": dtype_name(buf.dtype),
-            "shape": list(buf.shape),
-            "placements": None,
-            "digest": value_digest(buf),
-        }
-    return held
-
-
-def expected_holdings(
-    model: Any, source: Mapping[str, Any], world_size: int
-) -> dict[str, dict[str, dict[str, str | None]]]:
-    """Rank 0: for every rank and every entry of its source state dict, the digest of the part
-    that rank must hold, cast to each common dtype (a loader may convert to the receiver's)."""
-    import torch
-
-    from fsdpcheck.fingerprint import dtype_name, value_digest
-    from fsdpcheck.verify import expected_shard
-
-    params = dict(model.named_parameters(remove_duplicate=False))
-    out: dict[str, dict[str, dict[str, str | None]]] = {}
-    for rank in range(world_size):
-        mine: dict[str, dict[str, str | None]] = {}
-        for name, full in source.items():
-            param = params.get(name)
+            timer = threading.Timer(timeout, expire)
+            timer.start()
             try:
-                part = expected_shard(full, param, rank) if param is not None else full
-            except ValueError:
-                continue
-            dtypes = {dtype_name(part.dtype)}
-            if part.is_floating_point():
-                dtypes.update(COMMON_DTYPES)
-            mine[name] = {d: value_digest(part.to(getattr(torch, d))) for d in sorted(dtypes)}
-        out[str(rank)] = mine
-    return out
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    record = _parse(line)
+                    if record is not None:
+                        lines.append(record)
+                        if on_line is not None:
+                            on_line(record)
+                proc.wait()
+            finally:
+                timer.cancel()
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                with self._lock:
+                    self._live.discard(proc)
+            err.seek(0)
+            tail = err.read()[-2000:]
+        code = None if expired.is_set() else proc.returncode
+        return ChildOutcome(
+            seed, tuple(lines), code, expired.is_set(), tail, round(time.monotonic() - start, 3)
+        )
+
+    def kill_all(self) -> None:
+        with self._lock:
+            for proc in self._live:
+                if proc.poll() is None:
+                    proc.kill()
 
 
-def reference_buffers(build_reference: Callable[[], Any]) -> dict[str, str | None]:
-    """Digests of this rank's non-persistent buffers as its own module computes them (a fresh
-    CPU build): what "uninitialized" is measured against."""
-    from fsdpcheck.fingerprint import non_persistent_buffer_names, value_digest
+def run_seeds(
+    argv: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    jobs: int | None,
+    timeout: float,
+    on_line: Callable[[int, Mapping[str, Any]], None] | None = None,
+) -> dict[int, ChildOutcome]:
+    """Run ``argv`` once per hash seed, at most ``jobs`` at a time (default: the usable cores)."""
+    runner = ChildRunner()
+    lock = threading.Lock()
 
-    model = build_reference()
-    volatile = non_persistent_buffer_names(model)
-    return {n: value_digest(b) for n, b in model.named_buffers() if n in volatile}
+    def one(seed: int) -> ChildOutcome:
+        def report(record: Mapping[str, Any]) -> None:
+            if on_line is not None:
+                with lock:
+                    on_line(seed, record)
+
+        return runner.run(argv, seed, timeout, report)
+
+    workers = max(1, min(jobs or usable_cores(), len(seeds)))
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fsdpcheck-seed")
+    try:
+        outcomes = list(pool.map(one, seeds))
+    except BaseException:
+        runner.kill_all()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return {o.seed: o for o in outcomes}
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def failure_message(outcome: ChildOutcome, timeout: float) -> str:
+    if outcome.timed_out:
+        return f"timed out after {timeout:g} s (killed)"
+    last = [ln for ln in outcome.stderr_tail.strip().splitlines() if ln.strip()]
+    detail = last[-1] if last else "no output"
+    return f"child exited with code {outcome.returncode} without a result: {detail}"
+
+
+def _parse(line: str) -> Mapping[str, Any] | None:
+    if not line.startswith(MARK):
+        return None
+    try:
+        record = json.loads(line[len(MARK) :])
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def emit(record: Mapping[str, Any]) -> None:
+    """Child side: one JSON line on stdout (the only thing a child prints on purpose)."""
+    sys.stdout.write(MARK + json.dumps(record, separators=(",", ":")) + "\n")
+    sys.stdout.flush()

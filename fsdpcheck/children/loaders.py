@@ -1,7 +1,7 @@
 """Every known loader, run for real in a child rank: ``python -m fsdpcheck.children.loaders``.
 
 Unsafe on purpose (gloo aborts a rank on a size mismatch, NCCL would block): only ever started by
-:func:`fsdpcheck.checks.observed.observe_loaders` as a separate, time-bounded job on gloo. Each
+:func:`fsdpcheck.children.observe.observe_loaders` as a separate, time-bounded job on gloo. Each
 rank builds the audited model as the audit did, runs one loader, and writes what it then holds
 (digests per tensor) for the parent to compare; rank 0 also writes what every rank should hold.
 """
@@ -15,10 +15,10 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fsdpcheck.children.harness import (
+from fsdpcheck.checks.observed import LOADING
+from fsdpcheck.children.jobs import (
     EXIT_COLLECTIVE,
     EXIT_REFUSED,
-    LOADING,
     Marks,
     expected_holdings,
     first_line,
@@ -31,7 +31,7 @@ MODULE = "fsdpcheck.children.loaders"
 
 
 def accelerate_version() -> str | None:
-    from fsdpcheck.distributed import package_version
+    from fsdpcheck.dist.environment import package_version
 
     return package_version("accelerate")
 
@@ -46,8 +46,8 @@ class _Run:
         self.meta_built = False
 
     def build(self, init: str | None = None, seed: int | None = None) -> Any:
-        from fsdpcheck.build import build
-        from fsdpcheck.resolve import resolve
+        from fsdpcheck.model.build import build
+        from fsdpcheck.model.resolve import resolve
 
         a = self.args
         resolved = resolve(a.model, rank=self.rank, allow_pickle=a.allow_pickle)
@@ -69,10 +69,9 @@ class _Run:
         self.meta_built = any(b.is_meta for b in model.buffers())
 
     def wrap(self, model: Any) -> None:
-        from fsdpcheck import wrap
+        from fsdpcheck.model import wrap
 
-        _, targets = wrap.plan(model)
-        wrap.apply(targets, self.ctx.mesh)
+        wrap.apply(wrap.plan(model).modules, self.ctx.mesh)
 
 
 def _audit_built(run: _Run) -> Any:
@@ -122,11 +121,11 @@ def named_buffers_order(run: _Run) -> Any:
 
 def sorted_names(run: _Run) -> Any:
     """fsdpcheck's own loader (load_full_state_dict): checks, then pairs by sorted name."""
-    from fsdpcheck.load import load_full_state_dict
+    from fsdpcheck.loader.load import load_full_state_dict
 
     model = _audit_built(run)
     run.marks.stage(LOADING)
-    load_full_state_dict(model, run.source if run.rank == 0 else None, group=run.ctx.meta_group)
+    load_full_state_dict(model, run.source if run.rank == 0 else None, group=run.ctx.side_channel)
     return model
 
 
@@ -156,7 +155,7 @@ def state_dict_order(run: _Run) -> Any:
     fsdp2_load_full_state_dict, then put each rank's own buffers back."""
     import torch
 
-    from fsdpcheck.fingerprint import non_persistent_buffer_names
+    from fsdpcheck.model.fingerprint import non_persistent_buffers
 
     try:
         from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
@@ -167,8 +166,7 @@ def state_dict_order(run: _Run) -> Any:
     model = built.model
     original_sd = model.state_dict()
     run.keep_source(original_sd)
-    volatile = non_persistent_buffer_names(model)
-    kept = copy.deepcopy({k: v for k, v in model.named_buffers() if k in volatile})
+    kept = copy.deepcopy(non_persistent_buffers(model))
     model = model.to(torch.device("meta"))
     if hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -212,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     marks = Marks(args.out, int(os.environ.get("RANK", "0") or 0))
     marks.stage("init")
-    from fsdpcheck import distributed
+    from fsdpcheck.dist import setup
 
-    ctx = distributed.init("gloo", args.timeout)
+    ctx = setup.init("gloo", args.timeout)
     run = _Run(args, ctx, marks)
     record: dict[str, Any] = {"rank": ctx.rank, "loader": args.loader, "error": None}
     code = 0

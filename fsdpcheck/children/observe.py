@@ -12,16 +12,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from fsdpcheck.checks.observed import Observation, classify
-from fsdpcheck.children.harness import ChildSpec, run_job
+from fsdpcheck.children.jobs import ChildSpec, run_job
 from fsdpcheck.children.loaders import MODULE, RUNNERS, accelerate_version
-from fsdpcheck.records import Report
-
-if TYPE_CHECKING:
-    from fsdpcheck.audit import AuditOptions
 
 MIN_JOB_SECONDS = 8.0  # below this a job cannot even import torch on a busy machine
 
@@ -73,48 +67,3 @@ def job_seeds(hash_seeds: Sequence[str]) -> tuple[int, int]:
     if len(numeric) >= 2 and len(numeric) == len(hash_seeds):
         return numeric[0], numeric[1]
     return 0, 1
-
-
-def fold_reproduction(report: Report, options: AuditOptions) -> Report:
-    """``--reproduce``: every loader for real (``observed`` on each row, a ``prediction``
-    finding where the real loader disagreed), then the unsafe loader's value-level
-    reproduction (``report.reproduction``, as before). Bounded by three quarters of
-    ``--timeout`` in all, because the other ranks wait for rank 0's decision meanwhile."""
-    from fsdpcheck.analyse import verdict
-    from fsdpcheck.checks.observed import with_observations
-    from fsdpcheck.records import to_dict
-    from fsdpcheck.reproduce import run_reproduction
-
-    spec = ChildSpec(
-        model=options.model,
-        init=options.init,
-        dtype=options.dtype,
-        seed=options.seed,
-        text_only=options.text_only,
-        trust_remote_code=options.trust_remote_code,
-        allow_pickle=options.allow_pickle,
-    )
-    seeds = job_seeds([env.hash_seed for env in report.environment])
-    budget = max(10.0, 0.75 * options.timeout)
-    start = time.monotonic()
-    try:
-        seen = observe_loaders(spec, seeds=seeds, budget=budget * 5 / 6)
-    except Exception as exc:  # an extra: its failure must not end the audit
-        why = f"--reproduce could not run the loaders: {type(exc).__name__}: {exc}"
-        seen, report = {}, replace(report, warnings=(*report.warnings, why))
-    loaders, findings = with_observations(report.loaders, seen)
-    left = max(10.0, budget - (time.monotonic() - start))
-    try:
-        reproduction = to_dict(run_reproduction(options.model, nprocs=2, seeds=seeds, timeout=left))
-    except Exception as exc:
-        reproduction = {"outcome": "error", "summary": str(exc)}
-    all_findings = report.findings + findings
-    name, code = verdict(all_findings, report.errors)
-    return replace(
-        report,
-        loaders=loaders,
-        findings=all_findings,
-        reproduction=reproduction,
-        verdict=name,
-        exit_code=code,
-    )

@@ -1,1 +1,1 @@
-"""Models fsdpcheck builds: presets, fixtures and the hazard model."""
+"""Resolve, build, wrap and fingerprint the model on one rank."""

@@ -14,21 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdpcheck.hazard import HazardConfig, HazardForCausalLM, HazardModel
-
-VARIANTS: dict[str, str] = {
-    "param-shape": "ranks other than 0 build layer 0's MLP 96 wide instead of 64",
-    "tied": "lm_head shares embed_tokens' weight; ranks other than 0 register lm_head first, "
-    "so the tied pair comes first in their state dict",
-    "missing-key": "rank 0's final norm has a bias parameter, the other ranks' has none",
-    "dtype": "ranks other than 0 build the final norm's weight in bfloat16 (same shape)",
-    "persistence": "buffer model.norm.scale is persistent on rank 0, non-persistent elsewhere",
-    "extra-buffer": "ranks other than 0 register one more non-persistent buffer",
-    "bucket-swap": "ranks other than 0 register layer 0's equal-sized gate and up projections "
-    "in swapped order, and a bfloat16 buffer of 4 elements where rank 0 has 8",
-    "buffer-values": "ranks other than 0 compute RoPE with another base: same names and shapes, "
-    "other values",
-}
+from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM, HazardModel
+from fsdpcheck.model.presets import FIXTURE_VARIANTS as VARIANTS
 
 
 @dataclass

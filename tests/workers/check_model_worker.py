@@ -8,9 +8,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdpcheck
-from fsdpcheck.hazard import HazardConfig, HazardForCausalLM
+from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
+from fsdpcheck.model.wrap import fully_shard_fn
 from fsdpcheck.records import to_dict
-from fsdpcheck.wrap import fully_shard_fn
 
 dist.init_process_group("gloo")
 model = HazardForCausalLM(HazardConfig())

@@ -12,11 +12,12 @@ import torch
 from recorded import run_recorded, worker_parser
 from torch import nn
 
-from fsdpcheck import distributed, wrap
-from fsdpcheck.build import build
+from fsdpcheck.dist import setup as distributed
+from fsdpcheck.loader.verify import verify_load
+from fsdpcheck.model import wrap
+from fsdpcheck.model.build import build
+from fsdpcheck.model.resolve import resolve
 from fsdpcheck.records import to_dict
-from fsdpcheck.resolve import resolve
-from fsdpcheck.verify import verify_load
 
 
 def _mesh(text: str | None) -> tuple[int, ...] | None:
@@ -87,18 +88,18 @@ def main() -> int:
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-        _, targets = wrap.plan(model)
+        targets = wrap.plan(model).modules
         fully_shard = wrap.fully_shard_fn()
         for _, module in targets:
             fully_shard(module, mesh=ctx.mesh, **kwargs)
 
         if args.fail_materialise_on_rank == ctx.rank:
-            import fsdpcheck.load
+            import fsdpcheck.loader.load
 
             def broken(model: nn.Module) -> bool:
                 raise MemoryError("injected: no memory for the shards")
 
-            fsdpcheck.load._materialise = broken
+            fsdpcheck.loader.load.materialise = broken
         load_kwargs: dict = {}
         if args.method:
             load_kwargs["method"] = args.method
@@ -107,11 +108,11 @@ def main() -> int:
         size = args.bucket_bytes_rank1 if ctx.rank == 1 else None
         if size or args.bucket_bytes:
             load_kwargs["bucket_bytes"] = size or args.bucket_bytes
-        from fsdpcheck.load import load_full_state_dict
+        from fsdpcheck.loader.load import load_full_state_dict
 
-        result = load_full_state_dict(model, source, group=ctx.meta_group, **load_kwargs)
+        result = load_full_state_dict(model, source, group=ctx.side_channel, **load_kwargs)
         record["load"] = to_dict(result)
-        record["verify"] = to_dict(verify_load(model, source, group=ctx.meta_group))
+        record["verify"] = to_dict(verify_load(model, source, group=ctx.side_channel))
         params = dict(model.named_parameters())
         record["n_params"] = len(params)
         record["n_buffers"] = len(list(model.named_buffers()))

@@ -11,12 +11,13 @@ import torch
 from recorded import run_recorded, worker_parser
 from torch import nn
 
-from fsdpcheck import distributed, wrap
-from fsdpcheck.build import build
-from fsdpcheck.load import broadcast_buffers, load_full_state_dict
+from fsdpcheck.dist import setup as distributed
+from fsdpcheck.loader.load import broadcast_buffers, load_full_state_dict
+from fsdpcheck.loader.verify import verify_load
+from fsdpcheck.model import wrap
+from fsdpcheck.model.build import build
+from fsdpcheck.model.resolve import resolve
 from fsdpcheck.records import to_dict
-from fsdpcheck.resolve import resolve
-from fsdpcheck.verify import verify_load
 
 
 def _register(model: nn.Module, name: str, value: torch.Tensor, *, real: bool) -> None:
@@ -72,20 +73,20 @@ def main() -> int:
                 model.register_parameter(name, nn.Parameter(odd))
                 if source is not None:
                     source[name] = value.clone()
-        _, targets = wrap.plan(model)
+        targets = wrap.plan(model).modules
         wrap.apply(targets, ctx.mesh)
 
         if args.loader == "dcp":
             # set_model_state_dict alone, checked, then the buffers alone, checked again.
             _dcp_only(model, source)
-            record["verify_dcp_only"] = to_dict(verify_load(model, source, group=ctx.meta_group))
-            record["broadcast"] = to_dict(broadcast_buffers(model, group=ctx.meta_group))
+            record["verify_dcp_only"] = to_dict(verify_load(model, source, group=ctx.side_channel))
+            record["broadcast"] = to_dict(broadcast_buffers(model, group=ctx.side_channel))
         else:
-            record["load"] = to_dict(load_full_state_dict(model, source, group=ctx.meta_group))
+            record["load"] = to_dict(load_full_state_dict(model, source, group=ctx.side_channel))
         if args.tamper and ctx.rank == 1:
             with torch.no_grad():
                 dict(model.named_parameters())[args.tamper].to_local().add_(1.0)
-        result = verify_load(model, source, group=ctx.meta_group)
+        result = verify_load(model, source, group=ctx.side_channel)
         record["verify"] = to_dict(result)
         record["n_params"] = len(list(model.named_parameters()))
         record["n_buffers"] = len(list(model.named_buffers()))

@@ -1,0 +1,174 @@
+"""Hash-seed dependence: which modules' tensor order follows PYTHONHASHSEED (pure).
+
+Compares fingerprints built under fixed hash seeds (``fsdpcheck.children.probe`` builds them)
+and turns a dependence into a ``hash-seed`` finding for the audit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from fsdpcheck.records import Finding, Fingerprint, TensorRecord
+from fsdpcheck.text import int_ranges
+from fsdpcheck.vocab import Cause, FindingKind, LoaderVerdict, Snapshot
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class OrderVariant:
+    """One order of a module's reordering tensors, and the hash seeds that produced it."""
+
+    seeds: tuple[int, ...]
+    order: tuple[str, ...]  # the module's reordering tensors, in iteration order
+    positions: tuple[int, ...]  # their indices in the model's named_buffers()/named_parameters()
+
+
+@dataclass(frozen=True)
+class ModuleReorder:
+    """A module whose buffers (or parameters) come out in an order that follows the hash seed."""
+
+    kind: str  # "buffer" | "param"
+    module: str  # name prefix up to the last dot ("" for the root module)
+    tensors: tuple[TensorShape, ...]  # the reordering tensors, by name
+    variants: tuple[OrderVariant, ...]
+    sizes_differ: bool  # tensors paired by position differ in shape
+
+    @property
+    def outcome(self) -> str:
+        """What a loader that pairs tensors by local order would do."""
+        return LoaderVerdict.HANG if self.sizes_differ else LoaderVerdict.SILENT_CORRUPTION
+
+
+@dataclass(frozen=True)
+class SeedError:
+    seed: int
+    kind: str  # "input" | "runtime" | "timeout"
+    message: str
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    model: str
+    architecture: str | None
+    seeds: tuple[int, ...]
+    verdict: str  # "latent" | "consistent" | "error"
+    exit_code: int
+    reorders: tuple[ModuleReorder, ...]
+    errors: tuple[SeedError, ...]
+    orders: int  # distinct (buffer order, parameter order) pairs among the seeds that built
+    transformers: str | None = None
+    text_only: bool = False
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        return tuple(t.name for r in self.reorders for t in r.tensors)
+
+    @property
+    def sizes_differ(self) -> bool:
+        return any(r.sizes_differ for r in self.reorders)
+
+
+# ---------------------------------------------------------------- the probe
+
+
+def module_of(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def compare_orders(fingerprints: Mapping[int, Fingerprint]) -> tuple[ModuleReorder, ...]:
+    """The modules whose buffer or parameter order differs between the seeds' fingerprints."""
+    out: list[ModuleReorder] = []
+    for kind, attr in (("buffer", "buffers"), ("param", "params")):
+        seqs = {seed: getattr(fp, attr) for seed, fp in sorted(fingerprints.items())}
+        out.extend(_reorders(kind, seqs))
+    return tuple(out)
+
+
+def _reorders(kind: str, seqs: Mapping[int, Sequence[TensorRecord]]) -> list[ModuleReorder]:
+    if len({tuple(t.name for t in seq) for seq in seqs.values()}) <= 1:
+        return []
+    involved: dict[str, TensorRecord] = {}
+    sizes_differ: dict[str, bool] = {}
+    for i in range(max(len(seq) for seq in seqs.values())):
+        at = [seq[i] if i < len(seq) else None for seq in seqs.values()]
+        if len({t.name if t else None for t in at}) == 1:
+            continue
+        # The i-th broadcast pairs these tensors: different shapes (or a missing one) hang.
+        differ = len({t.shape if t else None for t in at}) > 1
+        for t in at:
+            if t is not None:
+                involved.setdefault(t.name, t)
+                module = module_of(t.name)
+                sizes_differ[module] = sizes_differ.get(module, False) or differ
+    reference = next(iter(seqs.values()))
+    modules = list(dict.fromkeys(module_of(t.name) for t in reference if t.name in involved))
+    modules += [m for m in dict.fromkeys(module_of(n) for n in involved) if m not in modules]
+    result = []
+    for module in modules:
+        names = {n for n in involved if module_of(n) == module}
+        by_key: dict[tuple, list[int]] = {}
+        for seed, seq in seqs.items():
+            picked = [(i, t.name) for i, t in enumerate(seq) if t.name in names]
+            key = (tuple(n for _, n in picked), tuple(i for i, _ in picked))
+            by_key.setdefault(key, []).append(seed)
+        variants = sorted(
+            (OrderVariant(tuple(s), order, positions) for (order, positions), s in by_key.items()),
+            key=lambda v: v.seeds,
+        )
+        tensors = tuple(TensorShape(n, involved[n].shape, involved[n].dtype) for n in sorted(names))
+        result.append(
+            ModuleReorder(kind, module, tensors, tuple(variants), sizes_differ.get(module, False))
+        )
+    return result
+
+
+def tensor_names(records: Sequence[TensorRecord]) -> tuple[str, ...]:
+    return tuple(t.name for t in records)
+
+
+def probe_finding(result: ProbeResult) -> Finding | None:
+    """The probe's result as an audit :class:`Finding` (kind ``hash-seed``); None if nothing
+    reorders. ``ranks`` is empty and ``reference_rank`` is -1: the comparison is between hash
+    seeds on one host, not between ranks."""
+    if not result.reorders:
+        return None
+    modules = list(dict.fromkeys(r.module for r in result.reorders))
+    outcome = "hang" if result.sizes_differ else "corrupt them silently"
+    summary = (
+        f"{len(result.tensors)} tensor(s) in {', '.join(m or '<root>' for m in modules)} change "
+        f"order with PYTHONHASHSEED (seeds {int_ranges(result.seeds)}); sizes "
+        f"{'differ' if result.sizes_differ else 'are equal'}, so a loader that broadcasts in "
+        f"local order would {outcome}"
+    )
+    return Finding(
+        kind=FindingKind.HASH_SEED,
+        ranks=(),
+        reference_rank=-1,
+        stage=Snapshot.PROBE,
+        cause=Cause.CONSTRUCTION_TIME,
+        summary=summary,
+        tensors=result.tensors,
+        details={
+            "modules": modules,
+            "seeds": list(result.seeds),
+            "orders": [
+                {
+                    "kind": r.kind,
+                    "module": r.module,
+                    "seeds": list(v.seeds),
+                    "order": list(v.order),
+                }
+                for r in result.reorders
+                for v in r.variants
+            ],
+            "sizes_differ": result.sizes_differ,
+        },
+    )

@@ -1,0 +1,150 @@
+"""Probe one model for a latent, hash-seed-dependent tensor order, on one host, without ranks.
+
+A model whose ``named_buffers()`` / ``named_parameters()`` order follows the interpreter's string
+hash seed (``PYTHONHASHSEED``) is consistent on every run where the ranks happen to agree and
+breaks on the runs where they do not. :func:`probe` makes the dependence show up deterministically:
+it builds the model on ``meta`` in ``seeds`` child interpreters with the fixed hash seeds
+``0 .. seeds-1`` and compares the orders they produce.
+
+Why 8 seeds by default: a two-element ``set`` of strings (``{"sliding_attention",
+"full_attention"}``) iterates in one of its 2 orders, each with probability about 1/2 per seed, so
+all 8 seeds agree by chance with probability ``2 * 2**-8 = 1/128`` (< 1 %). Seeds 0 and 1 alone
+already give different orders for that pair, so the known cases are found every time.
+
+Each child runs ``python -m fsdpcheck.children.probe --child`` and prints its fingerprint as
+one JSON line (never pickle). Children run in parallel (at most ``jobs`` at a time), each bounded
+by ``timeout``
+and killed when it expires. Library code: returns frozen records, never prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, compare_orders, tensor_names
+from fsdpcheck.children.harness import emit, failure_message, run_seeds
+from fsdpcheck.dist.environment import package_version
+from fsdpcheck.records import Fingerprint, from_dict, to_dict
+from fsdpcheck.vocab import ErrorKind, ExitCode, Verdict
+
+DEFAULT_SEEDS = 8
+DEFAULT_TIMEOUT = 180.0
+
+
+def probe(
+    model: str,
+    *,
+    seeds: int = DEFAULT_SEEDS,
+    text_only: bool = False,
+    trust_remote_code: bool = False,
+    jobs: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> ProbeResult:
+    """Build ``model`` on meta under PYTHONHASHSEED = 0 .. seeds-1 and compare tensor orders.
+
+    Verdict ``latent`` (exit 1) when any buffer or parameter order differs between seeds, even if
+    some seeds failed (the difference is real); ``consistent`` (exit 0) when every seed built and
+    all orders agree; ``error`` otherwise (exit 2 when every failure is bad input such as an
+    unknown preset, else 3). With the default 8 seeds a two-way set order goes unnoticed with
+    probability 2*2^-8 = 1/128 (< 1 %).
+    """
+    if seeds < 2:
+        from fsdpcheck.errors import InputError
+
+        raise InputError(f"--seeds {seeds}: comparing orders needs at least 2 hash seeds.")
+    start = time.monotonic()
+    argv = ["-m", "fsdpcheck.children.probe", "--child", "--model", model]
+    argv += ["--text-only"] * text_only + ["--trust-remote-code"] * trust_remote_code
+    seed_list = tuple(range(seeds))
+    outcomes = run_seeds(argv, seed_list, jobs=jobs, timeout=timeout)
+
+    fingerprints: dict[int, Fingerprint] = {}
+    errors: list[SeedError] = []
+    architecture = None
+    for seed in seed_list:
+        outcome = outcomes[seed]
+        record = outcome.lines[-1] if outcome.lines else None
+        if record is not None and record.get("ok"):
+            fingerprints[seed] = from_dict(Fingerprint, record["fingerprint"])
+            architecture = architecture or record.get("architecture")
+        elif record is not None:
+            errors.append(SeedError(seed, record.get("kind", "runtime"), record["message"]))
+        else:
+            kind = "timeout" if outcome.timed_out else "runtime"
+            errors.append(SeedError(seed, kind, failure_message(outcome, timeout)))
+
+    reorders = compare_orders(fingerprints)
+    orders = len(
+        {(tensor_names(fp.buffers), tensor_names(fp.params)) for fp in fingerprints.values()}
+    )
+    if reorders:
+        verdict, code = Verdict.LATENT, ExitCode.FINDINGS
+    elif errors:
+        bad_input = all(e.kind == ErrorKind.INPUT for e in errors)
+        verdict, code = Verdict.ERROR, ExitCode.BAD_INPUT if bad_input else ExitCode.RUNTIME
+    else:
+        verdict, code = Verdict.CONSISTENT, ExitCode.CONSISTENT
+    return ProbeResult(
+        model=model,
+        architecture=architecture,
+        seeds=seed_list,
+        verdict=verdict,
+        exit_code=code,
+        reorders=reorders,
+        errors=tuple(errors),
+        orders=orders,
+        transformers=package_version("transformers"),
+        text_only=text_only,
+        timings={
+            "total": round(time.monotonic() - start, 3),
+            "slowest_child": max((o.elapsed for o in outcomes.values()), default=0.0),
+        },
+    )
+
+
+# ---------------------------------------------------------------- child entry point
+
+
+def _child(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fsdpcheck.children.probe")
+    parser.add_argument("--child", action="store_true", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--text-only", action="store_true")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    args = parser.parse_args(argv)
+
+    from fsdpcheck.errors import FsdpcheckError
+
+    try:
+        from fsdpcheck.model.resolve import resolve
+
+        resolved = resolve(args.model, rank=0)  # before importing torch: bad input fails fast
+
+        from fsdpcheck.model.build import build
+        from fsdpcheck.model.fingerprint import fingerprint
+
+        built = build(
+            resolved,
+            rank=0,
+            init="meta",
+            text_only=args.text_only,
+            trust_remote_code=args.trust_remote_code,
+        )
+        fp = fingerprint(built.model, "pre-wrap", with_values=False)
+    except FsdpcheckError as exc:
+        # resolve() speaks to ranks; here there is one process per hash seed.
+        emit({"ok": False, "kind": exc.kind, "message": str(exc).removeprefix("rank 0: ")})
+        return exc.exit_code
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        emit({"ok": False, "kind": "runtime", "message": f"{type(exc).__name__}: {first}"})
+        return ExitCode.RUNTIME
+    emit({"ok": True, "architecture": built.info.architecture, "fingerprint": to_dict(fp)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))

@@ -1,0 +1,310 @@
+"""Everything fsdpcheck shows with rich: the report, probe and scan tables, stage progress.
+
+Only the CLI calls this, on rank 0; library modules never print."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from fsdpcheck.records import LoadOutcome, Report
+from fsdpcheck.report import report_headline
+from fsdpcheck.text import int_ranges
+from fsdpcheck.vocab import LoaderVerdict, LoadMethod, LoadStatus, ScanVerdict
+
+if TYPE_CHECKING:
+    from fsdpcheck.checks.hash_seed import ProbeResult
+    from fsdpcheck.children.scan import ScanResult
+
+_VERDICT_STYLE = {
+    "consistent": "bold green",
+    "inconsistent": "bold red",
+    "latent": "bold yellow",
+    "error": "bold red",
+}
+
+
+def render(report: Report, console: Console) -> None:
+    model = report.model
+    title = Text("fsdpcheck audit", style="bold")
+    if model is not None:
+        title.append(f" · {model.name} ({model.architecture}, {model.kind})")
+        title.append(f" · init {model.init} · {model.dtype}")
+    title.append(f" · {report.world_size} rank{'s' if report.world_size != 1 else ''}")
+    console.print(title)
+
+    if report.wrap is not None:
+        w = report.wrap
+        line = (
+            f"wrap: {len(w.wrapped)} fully_shard calls"
+            f" ({'size-based fallback' if w.fallback else ', '.join(w.found)}"
+            f"{'' if w.fallback else ' + root'}); classes from {w.source}"
+        )
+        if w.missing:
+            line += f"; missing: {', '.join(w.missing)}"
+        console.print(line, style="dim")
+
+    if len(report.hosts) > 1:
+        console.print(
+            "hosts: " + ", ".join(f"{h} (ranks {int_ranges(r)})" for h, r in report.hosts.items()),
+            highlight=False,
+        )
+
+    if report.groups:
+        table = Table(title="rank groups (identical fingerprints)", title_justify="left")
+        for column in ("group", "ranks", "hosts", "hash seed", "digest"):
+            table.add_column(column)
+        seeds = {env.rank: env.hash_seed for env in report.environment}
+        for i, group in enumerate(report.groups):
+            table.add_row(
+                str(i),
+                int_ranges(group.ranks),
+                ", ".join(group.hosts),
+                seeds.get(group.ranks[0], "?"),
+                group.digest[:12],
+            )
+        console.print(table)
+
+    for finding in report.findings:
+        who = (
+            f"ranks {int_ranges(finding.ranks)} vs rank {finding.reference_rank}"
+            if finding.ranks
+            else "on rank 0's host, across hash seeds"
+        )
+        console.print(
+            f"[bold red]✗ {finding.kind}[/] {who} · {finding.stage} · [italic]{finding.cause}[/]"
+        )
+        console.print(f"  {escape(finding.summary)}", highlight=False)
+
+    _render_loaders(report, console)
+    _render_load(report, console)
+
+    for warning in report.warnings:
+        console.print(f"[yellow]! {escape(warning)}[/]", highlight=False)
+
+    for error in report.errors:
+        where = f"rank {error.rank} failed at {escape(error.stage)}"
+        console.print(f"[bold red]✗ {where}[/]: {escape(error.message)}", highlight=False)
+
+    style = _VERDICT_STYLE.get(report.verdict, "bold")
+    console.print(
+        Text.assemble(("verdict: ", "bold"), (report.verdict, style), f" (exit {report.exit_code})")
+    )
+    headline = report_headline(report)
+    if headline:
+        console.print(escape(headline), highlight=False)
+
+
+_LOADER_STYLE = {
+    "ok": "green",
+    "uninitialized": "yellow",
+    "silent-corruption": "bold red",
+    "refused": "yellow",
+    "hang": "bold red",
+}
+
+
+def _render_loaders(report: Report, console: Console) -> None:
+    if not report.loaders or (report.errors and not report.findings):
+        return
+    if all(p.verdict == LoaderVerdict.OK and p.observed in (None, "ok") for p in report.loaders):
+        ran = sum(p.observed == LoaderVerdict.OK for p in report.loaders)
+        tail = f" ({ran} run for real: ok)" if ran else ""
+        count = len(report.loaders)
+        console.print(f"loaders: all {count} known loaders would load these ranks{tail}")
+        return
+    observed = any(p.observed_detail is not None for p in report.loaders)
+    table = Table(title="what each loader would do on these ranks", title_justify="left")
+    table.add_column("loader", style="bold")
+    table.add_column("verdict")
+    if observed:
+        table.add_column("observed (gloo)")
+    table.add_column("why", overflow="fold")
+    for p in report.loaders:
+        cells = [p.name, Text(p.verdict, style=_LOADER_STYLE.get(p.verdict, ""))]
+        if observed:
+            seen = p.observed or "not run"
+            cells.append(Text(seen, style=_LOADER_STYLE.get(seen, "dim")))
+        cells.append(p.summary)
+        table.add_row(*cells)
+    console.print(table)
+    for p in report.loaders:
+        if p.observed_detail is not None and p.observed is None:
+            why = escape(str(p.observed_detail.get("summary", "")))
+            console.print(f"{p.name} not run for real: {why}", style="dim")
+
+
+def _render_load(report: Report, console: Console) -> None:
+    load, verified = report.load, report.verify
+    if load is not None and load.outcome == LoadStatus.LOADED and verified is not None:
+        status = "[green]passed[/]" if verified.passed else "[bold red]FAILED[/]"
+        console.print(
+            f"sorted loader: {load.params_loaded} state-dict entries {_load_method(load)}, "
+            f"{load.buffers_broadcast} non-persistent buffers in {load.collectives} collectives "
+            f"({load.seconds:.2f}s); verification {status}: {verified.checked} tensors checked "
+            f"on {report.world_size} rank{'s' if report.world_size != 1 else ''}"
+        )
+    elif load is not None and load.outcome == LoadStatus.REFUSED:
+        console.print(f"[yellow]sorted loader refused[/] (no rank hung): {escape(load.message)}")
+    elif load is not None and load.outcome == LoadStatus.SKIPPED and not report.errors:
+        console.print(f"sorted loader not run: {escape(load.message)}", style="dim")
+    if report.reproduction:
+        repro = report.reproduction
+        console.print(
+            f"reproduction of named-buffers-order (child job): [bold]{repro.get('outcome')}[/] "
+            f"— {escape(str(repro.get('summary', '')))}"
+        )
+
+
+def _load_method(load: LoadOutcome) -> str:
+    if load.method == LoadMethod.BUCKETED:
+        return f"in {load.state_messages} point-to-point buckets ({load.state_bytes:,} bytes)"
+    if load.fallback_reason:
+        return f"via DCP [yellow](fell back: {escape(load.fallback_reason)})[/]"
+    return "via DCP"
+
+
+# ---------------------------------------------------------------- probe
+
+
+def probe_table(result: ProbeResult) -> Any:
+    """A rich Table of the reordering modules: one row per (module, order variant)."""
+
+    table = Table(title="tensor orders under each PYTHONHASHSEED", title_justify="left")
+    for column in ("module", "kind", "seeds", "order", "shapes", "loader outcome"):
+        table.add_column(column, overflow="fold")
+    for r in result.reorders:
+        shapes = {t.name: t.shape for t in r.tensors}
+        for i, v in enumerate(r.variants):
+            short = [n.rpartition(".")[2] for n in v.order]
+            table.add_row(
+                (r.module or "<root>") if i == 0 else "",
+                r.kind if i == 0 else "",
+                int_ranges(v.seeds),
+                ", ".join(short),
+                ", ".join(str(list(shapes[n])) for n in v.order),
+                (
+                    "[red]hang (sizes differ)[/]"
+                    if r.sizes_differ
+                    else "[red]silent corruption (same sizes)[/]"
+                )
+                if i == 0
+                else "",
+            )
+    return table
+
+
+def probe_summary(result: ProbeResult) -> str:
+    """The verdict line, as rich markup."""
+    style = {"latent": "bold red", "consistent": "bold green"}.get(result.verdict, "bold red")
+    what = {
+        "latent": (
+            f"{len(result.tensors)} tensor(s) change order with the hash seed "
+            f"({result.orders} distinct orders over {len(result.seeds)} seeds); a loader pairing "
+            f"them by local order would {'hang' if result.sizes_differ else 'corrupt silently'}"
+        ),
+        "consistent": (
+            f"the same buffer and parameter order under all {len(result.seeds)} hash seeds"
+        ),
+        "error": f"{len(result.errors)} of {len(result.seeds)} seeds failed",
+    }[result.verdict]
+    return f"[bold]verdict:[/] [{style}]{result.verdict}[/] (exit {result.exit_code}) · {what}"
+
+
+def probe_errors(result: ProbeResult) -> list[str]:
+    """The failed seeds as rich markup lines, one per distinct message."""
+
+    grouped: dict[tuple[str, str], list[int]] = {}
+    for e in result.errors:
+        grouped.setdefault((e.kind, e.message), []).append(e.seed)
+    return [
+        f"[bold red]✗ seed{'s' if len(s) > 1 else ''} {int_ranges(s)} ({kind})[/]: {escape(msg)}"
+        for (kind, msg), s in grouped.items()
+    ]
+
+
+# ---------------------------------------------------------------- scan
+
+
+_SCAN_STYLE = {
+    "ok": "green",
+    "hang": "bold red",
+    "silent-corruption": "bold red",
+    "skipped": "yellow",
+}
+
+
+def scan_table(result: ScanResult, *, all_rows: bool = True) -> Any:
+    """A rich Table: architecture, hash-seed-dependent tensors, verdict (non-ok rows first)."""
+
+    table = Table(
+        title=f"hash-seed scan · transformers {result.transformers} · "
+        f"{len(result.seeds)} seeds · {len(result.rows)} architectures",
+        title_justify="left",
+    )
+    table.add_column("architecture")
+    table.add_column("class")
+    table.add_column("hash-seed-dependent tensors", overflow="fold")
+    table.add_column("verdict")
+    order = {v: i for i, v in enumerate(ScanVerdict)}
+    for row in sorted(result.rows, key=lambda r: (order.get(r.verdict, 9), r.id)):
+        if not all_rows and row.verdict == ScanVerdict.OK:
+            continue
+        tensors = "; ".join(
+            f"{r.module or '<root>'}: "
+            + ", ".join(f"{t.name.rpartition('.')[2]} {list(t.shape)}" for t in r.tensors)
+            for r in row.reorders
+        )
+        style = _SCAN_STYLE.get(row.verdict, "")
+        table.add_row(row.id, row.architecture, escape(tensors), f"[{style}]{escape(row.label)}[/]")
+    return table
+
+
+def scan_summary(result: ScanResult) -> str:
+    """One line of counts, as rich markup."""
+    c = result.counts
+    return (
+        f"[bold]{len(result.rows)} architectures[/] in {result.elapsed:.0f} s: "
+        f"[green]{c.get('ok', 0)} ok[/] · [bold red]{c.get('hang', 0)} hang[/] · "
+        f"[bold red]{c.get('silent-corruption', 0)} silent-corruption[/] · "
+        f"[yellow]{c.get('skipped', 0)} skipped[/] (exit {result.exit_code})"
+    )
+
+
+# ---------------------------------------------------------------- progress
+
+
+def stdout_console() -> Console:
+    # Logs and CI capture are not terminals: give tables room instead of rich's 80 columns.
+    return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, soft_wrap=True)
+
+
+class StageStatus:
+    """A spinner on rank 0's terminal naming the stage in progress; silent in logs and CI."""
+
+    def __init__(self, rank: int):
+        self._status = None
+        if rank == 0 and sys.stderr.isatty():
+            self._status = stderr_console().status("fsdpcheck: starting", spinner="dots")
+
+    def __enter__(self) -> StageStatus:
+        if self._status is not None:
+            self._status.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._status is not None:
+            self._status.stop()
+
+    def update(self, stage: str) -> None:
+        if self._status is not None:
+            self._status.update(f"fsdpcheck: {stage}")

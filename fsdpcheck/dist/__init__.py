@@ -1,0 +1,1 @@
+"""Process groups, the gloo side channel, liveness, and the gather."""

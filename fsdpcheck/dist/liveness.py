@@ -1,0 +1,203 @@
+"""Liveness: stage marks, heartbeats and the abort mark in the rendezvous store, so a rank that
+gives up can name the rank responsible instead of leaving everyone waiting."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from fsdpcheck.dist.setup import DistContext
+from fsdpcheck.records import RankError, from_dict, to_dict
+from fsdpcheck.vocab import STAGE_ORDER, ErrorKind, ExitCode, Stage
+
+_STAGE_KEY = "fsdpcheck/stage/{}"
+
+
+def mark_stage(ctx: DistContext, stage: str) -> None:
+    """Leave this rank's current stage in the store, so a failed gather can name who is missing."""
+    if ctx.store is None:
+        return
+    try:
+        ctx.store.set(_STAGE_KEY.format(ctx.rank), stage)
+    except Exception:
+        ctx.store = None
+
+
+_ABORT_KEY = "fsdpcheck/abort"
+
+
+def signal_abort(ctx: DistContext, errors: list[RankError]) -> None:
+    """Tell every rank's abort watch that this run is over, and why (a rank gave up)."""
+    if ctx.store is None:
+        return
+    try:
+        ctx.store.set(_ABORT_KEY, json.dumps([to_dict(e) for e in errors[:16]]))
+    except Exception:
+        pass
+
+
+def _abort_errors(payload: bytes) -> list[RankError]:
+    try:
+        return [from_dict(RankError, e) for e in json.loads(payload)]
+    except (ValueError, TypeError, KeyError):
+        return [RankError(-1, Stage.ABORT, payload.decode(errors="replace"), ErrorKind.RUNTIME)]
+
+
+_ALIVE_KEY = "fsdpcheck/alive/{}"
+
+
+def heartbeat_interval(world_size: int) -> float:
+    """One store write per rank per interval: keep the store's load flat at large scale."""
+    return max(1.0, world_size / 512)
+
+
+class AbortWatch:
+    """A daemon thread that beats this rank's heartbeat and ends the rank when the run is over.
+
+    The heartbeat lets a rank that gives up tell a dead peer from a slow one. The abort mark
+    covers a rank stuck in its own work (a stalled filesystem, a deadlocked import) that never
+    reaches the gather: when the others give up they leave the mark, and this thread exits the
+    process with code 3 instead of leaving it behind. It also exits when the store's host
+    (rank 0, or the launcher's agent) has been gone for a whole timeout.
+    """
+
+    def __init__(self, ctx: DistContext, on_abort: Callable[[list[RankError]], None] | None = None):
+        self._ctx = ctx
+        self._on_abort = on_abort
+        self._interval = heartbeat_interval(ctx.world_size)
+        self._done = threading.Event()
+        self._armed = True
+        self._thread = threading.Thread(target=self._run, name="fsdpcheck-abort-watch", daemon=True)
+
+    def __enter__(self) -> AbortWatch:
+        if self._ctx.store is not None and self._ctx.world_size > 1:
+            self._thread.start()
+        return self
+
+    def disarm(self) -> None:
+        """Keep beating but never abort: this rank is concluding the run itself."""
+        self._armed = False
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        # Joined, not abandoned: a daemon thread still inside a store call when the
+        # interpreter exits makes C++ terminate the process.
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._interval + 5)
+
+    def _run(self) -> None:
+        store, alive = self._ctx.store, _ALIVE_KEY.format(self._ctx.rank)
+        unreachable_since = None
+        while True:
+            try:
+                store.add(alive, 1)
+                aborted = store.check([_ABORT_KEY])
+                errors = _abort_errors(store.get(_ABORT_KEY)) if aborted else None
+                unreachable_since = None
+            except Exception:
+                # Rank 0 may simply have finished first; only a store gone for a whole
+                # timeout means nobody is left to conclude the run.
+                unreachable_since = unreachable_since or time.monotonic()
+                gone = time.monotonic() - unreachable_since >= self._ctx.timeout
+                why = "the rendezvous store is gone: rank 0 or the launcher died"
+                errors = [RankError(self._ctx.rank, Stage.ABORT, why, ErrorKind.RUNTIME)] if gone else None
+            if self._done.is_set():
+                return
+            if errors and self._armed:
+                self._abort(errors)
+            if self._done.wait(self._interval):
+                return
+
+    def _abort(self, errors: list[RankError]) -> None:
+        sys.stderr.write(f"fsdpcheck: rank {self._ctx.rank} aborting: {errors[0].message}\n")
+        sys.stderr.flush()
+        if self._on_abort is not None:
+            try:  # rank 0 publishes what the rank that gave up found, then goes
+                self._on_abort(errors)
+            except Exception:
+                pass
+        os._exit(ExitCode.RUNTIME)
+
+
+def dead_ranks(ctx: DistContext) -> set[int]:
+    """Ranks whose heartbeat does not move over a few intervals (needs the abort watch)."""
+    if ctx.store is None or ctx.world_size == 1:
+        return set()
+    try:
+        before = {r: ctx.store.add(_ALIVE_KEY.format(r), 0) for r in range(ctx.world_size)}
+        time.sleep(3 * heartbeat_interval(ctx.world_size))
+        after = {r: ctx.store.add(_ALIVE_KEY.format(r), 0) for r in range(ctx.world_size)}
+    except Exception:
+        return set()
+    return {r for r in before if r != ctx.rank and before[r] == after[r]}
+
+
+def last_stages(ctx: DistContext) -> dict[int, str | None]:
+    """Each rank's last marked stage; empty when the store is gone (its host died)."""
+    if ctx.store is None:
+        return {}
+    stages: dict[int, str | None] = {}
+    try:
+        for r in range(ctx.world_size):
+            key = _STAGE_KEY.format(r)
+            stages[r] = ctx.store.get(key).decode() if ctx.store.check([key]) else None
+    except Exception:
+        return {}
+    return stages
+
+
+def collective_cause(exc: BaseException) -> str:
+    """The useful part of a collective's error: gloo prefixes a source path and adds advice."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]
+    return f"{type(exc).__name__}: {first}"
+
+
+# A peer marked at an earlier stage than ours is behind.
+def _stage_index(stage: str | None) -> int:
+    return STAGE_ORDER.index(stage) if stage in STAGE_ORDER else 0
+
+
+def diagnose_peers(
+    ctx: DistContext, exc: BaseException, *, own: RankError | None
+) -> list[RankError]:
+    """Turn a failed collective into errors that name the rank(s) responsible.
+
+    A rank whose heartbeat stopped died; failing that, a rank marked at an earlier stage than
+    this one is stuck there; failing that, the failure is this rank's own.
+    """
+    cause = collective_cause(exc)
+    stages = last_stages(ctx)
+    mine = stages.get(ctx.rank) or Stage.GATHER
+    dead = dead_ranks(ctx)
+    errors = [own] if own is not None else []
+    for r in sorted(dead):
+        stage = stages.get(r) or Stage.LAUNCH
+        message = (
+            f"rank {r} died during stage '{stage}' "
+            f"(its heartbeat stopped; rank {ctx.rank} saw: {cause})"
+        )
+        errors.append(RankError(r, stage, message, ErrorKind.RUNTIME))
+    behind = [
+        (r, stage or Stage.LAUNCH)
+        for r, stage in sorted(stages.items())
+        if r != ctx.rank and _stage_index(stage) < _stage_index(mine)
+    ]
+    for r, stage in [] if dead else behind:
+        message = (
+            f"rank {r} is stuck in stage '{stage}' (rank {ctx.rank} gave up waiting at "
+            f"'{mine}' after --timeout {ctx.timeout:g}s: {cause})"
+        )
+        errors.append(RankError(r, stage, message, ErrorKind.RUNTIME))
+    if len(errors) == (1 if own else 0):
+        message = f"rank {ctx.rank} failed at '{mine}': {cause}"
+        errors.append(RankError(ctx.rank, mine, message, ErrorKind.RUNTIME))
+    return errors
+
+

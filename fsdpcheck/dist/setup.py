@@ -1,0 +1,179 @@
+"""Distributed setup in one place: the default group, the gloo side channel and the mesh.
+
+Metadata always travels on a separate gloo group created with ``timeout``, so the diagnosis
+never depends on NCCL being healthy and never waits forever.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdpcheck.errors import InputError
+
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+@dataclass
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str
+    device_type: str
+    timeout: float
+    side_channel: Any
+    owns_default_group: bool
+    mesh: Any = None
+    store: Any = None  # the default group's store, for stage marks; None when unavailable
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InputError(
+            f"environment variable {name}={raw!r} is not an integer; launch with torchrun "
+            "or set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
+        ) from None
+
+
+def launch_env() -> tuple[int, int, int]:
+    """``(rank, local_rank, world_size)`` from the env:// variables; one rank when unset."""
+    rank = _int_env("RANK", 0)
+    world_size = _int_env("WORLD_SIZE", 1)
+    local_rank = _int_env("LOCAL_RANK", rank)
+    if not 0 <= rank < world_size:
+        raise InputError(f"RANK={rank} is outside WORLD_SIZE={world_size}; fix the launcher.")
+    if world_size > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise InputError(
+            f"rank {rank}: WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set; "
+            "launch with torchrun or set the env:// variables."
+        )
+    return rank, local_rank, world_size
+
+
+def resolve_backend(requested: str) -> str:
+    if requested not in BACKENDS:
+        raise InputError(f"--backend {requested!r}: choose one of {', '.join(BACKENDS)}.")
+    cuda = torch.cuda.is_available()
+    if requested == "auto":
+        return "nccl" if cuda else "gloo"
+    if requested == "nccl" and not (cuda and dist.is_nccl_available()):
+        raise InputError(
+            "--backend nccl needs CUDA and a torch build with NCCL; this host has "
+            f"{'no CUDA device' if not cuda else 'no NCCL'}. Use --backend gloo (or auto)."
+        )
+    return requested
+
+
+def init(
+    backend: str = "auto", timeout: float = 60.0, *, mesh_shape: tuple[int, ...] | None = None
+) -> DistContext:
+    """Join (or reuse) the default process group, create the gloo side channel and the mesh.
+
+    Everything that can be checked without a peer is checked first, so bad input never leaves
+    another rank waiting in a rendezvous.
+    """
+    rank, local_rank, world_size = launch_env()
+    backend = resolve_backend(backend)
+    shape = _mesh_shape(mesh_shape, world_size, rank)
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    if device_type == "cuda":
+        devices = torch.cuda.device_count()
+        if local_rank >= devices:
+            raise InputError(
+                f"rank {rank}: LOCAL_RANK={local_rank} but this host has {devices} CUDA "
+                f"device{'s' if devices != 1 else ''}, and NCCL needs one per rank; launch at "
+                f"most {devices} ranks per node (--nproc-per-node {devices}), or use --backend "
+                "gloo to run on CPU."
+            )
+        torch.cuda.set_device(local_rank)
+    owns = not dist.is_initialized()
+    wait = timedelta(seconds=timeout)
+    if owns:
+        _init_default_group(backend, rank, world_size, wait, timeout)
+    else:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        backend = str(dist.get_backend())
+        shape = _mesh_shape(mesh_shape, world_size, rank)
+    side_channel = dist.new_group(backend="gloo", timeout=wait)
+    # Every rank builds the mesh here, before any stage can fail, because building a 2-D mesh
+    # is itself a collective.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return DistContext(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        backend=backend,
+        device_type=device_type,
+        timeout=timeout,
+        side_channel=side_channel,
+        owns_default_group=owns,
+        mesh=mesh,
+        store=_default_store(),
+    )
+
+
+def _mesh_shape(requested: tuple[int, ...] | None, world_size: int, rank: int) -> tuple[int, ...]:
+    if not requested:
+        return (world_size,)
+    product = 1
+    for d in requested:
+        product *= d
+    if len(requested) > 2 or product != world_size or min(requested) < 1:
+        raise InputError(
+            f"rank {rank}: --mesh {','.join(map(str, requested))} needs "
+            f"{product} ranks but WORLD_SIZE is {world_size}; pass REPLICATE,SHARD whose "
+            "product is the world size (e.g. --mesh 2,4 on 8 ranks), or omit --mesh."
+        )
+    return tuple(requested)
+
+
+def _init_default_group(
+    backend: str, rank: int, world_size: int, wait: timedelta, timeout: float
+) -> None:
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
+        return
+    try:
+        dist.init_process_group(backend, timeout=wait)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(
+            f"rank {rank}: could not join the rendezvous at {where} within {timeout:g}s "
+            f"({first}). Check MASTER_ADDR/MASTER_PORT, that rank 0 is running, and that the "
+            "port is reachable from this host."
+        ) from None
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # private API: stage marks are a nicety, never a requirement
+        return None
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.owns_default_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+

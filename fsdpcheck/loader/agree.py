@@ -1,0 +1,272 @@
+"""Before a byte moves: every rank shows the state-dict entries and non-persistent buffers it
+holds (names, shapes, dtypes), in one fixed-size exchange of digests; any difference is named and
+raised on every rank, never a hang and never a partial load. :mod:`fsdpcheck.loader.load` runs
+it first."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdpcheck.dist.wire import exchange_slots, transport_device
+from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers
+from fsdpcheck.records import short_digest
+from fsdpcheck.text import name_list, ranks_label
+
+# (name, shape, dtype): what must agree across ranks before a tensor may be paired by name.
+Layout = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+class BufferMismatchError(FsdpcheckError):
+    """Ranks disagree on their non-persistent buffers; raised on every rank, nothing moved."""
+
+    def __init__(self, message: str, differences: Iterable[str] = ()):
+        super().__init__(message)
+        self.differences = tuple(differences)
+
+
+class StateDictMismatchError(FsdpcheckError):
+    """Ranks (or rank 0's source) disagree on the state dict; raised on every rank."""
+
+    def __init__(self, message: str, differences: Iterable[str] = ()):
+        super().__init__(message)
+        self.differences = tuple(differences)
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One rank's entry in the layout exchange."""
+
+    global_rank: int
+    buffers: Layout
+    state: Layout
+    problems: tuple[str, ...]
+    # This rank's non-persistent buffers as described; local only, never sent.
+    named: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "named": None}  # the slow path pickles it: layouts only
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _tensor_layout(name: str, tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
+    # DTensor.shape is the global shape, which is what must agree across ranks.
+    dtype = tensor.dtype
+    named = _DTYPE_NAMES.get(dtype)
+    if named is None:
+        named = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return (name, tuple(tensor.shape), named)
+
+
+def local_layout(
+    model: nn.Module,
+    rank: int,
+    *,
+    src: int,
+    source: dict[str, torch.Tensor] | None,
+    with_state: bool,
+) -> Exchange:
+    """This rank's layouts and local problems; never raises, so it always joins the exchange."""
+    problems: list[str] = []
+    buffers: Layout = ()
+    state: Layout = ()
+    named: dict[str, torch.Tensor] | None = None
+    try:
+        named = non_persistent_buffers(model)
+        buffers = tuple(sorted(_tensor_layout(n, t) for n, t in named.items()))
+        if rank == src:
+            on_meta = sorted(n for n, t in named.items() if t.is_meta)
+            if on_meta:
+                problems.append(
+                    f"rank {rank} (the source) holds non-persistent buffers on meta "
+                    f"({name_list(on_meta)}): it has no values to broadcast; build it with real "
+                    "tensors."
+                )
+        if with_state:
+            local = model.state_dict(keep_vars=True)
+            state = tuple(sorted(_tensor_layout(k, v) for k, v in local.items()))
+            if rank == src:
+                problems.extend(source_problems(rank, state, source))
+    except Exception as exc:  # a local failure must reach the others, not strand them
+        problems.append(f"rank {rank} could not describe its model: {type(exc).__name__}: {exc}")
+    return Exchange(rank, buffers, state, tuple(problems), named)
+
+
+def source_problems(rank: int, state: Layout, source: dict[str, torch.Tensor] | None) -> list[str]:
+    if source is None:
+        return [f"rank {rank} was given no full state dict (None); pass rank 0's full state dict."]
+    expected = {name: shape for name, shape, _ in state}
+    given = {k: tuple(v.shape) for k, v in source.items() if torch.is_tensor(v)}
+    problems = []
+    if missing := sorted(set(expected) - set(given)):
+        problems.append(f"rank {rank}'s full state dict lacks {name_list(missing)}")
+    if extra := sorted(set(given) - set(expected)):
+        problems.append(
+            f"rank {rank}'s full state dict has keys the model lacks: {name_list(extra)}"
+        )
+    for name in sorted(set(expected) & set(given)):
+        if expected[name] != given[name]:
+            problems.append(
+                f"rank {rank}'s full state dict has {name} with shape {list(given[name])}, "
+                f"the model {list(expected[name])}"
+            )
+    return problems
+
+
+_PROBLEMS, _NO_FAST, _FAST_REASON, _INLINE = 1, 2, 4, 8  # flags: first byte of a slot
+_DIGEST = 16
+# The buffers' values ride along with the check (one round, not two) when they fit in this
+# much; rank 0 then sends at most about 1 MiB in all, whatever the world size.
+_INLINE_MAX, _INLINE_MIN, _INLINE_TOTAL = 64 * 2**10, 4 * 2**10, 2**20
+
+
+def inline_capacity_for(world_size: int) -> int:
+    return max(_INLINE_MIN, min(_INLINE_MAX, _INLINE_TOTAL // max(world_size, 1)))
+
+
+def _exchange_slot(
+    mine: Exchange, fast: tuple[str, str | None] | None, inline: bool = False
+) -> bytes:
+    """This rank's fixed-size entry: flags, then digests of its buffers, state and fast layout."""
+    flags = _PROBLEMS if mine.problems else 0
+    if inline:
+        flags |= _INLINE
+    if fast is None:
+        flags |= _NO_FAST
+    elif fast[1]:
+        flags |= _FAST_REASON
+    fast_digest = fast[0] if fast is not None and fast[0] else "00" * _DIGEST
+    return (
+        bytes([flags])
+        + bytes.fromhex(short_digest(repr(mine.buffers), size=_DIGEST))
+        + bytes.fromhex(short_digest(repr(mine.state), size=_DIGEST))
+        + bytes.fromhex(fast_digest)
+    )
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The ranks agree: the buffer layout, how many collectives that took, every rank's
+    bucketed-path entry in group order, and ``src``'s inline buffers when they rode along."""
+
+    layout: Layout
+    collectives: int
+    bucketed: list[Any]
+    inline: bytes | None
+
+
+def agree(
+    mine: Exchange,
+    *,
+    src: int,
+    group: Any,
+    ranks: list[int],
+    fast: tuple[str, str | None] | None = None,
+    inline: bytes | None = None,
+    inline_capacity: int = 0,
+) -> Agreement:
+    """Collective: one fixed-size exchange of digests; more only when something differs.
+
+    ``fast`` (this rank's bucketed-path entry: digest and reason, or None) rides along; every
+    rank's comes back in group order, so every rank takes the same decision from them. With
+    ``inline_capacity`` (the same on every rank), ``src`` attaches ``inline`` (its packed
+    buffers, or None) to the same round; every rank gets it back when the layouts agree."""
+    attach = inline is not None and len(inline) <= inline_capacity
+    entries, attached = exchange_slots(
+        _exchange_slot(mine, fast, inline=attach),
+        group,
+        size=len(ranks),
+        device=transport_device(group),
+        src=ranks.index(src),
+        attached=inline_capacity,
+        attachment=inline if attach else b"",
+    )
+    reference = entries[ranks.index(src)]
+    layouts = slice(1, 1 + 2 * _DIGEST)
+    same = all(e[layouts] == reference[layouts] for e in entries)
+    if same and not any(e[0] & _PROBLEMS for e in entries):
+        if any(e[0] & _FAST_REASON for e in entries):  # the reasons, in words
+            fasts: list[Any] = [None] * len(ranks)
+            dist.all_gather_object(fasts, fast, group=group)
+            return Agreement(mine.buffers, 2, fasts, None)
+        digests = [None if e[0] & _NO_FAST else (e[1 + 2 * _DIGEST :].hex(), None) for e in entries]
+        return Agreement(mine.buffers, 1, digests, attached if reference[0] & _INLINE else None)
+    # Every rank saw the same summaries, so every rank takes this branch together.
+    everyone: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(everyone, mine, group=group)
+    by_rank = {e.global_rank: e for e in everyone}
+    problems = [p for e in everyone for p in e.problems]
+    buffer_diffs = layout_differences(by_rank, src, "buffers", "non-persistent buffer")
+    state_diffs = layout_differences(by_rank, src, "state", "state-dict entry")
+    differences = problems + buffer_diffs + state_diffs
+    listed = "\n".join(f"  - {d}" for d in differences)
+    if buffer_diffs:
+        raise BufferMismatchError(
+            "non-persistent buffers differ between ranks, so nothing was loaded or broadcast "
+            "(pairing them would hang or swap values):\n"
+            f"{listed}\nBuild the model the same way on every rank (same code, config and "
+            "options), then load again.",
+            differences,
+        )
+    raise StateDictMismatchError(
+        "the ranks' state dicts do not line up, so nothing was loaded or broadcast:\n"
+        f"{listed}\nBuild the model the same way on every rank and pass rank 0 the model's own "
+        "full state dict.",
+        differences,
+    )
+
+
+def layout_differences(by_rank: dict[int, Exchange], src: int, field: str, what: str) -> list[str]:
+    """Every difference from ``src``, one line per distinct difference, naming its ranks."""
+    reference = {n: (s, d) for n, s, d in getattr(by_rank[src], field)}
+    found: dict[str, list[int]] = defaultdict(list)
+    for rank in sorted(by_rank):
+        if rank == src:
+            continue
+        theirs = {n: (s, d) for n, s, d in getattr(by_rank[rank], field)}
+        for name in sorted(set(reference) | set(theirs)):
+            if name not in theirs:
+                line = f"lacks {what} {name!r} that rank {src} has"
+            elif name not in reference:
+                shape, dtype = theirs[name]
+                line = (
+                    f"has {what} {name!r} (shape {list(shape)}, {dtype}) that rank {src} does not"
+                )
+            elif theirs[name] != reference[name]:
+                (shape, dtype), (ref_shape, ref_dtype) = theirs[name], reference[name]
+                line = (
+                    f"{what} {name!r} is shape {list(shape)}, {dtype}; on rank {src} "
+                    f"shape {list(ref_shape)}, {ref_dtype}"
+                )
+            else:
+                continue
+            found[line].append(rank)
+    return [f"{ranks_label(ranks)}: {line}" for line, ranks in found.items()]
+
+
+def raise_if_any_failed(failure: str | None, group: Any, ranks: list[int]) -> None:
+    failures: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(failures, failure, group=group)
+    reported = [f for f in failures if f]
+    if reported:
+        raise StateDictMismatchError(
+            "loading the state dict failed; the model is partly loaded and must not be used:\n"
+            + "\n".join(f"  - {f}" for f in reported),
+            reported,
+        )
+
+
+def member_ranks(group: Any) -> list[int]:
+    return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))

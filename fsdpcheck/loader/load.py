@@ -1,0 +1,349 @@
+"""A safe loader for an FSDP2-sharded model: what a training script calls in place of verl's or
+accelerate's full-state-dict loader.
+
+Before a single byte moves, every rank shows that it holds the same state-dict entries and
+non-persistent buffers (names, shapes, dtypes); any difference is raised on every rank, never a
+hang and never a partial load. Tensors are then always paired by rank 0's names, never by
+position:
+
+- Parameters and persistent buffers (the state dict), by default ``method="bucketed"``: rank 0
+  cuts each rank's own shards (``torch.chunk`` slices, as FSDP2 and DTensor shard, uneven shards
+  included) out of its full state dict in sorted-name order and sends every rank only its own,
+  point-to-point over gloo (1/world of the data per receiver on a 1-D mesh): a shard of 1 MiB or
+  more travels alone, straight from the source tensor into the receiver's local shard when both
+  are contiguous in the model's dtype (else through a staging buffer that converts the dtype);
+  smaller ones travel packed in flat buckets. No message exceeds ``bucket_bytes``, and a rank
+  holds at most two staging buffers of that size, which bounds the extra memory. The messages
+  are derived from what every rank has shown to agree on (names, shapes, dtypes, placements,
+  meshes, tied weights, ``bucket_bytes``); where anything the bucketed path does not cover turns
+  up on any rank, every rank falls back to ``method="dcp"`` together and :class:`LoadResult`
+  says why.
+- ``method="dcp"``: ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``,
+  one broadcast per tensor of the full tensor.
+- Non-persistent buffers, which no state dict carries, are broadcast by sorted name, one flat
+  tensor per dtype (small ones ride with the check itself: one collective in all).
+
+The checks live in :mod:`fsdpcheck.loader.agree`, the bucketed transfer in
+:mod:`fsdpcheck.loader.transfer`; this module puts them together.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from fsdpcheck.dist.wire import transport_device
+from fsdpcheck.errors import InputError
+from fsdpcheck.loader.agree import (
+    BufferMismatchError,
+    Layout,
+    StateDictMismatchError,
+    agree,
+    inline_capacity_for,
+    local_layout,
+    member_ranks,
+    raise_if_any_failed,
+)
+from fsdpcheck.loader.transfer import Transfer, aligned, bucketed_info, choose_method
+from fsdpcheck.model.fingerprint import non_persistent_buffers
+from fsdpcheck.text import int_ranges
+from fsdpcheck.vocab import LoadMethod
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "METHODS",
+    "BufferBroadcast",
+    "BufferMismatchError",
+    "LoadResult",
+    "StateDictMismatchError",
+    "broadcast_buffers",
+    "load_full_state_dict",
+]
+
+METHODS = ("bucketed", "dcp")
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+MIN_BUCKET_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class BufferBroadcast:
+    """What :func:`broadcast_buffers` moved on this rank."""
+
+    names: tuple[str, ...]  # in the (sorted) order they were packed
+    dtypes: tuple[str, ...]  # one flat tensor per dtype, in this order
+    broadcasts: int  # flat broadcasts after the check; 0 when the values came with it
+    collectives: int  # issued by fsdpcheck: layout exchange(s) plus the broadcasts
+    bytes: int
+    inline: bool = False  # the values travelled with the layout check, in the same collective
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What :func:`load_full_state_dict` did on this rank."""
+
+    params_loaded: int  # state-dict entries (parameters and persistent buffers)
+    buffers_broadcast: int
+    buffer_broadcasts: int  # flat broadcasts: one per buffer dtype, however many buffers
+    # fsdpcheck's checks and buffer broadcasts (2 checks + the broadcasts); the state dict's own
+    # transfer is counted apart: `state_messages` (bucketed) or not at all (DCP's collectives).
+    collectives: int
+    dtypes: tuple[str, ...]  # of the buffer broadcasts, in order
+    materialised: bool  # this rank held meta tensors and got storage via to_empty()
+    method: str = "dcp"  # how the state dict moved: "bucketed" or "dcp"
+    fallback_reason: str | None = None  # why "bucketed" was asked for and "dcp" was used
+    state_messages: int = 0  # bucketed: buckets this rank sent (rank 0) or received
+    state_bytes: int = 0  # bucketed: bytes of them on the wire
+    bucket_bytes: int = 0  # bucketed: this rank's largest message (at most the bucket_bytes asked)
+
+
+def load_full_state_dict(
+    model: nn.Module,
+    full_state_dict_on_rank0: Mapping[str, torch.Tensor] | None,
+    *,
+    group: Any = None,
+    cpu_offload: bool = False,
+    method: str = "bucketed",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> LoadResult:
+    """Load rank 0's full state dict into a ``fully_shard``-ed model; collective, every rank calls.
+
+    Checks first (layouts over ``group``), then materialises meta ranks, moves parameters and
+    persistent buffers (``method``: ``"bucketed"``, falling back to ``"dcp"`` where it must, or
+    ``"dcp"``), then broadcasts non-persistent buffers from rank 0 by name. ``bucket_bytes``
+    bounds one bucket of the bucketed path; every rank must pass the same ``method`` and
+    ``bucket_bytes`` (a rank that differs sends everyone down the DCP path, and says so).
+    ``cpu_offload`` is passed to DCP; the bucketed path writes shards wherever they live.
+    """
+    if method not in METHODS:
+        raise InputError(f"load_full_state_dict: method={method!r}; choose one of {METHODS}.")
+    if int(bucket_bytes) < MIN_BUCKET_BYTES:
+        raise InputError(
+            f"load_full_state_dict: bucket_bytes={bucket_bytes} is below {MIN_BUCKET_BYTES}."
+        )
+    ranks = member_ranks(group)
+    if 0 not in ranks:
+        raise InputError(
+            "load_full_state_dict: `group` must contain global rank 0, which holds the full "
+            f"state dict; it holds ranks {int_ranges(ranks)}."
+        )
+    rank = dist.get_rank()
+    source = dict(full_state_dict_on_rank0) if full_state_dict_on_rank0 is not None else None
+    mine = local_layout(model, rank, src=0, source=source if rank == 0 else None, with_state=True)
+    fast = None
+    if method == LoadMethod.BUCKETED:
+        fast = bucketed_info(model, rank, ranks, group, int(bucket_bytes))
+    shared = fast.shared() if fast is not None else None
+    agreed = agree(mine, src=0, group=group, ranks=ranks, fast=shared)
+    layout, collectives = agreed.layout, agreed.collectives
+    chosen, reason = choose_method(method, agreed.bucketed, ranks)
+
+    failure, materialised = None, False
+    messages = moved_bytes = biggest = 0
+    if chosen == LoadMethod.BUCKETED:
+        try:
+            materialised = materialise(model)
+        except Exception as exc:  # this rank still takes part in the transfer, then says so
+            failure = f"rank {rank}: materialising failed: {type(exc).__name__}: {exc}"
+        transfer = Transfer(model, fast.specs, ranks, group, int(bucket_bytes))
+        moved = transfer.run(source if rank == 0 else None, write=failure is None)
+        messages, moved_bytes, biggest = moved.messages, moved.bytes, moved.largest
+        failure = failure or moved.failure
+    else:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        # set_model_state_dict writes rank 0's local shards back into the dict it is given, so
+        # it gets a copy: the caller's source stays intact (verify_load compares against it).
+        payload = source if rank == 0 and source is not None else {}
+        options = StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, cpu_offload=cpu_offload
+        )
+        try:
+            materialised = materialise(model)
+            set_model_state_dict(model, payload, options=options)
+        except Exception as exc:  # reported to every rank below instead of stranding them
+            failure = f"rank {rank}: loading failed: {type(exc).__name__}: {exc}"
+    raise_if_any_failed(failure, group, ranks)
+    collectives += 1
+
+    moved = _broadcast_flat(model, layout, src=0, group=group)
+    return LoadResult(
+        params_loaded=len(mine.state),
+        buffers_broadcast=len(moved.names),
+        buffer_broadcasts=moved.broadcasts,
+        collectives=collectives + moved.broadcasts,
+        dtypes=moved.dtypes,
+        materialised=materialised,
+        method=chosen,
+        fallback_reason=reason,
+        state_messages=messages,
+        state_bytes=moved_bytes,
+        bucket_bytes=biggest,
+    )
+
+
+def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> BufferBroadcast:
+    """Broadcast non-persistent buffers from global rank ``src`` by sorted name, one flat tensor
+    per dtype, after checking that every rank holds the same names, shapes and dtypes."""
+    ranks = member_ranks(group)
+    if src not in ranks:
+        raise InputError(
+            f"broadcast_buffers: src={src} is not in `group` (ranks {int_ranges(ranks)})."
+        )
+    rank = dist.get_rank()
+    mine = local_layout(model, rank, src=src, source=None, with_state=False)
+    capacity = inline_capacity_for(len(ranks))
+    payload = None
+    if rank == src and not mine.problems:
+        try:  # packed before the check: when the layouts agree, the values arrive with it
+            payload = _inline_payload(_by_dtype(mine.named, mine.buffers), capacity)
+        except Exception:  # too big or unpackable here: the separate broadcast moves them
+            payload = None
+    agreed = agree(
+        mine, src=src, group=group, ranks=ranks, inline=payload, inline_capacity=capacity
+    )
+    collectives = agreed.collectives
+    moved = _broadcast_flat(
+        model, agreed.layout, src=src, group=group, named=mine.named, inline=agreed.inline
+    )
+    return BufferBroadcast(
+        names=moved.names,
+        dtypes=moved.dtypes,
+        broadcasts=moved.broadcasts,
+        collectives=collectives + moved.broadcasts,
+        bytes=moved.bytes,
+        inline=moved.inline,
+    )
+
+
+def materialise(model: nn.Module) -> bool:
+    """Give meta tensors real (uninitialised) storage; ranks without meta tensors are untouched."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(t.is_meta for t in tensors):
+        return False
+    # to_empty() replaces every tensor, real ones too. Parameters and persistent buffers are
+    # reloaded next, but real non-persistent buffers (rank 0's, the broadcast's source) are not:
+    # keep their values across it.
+    named = dict(model.named_buffers())
+    kept = {
+        name: named[name].detach().clone()
+        for name in non_persistent_buffers(model)
+        if name in named and not named[name].is_meta
+    }
+    model.to_empty(device=_model_device(model))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name in kept:
+                buf.copy_(kept[name])
+    return True
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None and mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        if mesh is not None:
+            return torch.device(mesh.device_type)
+    return torch.device("cpu")
+
+
+def _by_dtype(
+    named: Mapping[str, torch.Tensor], layout: Layout
+) -> list[tuple[str, list[torch.Tensor]]]:
+    """The buffers of ``layout`` in one list per dtype, dtypes sorted; empty ones left out."""
+    names: dict[str, list[str]] = defaultdict(list)
+    for name, shape, dtype in layout:
+        if 0 not in shape:
+            names[dtype].append(name)
+    return [(dtype, [named[n] for n in names[dtype]]) for dtype in sorted(names)]
+
+
+def _pack_flat(buffers: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    try:
+        flat = _flatten_dense_tensors(buffers)  # one C++ call, not one per buffer
+    except RuntimeError:  # buffers on several devices
+        flat = torch.cat([b.reshape(-1).to(device) for b in buffers])
+    return flat.to(device)
+
+
+def _unpack_flat(flat: torch.Tensor, buffers: list[torch.Tensor]) -> None:
+    if all(b.device == flat.device for b in buffers):
+        torch._foreach_copy_(buffers, _unflatten_dense_tensors(flat, buffers))
+        return
+    offset = 0
+    for buf in buffers:
+        count = buf.numel()
+        buf.copy_(flat[offset : offset + count].view(buf.shape))
+        offset += count
+
+
+def _inline_payload(groups: list[tuple[str, list[torch.Tensor]]], capacity: int) -> bytes | None:
+    """Every dtype's packed buffers, each starting at an ``_ALIGN`` multiple; None past
+    ``capacity``."""
+    need = sum(aligned(sum(b.numel() for b in bs) * bs[0].element_size()) for _, bs in groups)
+    if need > capacity:
+        return None
+    parts = []
+    for _, buffers in groups:
+        raw = _pack_flat(buffers, torch.device("cpu")).view(torch.uint8).numpy().tobytes()
+        parts.append(raw.ljust(aligned(len(raw)), b"\0"))
+    return b"".join(parts)
+
+
+def _broadcast_flat(
+    model: nn.Module,
+    layout: Layout,
+    *,
+    src: int,
+    group: Any,
+    named: Mapping[str, torch.Tensor] | None = None,
+    inline: bytes | None = None,
+) -> BufferBroadcast:
+    """One broadcast per dtype, buffers packed in name order; every rank holds ``layout``.
+    ``named``: the buffers, when nothing can have replaced them since they were described.
+    ``inline``: the packed values, already received with the check: nothing left to send."""
+    if named is None:
+        named = non_persistent_buffers(model)  # after to_empty(): the new tensors
+    groups = _by_dtype(named, layout)
+    device = transport_device(group)
+    is_src = dist.get_rank() == src
+    sent = broadcasts = offset = 0
+    with torch.no_grad():
+        for _, buffers in groups:
+            count = sum(b.numel() for b in buffers)
+            nbytes = count * buffers[0].element_size()
+            if inline is not None:
+                if not is_src:
+                    raw = bytearray(inline[offset : offset + nbytes])
+                    _unpack_flat(torch.frombuffer(raw, dtype=buffers[0].dtype), buffers)
+                offset += aligned(nbytes)
+                sent += nbytes
+                continue
+            if is_src:
+                flat = _pack_flat(buffers, device)
+            else:
+                flat = torch.empty(count, dtype=buffers[0].dtype, device=device)
+            # Raw bytes on the wire: any dtype (bool, bfloat16, float8) travels over gloo.
+            dist.broadcast(flat.view(torch.uint8), src=src, group=group)
+            broadcasts += 1
+            sent += nbytes
+            if not is_src:
+                _unpack_flat(flat, buffers)
+    return BufferBroadcast(
+        names=tuple(name for name, _, _ in layout),
+        dtypes=tuple(dtype for dtype, _ in groups),
+        broadcasts=broadcasts,
+        collectives=broadcasts,
+        bytes=sent,
+        inline=inline is not None,
+    )

@@ -1,0 +1,484 @@
+"""The bucketed transfer: rank 0 sends every other rank only its own shards of the full state dict,
+point to point over gloo, large shards straight from and into the tensors, small ones packed in
+buckets of at most ``bucket_bytes``. Every rank derives every message from the specs all ranks
+agreed on, so both ends know each message's size before it moves."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdpcheck.dist.wire import transport_device
+from fsdpcheck.loader.shards import local_shape, mesh_coordinate, shard_of
+from fsdpcheck.model.fingerprint import dtype_name
+from fsdpcheck.records import short_digest
+from fsdpcheck.text import int_ranges, ranks_label
+from fsdpcheck.vocab import LoadMethod
+
+_ALIGN = 16  # every piece starts at a multiple of this in its bucket, so any dtype can view it
+_DIRECT_BYTES = 2**20  # a shard at least this big travels alone, straight from/into the tensor
+_STAGING = 2  # staging buffers per rank: one on the wire while the other is packed or unpacked
+_WINDOW = 8  # messages a rank keeps posted ahead of the one it is finishing
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """One tensor the bucketed path moves, as the structure every rank has agreed on."""
+
+    name: str  # the name its bytes travel under; for tied weights, the name verify checks
+    aliases: tuple[str, ...]  # other state-dict names of the same tensor (tied weights)
+    shape: tuple[int, ...]  # global shape
+    dtype: torch.dtype  # the model's dtype: what travels, whatever rank 0's source holds
+    placements: tuple[Any, ...] | None  # None: a plain tensor, every rank holds all of it
+    mesh: Any = None  # its DeviceMesh
+
+
+@dataclass(frozen=True)
+class _Bucketed:
+    """One rank's entry for the bucketed path in the layout exchange."""
+
+    digest: str  # of everything the transfer layout derives from; every rank must agree
+    reason: str | None  # why this rank cannot take the bucketed path
+    specs: tuple[_Spec, ...] = ()  # kept on this rank, never sent (see _Bucketed.shared)
+
+    def shared(self) -> tuple[str, str | None]:
+        return self.digest, self.reason
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Elements ``start:stop`` of one rank's flattened local shard of ``specs[index]``, at byte
+    ``offset`` of a bucket."""
+
+    index: int
+    start: int
+    stop: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class _Message:
+    """One point-to-point message from rank 0: a bucket of small shards packed at their offsets,
+    or a slice of one large shard alone (``direct``), which needs no packing where the source
+    (rank 0) or the target (the receiver) already holds those bytes contiguously."""
+
+    size: int  # bytes on the wire
+    pieces: tuple[_Piece, ...]
+    direct: bool = False
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _specs(model: nn.Module) -> list[_Spec]:
+    """The state dict as the tensors to move, by name; tied weights move once."""
+    state = model.state_dict(keep_vars=True)
+    owners: dict[int, str] = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        owners.setdefault(id(tensor), name)  # the name named_parameters() and verify_load use
+    groups: dict[int, list[str]] = {}
+    for name in sorted(state):
+        groups.setdefault(id(state[name]), []).append(name)
+    specs = []
+    for key, names in groups.items():
+        tensor = state[names[0]]
+        owner = owners.get(key)
+        owner = owner if owner in names else names[0]
+        placements = getattr(tensor, "placements", None)
+        specs.append(
+            _Spec(
+                name=owner,
+                aliases=tuple(n for n in names if n != owner),
+                shape=tuple(int(d) for d in tensor.shape),
+                dtype=tensor.dtype,
+                placements=tuple(placements) if placements is not None else None,
+                mesh=tensor.device_mesh if placements is not None else None,
+            )
+        )
+    return sorted(specs, key=lambda spec: spec.name)
+
+
+def bucketed_info(
+    model: nn.Module, rank: int, ranks: list[int], group: Any, bucket_bytes: int
+) -> _Bucketed:
+    """What the bucketed path's layout derives from on this rank, and whether this rank can take
+    it at all; never raises, so the rank always joins the exchange."""
+    try:
+        backend = str(dist.get_backend(group)).lower()
+        if "gloo" not in backend:
+            # Point-to-point from rank 0 over NCCL would set up a communicator per receiver.
+            return _Bucketed(
+                "", f"`group` runs {backend}; the bucketed path sends over gloo (pass a gloo group)"
+            )
+        specs = _specs(model)
+        state = model.state_dict(keep_vars=True)
+        members = set(ranks)
+        meshes: dict[int, tuple[Any, ...]] = {}
+        coordinates: dict[int, list[int] | None] = {}
+        outside: dict[int, list[int]] = {}  # mesh ranks that `group` lacks
+        described, reasons = [], []
+        for spec in specs:
+            tensor = state[spec.name]
+            mesh_key = None
+            if spec.placements is None:
+                if not tensor.is_contiguous():
+                    reasons.append(f"{spec.name} is not contiguous")
+            else:
+                mesh_key = meshes.get(id(spec.mesh))
+                if mesh_key is None:
+                    mesh_key = meshes[id(spec.mesh)] = _mesh_key(spec.mesh)
+                    coordinates[id(spec.mesh)] = mesh_coordinate(spec.mesh, rank)
+                    outside[id(spec.mesh)] = sorted(set(mesh_key[2]) - members)
+                where = (outside[id(spec.mesh)], coordinates[id(spec.mesh)])
+                reasons.extend(_shard_problems(spec, tensor, rank, mesh_key, *where))
+            placements = tuple(str(p) for p in spec.placements) if spec.placements else None
+            described.append(
+                (spec.name, spec.aliases, spec.shape, dtype_name(spec.dtype), placements, mesh_key)
+            )
+        digest = short_digest(repr((bucket_bytes, described)))
+        reason = None
+        if reasons:
+            more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
+            reason = reasons[0] + more
+        return _Bucketed(digest, reason, tuple(specs))
+    except Exception as exc:  # the DCP path may still cope; say why this one cannot
+        return _Bucketed("", f"could not describe its state dict: {type(exc).__name__}: {exc}")
+
+
+def _mesh_key(mesh: Any) -> tuple[Any, ...]:
+    ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+    return (str(mesh.device_type), tuple(int(d) for d in mesh.mesh.shape), ranks)
+
+
+def _shard_problems(
+    spec: _Spec,
+    tensor: torch.Tensor,
+    rank: int,
+    mesh_key: tuple[Any, ...],
+    outside: list[int],
+    coordinate: list[int] | None,
+) -> list[str]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh_shape = mesh_key[1]
+    unsupported = [p for p in spec.placements if type(p) not in (Shard, Replicate)]
+    if unsupported:
+        return [f"{spec.name} is placed as {unsupported[0]} (only Shard and Replicate are moved)"]
+    if len(spec.placements) != len(mesh_shape):
+        return [f"{spec.name} has {len(spec.placements)} placements on a {len(mesh_shape)}-D mesh"]
+    if outside:
+        return [f"{spec.name}'s mesh holds ranks {int_ranges(outside)} that `group` lacks"]
+    if coordinate is None:
+        return [f"rank {rank} is not in {spec.name}'s mesh"]
+    with torch.no_grad():
+        local = tensor.to_local()
+    expected = local_shape(spec.shape, spec.placements, mesh_shape, coordinate)
+    if tuple(local.shape) != expected:
+        return [
+            f"{spec.name}'s local shard is {list(local.shape)}, not the torch.chunk slice "
+            f"{list(expected)}"
+        ]
+    if not local.is_contiguous():
+        return [f"{spec.name}'s local shard is not contiguous"]
+    return []
+
+
+def choose_method(method: str, fasts: list[Any], ranks: list[int]) -> tuple[str, str | None]:
+    """The same decision on every rank, from every rank's (digest, reason), in group order."""
+    if method == LoadMethod.DCP:
+        return "dcp", None
+    if asked := [r for r, f in zip(ranks, fasts, strict=True) if f is None]:
+        return "dcp", f"{ranks_label(asked)} asked for method='dcp'"
+    reasons = [f"rank {r}: {f[1]}" for r, f in zip(ranks, fasts, strict=True) if f[1]]
+    if reasons:
+        more = f"; and {len(reasons) - 1} more ranks" if len(reasons) > 1 else ""
+        return "dcp", f"not covered by the bucketed path: {reasons[0]}{more}"
+    reference = fasts[ranks.index(0)][0]
+    if differ := [r for r, f in zip(ranks, fasts, strict=True) if f[0] != reference]:
+        return "dcp", (
+            f"{ranks_label(differ)} shard, tie or bucket the state dict "
+            "differently from rank 0 (placements, meshes, tied weights or bucket_bytes differ)"
+        )
+    return "bucketed", None
+
+
+def plan_messages(numels: Sequence[tuple[int, int]], bucket_bytes: int) -> list[_Message]:
+    """One rank's messages: ``numels[i]`` = (elements of its shard of tensor i, bytes each).
+
+    A shard of at least ``min(bucket_bytes, 1 MiB)`` travels alone, in slices of at most
+    ``bucket_bytes``; smaller ones are packed, in order, into buckets of at most ``bucket_bytes``.
+    Pure: both ends of every message derive it from the same agreed sizes."""
+    direct = min(bucket_bytes, _DIRECT_BYTES)
+    messages: list[_Message] = []
+    pieces: list[_Piece] = []
+    used = 0
+    for index, (numel, itemsize) in enumerate(numels):
+        nbytes = numel * itemsize
+        if nbytes == 0:
+            continue
+        if nbytes >= direct:
+            step = max(1, bucket_bytes // itemsize)
+            for start in range(0, numel, step):
+                stop = min(numel, start + step)
+                piece = _Piece(index, start, stop, 0)
+                messages.append(_Message((stop - start) * itemsize, (piece,), direct=True))
+            continue
+        offset = aligned(used)
+        if offset + nbytes > bucket_bytes:
+            messages.append(_Message(used, tuple(pieces)))
+            pieces, offset = [], 0
+        pieces.append(_Piece(index, 0, numel, offset))
+        used = offset + nbytes
+    if pieces:
+        messages.append(_Message(used, tuple(pieces)))
+    return messages
+
+
+class _Pipeline:
+    """Point-to-point messages in flight, finished in the order they were posted, with a few
+    staging buffers (allocated on first use) for the messages that need packing."""
+
+    def __init__(self, staging_bytes: int, device: torch.device):
+        self.staging_bytes = staging_bytes
+        self.device = device
+        self.buffers: list[torch.Tensor | None] = [None] * _STAGING
+        self.busy = [False] * _STAGING
+        self.turn = 0
+        self.pending: deque[tuple[Any, Callable[[], None] | None, int | None]] = deque()
+
+    def staging(self, size: int) -> tuple[int, torch.Tensor]:
+        slot, self.turn = self.turn, (self.turn + 1) % _STAGING
+        while self.busy[slot]:
+            self.finish_oldest()
+        if self.buffers[slot] is None:
+            self.buffers[slot] = torch.empty(
+                self.staging_bytes, dtype=torch.uint8, device=self.device
+            )
+        self.busy[slot] = True
+        return slot, self.buffers[slot][:size]
+
+    def post(self, work: Any, done: Callable[[], None] | None, slot: int | None) -> None:
+        self.pending.append((work, done, slot))
+        while len(self.pending) > _WINDOW:
+            self.finish_oldest()
+
+    def finish_oldest(self) -> None:
+        work, done, slot = self.pending.popleft()
+        work.wait()
+        if done is not None:
+            done()
+        if slot is not None:
+            self.busy[slot] = False
+
+    def drain(self) -> None:
+        while self.pending:
+            self.finish_oldest()
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    messages: int
+    bytes: int  # on the wire
+    largest: int  # one message's bytes
+    failure: str | None  # this rank's, or None
+
+
+class Transfer:
+    """Rank 0 sends every other rank its own shards; nobody receives anyone else's.
+
+    Every rank derives the same messages for every rank from the agreed specs
+    (:func:`plan_messages`), so each message's size is known to both ends before it moves. Large
+    shards travel straight from rank 0's source tensors into the receivers' local shards; small
+    ones in packed buckets. A rank that fails (to materialise, to pack, to unpack) still sends or
+    receives every message, so nobody is left waiting; the failure reaches every rank after the
+    transfer."""
+
+    def __init__(
+        self, model: nn.Module, specs: Sequence[_Spec], ranks: list[int], group: Any, size: int
+    ):
+        self.model = model
+        self.specs = tuple(specs)
+        self.ranks = ranks
+        self.group = group
+        self.bucket_bytes = size
+        self.rank = dist.get_rank()
+        self.device = transport_device(group)
+        self.failure: str | None = None
+        self._coordinates: dict[tuple[int, int], list[int] | None] = {}
+        self._flat_index = -1
+        self._flat: dict[int, torch.Tensor] = {}
+
+    def run(self, source: Mapping[str, torch.Tensor] | None, *, write: bool) -> TransferStats:
+        """Move every rank's shards; ``failure`` says what went wrong on this rank."""
+        targets = None
+        if write:
+            try:
+                targets = self._targets()
+            except Exception as exc:
+                self._fail("finding its local shards", exc)
+        with torch.no_grad():
+            if self.rank == 0:
+                if source is None:
+                    self.failure = self.failure or "rank 0: no full state dict to send"
+                return TransferStats(*self._send(source, targets), self.failure)
+            return TransferStats(*self._receive(targets), self.failure)
+
+    # -- layout
+
+    def _numels(self, rank: int) -> list[tuple[int, int]]:
+        out = []
+        for spec in self.specs:
+            shape = spec.shape
+            if spec.placements is not None:
+                coordinate = self._coordinate(spec.mesh, rank)
+                mesh_shape = tuple(spec.mesh.mesh.shape)
+                shape = (
+                    local_shape(shape, spec.placements, mesh_shape, coordinate)
+                    if coordinate is not None
+                    else (0,)
+                )
+            numel = 1
+            for d in shape:
+                numel *= d
+            out.append((numel, spec.dtype.itemsize))
+        return out
+
+    def _coordinate(self, mesh: Any, rank: int) -> list[int] | None:
+        key = (id(mesh), rank)
+        if key not in self._coordinates:
+            self._coordinates[key] = mesh_coordinate(mesh, rank)
+        return self._coordinates[key]
+
+    def _targets(self) -> list[torch.Tensor]:
+        """This rank's local tensors (after to_empty()), flat, in spec order."""
+        state = self.model.state_dict(keep_vars=True)
+        flat = []
+        for spec in self.specs:
+            tensor = state[spec.name]
+            local = tensor.to_local() if spec.placements is not None else tensor
+            flat.append(local.detach().view(-1))
+        return flat
+
+    def _source(self, index: int, rank: int, source: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Rank ``rank``'s part of rank 0's full tensor ``index``, flat (a view where it can)."""
+        if index != self._flat_index:
+            self._flat_index, self._flat = index, {}
+        if rank not in self._flat:
+            spec = self.specs[index]
+            full = source[spec.name].detach()
+            if spec.placements is not None:
+                coordinate = self._coordinate(spec.mesh, rank)
+                full = shard_of(full, spec.placements, tuple(spec.mesh.mesh.shape), coordinate)
+            self._flat[rank] = full.reshape(-1)
+        return self._flat[rank]
+
+    def _fail(self, doing: str, exc: Exception) -> None:
+        if self.failure is None:
+            self.failure = f"rank {self.rank}: {doing} failed: {type(exc).__name__}: {exc}"
+
+    # -- rank 0
+
+    def _send(
+        self, source: Mapping[str, torch.Tensor] | None, targets: list[torch.Tensor] | None
+    ) -> tuple[int, int, int]:
+        plans = {d: plan_messages(self._numels(d), self.bucket_bytes) for d in self.ranks if d != 0}
+        own = plan_messages(self._numels(0), self.bucket_bytes)
+        biggest = max((m.size for plan in plans.values() for m in plan), default=0)
+        pipe = _Pipeline(biggest, self.device)
+        rounds = max([len(own), *(len(plan) for plan in plans.values())])
+        messages = sent = 0
+        for k in range(rounds):
+            # Round-robin over the receivers, so each one unpacks while the others receive.
+            for dst, plan in plans.items():
+                if k >= len(plan):
+                    continue
+                message, wire, slot = plan[k], None, None
+                if message.direct and self.failure is None:
+                    wire = self._direct_source(message, dst, source)
+                if wire is None:
+                    slot, wire = pipe.staging(message.size)
+                    if self.failure is None:
+                        try:
+                            self._pack(wire, message, dst, source)
+                        except Exception as exc:
+                            self._fail("packing a message", exc)
+                pipe.post(dist.isend(wire, dst=dst, group=self.group, tag=k), None, slot)
+                messages += 1
+                sent += message.size
+            if k < len(own) and targets is not None and self.failure is None:
+                try:  # rank 0's own shards, straight from the source, while its sends run
+                    for piece in own[k].pieces:
+                        part = self._source(piece.index, 0, source)[piece.start : piece.stop]
+                        targets[piece.index][piece.start : piece.stop].copy_(part)
+                except Exception as exc:
+                    self._fail("copying its own shards", exc)
+        pipe.drain()
+        return messages, sent, biggest
+
+    def _direct_source(
+        self, message: _Message, dst: int, source: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The source's own bytes for a direct message, or None when they must be packed (a
+        different dtype, device or memory layout than the wire's)."""
+        try:
+            [piece] = message.pieces
+            part = self._source(piece.index, dst, source)[piece.start : piece.stop]
+        except Exception as exc:
+            self._fail("slicing the source", exc)
+            return None
+        usable = part.dtype == self.specs[piece.index].dtype and part.device == self.device
+        return part.view(torch.uint8) if usable and part.is_contiguous() else None
+
+    def _pack(
+        self, wire: torch.Tensor, message: _Message, dst: int, source: Mapping[str, torch.Tensor]
+    ) -> None:
+        for piece in message.pieces:
+            dtype = self.specs[piece.index].dtype
+            end = piece.offset + (piece.stop - piece.start) * dtype.itemsize
+            part = self._source(piece.index, dst, source)[piece.start : piece.stop]
+            wire[piece.offset : end].view(dtype).copy_(part)  # converts to the model's dtype
+
+    # -- every other rank
+
+    def _receive(self, targets: list[torch.Tensor] | None) -> tuple[int, int, int]:
+        plan = plan_messages(self._numels(self.rank), self.bucket_bytes)
+        biggest = max((m.size for m in plan), default=0)
+        pipe = _Pipeline(biggest, self.device)
+        for k, message in enumerate(plan):
+            wire, slot, done = None, None, None
+            if message.direct and targets is not None and self.failure is None:
+                [piece] = message.pieces
+                target = targets[piece.index]
+                if target.device == self.device:  # straight into the shard
+                    wire = target[piece.start : piece.stop].view(torch.uint8)
+            if wire is None:
+                slot, wire = pipe.staging(message.size)
+                if targets is not None:
+                    done = self._unpacker(wire, message, targets)
+            pipe.post(dist.irecv(wire, src=0, group=self.group, tag=k), done, slot)
+        pipe.drain()
+        return len(plan), sum(m.size for m in plan), biggest
+
+    def _unpacker(
+        self, wire: torch.Tensor, message: _Message, targets: list[torch.Tensor]
+    ) -> Callable[[], None]:
+        def unpack() -> None:
+            if self.failure is not None:
+                return
+            try:
+                for piece in message.pieces:
+                    dtype = self.specs[piece.index].dtype
+                    end = piece.offset + (piece.stop - piece.start) * dtype.itemsize
+                    part = wire[piece.offset : end].view(dtype)
+                    targets[piece.index][piece.start : piece.stop].copy_(part)
+            except Exception as exc:
+                self._fail("unpacking a message", exc)
+
+        return unpack

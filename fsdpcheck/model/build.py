@@ -1,0 +1,165 @@
+"""Build the model on this rank, as real training jobs do.
+
+``rank0``: rank 0 materialises weights on CPU (from the checkpoint, else random with ``seed``),
+other ranks build on ``meta``; ``meta``: every rank on meta; ``all``: every rank materialises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdpcheck.errors import InputError
+from fsdpcheck.model.resolve import ResolvedModel
+from fsdpcheck.records import ModelInfo
+
+INIT_MODES = ("rank0", "meta", "all")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module
+    info: ModelInfo
+    materialised: bool
+    # Rank 0's full state dict, captured before wrapping (what a trainer broadcasts).
+    full_state_dict: dict[str, torch.Tensor] | None = None
+
+
+def build(
+    resolved: ResolvedModel,
+    *,
+    rank: int,
+    init: str = "rank0",
+    dtype: str | None = None,
+    seed: int = 0,
+    text_only: bool = False,
+    trust_remote_code: bool = False,
+) -> BuiltModel:
+    if init not in INIT_MODES:
+        raise InputError(f"--init {init!r}: choose one of {', '.join(INIT_MODES)}.")
+    materialise = init == "all" or (init == "rank0" and rank == 0)
+    config = _load_config(resolved, text_only=text_only, trust_remote_code=trust_remote_code)
+    torch_dtype = _resolve_dtype(dtype, config)
+    use_checkpoint = materialise and resolved.has_checkpoint and not text_only
+    if use_checkpoint:
+        model = _from_checkpoint(resolved, torch_dtype, rank, trust_remote_code)
+    else:
+        torch.manual_seed(seed)
+        device = "cpu" if materialise else "meta"
+        with torch.device(device), _default_dtype(torch_dtype):
+            model = _from_config(config, trust_remote_code)
+    info = ModelInfo(
+        spec=resolved.spec,
+        kind=resolved.kind,
+        name=resolved.name,
+        path=str(resolved.path) if resolved.path else None,
+        architecture=type(model).__name__,
+        dtype=str(torch_dtype).removeprefix("torch."),
+        init=init,
+        checkpoint=resolved.has_checkpoint and not text_only,
+        text_only=text_only,
+    )
+    full = dict(model.state_dict()) if materialise else None
+    return BuiltModel(model=model, info=info, materialised=materialise, full_state_dict=full)
+
+
+def _load_config(resolved: ResolvedModel, *, text_only: bool, trust_remote_code: bool) -> Any:
+    if resolved.preset is not None:
+        config = resolved.preset.make_config()
+    else:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(
+                str(resolved.path), trust_remote_code=trust_remote_code
+            )
+        except ValueError as exc:
+            raise InputError(
+                f"{resolved.path}/config.json could not be used: {exc}. If the model needs its "
+                "own code, review it and pass --trust-remote-code."
+            ) from None
+    if text_only and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return config
+
+
+def _resolve_dtype(dtype: str | None, config: Any) -> torch.dtype:
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise InputError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}.")
+        return DTYPES[dtype]
+    # transformers >= 4.56 names it `dtype` and warns when `torch_dtype` is read.
+    name = "dtype" if hasattr(config, "dtype") else "torch_dtype"
+    configured = getattr(config, name, None)
+    if isinstance(configured, torch.dtype):
+        return configured
+    return DTYPES.get(str(configured).removeprefix("torch."), torch.float32)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _from_config(config: Any, trust_remote_code: bool) -> nn.Module:
+    from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
+
+    if hasattr(config, "build_model"):  # fixtures build themselves (fsdpcheck.model.fixtures)
+        return config.build_model()
+    if isinstance(config, HazardConfig):
+        return HazardForCausalLM(config)
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except ValueError:
+        return AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def _dtype_kwarg() -> str:
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def _from_checkpoint(
+    resolved: ResolvedModel, dtype: torch.dtype, rank: int, trust_remote_code: bool
+) -> nn.Module:
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {_dtype_kwarg(): dtype}
+    try:
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            str(resolved.path),
+            use_safetensors=not resolved.pickle_weights,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+            **kwargs,
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        raise InputError(
+            f"rank {rank}: the checkpoint in {resolved.path} could not be loaded: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. The weight files "
+            "may be truncated or not match config.json; re-download or re-save them."
+        ) from None
+    problems = {k: v for k, v in loading.items() if v and k in ("missing_keys", "unexpected_keys")}
+    if problems:
+        listed = "; ".join(f"{k}: {', '.join(sorted(v)[:5])}" for k, v in problems.items())
+        raise InputError(
+            f"rank {rank}: the checkpoint in {resolved.path} does not match its config "
+            f"({listed}). Check that config.json and the weights come from the same model."
+        )
+    return model

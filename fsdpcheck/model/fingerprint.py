@@ -1,0 +1,84 @@
+"""Stages 3 and 5: record a rank's buffers and parameters, in iteration order."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from fsdpcheck.records import Fingerprint, TensorRecord
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def value_digest(tensor: torch.Tensor) -> str | None:
+    """A digest of the values, or None where there are none (meta)."""
+    if tensor.device.type == "meta":
+        return None
+    data = tensor.detach().reshape(-1).contiguous().cpu()
+    return hashlib.blake2b(data.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Non-persistent buffers by name, as ``named_buffers()`` names them, in one pass."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        skip = module._non_persistent_buffers_set
+        for name, buf in module._buffers.items():
+            if buf is None or id(buf) in seen:
+                continue
+            seen.add(id(buf))  # shared tensors: the first name only, as named_buffers() does
+            if name in skip:
+                found[f"{prefix}.{name}" if prefix else name] = buf
+    return found
+
+
+def fingerprint(model: nn.Module, stage: str, *, with_values: bool = True) -> Fingerprint:
+    non_persistent = non_persistent_buffers(model)
+    buffers = tuple(
+        TensorRecord(
+            name=name,
+            shape=tuple(buf.shape),
+            dtype=dtype_name(buf.dtype),
+            device=buf.device.type,
+            persistent=name not in non_persistent,
+            digest=value_digest(buf) if with_values else None,
+        )
+        for name, buf in model.named_buffers()
+    )
+    params = tuple(_param_record(name, p) for name, p in model.named_parameters())
+    keys = tuple(model.state_dict(keep_vars=True).keys())
+    return Fingerprint(
+        stage=stage, buffers=buffers, params=params, state_dict_keys=keys, aliases=aliases(model)
+    )
+
+
+def aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """(name, canonical name) of every parameter that another name already holds (tied)."""
+    first: dict[int, str] = {}
+    out = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(param), name)
+        if owner != name:
+            out.append((name, owner))
+    return tuple(out)
+
+
+def _param_record(name: str, param: torch.Tensor) -> TensorRecord:
+    placements = getattr(param, "placements", None)
+    local_shape = None
+    if placements is not None:
+        local_shape = tuple(param.to_local().shape)
+        placements = tuple(str(p) for p in placements)
+    return TensorRecord(
+        name=name,
+        shape=tuple(param.shape),
+        dtype=dtype_name(param.dtype),
+        device=param.device.type,
+        placements=placements,
+        local_shape=local_shape,
+    )

@@ -1,0 +1,86 @@
+"""Choose FSDP2 wrap targets and apply ``fully_shard``, leaves first, then the root.
+
+As in verl after its fix: a requested layer class the model does not contain is a warning, and
+when none is present the plan falls back to size-based wrapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from fsdpcheck.options import DEFAULT_MIN_PARAMS
+from fsdpcheck.records import WrapPlan
+
+
+def fully_shard_fn() -> Any:
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6 kept FSDP2 private
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+@dataclass(frozen=True)
+class WrapTargets:
+    """What to shard: the plan as reported, and the modules it names (children first)."""
+
+    plan: WrapPlan
+    modules: list[tuple[str, nn.Module]]
+
+
+def plan(
+    model: nn.Module, wrap_classes: Iterable[str] = (), *, min_params: int = DEFAULT_MIN_PARAMS
+) -> WrapTargets:
+    """Decide what to shard, without touching the model."""
+    requested = tuple(dict.fromkeys(wrap_classes))
+    source = "--wrap-class"
+    if not requested:
+        requested = tuple(sorted(getattr(model, "_no_split_modules", None) or ()))
+        source = "_no_split_modules" if requested else "none"
+    present = {type(m).__name__ for m in model.modules()}
+    found = tuple(c for c in requested if c in present)
+    missing = tuple(c for c in requested if c not in present)
+    # Reversed pre-order puts children before parents, which fully_shard requires.
+    modules = list(reversed(list(model.named_modules())))
+    if found:
+        targets = [(n, m) for n, m in modules if n and type(m).__name__ in found]
+    else:
+        targets = _size_based(model, min_params)
+    targets.append(("", model))
+    wrap_plan = WrapPlan(
+        requested=requested,
+        source=source,
+        found=found,
+        missing=missing,
+        wrapped=tuple(n or "<root>" for n, _ in targets),
+        fallback=not found,
+        min_params=min_params,
+    )
+    return WrapTargets(wrap_plan, targets)
+
+
+def _size_based(model: nn.Module, min_params: int) -> list[tuple[str, nn.Module]]:
+    """Wrap, bottom-up, each module whose not-yet-wrapped parameters reach ``min_params``."""
+    targets: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> int:
+        count = sum(p.numel() for p in module.parameters(recurse=False))
+        for name, child in module.named_children():
+            count += visit(f"{prefix}.{name}" if prefix else name, child)
+        if prefix and count >= min_params:
+            targets.append((prefix, module))
+            return 0
+        return count
+
+    visit("", model)
+    return targets
+
+
+def apply(targets: list[tuple[str, nn.Module]], mesh: Any) -> None:
+    fully_shard = fully_shard_fn()
+    for _, module in targets:
+        fully_shard(module, mesh=mesh)

@@ -1,0 +1,55 @@
+"""What the audit is asked to do, and the time budgets every stage derives from ``--timeout``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MIN_PARAMS = 100_000_000  # size-based wrapping threshold, when no wrap class is present
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    model: str
+    backend: str = "auto"
+    timeout: float = 60.0
+    init: str = "rank0"
+    dtype: str | None = None
+    seed: int = 0
+    text_only: bool = False
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    wrap_classes: tuple[str, ...] = ()
+    min_params: int = DEFAULT_MIN_PARAMS
+    mesh: tuple[int, ...] | None = None  # (replicate, shard) for HSDP; default: 1-D, all ranks
+    load: bool = True  # run the project's loader and verify every rank afterwards
+    reproduce: bool = False  # also run the unsafe loader, in an isolated child job
+    probe: int = 0  # rank 0 also probes the build under this many hash seeds (0: off)
+    download: bool = False  # rank 0 fetches a hub id into the cache first; the others wait
+
+    @property
+    def budgets(self) -> Budgets:
+        return Budgets.from_timeout(self.timeout)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Seconds each bounded piece of work may take, all from one ``--timeout``.
+
+    Work that rank 0 does while the other ranks wait for its decision (the probe, the
+    reproduction) must finish well inside the collective timeout those ranks wait under.
+    """
+
+    collective: float  # any collective on the side channel
+    probe: float  # rank 0's --probe children, alongside the audit
+    reproduce: float  # the --reproduce child job, whole
+
+    @classmethod
+    def from_timeout(cls, timeout: float) -> Budgets:
+        return cls(
+            collective=timeout, probe=max(5.0, 0.8 * timeout), reproduce=max(10.0, 0.75 * timeout)
+        )
+
+
+def child_collective_timeout(job_timeout: float) -> float:
+    """One collective inside a child job: it gives up (and says so) before the job is killed."""
+    return max(2.0, 0.5 * job_timeout)

@@ -1,0 +1,34 @@
+"""Small text helpers shared by analysis, errors and rendering (no torch, no rich)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+def int_ranges(values: Iterable[int], sep: str = ",") -> str:
+    """``[1, 2, 3, 5, 7, 8]`` → ``"1-3,5,7,8"``: runs of three or more collapse."""
+    ordered = sorted(set(values))
+    parts: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{ordered[i]}-{ordered[j]}")
+        else:
+            parts.extend(str(v) for v in ordered[i : j + 1])
+        i = j + 1
+    return sep.join(parts)
+
+
+def ranks_label(ranks: Iterable[int]) -> str:
+    """``rank 1``, ``ranks 1,3``, ``ranks 1-7,9``."""
+    ordered = sorted(set(ranks))
+    return ("rank " if len(ordered) == 1 else "ranks ") + int_ranges(ordered)
+
+
+def name_list(names: Sequence[str], limit: int = 8) -> str:
+    """The first ``limit`` names, then how many more."""
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

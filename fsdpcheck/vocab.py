@@ -1,0 +1,224 @@
+"""The words fsdpcheck's reports are made of: one ``str`` Enum per vocabulary.
+
+Members are strings, so records keep plain ``str`` fields, the JSON carries the same values as
+before, and ``member == "hang"`` holds. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, IntEnum
+
+
+class Word(str, Enum):
+    """A ``str`` Enum whose ``str()`` and ``format()`` are its value (``StrEnum`` is 3.11+)."""
+
+    # Hash and compare as the plain string, so a member and its value are one dict key.
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class _Described(Word):
+    """A word with a one-line description (and, for finding kinds, a headline phrase)."""
+
+    def __new__(cls, value: str, description: str, phrase: str = ""):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.description = description
+        member.phrase = phrase or value
+        return member
+
+
+class ExitCode(IntEnum):
+    CONSISTENT = 0
+    FINDINGS = 1
+    BAD_INPUT = 2
+    RUNTIME = 3
+
+
+class Verdict(Word):
+    CONSISTENT = "consistent"
+    INCONSISTENT = "inconsistent"
+    LATENT = "latent"  # the ranks agree now, but only because they share a hash seed
+    ERROR = "error"
+
+
+class Stage(Word):
+    """Where a rank is, in the order every rank passes them (liveness marks, errors)."""
+
+    LAUNCH = "launch"
+    DOWNLOAD = "download"
+    RESOLVE = "resolve"
+    BUILD = "build"
+    FINGERPRINT_PRE = "fingerprint-pre"
+    WRAP_PLAN = "wrap-plan"
+    WRAP = "wrap"
+    FINGERPRINT_POST = "fingerprint-post"
+    FINGERPRINT = "fingerprint"  # check_model: the script's model, as it is
+    GATHER = "gather"
+    LOAD = "load"
+    VERIFY = "verify"
+    ABORT = "abort"
+
+
+STAGE_ORDER = tuple(Stage)
+
+
+class Snapshot(Word):
+    """When a fingerprint was taken, or where a finding was seen."""
+
+    PRE_WRAP = "pre-wrap"
+    POST_WRAP = "post-wrap"
+    LOAD = "load"
+    PROBE = "probe"
+    REPRODUCE = "reproduce"  # --reproduce: the real loaders' child jobs
+
+
+class ErrorKind(Word):
+    INPUT = "input"  # exit 2
+    RUNTIME = "runtime"  # exit 3
+
+
+class LoaderVerdict(Word):
+    """What a loader does to these ranks, mildest first."""
+
+    OK = "ok"
+    UNINITIALIZED = "uninitialized"
+    SILENT_CORRUPTION = "silent-corruption"
+    REFUSED = "refused"
+    HANG = "hang"
+
+    @property
+    def severity(self) -> int:
+        return list(LoaderVerdict).index(self)
+
+
+class ReproOutcome(Word):
+    """What the unsafe loader did in its child job (``--reproduce``)."""
+
+    OK = "ok"
+    SILENT_CORRUPTION = "silent-corruption"
+    CRASH = "crash"
+    HANG = "hang"
+    ERROR = "error"  # the reproduction itself could not run
+
+
+class ScanVerdict(Word):
+    """One architecture's row in ``fsdpcheck scan``, worst first."""
+
+    HANG = "hang"
+    SILENT_CORRUPTION = "silent-corruption"
+    OK = "ok"
+    SKIPPED = "skipped"
+
+
+class LoadStatus(Word):
+    LOADED = "loaded"
+    REFUSED = "refused"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+
+
+class LoadMethod(Word):
+    BUCKETED = "bucketed"  # each rank receives only its own shards, in flat buckets
+    DCP = "dcp"  # torch.distributed.checkpoint's set_model_state_dict
+
+
+class Cause(_Described):
+    CONSTRUCTION_TIME = (
+        "construction-time",
+        "already present before wrapping: the model was built differently",
+    )
+    WRAPPING = "wrapping", "appeared only after fully_shard"
+    ENVIRONMENT = "environment", "the ranks run different software"
+    CONFIGURATION = "configuration", "how the audit was asked to run"
+    LOADING = "loading", "the loader itself left ranks different"
+    FSDPCHECK = "fsdpcheck", "fsdpcheck's own model of a loader was wrong"
+    UNKNOWN = (
+        "unknown",
+        "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
+    )
+
+
+class FindingKind(_Described):
+    """Every finding's ``kind``, in headline priority order; ``phrase`` opens its summary."""
+
+    BUFFER_ORDER = (
+        "buffer-order",
+        "same buffers on both sides, iterated in a different order",
+        "buffer order differs",
+    )
+    BUFFER_SET = "buffer-set", "buffer names present on one side only", "buffer names differ"
+    BUFFER_SHAPE = (
+        "buffer-shape",
+        "a buffer with the same name has a different shape",
+        "buffer shapes differ",
+    )
+    BUFFER_DTYPE = (
+        "buffer-dtype",
+        "a buffer with the same name has a different dtype",
+        "buffer dtypes differ",
+    )
+    BUFFER_PERSISTENCE = (
+        "buffer-persistence",
+        "a buffer is persistent on one side and not on the other",
+        "buffer persistence differs",
+    )
+    PARAM_ORDER = (
+        "param-order",
+        "same parameters, iterated in a different order",
+        "parameter order differs",
+    )
+    PARAM_SET = "param-set", "parameter names present on one side only", "parameter names differ"
+    PARAM_SHAPE = (
+        "param-shape",
+        "a parameter with the same name has a different shape",
+        "parameter shapes differ",
+    )
+    PARAM_DTYPE = (
+        "param-dtype",
+        "a parameter with the same name has a different dtype",
+        "parameter dtypes differ",
+    )
+    PARAM_PLACEMENT = (
+        "param-placement",
+        "a parameter is sharded differently after wrapping",
+        "parameter placements differ",
+    )
+    STATE_DICT_ORDER = (
+        "state-dict-order",
+        "the same state-dict keys, walked in a different order",
+        "state-dict order differs",
+    )
+    HASH_SEED = (
+        "hash-seed",
+        "tensor order depends on the interpreter's string-hash seed (PYTHONHASHSEED)",
+        "tensor order depends on PYTHONHASHSEED",
+    )
+    ENV = "env", "library or interpreter versions differ between ranks", "software versions differ"
+    VERIFY = (
+        "verify",
+        "after the project's loader ran, a rank's tensor differs from rank 0's source",
+        "ranks differ after loading",
+    )
+    PREDICTION = (
+        "prediction",
+        "a real loader did not do what fsdpcheck predicted (a bug in fsdpcheck)",
+        "a loader prediction was wrong",
+    )
+
+    @property
+    def order(self) -> int:
+        return list(FindingKind).index(self)
+
+
+def finding_kind(kind: str) -> FindingKind | None:
+    """The member for a kind's value; ``None`` for a word this version does not know."""
+    try:
+        return FindingKind(kind)
+    except ValueError:
+        return None

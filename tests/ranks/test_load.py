@@ -1,0 +1,189 @@
+"""The safe loader and its verification, on real processes (CPU, gloo), plus their pure parts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_worker_ranks
+
+from fsdpcheck.children.launch import LaunchResult
+
+ROTARY = "model.rotary_emb"
+
+
+def run_worker(
+    out: Path, model: str, *args: str, seeds: tuple[int, int] = (1, 1), timeout: float = 90.0
+) -> tuple[LaunchResult, list[dict]]:
+    """Two ranks of ``load_worker.py``; returns the launch and each rank's JSON record."""
+    # The ranks' own collective timeout leaves room for a rank that a busy machine slows down
+    # in its imports; the launcher's bound stays above it.
+    return run_worker_ranks(
+        "load_worker.py",
+        out,
+        ["--model", model, "--timeout", "40", *args],
+        seeds=seeds,
+        timeout=timeout,
+    )
+
+
+def _inv_freq(base: float, dim: int) -> list[float]:
+    return [1.0 / base ** (i / dim) for i in range(0, dim, 2)]
+
+
+def _assert_hazard_rope(buffers: dict) -> None:
+    """The values the hazard preset computes, independently of any rank."""
+    assert buffers[f"{ROTARY}.full_attention_inv_freq"] == pytest.approx(_inv_freq(1e6, 32))
+    assert buffers[f"{ROTARY}.sliding_attention_inv_freq"] == pytest.approx(_inv_freq(1e4, 16))
+
+
+def _assert_loaded_and_verified(
+    result: LaunchResult, records: list[dict], *, rank0_meta: bool = False
+) -> None:
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    rank0, rank1 = records
+    assert rank0["load"]["materialised"] is rank0_meta
+    assert rank1["load"]["materialised"] is True
+    assert rank1["buffers"] == rank0["buffers"]
+    for record in records:
+        verify = record["verify"]
+        assert verify["ran"] and verify["passed"], verify
+        assert verify["checked"] == record["n_params"] + record["n_buffers"]
+    assert rank0["verify"]["mismatches"] == []
+
+
+def test_meta_rank_gets_rank0_buffers_coalesced_by_dtype(tmp_path: Path) -> None:
+    result, records = run_worker(tmp_path, "hazard", "--int-buffer", seeds=(1, 1))
+    _assert_loaded_and_verified(result, records)
+    rank0, rank1 = records
+    assert rank1["buffers"]["step_ids"] == [0, 1, 2, 3, 4]
+    _assert_hazard_rope(rank1["buffers"])
+    for record in records:
+        load = record["load"]
+        dtypes = {d.removeprefix("torch.") for d in record["buffer_dtypes"].values()}
+        assert load["buffers_broadcast"] == 3
+        assert load["dtypes"] == sorted(dtypes) == ["float32", "int64"]
+        # Coalesced: one flat broadcast per dtype, not one per buffer.
+        assert load["buffer_broadcasts"] == len(dtypes)
+        assert load["collectives"] == 2 + len(dtypes)
+        assert load["params_loaded"] == record["n_params"]  # hazard has no persistent buffers
+
+
+def test_different_orders_and_uneven_shards_load_by_name(tmp_path: Path) -> None:
+    # Hash seeds 0 and 1 register the RoPE buffers in opposite orders: pairing by sorted name
+    # must not care. Params of 3 and 1 rows over 2 ranks shard as 2+1 and 1+0 (empty) rows.
+    # Rank 0 builds those two on meta, so it too goes through to_empty(), which must keep its
+    # real RoPE buffers: they are what every rank receives.
+    args = ("--odd-params", "--odd-on-meta")
+    result, records = run_worker(tmp_path, "hazard", *args, seeds=(0, 1))
+    _assert_loaded_and_verified(result, records, rank0_meta=True)
+    rank0, rank1 = records
+    _assert_hazard_rope(rank0["buffers"])
+    assert rank0["buffer_order"] == list(reversed(rank1["buffer_order"]))
+    assert rank0["load"]["params_loaded"] == rank0["n_params"]
+
+
+def test_buffer_set_mismatch_raises_on_every_rank(tmp_path: Path) -> None:
+    result, records = run_worker(tmp_path, "hazard", "--extra-buffer-on-rank", "1", seeds=(1, 1))
+    assert not result.timed_out and result.elapsed < 60
+    assert result.codes == [3, 3], result.output(0) + result.output(1)
+    messages = set()
+    for record in records:
+        error = record["error"]
+        assert error["type"] == "BufferMismatchError"
+        assert "load" not in record  # refused before anything moved
+        messages.add(error["message"])
+    [message] = messages  # the same explanation on every rank
+    assert "rank 1: has non-persistent buffer 'extra_inv_freq'" in message
+    assert "rank 0 does not" in message
+
+
+def test_llama_checkpoint_loads_equal_to_the_file(tmp_path: Path, llama_checkpoint: Path) -> None:
+    from safetensors.torch import load_file
+
+    dumped = ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight")
+    args = [arg for name in dumped for arg in ("--dump", name)]
+    result, records = run_worker(tmp_path, str(llama_checkpoint), *args, seeds=(0, 1))
+    _assert_loaded_and_verified(result, records)
+    assert records[0]["n_params"] == records[0]["load"]["params_loaded"]
+    on_disk = load_file(str(next(llama_checkpoint.glob("*.safetensors"))))
+    gathered = load_file(str(tmp_path / "full.safetensors"))
+    assert set(gathered) == set(dumped)
+    for name in dumped:
+        assert gathered[name].equal(on_disk[name]), name
+
+
+def test_verify_names_a_tampered_shard_and_its_rank(tmp_path: Path) -> None:
+    result, records = run_worker(tmp_path, "hazard", "--tamper", "lm_head.weight")
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    rank0, rank1 = records
+    assert rank0["verify"]["mismatches"] == [
+        {
+            "name": "lm_head.weight",
+            "kind": "param",
+            "ranks": [1],
+            "reason": "values differ from the source state dict",
+        }
+    ]
+    assert rank0["verify"]["passed"] is False
+    assert rank1["verify"]["passed"] is False  # every rank learns the verdict
+
+
+def test_state_dict_load_leaves_buffers_empty_until_broadcast_buffers(tmp_path: Path) -> None:
+    # set_model_state_dict alone never touches non-persistent buffers: on the meta rank they
+    # hold whatever to_empty() left there. broadcast_buffers alone then fixes exactly those.
+    result, records = run_worker(
+        tmp_path, "hazard", "--loader", "dcp", "--int-buffer", seeds=(0, 1)
+    )
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    rank0, rank1 = records
+    before = rank0["verify_dcp_only"]
+    assert before["passed"] is False and rank1["verify_dcp_only"]["passed"] is False
+    assert {(m["name"], m["kind"], tuple(m["ranks"])) for m in before["mismatches"]} == {
+        (f"{ROTARY}.full_attention_inv_freq", "buffer", (1,)),
+        (f"{ROTARY}.sliding_attention_inv_freq", "buffer", (1,)),
+        ("step_ids", "buffer", (1,)),
+    }
+    assert all(m["reason"] == "values differ from rank 0's" for m in before["mismatches"])
+    for record in records:
+        moved = record["broadcast"]
+        assert moved["names"] == sorted(record["buffer_order"])  # by name, not local order
+        assert moved["dtypes"] == ["float32", "int64"]
+        assert moved["bytes"] == (8 + 16) * 4 + 5 * 8
+        # 136 bytes ride with the layout check: one collective in all, no broadcast after it.
+        assert moved["inline"] is True and moved["broadcasts"] == 0 and moved["collectives"] == 1
+        assert record["verify"]["passed"] is True
+    assert rank1["buffers"]["step_ids"] == [0, 1, 2, 3, 4]
+    assert rank1["buffers"] == rank0["buffers"]
+
+
+def test_buffers_too_big_to_ride_with_the_check_are_broadcast_after_it(tmp_path: Path) -> None:
+    result, records = run_worker(
+        tmp_path, "hazard", "--loader", "dcp", "--big-buffer", "--int-buffer", seeds=(0, 1)
+    )
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    rank0, rank1 = records
+    for record in records:
+        moved = record["broadcast"]
+        assert moved["inline"] is False
+        assert moved["dtypes"] == ["float32", "int64"] and moved["broadcasts"] == 2
+        assert moved["collectives"] == 3  # the check, then one flat broadcast per dtype
+        assert moved["bytes"] == (8 + 16 + 20_000) * 4 + 5 * 8
+        assert record["verify"]["passed"] is True
+    assert rank1["buffers"]["big_table"] == [float(i) for i in range(20_000)]
+    assert rank1["buffers"] == rank0["buffers"]
+
+
+# --- pure parts, in process ---------------------------------------------------------------------
+
+
+def test_import_stays_torch_free_and_exports_the_loader() -> None:
+    code = (
+        "import sys, fsdpcheck; assert 'torch' not in sys.modules; "
+        "assert 'load_full_state_dict' in dir(fsdpcheck); "
+        "fsdpcheck.load_full_state_dict, fsdpcheck.broadcast_buffers, fsdpcheck.verify_load; "
+        "assert 'torch' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -1,0 +1,43 @@
+"""The command layer in-process (Typer's CliRunner): help, parsing and bad usage, no ranks."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from fsdpcheck.cli import app
+
+runner = CliRunner()
+
+
+def test_audit_help_shows_examples_and_exit_codes() -> None:
+    result = runner.invoke(app, ["audit", "--help"])
+    assert result.exit_code == 0
+    assert "torchrun --nproc-per-node 2 -m fsdpcheck audit" in result.output
+    assert "Exit codes" in result.output
+    assert "--vary-hash-seed" in result.output
+
+
+def test_every_command_has_help_with_examples() -> None:
+    for command in ("probe", "scan"):
+        result = runner.invoke(app, [command, "--help"])
+        assert result.exit_code == 0, result.output
+        assert "Examples" in result.output and "Exit codes" in result.output
+
+
+def test_presets_lists_the_built_in_models() -> None:
+    result = runner.invoke(app, ["presets"])
+    assert result.exit_code == 0
+    for name in ("tiny-gemma4", "tiny-gemma3", "tiny-llama", "tiny-qwen3", "hazard"):
+        assert name in result.output
+
+
+def test_a_malformed_mesh_is_bad_usage() -> None:
+    result = runner.invoke(app, ["audit", "--mesh", "two,four"])
+    assert result.exit_code == 2
+    assert "REPLICATE,SHARD" in result.output
+
+
+def test_an_unknown_choice_is_bad_usage() -> None:
+    for args in (["audit", "--init", "sometimes"], ["audit", "--backend", "mpi"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, args

@@ -1,0 +1,193 @@
+"""The loader's pure parts: layout checks, shard arithmetic, message planning, method choice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def _covers(plan, numels) -> None:
+    """Every element of every shard is in exactly one piece, pieces never overlap in a bucket."""
+    seen: dict[int, list[tuple[int, int]]] = {}
+    for message in plan:
+        spans = []
+        for piece in message.pieces:
+            itemsize = numels[piece.index][1]
+            assert piece.offset % 16 == 0
+            spans.append((piece.offset, piece.offset + (piece.stop - piece.start) * itemsize))
+            seen.setdefault(piece.index, []).append((piece.start, piece.stop))
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+        assert message.size == max(end for _, end in spans)
+        if message.direct:
+            assert len(message.pieces) == 1 and message.pieces[0].offset == 0
+    for index, (numel, _) in enumerate(numels):
+        ranges = sorted(seen.get(index, []))
+        assert sum(b - a for a, b in ranges) == numel
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+def test_source_problems_are_named() -> None:
+    import torch
+
+    from fsdpcheck.loader.agree import source_problems
+
+    state = (("a", (4,), "float32"), ("b", (2, 2), "float32"))
+    assert source_problems(0, state, {"a": torch.zeros(4), "b": torch.zeros(2, 2)}) == []
+    problems = source_problems(0, state, {"a": torch.zeros(5), "c": torch.zeros(1)})
+    assert problems == [
+        "rank 0's full state dict lacks b",
+        "rank 0's full state dict has keys the model lacks: c",
+        "rank 0's full state dict has a with shape [5], the model [4]",
+    ]
+    assert "no full state dict" in source_problems(0, state, None)[0]
+
+
+@pytest.mark.parametrize(
+    ("rows", "world", "sizes"),
+    [(255, 2, [128, 127]), (1, 2, [1, 0]), (5, 4, [2, 2, 1, 0]), (8, 4, [2, 2, 2, 2])],
+)
+def test_shard_of_follows_torch_chunk(rows: int, world: int, sizes: list[int]) -> None:
+    import torch
+    from torch.distributed.tensor import Shard
+
+    from fsdpcheck.loader.shards import shard_of
+
+    full = torch.arange(rows * 3).reshape(rows, 3)
+    shards = [shard_of(full, [Shard(0)], [world], [r]) for r in range(world)]
+    assert [s.shape[0] for s in shards] == sizes
+    assert all(s.shape[1] == 3 for s in shards)
+    assert torch.equal(torch.cat(shards), full)
+
+
+def test_shard_of_second_dim_and_replicate() -> None:
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    from fsdpcheck.loader.shards import shard_of
+
+    full = torch.arange(12).reshape(3, 4)
+    assert torch.equal(shard_of(full, [Shard(1)], [2], [1]), full[:, 2:])
+    assert torch.equal(shard_of(full, [Replicate(), Shard(0)], [2, 2], [1, 0]), full[:2])
+
+
+def test_verify_result_round_trips() -> None:
+    from fsdpcheck.loader.verify import VerifyResult
+    from fsdpcheck.records import from_dict, to_dict
+
+    result = VerifyResult(
+        ran=True,
+        passed=False,
+        checked=13,
+        mismatches=({"name": "w", "kind": "param", "ranks": [1, 3], "reason": "differs"},),
+    )
+    data = json.loads(json.dumps(to_dict(result)))
+    assert from_dict(VerifyResult, data) == result
+
+
+def test_mismatch_message_lists_every_difference_and_groups_ranks() -> None:
+    from fsdpcheck.loader.agree import Exchange as _Exchange
+    from fsdpcheck.loader.agree import layout_differences
+
+    def exchange(rank: int, *buffers: tuple) -> _Exchange:
+        return _Exchange(rank, tuple(buffers), (), ())
+
+    ref = ("a", (8,), "float32"), ("b", (4,), "float32")
+    by_rank = {
+        0: exchange(0, *ref),
+        1: exchange(1, *ref),
+        2: exchange(2, ("a", (16,), "float32"), ref[1]),
+        3: exchange(3, ("a", (16,), "float32"), ref[1]),
+        4: exchange(4, ref[0], ("b", (4,), "bfloat16"), ("c", (2,), "int64")),
+        5: exchange(5, ref[0]),
+    }
+    lines = layout_differences(by_rank, 0, "buffers", "buffer")
+    assert lines == [
+        "ranks 2,3: buffer 'a' is shape [16], float32; on rank 0 shape [8], float32",
+        "rank 4: buffer 'b' is shape [4], bfloat16; on rank 0 shape [4], float32",
+        "rank 4: has buffer 'c' (shape [2], int64) that rank 0 does not",
+        "rank 5: lacks buffer 'b' that rank 0 has",
+    ]
+
+
+@pytest.mark.parametrize("bucket", [1024, 4096, 2**20, 256 * 2**20])
+def test_plan_covers_every_element_once_within_the_bucket_size(bucket: int) -> None:
+    from fsdpcheck.loader.transfer import plan_messages as _plan
+
+    numels = [(3, 4), (0, 4), (5000, 4), (1, 2), (700, 2), (300_000, 4), (7, 8), (2**19, 4)]
+    plan = _plan(numels, bucket)
+    _covers(plan, numels)
+    assert all(m.size <= bucket for m in plan)
+    assert _plan(numels, bucket) == plan  # pure: both ends derive the same messages
+
+
+def test_plan_sends_large_shards_alone_and_packs_small_ones() -> None:
+    from fsdpcheck.loader.transfer import plan_messages as _plan
+
+    numels = [(10, 4), (2**20, 4), (20, 4)]
+    plan = _plan(numels, 256 * 2**20)
+    assert [(m.direct, [p.index for p in m.pieces]) for m in plan] == [
+        (True, [1]),
+        (False, [0, 2]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("shape", "placements", "mesh_shape"),
+    [
+        ((255, 3), ("S0",), (2,)),
+        ((1, 4), ("S0",), (2,)),
+        ((5, 2), ("S0",), (4,)),
+        ((0, 2), ("S0",), (2,)),
+        ((6, 4), ("S1",), (2,)),
+        ((7, 3), ("R", "S0"), (2, 2)),
+        ((9, 5), ("S0", "S0"), (2, 3)),
+        ((4, 6), ("S1", "S0"), (3, 2)),
+        ((3,), ("R",), (2,)),
+    ],
+)
+def test_local_shape_is_the_shape_shard_of_cuts(shape, placements, mesh_shape) -> None:
+    import itertools
+
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    from fsdpcheck.loader.shards import local_shape as _local_shape
+    from fsdpcheck.loader.shards import shard_of
+
+    parsed = [Replicate() if p == "R" else Shard(int(p[1])) for p in placements]
+    full = torch.empty(shape)
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        expected = tuple(shard_of(full, parsed, mesh_shape, coordinate).shape)
+        assert _local_shape(shape, parsed, mesh_shape, coordinate) == expected
+
+
+def test_choose_is_one_decision_from_everyones_entries() -> None:
+    from fsdpcheck.loader.transfer import choose_method as _choose
+
+    ranks = [0, 1, 2, 3]
+    same = [("d", None)] * 4
+    assert _choose("bucketed", same, ranks) == ("bucketed", None)
+    assert _choose("dcp", same, ranks) == ("dcp", None)
+    method, reason = _choose("bucketed", [("d", None), None, ("d", None), None], ranks)
+    assert (method, reason) == ("dcp", "ranks 1,3 asked for method='dcp'")
+    method, reason = _choose(
+        "bucketed", [("d", None), ("d", "x is odd"), ("d", "y"), same[0]], ranks
+    )
+    assert method == "dcp"
+    assert reason == "not covered by the bucketed path: rank 1: x is odd; and 1 more ranks"
+    method, reason = _choose("bucketed", [("d", None), ("e", None), ("e", None), same[0]], ranks)
+    assert method == "dcp" and reason.startswith("ranks 1,2 shard, tie or bucket")
+
+
+def test_bad_method_and_bucket_size_are_input_errors() -> None:
+    from torch import nn
+
+    from fsdpcheck.errors import InputError
+    from fsdpcheck.loader.load import load_full_state_dict
+
+    with pytest.raises(InputError, match="method='fast'"):
+        load_full_state_dict(nn.Linear(2, 2), {}, method="fast")
+    with pytest.raises(InputError, match="bucket_bytes=10 is below"):
+        load_full_state_dict(nn.Linear(2, 2), {}, bucket_bytes=10)

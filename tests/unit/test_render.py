@@ -1,0 +1,52 @@
+"""What rank 0 prints for a report: rendering is pure, so plain records drive it."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from fsdpcheck.console import render
+from fsdpcheck.records import LoadOutcome, Report, VerifyResult, from_dict, to_dict
+
+
+def _printed(load: LoadOutcome) -> str:
+    report = Report(
+        verdict="consistent",
+        exit_code=0,
+        world_size=2,
+        model=None,
+        wrap=None,
+        groups=(),
+        findings=(),
+        errors=(),
+        load=load,
+        verify=VerifyResult(ran=True, passed=True, checked=13),
+    )
+    assert from_dict(Report, to_dict(report)) == report  # the JSON report carries it as is
+    console = Console(record=True, width=200, color_system=None)
+    render(report, console)
+    return console.export_text()
+
+
+def test_bucketed_load_says_how_the_state_dict_moved() -> None:
+    load = LoadOutcome(
+        ran=True,
+        outcome="loaded",
+        params_loaded=11,
+        buffers_broadcast=2,
+        collectives=3,
+        method="bucketed",
+        state_messages=4,
+        state_bytes=1536,
+    )
+    text = _printed(load)
+    assert "11 state-dict entries in 4 point-to-point buckets (1,536 bytes)" in text
+    assert "verification passed: 13 tensors checked on 2 ranks" in text
+
+
+def test_a_dcp_fallback_is_said_with_its_reason() -> None:
+    reason = "not covered by the bucketed path: rank 1: w is placed as _StridedShard(dim=0)"
+    load = LoadOutcome(
+        ran=True, outcome="loaded", params_loaded=11, method="dcp", fallback_reason=reason
+    )
+    text = _printed(load)
+    assert f"11 state-dict entries via DCP (fell back: {reason})" in text
