@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fsdpcheck.children.launch import launch  # noqa: E402
-from fsdpcheck.model.fixtures import VARIANTS  # noqa: E402
+from fsdpcheck.model.presets import FIXTURE_VARIANTS as VARIANTS  # noqa: E402
 
 # (model, hash seeds per rank, --init, what differs)
 CASES = [
