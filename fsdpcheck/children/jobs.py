@@ -31,6 +31,7 @@ _COLLECTIVE_WORDS = re.compile(
 )
 _ERROR_LINE = re.compile(r"error|what\(\)|enforce fail|abort|timed out|timeout", re.IGNORECASE)
 COMMON_DTYPES = ("float32", "bfloat16", "float16")
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding fsdpcheck/
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,14 @@ def run_job(
     with tempfile.TemporaryDirectory(prefix=f"fsdpcheck-{loader}-") as tmp:
         argv = ["-m", module, "--loader", loader, "--out", tmp, "--timeout"]
         argv += [f"{collective_timeout:g}", *spec.argv()]
+        # This fsdpcheck, wherever it was imported from, whatever the child's working directory.
+        path = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {
             "TRANSFORMERS_VERBOSITY": "error",
             "HF_HUB_OFFLINE": "1",
             "OMP_NUM_THREADS": "1",
             "TORCH_CPP_LOG_LEVEL": "ERROR",
+            "PYTHONPATH": path,
         }
         result = launch(
             argv,
