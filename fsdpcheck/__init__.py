@@ -12,6 +12,8 @@ _LAZY = {
     "broadcast_buffers": "fsdpcheck.loader.load",
     "BufferMismatchError": "fsdpcheck.loader.load",
     "verify_load": "fsdpcheck.loader.verify",
+    "save_fingerprint": "fsdpcheck.offline.files",
+    "diff_fingerprints": "fsdpcheck.offline.diff",
 }
 
 

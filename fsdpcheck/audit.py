@@ -15,8 +15,10 @@ from fsdpcheck.dist import setup as distributed
 from fsdpcheck.dist.environment import env_record
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.faults import maybe_inject
+from fsdpcheck.model.rank_state import with_state
 from fsdpcheck.options import AuditOptions
 from fsdpcheck.records import (
+    EnvRecord,
     Gathered,
     LoadOutcome,
     ModelInfo,
@@ -59,6 +61,7 @@ class _RankState:
     error: RankError | None = None
     model_info: ModelInfo | None = None
     wrap_plan: WrapPlan | None = None
+    env: EnvRecord | None = None
 
     def enter(self, stage: Stage) -> None:
         liveness.mark_stage(self.ctx, stage)
@@ -96,8 +99,13 @@ def run_audit(
     *,
     progress: Callable[[str], None] | None = None,
     publish: Callable[[Report], None] | None = None,
+    preflight: Callable[[], str] | None = None,
 ) -> AuditResult:
     """Run the audit on this rank; every rank of the job must call it.
+
+    ``preflight`` (given on every rank or on none) runs on rank 0 right after the ranks meet:
+    a non-empty answer (say, an output path rank 0 cannot write) ends the run on every rank
+    with exit 2 before any work, and becomes the report's error.
 
     ``progress`` is called with each stage's name as rank 0 enters it. ``publish`` is called on
     rank 0 with the finished report *before* the other ranks are released: launchers such as
@@ -105,6 +113,10 @@ def run_audit(
     """
     ctx = distributed.init(options.backend, options.timeout, mesh_shape=options.mesh)
     try:
+        if preflight is not None:
+            refused = _preflight(options, ctx, preflight, publish)
+            if refused is not None:
+                return refused
         on_abort = None
         if ctx.rank == 0 and publish is not None:
 
@@ -118,12 +130,39 @@ def run_audit(
         distributed.shutdown(ctx)
 
 
+def _preflight(
+    options: AuditOptions,
+    ctx: distributed.DistContext,
+    preflight: Callable[[], str],
+    publish: Callable[[Report], None] | None,
+) -> AuditResult | None:
+    """Collective: rank 0's preflight answer, on every rank; None to go on."""
+    from fsdpcheck.dist.wire import broadcast_decision
+
+    problem = preflight() if ctx.rank == 0 else ""
+    try:
+        code = ExitCode.BAD_INPUT if problem else ExitCode.CONSISTENT
+        code, problem = broadcast_decision(code, problem, ctx.side_channel)
+    except Exception:  # a dead peer: the gather names it, with the heartbeats
+        return None
+    if not code:
+        return None
+    error = RankError(0, Stage.LAUNCH, problem, ErrorKind.INPUT)
+    report = error_report([error], ctx.world_size, options) if ctx.rank == 0 else None
+    if report is not None and publish is not None:
+        publish(report)
+    return AuditResult(ctx.rank, code, report, None, problem)
+
+
 def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
-    """Pre-flight check of a training script's own model: every rank calls it, after building
-    (and optionally wrapping) the model and before loading weights. Reuses the script's process
-    group; metadata goes over a gloo side channel bounded by ``timeout``. The report (rank 0)
-    has findings and loader predictions; ``exit_code`` is the same on every rank."""
+    """Check a training script's own model: every rank calls it, after building (and optionally
+    wrapping) the model, before its loader, after it, or both. Reuses the script's process
+    group; metadata goes over a gloo side channel bounded by ``timeout``. Always: layouts, ties,
+    loader predictions; where two or more ranks hold real values (after a load, or a model every
+    rank initialised): values, and buffers against what the model's own config computes. The
+    report (rank 0) has the findings; ``exit_code`` is the same on every rank."""
     from fsdpcheck.model.fingerprint import fingerprint
+    from fsdpcheck.model.state import buffer_problems, buffer_reference, shard_key, tie_record
 
     ctx = distributed.init("auto", timeout)
     try:
@@ -132,13 +171,23 @@ def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
             env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
             wrapped = any(hasattr(p, "placements") for p in model.parameters())
             snapshot = Snapshot.POST_WRAP if wrapped else Snapshot.PRE_WRAP
-            fp = state.stage(Stage.FINGERPRINT, lambda: fingerprint(model, snapshot))
+
+            def look() -> tuple:
+                fp = fingerprint(model, snapshot, param_values=True)
+                problems = buffer_problems(model, snapshot, buffer_reference(model))
+                return fp, tie_record(model, snapshot), problems, shard_key(model)
+
+            fp, ties, problems, key = state.stage(Stage.FINGERPRINT, look) or (None, None, (), None)
             record = RankRecord(
                 env=env,
                 pre_wrap=None if wrapped else fp,
                 post_wrap=fp if wrapped else None,
                 error=state.error,
+                ties=(ties,) if ties is not None else (),
+                uninitialized=problems,
+                shard_key=key,
             )
+            record = with_state(record, model, getattr(model, "config", None))
             return _conclude(None, state, record, watch, built=None)
     finally:
         distributed.shutdown(ctx)
@@ -146,9 +195,13 @@ def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
 
 def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch) -> AuditResult:
     from fsdpcheck.model import build, fingerprint, resolve, wrap
+    from fsdpcheck.model.state import shard_key, tie_record
 
     ctx = state.ctx
     env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
+    state.env = env
+    # Parameters' values are compared only where every rank holds its own (--init all).
+    values = options.init == "all"
     probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
     if options.download:
         _download_on_rank0(options, state)
@@ -169,21 +222,42 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         ),
     )
     pre = state.stage(
-        Stage.FINGERPRINT_PRE, lambda: fingerprint.fingerprint(built.model, Snapshot.PRE_WRAP)
+        Stage.FINGERPRINT_PRE,
+        lambda: (
+            fingerprint.fingerprint(built.model, Snapshot.PRE_WRAP, param_values=values),
+            tie_record(built.model, Snapshot.PRE_WRAP),
+        ),
     )
     targets = state.stage(
         Stage.WRAP_PLAN,
         lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
     )
-    state.stage(Stage.WRAP, lambda: wrap.apply(targets.modules, ctx.mesh))
+    state.stage(
+        Stage.WRAP,
+        lambda: wrap.apply(targets.modules, ctx.mesh, cpu_offload=options.cpu_offload),
+    )
     post = state.stage(
-        Stage.FINGERPRINT_POST, lambda: fingerprint.fingerprint(built.model, Snapshot.POST_WRAP)
+        Stage.FINGERPRINT_POST,
+        lambda: (
+            fingerprint.fingerprint(built.model, Snapshot.POST_WRAP, param_values=values),
+            tie_record(built.model, Snapshot.POST_WRAP),
+            shard_key(built.model),
+        ),
     )
     if built is not None:
         state.model_info = built.info
     if targets is not None:
         state.wrap_plan = targets.plan
-    record = RankRecord(env=env, pre_wrap=pre, post_wrap=post, error=state.error)
+    record = RankRecord(
+        env=env,
+        pre_wrap=pre[0] if pre else None,
+        post_wrap=post[0] if post else None,
+        error=state.error,
+        ties=tuple(t for t in (pre and pre[1], post and post[1]) if t),
+        shard_key=post[2] if post else None,
+    )
+    if built is not None:
+        record = with_state(record, built.model, built.config)
     return _conclude(options, state, record, watch, built, probing)
 
 
@@ -213,10 +287,10 @@ def _conclude(
         if gathered is not None:
             outcome = AuditOutcome(gathered, state.model_info, state.wrap_plan, state.timings)
         if options is not None:  # every rank knows, so every rank takes the same branch
-            load, verified = _load_stage(options, state, built, gathered)
+            load, verified, after = _load_stage(options, state, built, gathered)
             if outcome is not None:
-                outcome = replace(outcome, load=load, verify=verified)
-                outcome = _rank0_extras(outcome, options, probing)
+                outcome = replace(outcome, load=load, verify=verified, after_load=after)
+                outcome = _rank0_extras(outcome, options, probing, state.progress)
         report = assemble(outcome, options) if outcome is not None else None
         code, headline = ExitCode.RUNTIME, ""
         if report is not None:
@@ -239,11 +313,17 @@ def _conclude(
 
 
 def _rank0_extras(
-    outcome: AuditOutcome, options: AuditOptions, probing: _ProbeThread | None
+    outcome: AuditOutcome,
+    options: AuditOptions,
+    probing: _ProbeThread | None,
+    progress: Callable[[str], None] | None = None,
 ) -> AuditOutcome:
     """Rank 0's optional extras: every loader for real and the unsafe loader's value-level
-    reproduction, each in child jobs, and the probe's result."""
+    reproduction, each in child jobs, and the probe's result. ``progress`` names them on the
+    console (no liveness mark: the others are not behind)."""
     if options.reproduce:
+        if progress is not None:
+            progress("reproduce")
         start = time.monotonic()
         observed, note = _observe_loaders(options, outcome.gathered)
         left = max(10.0, options.budgets.reproduce - (time.monotonic() - start))
@@ -254,6 +334,8 @@ def _rank0_extras(
             notes=(*outcome.notes, *filter(None, [note])),
         )
     if probing is not None:
+        if progress is not None:
+            progress("probe")
         result, note = probing.result()
         outcome = replace(outcome, probe=result, notes=(*outcome.notes, *filter(None, [note])))
     return outcome
@@ -370,19 +452,23 @@ def _load_stage(
     state: _RankState,
     built: BuiltModel | None,
     gathered: Gathered | None,
-) -> tuple[LoadOutcome | None, VerifyResult | None]:
-    """Collective: rank 0 decides whether the loader runs; then load and verify, or say why not.
-    The outcome is known on rank 0 (``None`` elsewhere when skipped)."""
+) -> tuple[LoadOutcome | None, VerifyResult | None, Gathered | None]:
+    """Collective: rank 0 decides whether the loader runs; then load, verify and look at every
+    rank's ties and buffers, or say why not. The outcome is known on rank 0 (``None`` elsewhere
+    when skipped)."""
     from fsdpcheck.dist.wire import broadcast_decision
 
     ctx = state.ctx
     skip = _load_skip_reason(options, gathered, built) if ctx.rank == 0 else ""
     go, _ = broadcast_decision(0 if skip else 1, "", ctx.side_channel)
     if go:
-        return _load_and_verify(state, built)
+        load, verified = _load_and_verify(state, built)
+        # The outcome is the same on every rank (a refusal or failure is raised on all).
+        after = _state_after_load(state, built) if load.outcome == LoadStatus.LOADED else None
+        return load, verified, after
     if ctx.rank == 0:
-        return LoadOutcome(False, LoadStatus.SKIPPED, skip), None
-    return None, None
+        return LoadOutcome(False, LoadStatus.SKIPPED, skip), None, None
+    return None, None, None
 
 
 def _load_skip_reason(
@@ -404,6 +490,7 @@ def _load_and_verify(
     state: _RankState, built: BuiltModel | None
 ) -> tuple[LoadOutcome, VerifyResult | None]:
     """Collective: the sorted, validated loader, then the proof that every rank is equal."""
+    from fsdpcheck.loader.agree import LoadFailedError
     from fsdpcheck.loader.load import load_full_state_dict
     from fsdpcheck.loader.verify import verify_load
 
@@ -414,9 +501,11 @@ def _load_and_verify(
     try:
         with state.timed(Stage.LOAD):
             result = load_full_state_dict(built.model, full or {}, group=ctx.side_channel)
-    except FsdpcheckError as exc:  # refused on every rank alike: nothing was loaded
+    except FsdpcheckError as exc:  # raised on every rank alike
         seconds = state.timings[Stage.LOAD]
-        return LoadOutcome(True, LoadStatus.REFUSED, str(exc), seconds=seconds), None
+        # Failed mid-transfer (partly loaded), or refused before anything moved.
+        status = LoadStatus.FAILED if isinstance(exc, LoadFailedError) else LoadStatus.REFUSED
+        return LoadOutcome(True, status, str(exc), seconds=seconds), None
     load = LoadOutcome(
         ran=True,
         outcome=LoadStatus.LOADED,
@@ -432,3 +521,25 @@ def _load_and_verify(
     with state.timed(Stage.VERIFY):
         verified = verify_load(built.model, full, group=ctx.side_channel)
     return load, verified
+
+
+def _state_after_load(state: _RankState, built: BuiltModel) -> Gathered | None:
+    """Collective: every rank's ties and buffer problems after the load, gathered on rank 0
+    (``None`` elsewhere). Values are the verification's business."""
+    from fsdpcheck.dist.gather import gather_records
+    from fsdpcheck.model.state import buffer_problems, buffer_reference, tie_record
+
+    ctx = state.ctx
+    with state.timed(Stage.STATE_AFTER_LOAD):
+        try:
+            model = built.model
+            record = RankRecord(
+                env=state.env,
+                ties=(tie_record(model, Snapshot.LOAD),),
+                uninitialized=buffer_problems(model, Snapshot.LOAD, buffer_reference(model)),
+            )
+        except Exception as exc:  # this rank still joins the gather, with its failure
+            message = f"{type(exc).__name__}: {exc}"
+            error = RankError(ctx.rank, Stage.STATE_AFTER_LOAD, message, ErrorKind.RUNTIME)
+            record = RankRecord(env=state.env, error=error)
+        return gather_records(record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size)

@@ -54,6 +54,18 @@ class Init(str, Enum):
     all = "all"
 
 
+class Annotations(str, Enum):
+    auto = "auto"
+    github = "github"
+    none = "none"
+
+
+ANNOTATIONS_HELP = (
+    "GitHub workflow commands (::error/::warning) for findings on rank 0's stdout; auto: when "
+    "GITHUB_ACTIONS=true."
+)
+
+
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -119,19 +131,28 @@ def audit(
     mesh: str | None = typer.Option(
         None, help="REPLICATE,SHARD for HSDP (a 2-D mesh whose product is the world size)."
     ),
+    cpu_offload: bool = typer.Option(
+        False,
+        help="Shard with FSDP2's CPUOffloadPolicy (parameters live on CPU between steps), as "
+        "offloading jobs do.",
+    ),
     json_path: Path | None = typer.Option(
         None, "--json", help="Write the machine-readable report here (rank 0)."
     ),
+    junit_path: Path | None = typer.Option(
+        None, "--junit", help="Write a JUnit XML file here (rank 0): a test case per check."
+    ),
+    annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
 ) -> None:
     """Build MODEL on every rank, fully_shard it, and compare every rank's buffers and params."""
     if vary_hash_seed and os.environ.get(_REEXEC_MARK) != "1":
         _reexec_with_rank_hash_seed()
 
     from fsdpcheck.audit import run_audit
-    from fsdpcheck.console import StageStatus, render
+    from fsdpcheck.console import StageStatus
+    from fsdpcheck.dist.launcher import rank_hint
     from fsdpcheck.errors import FsdpcheckError
     from fsdpcheck.options import AuditOptions
-    from fsdpcheck.output import write_json
     from fsdpcheck.records import RankError
     from fsdpcheck.vocab import Stage
 
@@ -148,17 +169,20 @@ def audit(
         wrap_classes=tuple(wrap_class),
         min_params=min_params,
         mesh=_parse_mesh(mesh),
+        cpu_offload=cpu_offload,
         load=load,
         reproduce=reproduce,
         probe=probe,
         download=download,
     )
-    rank = int(os.environ.get("RANK", "0") or 0)
+    rank = rank_hint(os.environ)
+    outputs = _Outputs(annotations, json=json_path, junit=junit_path)
 
     def publish(report: Report) -> None:
+        from fsdpcheck.console import render
+
         render(report, _stdout())
-        if json_path is not None:
-            write_json(report, json_path)
+        outputs.publish_report(report)
 
     signal.signal(signal.SIGTERM, _terminated)
     # A short-lived process that imports torch and transformers and builds a model: with the
@@ -167,9 +191,14 @@ def audit(
     gc.set_threshold(50_000, 100, 100)
     try:
         with StageStatus(rank) as status:
-            result = run_audit(options, progress=status.update, publish=publish)
+            result = run_audit(
+                options,
+                progress=status.update,
+                publish=publish,
+                preflight=lambda: outputs.check(distributed=True),
+            )
     except FsdpcheckError as exc:  # raised before any gather: bad input, unreachable rendezvous
-        _fail(RankError(rank, Stage.LAUNCH, str(exc), exc.kind), exc.exit_code, json_path, options)
+        _fail(RankError(rank, Stage.LAUNCH, str(exc), exc.kind), exc.exit_code, outputs, options)
 
     if result.report is None and result.own_error is not None:
         _stderr().print(
@@ -180,6 +209,70 @@ def audit(
     if result.exit_code != 0:
         _tell_torchrun(result.headline or "fsdpcheck audit failed; see rank 0's report")
     raise typer.Exit(result.exit_code)
+
+
+class _Outputs:
+    """What rank 0 writes and prints besides the console: files (checked before any work, so an
+    unwritable path is bad input, not a traceback at the end) and workflow annotations."""
+
+    def __init__(self, annotations: Annotations, **paths: Path | None):
+        from fsdpcheck.formats.annotations import enabled
+
+        self.paths = {f"--{name}": path for name, path in paths.items()}
+        self.annotate = enabled(annotations.value, os.environ)
+        self.skipped: set[str] = set()
+        self.failed = False
+
+    def check(self, *, distributed: bool = False) -> str:
+        """One paragraph naming every output that cannot be written ("" when all can)."""
+        from fsdpcheck.formats.outputs import output_problems, problems_paragraph
+
+        problems = output_problems(self.paths.items())
+        self.skipped = {p.split(" ", 1)[0] for p in problems}
+        return problems_paragraph(problems, distributed=distributed) if problems else ""
+
+    def write(self, option: str, writer) -> None:
+        path = self.paths.get(option)
+        if path is None or option in self.skipped:
+            return
+        try:
+            writer(path)
+        except OSError as exc:  # checked up front; a full disk can still say no
+            self.failed = True
+            _stderr().print(
+                f"[bold red]fsdpcheck[/]: {option} {escape(str(path))} could not be written "
+                f"({escape(exc.strerror or str(exc))}); pass a path in a folder with room.",
+                highlight=False,
+            )
+
+    def annotations(self, lines: list[str]) -> None:
+        if self.annotate:
+            for line in lines:
+                print(line, flush=True)
+
+    def publish_report(self, report: Report, suite: str = "fsdpcheck.audit") -> None:
+        from fsdpcheck.formats.annotations import report_annotations
+        from fsdpcheck.formats.junit import report_to_junit, write_junit
+        from fsdpcheck.output import write_json
+
+        self.annotations(report_annotations(report, tool=suite.replace(".", " ")))
+        self.write("--json", lambda path: write_json(report, path))
+        self.write("--junit", lambda path: write_junit(report_to_junit(report, suite=suite), path))
+
+
+def _refuse_outputs(command: str, outputs: _Outputs) -> None:
+    """Single-process commands: an unwritable output is bad input before any work (exit 2)."""
+    problem = outputs.check()
+    if problem:
+        _stderr().print(f"[bold red]fsdpcheck {command}[/]: {escape(problem)}", highlight=False)
+        outputs.annotations(_error_annotation(f"fsdpcheck {command}", problem))
+        raise typer.Exit(2)
+
+
+def _error_annotation(title: str, message: str) -> list[str]:
+    from fsdpcheck.formats.annotations import command
+
+    return [command("error", message, title=title)]
 
 
 def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
@@ -203,17 +296,19 @@ def _stderr() -> Console:
     return stderr_console()
 
 
-def _fail(error: RankError, exit_code: int, json_path: Path | None, options: object) -> None:
-    from fsdpcheck.output import write_json
+def _fail(error: RankError, exit_code: int, outputs: _Outputs, options: object) -> None:
+    from fsdpcheck.dist.launcher import world_hint
     from fsdpcheck.report import error_report
 
     _stderr().print(
         f"[bold red]fsdpcheck: rank {error.rank}: {error.stage}[/]: {escape(error.message)}",
         highlight=False,
     )
-    if json_path is not None and error.rank == 0:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        write_json(error_report([error], world, options), json_path)
+    if error.rank == 0:
+        problem = outputs.check()  # a path that cannot be written is named and skipped
+        if problem:
+            _stderr().print(f"[bold red]fsdpcheck[/]: {escape(problem)}", highlight=False)
+        outputs.publish_report(error_report([error], world_hint(os.environ), options))
     _tell_torchrun(error.message)
     raise typer.Exit(exit_code)
 
@@ -248,8 +343,10 @@ def _tell_torchrun(message: str) -> None:
 
 def _reexec_with_rank_hash_seed() -> None:
     """Restart this interpreter with PYTHONHASHSEED = RANK, before anything is hashed for real."""
+    from fsdpcheck.dist.launcher import rank_hint
+
     env = dict(os.environ)
-    env["PYTHONHASHSEED"] = env.get("RANK", "0")
+    env["PYTHONHASHSEED"] = str(rank_hint(env))
     env[_REEXEC_MARK] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
@@ -295,6 +392,10 @@ def probe(
         "with probability 1/128].",
     ),
     json_path: Path | None = typer.Option(None, "--json", help="Write the result as JSON here."),
+    junit_path: Path | None = typer.Option(
+        None, "--junit", help="Write a JUnit XML file here: a test case per seed and per order."
+    ),
+    annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
     text_only: bool = typer.Option(False, help="Build only the text model of a multimodal config."),
     trust_remote_code: bool = typer.Option(
         False, help="Allow the model's own Python code (off: never runs remote code)."
@@ -312,21 +413,28 @@ def probe(
     """
     from fsdpcheck.children.probe import DEFAULT_SEEDS
     from fsdpcheck.children.probe import probe as run_probe
-    from fsdpcheck.console import probe_errors, probe_summary, probe_table
+    from fsdpcheck.console import CountProgress, probe_errors, probe_summary, probe_table
     from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.formats.annotations import probe_annotations
+    from fsdpcheck.formats.junit import probe_to_junit, write_junit
     from fsdpcheck.output import write_json
 
+    outputs = _Outputs(annotations, json=json_path, junit=junit_path)
+    _refuse_outputs("probe", outputs)
     try:
-        result = run_probe(
-            model,
-            seeds=seeds or DEFAULT_SEEDS,
-            text_only=text_only,
-            trust_remote_code=trust_remote_code,
-            jobs=jobs,
-            timeout=timeout,
-        )
+        with CountProgress("probe") as bar:
+            result = run_probe(
+                model,
+                seeds=seeds or DEFAULT_SEEDS,
+                text_only=text_only,
+                trust_remote_code=trust_remote_code,
+                jobs=jobs,
+                timeout=timeout,
+                progress=bar.update,
+            )
     except FsdpcheckError as exc:
         _stderr().print(f"[bold red]fsdpcheck probe[/]: {escape(str(exc))}", highlight=False)
+        outputs.annotations(_error_annotation("fsdpcheck probe", str(exc)))
         raise typer.Exit(exc.exit_code) from None
     console = _stdout()
     console.print(
@@ -341,9 +449,10 @@ def probe(
     for line in probe_errors(result):
         console.print(line, highlight=False)
     console.print(probe_summary(result), highlight=False)
-    if json_path is not None:
-        write_json(result, json_path)
-    raise typer.Exit(result.exit_code)
+    outputs.annotations(probe_annotations(result))
+    outputs.write("--json", lambda path: write_json(result, path))
+    outputs.write("--junit", lambda path: write_junit(probe_to_junit(result), path))
+    raise typer.Exit(result.exit_code or (3 if outputs.failed else 0))
 
 
 SCAN_EPILOG = """
@@ -370,6 +479,16 @@ def scan(
     ),
     seeds: int | None = typer.Option(None, min=2, help="Hash seeds, 0..K-1 \\[default: 8]."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the table as JSON here."),
+    junit_path: Path | None = typer.Option(
+        None, "--junit", help="Write a JUnit XML file here: a test case per architecture."
+    ),
+    sarif_path: Path | None = typer.Option(
+        None,
+        "--sarif",
+        help="Write SARIF 2.1.0 here: the modeling-file lines that register tensors while "
+        "iterating a set (seen reordering, or latent).",
+    ),
+    annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
     timeout: float = typer.Option(
         1800.0, min=1.0, help="Seconds each child (one seed, all architectures) may take."
     ),
@@ -390,27 +509,19 @@ def scan(
     the config has layer types; the rows compare the orders. Verdicts: ok · hang (reordered
     tensors differ in size) · silent-corruption (same sizes) · skipped: why.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
     from fsdpcheck.children.probe import DEFAULT_SEEDS
     from fsdpcheck.children.scan import scan as run_scan
-    from fsdpcheck.console import scan_summary, scan_table
+    from fsdpcheck.console import CountProgress, scan_summary, scan_table
     from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.formats.annotations import scan_annotations
+    from fsdpcheck.formats.junit import scan_to_junit, write_junit
+    from fsdpcheck.formats.sarif import scan_to_sarif, write_sarif
     from fsdpcheck.output import write_json
 
+    outputs = _Outputs(annotations, json=json_path, junit=junit_path, sarif=sarif_path)
+    _refuse_outputs("scan", outputs)
     families = ("causal-lm", "masked-lm") if masked_lm else ("causal-lm",)
-    columns = (
-        TextColumn("[bold]scan"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.description}"),
-    )
-    with Progress(*columns, console=_stderr(), transient=True) as bar:
-        task = bar.add_task("listing architectures", total=None)
-
-        def progress(done: int, total: int, label: str) -> None:
-            bar.update(task, completed=done, total=total, description=escape(label))
-
+    with CountProgress("scan") as bar:
         try:
             result = run_scan(
                 filters,
@@ -420,20 +531,194 @@ def scan(
                 jobs=jobs,
                 timeout=timeout,
                 arch_timeout=arch_timeout,
-                progress=progress,
+                progress=bar.update,
             )
         except FsdpcheckError as exc:
             bar.stop()
             _stderr().print(f"[bold red]fsdpcheck scan[/]: {escape(str(exc))}", highlight=False)
+            outputs.annotations(_error_annotation("fsdpcheck scan", str(exc)))
             raise typer.Exit(exc.exit_code) from None
     console = _stdout()
     console.print(scan_table(result, all_rows=not problems_only))
     for error in result.errors:
         console.print(f"[bold red]✗ seed {error.seed}[/]: {escape(error.message)}", highlight=False)
     console.print(scan_summary(result), highlight=False)
-    if json_path is not None:
-        write_json(result, json_path)
-    raise typer.Exit(result.exit_code)
+    outputs.annotations(scan_annotations(result))
+    outputs.write("--json", lambda path: write_json(result, path))
+    outputs.write("--junit", lambda path: write_junit(scan_to_junit(result), path))
+    outputs.write("--sarif", lambda path: write_sarif(scan_to_sarif(result), path))
+    raise typer.Exit(result.exit_code or (3 if outputs.failed else 0))
+
+
+FINGERPRINT_EPILOG = """
+[bold]Examples[/]
+
+  fsdpcheck fingerprint --model hazard --out fp/rank0.json
+
+  torchrun --nproc-per-node 8 -m fsdpcheck fingerprint --model /ckpt/m --out 'fp/rank{rank}.json'
+
+  fsdpcheck diff fp/          [dim](compare them: no process group needed)[/]
+
+[bold]Exit codes[/]: 0 written · 2 bad usage or input · 3 runtime failure (the record, with the
+error, is still written when --out is writable).
+"""
+
+
+@app.command(epilog=FINGERPRINT_EPILOG)
+def fingerprint(
+    model: str = typer.Option(
+        ..., "--model", "-m", help="Preset name, local model directory, or cached hub id."
+    ),
+    out: Path = typer.Option(
+        ...,
+        "--out",
+        "-o",
+        help="Where to write the fingerprint; may contain {rank}, {local_rank}, {host}.",
+    ),
+    init: Init = typer.Option(
+        Init.rank0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
+    ),
+    dtype: DType | None = typer.Option(None, help="Build dtype \\[default: the config's]."),
+    seed: int = typer.Option(0, help="Random-init seed when the model has no checkpoint."),
+    wrap: bool = typer.Option(
+        True, help="Also fully_shard on a one-rank group of this process's own, and record after."
+    ),
+    wrap_class: list[str] = typer.Option(
+        [],
+        "--wrap-class",
+        help="Layer class to fully_shard (repeatable) \\[default: _no_split_modules].",
+    ),
+    min_params: int = typer.Option(
+        100_000_000, help="Size-based wrapping threshold, used when no wrap class is present."
+    ),
+    text_only: bool = typer.Option(False, help="Build only the text model of a multimodal config."),
+    trust_remote_code: bool = typer.Option(
+        False, help="Allow the model's own Python code (off: never runs remote code)."
+    ),
+    allow_pickle: bool = typer.Option(
+        False, help="Allow pickle weights (*.bin, *.pt); safetensors only by default."
+    ),
+    rank: int | None = typer.Option(
+        None,
+        "--rank",
+        "--rank-hint",
+        min=0,
+        help="Record this rank \\[default: the launcher's RANK, else 0]; it also decides what "
+        "--init rank0 builds.",
+    ),
+) -> None:
+    """Write this process's fingerprint of MODEL (the record the audit gathers) with no
+    process group: run it once per rank, on each machine or library version, then `diff`."""
+    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.offline.files import (
+        check_writable,
+        env_record,
+        format_path,
+        process_identity,
+        write_fingerprint,
+    )
+    from fsdpcheck.offline.standalone import StandaloneOptions, fingerprint_standalone
+    from fsdpcheck.vocab import ErrorKind, ExitCode
+
+    options = StandaloneOptions(
+        model=model,
+        init=init.value,
+        dtype=dtype.value if dtype else None,
+        seed=seed,
+        text_only=text_only,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
+        wrap=wrap,
+        wrap_classes=tuple(wrap_class),
+        min_params=min_params,
+        rank=rank,
+    )
+    gc.set_threshold(50_000, 100, 100)  # as in audit: a short-lived process with a big heap
+    try:
+        identity = process_identity(rank)
+        path = format_path(out, env_record(identity))
+        check_writable(path, identity.rank)  # before the build, not after it
+        content = fingerprint_standalone(options)
+        path = write_fingerprint(content, format_path(out, content.record.env))
+    except FsdpcheckError as exc:
+        _stderr().print(f"[bold red]fsdpcheck fingerprint[/]: {escape(str(exc))}", highlight=False)
+        raise typer.Exit(exc.exit_code) from None
+    record, console = content.record, _stderr()
+    if record.error is not None:
+        console.print(
+            f"[bold red]fsdpcheck fingerprint: rank {record.env.rank} failed at "
+            f"{record.error.stage}[/]: {escape(record.error.message)}\n"
+            f"(the error is recorded in {escape(str(path))}, so `fsdpcheck diff` names it)",
+            highlight=False,
+        )
+        bad_input = record.error.kind == ErrorKind.INPUT
+        raise typer.Exit(ExitCode.BAD_INPUT if bad_input else ExitCode.RUNTIME)
+    stages = [
+        f"{fp.stage} {len(fp.buffers)} buffers, {len(fp.params)} params"
+        for fp in (record.pre_wrap, record.post_wrap)
+        if fp is not None
+    ]
+    _stdout().print(
+        f"fsdpcheck fingerprint: rank {record.env.rank} ({'; '.join(stages)}) → "
+        f"{escape(str(path))}",
+        highlight=False,
+    )
+    for note in content.notes:
+        _stdout().print(f"[yellow]! {escape(note)}[/]", highlight=False)
+
+
+DIFF_EPILOG = """
+[bold]Examples[/]
+
+  fsdpcheck diff fp/                          [dim](every *.json fingerprint in fp/)[/]
+
+  fsdpcheck diff today/rank0.json lastweek/rank0.json --json diff.json
+
+[bold]Exit codes[/]: 0 consistent · 1 findings · 2 bad input (unreadable or foreign JSON, mixed
+schema versions, fewer than two fingerprints) · 3 a fingerprinted rank failed at runtime.
+"""
+
+
+@app.command(epilog=DIFF_EPILOG)
+def diff(
+    paths: list[Path] = typer.Argument(
+        ..., help="Fingerprint files, or directories of them (their *.json).", show_default=False
+    ),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="Write the machine-readable report here (the audit's schema)."
+    ),
+    junit_path: Path | None = typer.Option(
+        None, "--junit", help="Write a JUnit XML file here: a test case per check."
+    ),
+    annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
+) -> None:
+    """Compare saved fingerprints as ranks, with the audit's analysis and report: ranks of one
+    job (hung or not), or the same model across machines and library versions."""
+    from fsdpcheck.console import render
+    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.offline.diff import diff_records
+    from fsdpcheck.offline.files import read_inputs
+
+    outputs = _Outputs(annotations, json=json_path, junit=junit_path)
+    _refuse_outputs("diff", outputs)
+    try:
+        report = diff_records(read_inputs(paths))
+    except FsdpcheckError as exc:
+        _stderr().print(f"[bold red]fsdpcheck diff[/]: {escape(str(exc))}", highlight=False)
+        outputs.annotations(_error_annotation("fsdpcheck diff", str(exc)))
+        raise typer.Exit(exc.exit_code) from None
+    console = _stdout()
+    for item in report.options.get("inputs", ()):
+        recorded = item["recorded_rank"]
+        moved = f" (recorded as rank {recorded})" if recorded != item["rank"] else ""
+        console.print(
+            f"[dim]rank {item['rank']}{moved} ← {escape(item['path'])} · {escape(item['host'])}"
+            f"{' · ' + escape(item['created']) if item['created'] else ''}[/]",
+            highlight=False,
+        )
+    render(report, console, title="fsdpcheck diff")
+    outputs.publish_report(report, suite="fsdpcheck.diff")
+    raise typer.Exit(report.exit_code or (3 if outputs.failed else 0))
 
 
 def main() -> None:

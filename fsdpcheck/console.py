@@ -14,7 +14,7 @@ from rich.text import Text
 
 from fsdpcheck.records import LoadOutcome, Report
 from fsdpcheck.report import report_headline
-from fsdpcheck.text import int_ranges
+from fsdpcheck.text import int_ranges, ranks_label
 from fsdpcheck.vocab import LoaderVerdict, LoadMethod, LoadStatus, ScanVerdict
 
 if TYPE_CHECKING:
@@ -29,9 +29,9 @@ _VERDICT_STYLE = {
 }
 
 
-def render(report: Report, console: Console) -> None:
+def render(report: Report, console: Console, *, title: str = "fsdpcheck audit") -> None:
     model = report.model
-    title = Text("fsdpcheck audit", style="bold")
+    title = Text(title, style="bold")
     if model is not None:
         title.append(f" · {model.name} ({model.architecture}, {model.kind})")
         title.append(f" · init {model.init} · {model.dtype}")
@@ -81,6 +81,13 @@ def render(report: Report, console: Console) -> None:
         )
         console.print(f"  {escape(finding.summary)}", highlight=False)
 
+    if report.not_compared:
+        console.print(
+            f"values not compared on {ranks_label(report.not_compared)}: every tensor on meta "
+            "(nothing to compare before the load)",
+            style="dim",
+            highlight=False,
+        )
     _render_loaders(report, console)
     _render_load(report, console)
 
@@ -308,3 +315,38 @@ class StageStatus:
     def update(self, stage: str) -> None:
         if self._status is not None:
             self._status.update(f"fsdpcheck: {stage}")
+
+
+class CountProgress:
+    """A bar with counts (probe seeds, scan builds) on a terminal; nothing in logs and CI."""
+
+    def __init__(self, title: str, console: Console | None = None):
+        self._bar = None
+        active = console.is_terminal if console is not None else sys.stderr.isatty()
+        if active:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            columns = (
+                TextColumn(f"[bold]{escape(title)}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+            )
+            self._bar = Progress(*columns, console=console or stderr_console(), transient=True)
+            self._task = self._bar.add_task("starting", total=None)
+
+    def __enter__(self) -> CountProgress:
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def update(self, done: int, total: int, label: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, total=total, description=escape(label))

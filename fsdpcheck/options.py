@@ -21,6 +21,7 @@ class AuditOptions:
     wrap_classes: tuple[str, ...] = ()
     min_params: int = DEFAULT_MIN_PARAMS
     mesh: tuple[int, ...] | None = None  # (replicate, shard) for HSDP; default: 1-D, all ranks
+    cpu_offload: bool = False  # every fully_shard with FSDP2's CPUOffloadPolicy
     load: bool = True  # run the project's loader and verify every rank afterwards
     reproduce: bool = False  # also run the unsafe loader, in an isolated child job
     probe: int = 0  # rank 0 also probes the build under this many hash seeds (0: off)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import types
 import typing
 from collections.abc import Mapping
@@ -75,6 +76,8 @@ class TensorRecord:
     digest: str | None = None  # of the values, when materialised (not on meta)
     placements: tuple[str, ...] | None = None  # DTensor placements, after wrapping
     local_shape: tuple[int, ...] | None = None  # this rank's shard, after wrapping
+    head: tuple[str, ...] | None = None  # first values ("%.6g"), when materialised: a hint only
+    requires_grad: bool | None = None  # parameters only
 
     @property
     def numel(self) -> int:
@@ -86,6 +89,14 @@ class TensorRecord:
     def layout(self) -> tuple:
         """What must agree across ranks (not values, devices or per-rank shard sizes)."""
         return (self.name, self.shape, self.dtype, self.persistent, self.placements)
+
+
+def _requires_grad_part(params: tuple[TensorRecord, ...]) -> tuple[str, ...]:
+    """The layout digest's extra part for ``requires_grad``; empty when never recorded, so
+    digests of records without it are unchanged."""
+    if all(t.requires_grad is None for t in params):
+        return ()
+    return (repr([t.requires_grad for t in params]),)
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,7 @@ class Fingerprint:
             repr([t.layout() for t in self.buffers]),
             repr([t.layout() for t in self.params]),
             repr(self.state_dict_keys),
+            *_requires_grad_part(self.params),
         )
 
 
@@ -121,10 +133,26 @@ class EnvRecord:
     torch: str
     transformers: str | None
     hash_seed: str  # PYTHONHASHSEED as set, or "random"
-    accelerate: str | None = None  # installed version: decides what its loader row means
+    accelerate: str | None = None  # installed version, when installed
+    nccl: str | None = None  # torch.cuda.nccl.version(), when torch has NCCL
+    cuda: str | None = None  # torch.version.cuda (None on CPU builds)
 
-    def versions(self) -> tuple[str, str, str | None, str]:
-        return (self.python, self.torch, self.transformers, self.backend)
+    def versions(self) -> tuple[str | None, ...]:
+        """In the order of ``fsdpcheck.checks.layout.ENV_FIELDS``."""
+        return (
+            self.python,
+            self.torch,
+            self.transformers,
+            self.backend,
+            self.accelerate,
+            self.nccl,
+            self.cuda,
+        )
+
+    def _digest_part(self) -> str:
+        # The first four alone keep digests of records without the newer fields unchanged.
+        versions = self.versions()
+        return repr(versions[:4] if versions[4:] == (None, None, None) else versions)
 
 
 @dataclass(frozen=True)
@@ -136,6 +164,73 @@ class RankError:
 
 
 @dataclass(frozen=True)
+class FsdpGroupRecord:
+    """One FSDP2 parameter group: what ``fully_shard`` was applied to and how."""
+
+    modules: tuple[str, ...]  # names of the module(s) passed to fully_shard ("" = the root)
+    params: tuple[str, ...]  # names of the parameters it manages
+    param_dtype: str | None = None  # MixedPrecisionPolicy
+    reduce_dtype: str | None = None
+    output_dtype: str | None = None
+    cast_forward_inputs: bool | None = None
+    reshard_after_forward: bool | int | None = None  # int: the world size it reshards to
+    offload: str | None = None  # offload policy class, e.g. "OffloadPolicy", "CPUOffloadPolicy"
+    pin_memory: bool | None = None  # CPUOffloadPolicy only
+    mesh_shape: tuple[int, ...] | None = None
+    mesh_dim_names: tuple[str, ...] | None = None
+    mesh_device_type: str | None = None
+
+
+@dataclass(frozen=True)
+class FsdpPlanRecord:
+    """A rank's live FSDP2 plan, read after wrapping. Fields the installed torch does not
+    expose are ``None``; ``groups`` come in ``named_modules()`` order."""
+
+    groups: tuple[FsdpGroupRecord, ...]
+    unavailable: str | None = None  # why the plan could not be read (private API changed)
+
+    def digest(self) -> str:
+        return short_digest(json.dumps(to_dict(self), sort_keys=True, separators=(",", ":")))
+
+
+@dataclass(frozen=True)
+class ConfigRecord:
+    """A rank's resolved model config: ``canonical`` is its ``to_dict()`` with volatile keys
+    (versions, paths, attention backends) dropped and secret-looking values redacted."""
+
+    digest: str
+    canonical: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TieRecord:
+    """Which parameter names share storage on one rank at one stage, and which ties the model's
+    config asks for (``tie_word_embeddings``, ``_tied_weights_keys``). Names sorted."""
+
+    stage: str  # "pre-wrap" | "post-wrap" | "load"
+    shared: tuple[tuple[str, ...], ...] = ()  # groups of two or more names on one storage
+    expected: tuple[tuple[str, str], ...] = ()  # (tied name, its source)
+
+    def digest_part(self) -> str:
+        return repr((self.stage, self.shared, self.expected))
+
+
+@dataclass(frozen=True)
+class BufferProblem:
+    """A buffer whose value is not what its module computes, or is garbage (NaN, Inf, denormal)."""
+
+    name: str
+    stage: str  # "pre-wrap" | "post-wrap" | "load"
+    reason: str  # "differs" (from the recomputed reference) | "nan" | "inf" | "denormal"
+    got: tuple[str, ...] = ()  # first values on this rank ("%.6g")
+    expected: tuple[str, ...] = ()  # first values of the reference, for "differs"
+
+    def digest_part(self) -> str:
+        # Values stay out: garbage differs per rank, and must not split ranks into groups.
+        return repr((self.name, self.stage, self.reason))
+
+
+@dataclass(frozen=True)
 class RankRecord:
     """Everything one rank contributes to the gather."""
 
@@ -143,16 +238,41 @@ class RankRecord:
     pre_wrap: Fingerprint | None = None
     post_wrap: Fingerprint | None = None
     error: RankError | None = None
+    fsdp_plan: FsdpPlanRecord | None = None  # after wrapping
+    config: ConfigRecord | None = None
+    # "name:device" of this rank's tensors on a device its job cannot use, as the rank itself
+    # judged them (fsdpcheck.checks.flags.misplaced): in the digest, so such a rank sends its
+    # record even when its layout agrees.
+    misplaced: tuple[str, ...] = ()
+    ties: tuple[TieRecord, ...] = ()  # per stage: which names share storage
+    uninitialized: tuple[BufferProblem, ...] = ()  # buffers that are not what the module computes
+    shard_key: str | None = None  # equal on HSDP replicas: the same shard coordinate(s)
 
     def group_digest(self) -> str:
-        """Equal for ranks that must be treated alike: same layouts, same versions, no error."""
+        """Equal for ranks that must be treated alike: same layouts, same versions, same state
+        flags, wrap plan, config, ties and buffer problems, no error. Values stay out (see
+        :func:`value_digest`)."""
         if self.error is not None:
             return short_digest("error", str(self.env.rank), self.error.stage, self.error.message)
-        return short_digest(
-            repr(self.env.versions()),
+        parts = [
+            self.env._digest_part(),
             self.pre_wrap.layout_digest() if self.pre_wrap else "-",
             self.post_wrap.layout_digest() if self.post_wrap else "-",
-        )
+        ]
+        # Optional parts only when present, so older records keep their digests.
+        if self.ties or self.uninitialized:
+            parts.append(repr([t.digest_part() for t in self.ties]))
+            parts.append(repr(sorted(p.digest_part() for p in self.uninitialized)))
+        if self.fsdp_plan is not None:
+            parts.append("fsdp:" + self.fsdp_plan.digest())
+        if self.config is not None:
+            parts.append("config:" + self.config.digest)
+        if self.misplaced:
+            parts.append("misplaced:" + repr(self.misplaced))
+        return short_digest(*parts)
+
+    def fingerprints(self) -> tuple[Fingerprint, ...]:
+        return tuple(fp for fp in (self.pre_wrap, self.post_wrap) if fp is not None)
 
 
 @dataclass(frozen=True)
@@ -165,6 +285,11 @@ class Gathered:
     records: dict[int, RankRecord]
     bytes_sent: int  # by this rank
     meta_ranks: tuple[int, ...] = ()  # ranks whose tensors were on meta before loading
+    # What the value check needs (fsdpcheck.checks.value): per rank, None where it holds none.
+    values: dict[int, str | None] | None = None
+    replicas: dict[int, str | None] | None = None
+    shard_keys: dict[int, str | None] | None = None
+    extra: dict[int, RankRecord] | None = None  # records of value senders that are no group's
 
     @property
     def errors(self) -> tuple[RankError, ...]:
@@ -288,3 +413,5 @@ class Report:
     options: Mapping[str, Any] = field(default_factory=dict)
     timings: Mapping[str, float] = field(default_factory=dict)
     schema: str = SCHEMA
+    # Ranks whose tensors were all on meta when gathered: their values were not compared.
+    not_compared: tuple[int, ...] = ()

@@ -8,11 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 from fsdpcheck.checks.hash_seed import probe_finding
 from fsdpcheck.checks.layout import analyse, group_ranks, headline, verdict
-from fsdpcheck.checks.loaded import verify_findings
+from fsdpcheck.checks.loaded import load_errors, load_findings, verify_findings
 from fsdpcheck.checks.observed import Observation, with_observations
 from fsdpcheck.checks.predict import predict_loaders
+from fsdpcheck.checks.ties import tie_findings
+from fsdpcheck.checks.uninitialized import uninitialized_findings
+from fsdpcheck.checks.value import not_compared, value_findings
 from fsdpcheck.records import (
+    Finding,
     Gathered,
+    Group,
     LoadOutcome,
     ModelInfo,
     RankError,
@@ -49,6 +54,7 @@ class AuditOutcome:
     observed: Mapping[str, Observation] | None = None  # --reproduce: every loader, for real
     probe: ProbeResult | None = None  # --probe K
     notes: tuple[str, ...] = ()  # warnings from optional extras that did not finish
+    after_load: Gathered | None = None  # every rank's ties and buffer problems after the load
 
 
 def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
@@ -56,16 +62,23 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
     gathered = outcome.gathered
     groups = group_ranks(gathered.digests, gathered.hosts)
     records = gathered.records
-    findings = analyse(groups, records)
+    findings = analyse(groups, records) + state_findings(groups, gathered)
+    errors = gathered.errors
+    if outcome.load is not None:  # a load that did not happen is never consistent
+        findings.extend(load_findings(outcome.load, len(gathered.digests)))
+        errors = _by_rank(*errors, *load_errors(outcome.load))
     if outcome.verify is not None:
         findings.extend(verify_findings(outcome.verify))
+    if outcome.after_load is not None:
+        after = outcome.after_load
+        findings.extend(state_findings(group_ranks(after.digests, after.hosts), after))
+        errors = _by_rank(*errors, *after.errors)
     if outcome.probe is not None and (found := probe_finding(outcome.probe)) is not None:
         findings.append(found)
     loaders = tuple(predict_loaders(groups, records, gathered.meta_ranks))
     if outcome.observed:
         loaders, wrong = with_observations(loaders, outcome.observed)
         findings.extend(wrong)
-    errors = gathered.errors
     name, code = verdict(findings, errors)
     return Report(
         verdict=name,
@@ -86,7 +99,30 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         environment=tuple(records[g.representative].env for g in groups),
         options=to_dict(options) if options is not None else {},
         timings=dict(outcome.timings),
+        not_compared=_not_compared(gathered),
     )
+
+
+def state_findings(groups: Sequence[Group], gathered: Gathered) -> list[Finding]:
+    """``tie``, ``uninitialized`` and ``value`` findings from one gather."""
+    records = gathered.records
+    findings = tie_findings(groups, records) + uninitialized_findings(groups, records)
+    if gathered.values is not None:
+        everyone = {**records, **(gathered.extra or {})}
+        findings += value_findings(
+            everyone, gathered.values, gathered.replicas or {}, gathered.shard_keys or {}
+        )
+    return findings
+
+
+def _not_compared(gathered: Gathered) -> tuple[int, ...]:
+    if gathered.values is None or len(gathered.digests) < 2:
+        return ()
+    return not_compared(gathered.values, gathered.replicas or {})
+
+
+def _by_rank(*errors: RankError) -> tuple[RankError, ...]:
+    return tuple(sorted(errors, key=lambda e: e.rank))
 
 
 def error_report(

@@ -62,6 +62,7 @@ class Stage(Word):
     GATHER = "gather"
     LOAD = "load"
     VERIFY = "verify"
+    STATE_AFTER_LOAD = "state-after-load"  # every rank's ties and buffers, after the load
     ABORT = "abort"
 
 
@@ -194,6 +195,22 @@ class FindingKind(_Described):
         "the same state-dict keys, walked in a different order",
         "state-dict order differs",
     )
+    REQUIRES_GRAD = (
+        "requires-grad",
+        "a parameter is trainable on one side and frozen on the other",
+        "requires_grad differs",
+    )
+    WRAP_PLAN = (
+        "wrap-plan",
+        "the FSDP2 plan differs: parameter groups, mixed precision, resharding, offload or mesh",
+        "FSDP2 wrap plan differs",
+    )
+    DEVICE = (
+        "device",
+        "a tensor sits on a device the job cannot use, or on different device types",
+        "tensors on the wrong device",
+    )
+    CONFIG = "config", "the resolved model config differs between ranks", "model config differs"
     HASH_SEED = (
         "hash-seed",
         "tensor order depends on the interpreter's string-hash seed (PYTHONHASHSEED)",
@@ -204,6 +221,21 @@ class FindingKind(_Described):
         "verify",
         "after the project's loader ran, a rank's tensor differs from rank 0's source",
         "ranks differ after loading",
+    )
+    VALUE = (
+        "value",
+        "a tensor that must be identical on every rank (or HSDP replica) holds other values",
+        "values differ",
+    )
+    UNINITIALIZED = (
+        "uninitialized",
+        "a buffer is not what its module computes (garbage after to_empty, NaN, Inf)",
+        "buffers are not initialised",
+    )
+    TIE = (
+        "tie",
+        "parameters the config ties hold separate storage, or ranks tie different names",
+        "tied weights differ",
     )
     PREDICTION = (
         "prediction",

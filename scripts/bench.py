@@ -559,6 +559,8 @@ def thp_mode() -> str:
 
 
 def row_gather(s: Settings) -> Row:
+    from fsdpcheck.dist.gather import SLOT_BYTES
+
     row = Row(
         "gather",
         "gather scaling",
@@ -607,7 +609,8 @@ def row_gather(s: Settings) -> Row:
     row.notes.append(
         f"Records: the hazard preset's pre- and post-wrap fingerprints "
         f"({records[0]['record_bytes']} bytes of JSON). When all agree each rank sends one "
-        "81-byte slot (digest, host, flags); one divergent rank also sends its full record. "
+        f"{SLOT_BYTES}-byte slot (digest, host, flags, value digest, shard key, replica "
+        "digest); one divergent rank also sends its full record. "
         "The wall time is one gather (barrier to barrier), rank 0's view; with 8 processes on "
         "2 cores it is dominated by scheduling."
     )

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fsdpcheck.checks.config import config_findings
+from fsdpcheck.checks.flags import device_findings, requires_grad_difference
+from fsdpcheck.checks.wrap_plan import wrap_plan_findings
 from fsdpcheck.records import (
     Finding,
     Fingerprint,
@@ -21,7 +24,7 @@ from fsdpcheck.text import ranks_label
 from fsdpcheck.vocab import ErrorKind, ExitCode, FindingKind, Snapshot, Verdict, finding_kind
 
 STAGES = (Snapshot.PRE_WRAP, Snapshot.POST_WRAP)
-ENV_FIELDS = ("python", "torch", "transformers", "backend")
+ENV_FIELDS = ("python", "torch", "transformers", "backend", "accelerate", "nccl", "cuda")
 
 _STAGE_NOTE = {"construction-time": " (before wrapping)", "wrapping": " (after wrapping only)"}
 _ORDER_KINDS = ("buffer-order", "param-order")
@@ -90,6 +93,7 @@ def analyse(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> list[
     for group in usable_groups(groups, records):
         if group is not reference:
             findings.extend(_compare(reference, group, records))
+    findings.extend(_state_findings(reference, groups, records))
     return findings
 
 
@@ -218,6 +222,27 @@ def _compare(reference: Group, group: Group, records: Mapping[int, RankRecord]) 
     return findings
 
 
+def _state_findings(
+    reference: Group, groups: Sequence[Group], records: Mapping[int, RankRecord]
+) -> list[Finding]:
+    """Wrap plan and config of each group against the reference; devices of every group."""
+    ref_rank = reference.representative
+    ref = records[ref_rank]
+    usable = usable_groups(groups, records)
+    findings: list[Finding] = []
+    for group in usable:
+        if group is not reference:
+            other = records[group.representative]
+            findings.extend(
+                wrap_plan_findings(ref_rank, ref.fsdp_plan, group.ranks, other.fsdp_plan)
+            )
+            findings.extend(config_findings(ref_rank, ref.config, group.ranks, other.config))
+    findings.extend(
+        device_findings(ref_rank, [(g.ranks, records[g.representative]) for g in usable])
+    )
+    return findings
+
+
 def _explained(kind: str, diffs: Mapping[str, tuple]) -> bool:
     # A state-dict walk follows module order, so a buffer/param order change already explains it.
     return kind == "state-dict-order" and any(k in diffs for k in _ORDER_KINDS)
@@ -272,6 +297,9 @@ def _stage_differences(a: Fingerprint, b: Fingerprint, stage: str, sides: _Sides
     sd = _state_dict_order(a.state_dict_keys, b.state_dict_keys, sides)
     if sd is not None:
         out["state-dict-order"] = sd
+    grads = requires_grad_difference(a, b, sides.ref, sides.other)
+    if grads is not None:
+        out["requires-grad"] = grads
     return out
 
 

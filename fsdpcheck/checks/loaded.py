@@ -2,9 +2,41 @@
 
 from __future__ import annotations
 
-from fsdpcheck.records import Finding, VerifyResult
+import re
+
+from fsdpcheck.records import Finding, LoadOutcome, RankError, VerifyResult
 from fsdpcheck.text import ranks_label
-from fsdpcheck.vocab import Cause, FindingKind, Snapshot
+from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoadStatus, Snapshot, Stage
+
+
+def load_findings(load: LoadOutcome, world_size: int) -> list[Finding]:
+    """A refused load is a ``verify`` finding on every rank: nothing moved, and a report that
+    says ``consistent`` would let the job start on a model nobody loaded."""
+    if load.outcome != LoadStatus.REFUSED:
+        return []
+    lines = load.message.strip().splitlines()
+    return [
+        Finding(
+            kind=FindingKind.VERIFY,
+            ranks=tuple(range(world_size)),
+            reference_rank=0,
+            stage=Snapshot.LOAD,
+            cause=Cause.LOADING,
+            summary="the sorted loader refused to load (nothing moved): "
+            + (lines[0] if lines else "no reason given"),
+            details={"outcome": LoadStatus.REFUSED, "message": load.message},
+        )
+    ]
+
+
+def load_errors(load: LoadOutcome) -> tuple[RankError, ...]:
+    """A load that failed mid-transfer (partly loaded): one error per rank its message names
+    (``- rank N: ...``), else one on rank 0."""
+    if load.outcome != LoadStatus.FAILED:
+        return ()
+    ranks = sorted({int(r) for r in re.findall(r"^\s*- rank (\d+):", load.message, re.M)})
+    message = f"the sorted loader failed: {load.message}"
+    return tuple(RankError(r, Stage.LOAD, message, ErrorKind.RUNTIME) for r in ranks or [0])
 
 
 def verify_findings(verified: VerifyResult) -> list[Finding]:

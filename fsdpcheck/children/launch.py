@@ -58,8 +58,12 @@ def launch(
     port: int | None = None,
 ) -> LaunchResult:
     """Start ``python -m <argv...>``-style commands (``argv`` after the interpreter) as ranks."""
+    from fsdpcheck.dist.launcher import FOREIGN
+
     port = port or free_port()
-    base = {**os.environ, **(env or {})}
+    # A new job: an enclosing srun's or mpirun's variables would contradict the ones set here.
+    inherited = {k: v for k, v in os.environ.items() if k not in FOREIGN}
+    base = {**inherited, **(env or {})}
     procs: list[tuple[subprocess.Popen, object, object]] = []
     start = time.monotonic()
     for rank in range(nprocs):

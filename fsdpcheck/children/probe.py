@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, compare_orders, tensor_names
 from fsdpcheck.children.harness import emit, failure_message, run_seeds
@@ -42,6 +43,7 @@ def probe(
     trust_remote_code: bool = False,
     jobs: int | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> ProbeResult:
     """Build ``model`` on meta under PYTHONHASHSEED = 0 .. seeds-1 and compare tensor orders.
 
@@ -49,7 +51,8 @@ def probe(
     some seeds failed (the difference is real); ``consistent`` (exit 0) when every seed built and
     all orders agree; ``error`` otherwise (exit 2 when every failure is bad input such as an
     unknown preset, else 3). With the default 8 seeds a two-way set order goes unnoticed with
-    probability 2*2^-8 = 1/128 (< 1 %).
+    probability 2*2^-8 = 1/128 (< 1 %). ``progress(done, total, label)`` is called as each
+    seed's child reports (from worker threads, one call at a time).
     """
     if seeds < 2:
         from fsdpcheck.errors import InputError
@@ -59,7 +62,15 @@ def probe(
     argv = ["-m", "fsdpcheck.children.probe", "--child", "--model", model]
     argv += ["--text-only"] * text_only + ["--trust-remote-code"] * trust_remote_code
     seed_list = tuple(range(seeds))
-    outcomes = run_seeds(argv, seed_list, jobs=jobs, timeout=timeout)
+    done = 0
+
+    def on_line(seed: int, record: Mapping[str, Any]) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, len(seed_list), f"PYTHONHASHSEED={seed}")
+
+    outcomes = run_seeds(argv, seed_list, jobs=jobs, timeout=timeout, on_line=on_line)
 
     fingerprints: dict[int, Fingerprint] = {}
     errors: list[SeedError] = []

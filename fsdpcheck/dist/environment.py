@@ -33,4 +33,19 @@ def env_record(rank: int, local_rank: int, world_size: int, backend: str) -> Env
         transformers=package_version("transformers"),
         hash_seed=os.environ.get("PYTHONHASHSEED", "random"),
         accelerate=package_version("accelerate"),
+        nccl=nccl_version(),
+        cuda=torch.version.cuda,
     )
+
+
+def nccl_version() -> str | None:
+    """The NCCL version torch was built with, ``2.21.5``; None without NCCL (CPU builds)."""
+    import torch
+
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # no NCCL in this build, or no CUDA runtime: nothing to compare
+        return None
+    if isinstance(version, tuple):
+        return ".".join(str(v) for v in version)
+    return str(version)

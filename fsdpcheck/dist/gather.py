@@ -13,23 +13,52 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fsdpcheck.checks.value import value_digests, value_senders
 from fsdpcheck.dist.wire import exchange_slots
 from fsdpcheck.records import Gathered, RankRecord, from_dict, to_dict
 
 _DIGEST_BYTES = 16
 _HOST_BYTES = 64
+_KEY_BYTES = 8
 _FLAG_META = 1  # this rank built (some of) the model on meta
-SLOT_BYTES = 1 + _DIGEST_BYTES + _HOST_BYTES
+# flags, group digest, host; then the value digest, shard key and replica digest (zeros: none).
+SLOT_BYTES = 1 + _DIGEST_BYTES + _HOST_BYTES + _DIGEST_BYTES + _KEY_BYTES + _DIGEST_BYTES
 
 
-def _pack_slot(digest: str, host: str, flags: int) -> bytes:
-    raw = bytes([flags]) + bytes.fromhex(digest)[:_DIGEST_BYTES].ljust(_DIGEST_BYTES, b"\0")
-    return raw + host.encode()[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
+def _fixed(digest: str | None, size: int) -> bytes:
+    return bytes.fromhex(digest)[:size].ljust(size, b"\0") if digest else bytes(size)
 
 
-def _unpack_slot(raw: bytes) -> tuple[int, str, str]:
-    digest, host = raw[1 : 1 + _DIGEST_BYTES], raw[1 + _DIGEST_BYTES :]
-    return raw[0], digest.hex(), host.rstrip(b"\0").decode(errors="replace")
+def _pack_slot(
+    digest: str,
+    host: str,
+    flags: int,
+    value: str | None = None,
+    shard_key: str | None = None,
+    replica: str | None = None,
+) -> bytes:
+    raw = bytes([flags]) + _fixed(digest, _DIGEST_BYTES)
+    raw += host.encode()[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
+    return (
+        raw
+        + _fixed(value, _DIGEST_BYTES)
+        + _fixed(shard_key, _KEY_BYTES)
+        + _fixed(replica, _DIGEST_BYTES)
+    )
+
+
+def _unfixed(raw: bytes) -> str | None:
+    return raw.hex() if any(raw) else None
+
+
+def _unpack_slot(raw: bytes) -> tuple[int, str, str, str | None, str | None, str | None]:
+    fields, offset = [], 1
+    for size in (_DIGEST_BYTES, _HOST_BYTES, _DIGEST_BYTES, _KEY_BYTES, _DIGEST_BYTES):
+        fields.append(raw[offset : offset + size])
+        offset += size
+    digest, host, value, key, replica = fields
+    host_name = host.rstrip(b"\0").decode(errors="replace")
+    return raw[0], digest.hex(), host_name, _unfixed(value), _unfixed(key), _unfixed(replica)
 
 
 def _built_on_meta(record: RankRecord) -> bool:
@@ -50,23 +79,30 @@ def gather_records(
 ) -> Gathered | None:
     """Collective over ``group``: returns :class:`Gathered` on rank 0 and ``None`` elsewhere."""
     digest = record.group_digest()
-    mine = _pack_slot(digest, record.env.host, _FLAG_META if _built_on_meta(record) else 0)
+    value, replica = value_digests(record)
+    flags = _FLAG_META if _built_on_meta(record) else 0
+    mine = _pack_slot(digest, record.env.host, flags, value, record.shard_key, replica)
     slots, _ = exchange_slots(mine, group, size=world_size)
     digests, hosts, meta_ranks = {}, {}, []
+    values, keys, replicas = {}, {}, {}
     for r, slot in enumerate(slots):
-        flags, digests[r], hosts[r] = _unpack_slot(slot)
+        flags, digests[r], hosts[r], values[r], keys[r], replicas[r] = _unpack_slot(slot)
         if flags & _FLAG_META:
             meta_ranks.append(r)
-    reps = representatives(digests)
+    reps = set(representatives(digests).values())
+    # Ranks whose values differ send too (no group's representative, no more than a few):
+    # every rank derives the same list from the same slots.
+    extra_senders = value_senders(values, replicas, keys) - reps
     sent = SLOT_BYTES
-    records: dict[int, RankRecord] = {}
     if rank == 0:
-        records[0] = record
-        for rep in sorted(reps.values()):
-            if rep != 0:
-                records[rep] = _recv_record(rep, group)
-        return Gathered(digests, hosts, records, sent, tuple(meta_ranks))
-    if reps[digests[rank]] == rank:
+        records: dict[int, RankRecord] = {0: record}
+        extra: dict[int, RankRecord] = {}
+        for sender in sorted((reps | extra_senders) - {0}):
+            (extra if sender in extra_senders else records)[sender] = _recv_record(sender, group)
+        return Gathered(
+            digests, hosts, records, sent, tuple(meta_ranks), values, replicas, keys, extra
+        )
+    if rank in reps or rank in extra_senders:
         sent += _send_record(record, group)
     return None
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdpcheck.dist import launcher
 from fsdpcheck.errors import InputError
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -39,32 +40,11 @@ class DistContext:
         return torch.device("cpu")
 
 
-def _int_env(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise InputError(
-            f"environment variable {name}={raw!r} is not an integer; launch with torchrun "
-            "or set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
-        ) from None
-
-
 def launch_env() -> tuple[int, int, int]:
-    """``(rank, local_rank, world_size)`` from the env:// variables; one rank when unset."""
-    rank = _int_env("RANK", 0)
-    world_size = _int_env("WORLD_SIZE", 1)
-    local_rank = _int_env("LOCAL_RANK", rank)
-    if not 0 <= rank < world_size:
-        raise InputError(f"RANK={rank} is outside WORLD_SIZE={world_size}; fix the launcher.")
-    if world_size > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        raise InputError(
-            f"rank {rank}: WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set; "
-            "launch with torchrun or set the env:// variables."
-        )
-    return rank, local_rank, world_size
+    """``(rank, local_rank, world_size)`` from the launcher's variables (torchrun, accelerate,
+    srun, mpirun: see :mod:`fsdpcheck.dist.launcher`); one rank when none is set."""
+    found = launcher.detect(os.environ)
+    return found.rank, found.local_rank, found.world_size
 
 
 def resolve_backend(requested: str) -> str:
@@ -89,7 +69,13 @@ def init(
     Everything that can be checked without a peer is checked first, so bad input never leaves
     another rank waiting in a rendezvous.
     """
-    rank, local_rank, world_size = launch_env()
+    found = None
+    if dist.is_initialized():  # a script's own group: its launcher variables may be gone
+        rank, world_size = dist.get_rank(), dist.get_world_size()  # (Lightning drops WORLD_SIZE)
+        local_rank = launcher.local_rank_hint(os.environ, rank)
+    else:
+        found = launcher.detect(os.environ)
+        rank, local_rank, world_size = found.rank, found.local_rank, found.world_size
     backend = resolve_backend(backend)
     shape = _mesh_shape(mesh_shape, world_size, rank)
     device_type = "cuda" if backend == "nccl" else "cpu"
@@ -106,7 +92,10 @@ def init(
     owns = not dist.is_initialized()
     wait = timedelta(seconds=timeout)
     if owns:
-        _init_default_group(backend, rank, world_size, wait, timeout)
+        # srun and mpirun set no RANK/WORLD_SIZE: hand them to env:// explicitly rather than
+        # exporting them, so nothing leaks into this process's environment or a report.
+        explicit = found is not None and not found.from_torch_env
+        _init_default_group(backend, rank, world_size, wait, timeout, explicit=explicit)
     else:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())
@@ -148,13 +137,14 @@ def _mesh_shape(requested: tuple[int, ...] | None, world_size: int, rank: int) -
 
 
 def _init_default_group(
-    backend: str, rank: int, world_size: int, wait: timedelta, timeout: float
+    backend: str, rank: int, world_size: int, wait: timedelta, timeout: float, *, explicit: bool
 ) -> None:
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
         return
     try:
-        dist.init_process_group(backend, timeout=wait)
+        placement = {"rank": rank, "world_size": world_size} if explicit else {}
+        dist.init_process_group(backend, init_method="env://", timeout=wait, **placement)
     except (RuntimeError, TimeoutError, OSError) as exc:
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -175,5 +165,3 @@ def _default_store() -> Any:
 def shutdown(ctx: DistContext) -> None:
     if ctx.owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
-
-

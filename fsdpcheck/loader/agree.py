@@ -40,6 +40,10 @@ class StateDictMismatchError(FsdpcheckError):
         self.differences = tuple(differences)
 
 
+class LoadFailedError(StateDictMismatchError):
+    """The transfer itself failed on some rank (the layouts agreed): the model is partly loaded."""
+
+
 @dataclass(frozen=True)
 class Exchange:
     """One rank's entry in the layout exchange."""
@@ -261,7 +265,7 @@ def raise_if_any_failed(failure: str | None, group: Any, ranks: list[int]) -> No
     dist.all_gather_object(failures, failure, group=group)
     reported = [f for f in failures if f]
     if reported:
-        raise StateDictMismatchError(
+        raise LoadFailedError(
             "loading the state dict failed; the model is partly loaded and must not be used:\n"
             + "\n".join(f"  - {f}" for f in reported),
             reported,

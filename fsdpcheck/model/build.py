@@ -29,6 +29,7 @@ class BuiltModel:
     materialised: bool
     # Rank 0's full state dict, captured before wrapping (what a trainer broadcasts).
     full_state_dict: dict[str, torch.Tensor] | None = None
+    config: Any = None  # the resolved config, as read (before model construction mutates it)
 
 
 def build(
@@ -66,7 +67,9 @@ def build(
         text_only=text_only,
     )
     full = dict(model.state_dict()) if materialise else None
-    return BuiltModel(model=model, info=info, materialised=materialise, full_state_dict=full)
+    return BuiltModel(
+        model=model, info=info, materialised=materialise, full_state_dict=full, config=config
+    )
 
 
 def _load_config(resolved: ResolvedModel, *, text_only: bool, trust_remote_code: bool) -> Any:

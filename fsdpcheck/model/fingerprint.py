@@ -22,6 +22,21 @@ def value_digest(tensor: torch.Tensor) -> str | None:
     return hashlib.blake2b(data.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
 
 
+HEAD_VALUES = 4  # values a record carries per tensor: enough for a hint, bounded bytes
+
+
+def head_values(tensor: torch.Tensor, count: int = HEAD_VALUES) -> tuple[str, ...] | None:
+    """The first ``count`` values as short text (``"8"``, ``"-7.00649e-39"``, ``"nan"``)."""
+    if tensor.device.type == "meta":
+        return None
+    flat = tensor.detach().reshape(-1)[:count].cpu()
+    if flat.is_complex():
+        return tuple(str(complex(v)) for v in flat.tolist())
+    if flat.dtype.is_floating_point:
+        flat = flat.double()
+    return tuple(f"{v:.6g}" if isinstance(v, float) else str(v) for v in flat.tolist())
+
+
 def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """Non-persistent buffers by name, as ``named_buffers()`` names them, in one pass."""
     found: dict[str, torch.Tensor] = {}
@@ -37,7 +52,11 @@ def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return found
 
 
-def fingerprint(model: nn.Module, stage: str, *, with_values: bool = True) -> Fingerprint:
+def fingerprint(
+    model: nn.Module, stage: str, *, with_values: bool = True, param_values: bool = False
+) -> Fingerprint:
+    """``with_values``: buffer digests and first values; ``param_values``: parameters' too (of
+    the local shard, for DTensors), for comparing them across ranks."""
     non_persistent = non_persistent_buffers(model)
     buffers = tuple(
         TensorRecord(
@@ -47,10 +66,11 @@ def fingerprint(model: nn.Module, stage: str, *, with_values: bool = True) -> Fi
             device=buf.device.type,
             persistent=name not in non_persistent,
             digest=value_digest(buf) if with_values else None,
+            head=head_values(buf) if with_values else None,
         )
         for name, buf in model.named_buffers()
     )
-    params = tuple(_param_record(name, p) for name, p in model.named_parameters())
+    params = tuple(_param_record(name, p, param_values) for name, p in model.named_parameters())
     keys = tuple(model.state_dict(keep_vars=True).keys())
     return Fingerprint(
         stage=stage, buffers=buffers, params=params, state_dict_keys=keys, aliases=aliases(model)
@@ -68,11 +88,13 @@ def aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _param_record(name: str, param: torch.Tensor) -> TensorRecord:
+def _param_record(name: str, param: torch.Tensor, with_values: bool = False) -> TensorRecord:
     placements = getattr(param, "placements", None)
     local_shape = None
+    local = param
     if placements is not None:
-        local_shape = tuple(param.to_local().shape)
+        local = param.to_local()
+        local_shape = tuple(local.shape)
         placements = tuple(str(p) for p in placements)
     return TensorRecord(
         name=name,
@@ -81,4 +103,7 @@ def _param_record(name: str, param: torch.Tensor) -> TensorRecord:
         device=param.device.type,
         placements=placements,
         local_shape=local_shape,
+        digest=value_digest(local) if with_values else None,
+        head=head_values(local) if with_values else None,
+        requires_grad=bool(param.requires_grad),
     )

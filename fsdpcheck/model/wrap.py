@@ -80,7 +80,13 @@ def _size_based(model: nn.Module, min_params: int) -> list[tuple[str, nn.Module]
     return targets
 
 
-def apply(targets: list[tuple[str, nn.Module]], mesh: Any) -> None:
+def apply(targets: list[tuple[str, nn.Module]], mesh: Any, *, cpu_offload: bool = False) -> None:
     fully_shard = fully_shard_fn()
+    kwargs: dict[str, Any] = {}
+    if cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        # Pinned host memory needs CUDA; a CPU mesh offloads to plain memory.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for _, module in targets:
-        fully_shard(module, mesh=mesh)
+        fully_shard(module, mesh=mesh, **kwargs)

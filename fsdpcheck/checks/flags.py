@@ -1,0 +1,216 @@
+"""Per-tensor flags that must agree across ranks: ``requires_grad`` and device placement.
+
+Pure functions over :mod:`fsdpcheck.records`. FSDP2 assumes every rank does the same thing
+(SPMD): a parameter frozen on one rank only makes its reduce-scatter mismatch or its gradients
+differ silently; a tensor left on a device the job's collectives or kernels cannot use fails
+(or silently slows) the first step on that rank only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fsdpcheck.records import (
+    Finding,
+    Fingerprint,
+    FsdpPlanRecord,
+    RankRecord,
+)
+from fsdpcheck.text import ranks_label
+from fsdpcheck.vocab import FindingKind
+
+_LISTED = 3
+# Backends whose collectives only take accelerator tensors. A mixed backend string such as
+# "cpu:gloo,cuda:nccl" also serves CPU tensors, so it is not in here.
+_DEVICE_ONLY_BACKENDS = {"nccl": "cuda", "xccl": "xpu", "hccl": "npu"}
+
+
+# ---------------------------------------------------------------- requires-grad
+
+
+def requires_grad_difference(
+    a: Fingerprint, b: Fingerprint, ref_label: str, other_label: str
+) -> tuple[list[str], dict[str, Any], str] | None:
+    """Parameters present on both sides whose ``requires_grad`` differs, as
+    ``(tensors, details, summary)``; None when they agree or either side did not record it."""
+    others = {t.name: t for t in b.params}
+    diffs = []
+    for t in a.params:
+        o = others.get(t.name)
+        if o is None or t.requires_grad is None or o.requires_grad is None:
+            continue
+        if t.requires_grad != o.requires_grad:
+            diffs.append((t.name, t.requires_grad, o.requires_grad))
+    if not diffs:
+        return None
+    shown = "; ".join(
+        f"{name} is {_trainable(x)} on {ref_label} but {_trainable(y)} on {other_label}"
+        for name, x, y in diffs[:_LISTED]
+    )
+    if len(diffs) > _LISTED:
+        shown += f"; and {len(diffs) - _LISTED} more"
+    details = {
+        "differences": [{"name": n, "reference": x, "other": y} for n, x, y in diffs],
+    }
+    return [n for n, _, _ in diffs], details, f"{FindingKind.REQUIRES_GRAD.phrase}: {shown}"
+
+
+def _trainable(flag: bool) -> str:
+    return "trainable" if flag else "frozen"
+
+
+# ---------------------------------------------------------------- device
+
+
+def device_exceptions(record: RankRecord) -> list[dict[str, Any]]:
+    """This rank's tensors that sit where its job cannot use them, from its own record only.
+
+    Only the wrapped model is judged: before ``fully_shard`` any placement is fine, because
+    ``fully_shard`` moves every tensor of the modules it manages to the mesh's device. After
+    it, each tensor belongs where FSDP2 put it: the mesh's device type, or CPU for parameters
+    under a CPU offload policy; a buffer outside every ``fully_shard`` belongs on the backend's
+    device. Tensors on ``meta`` are never exceptions: ranks > 0 hold the model on meta until
+    the loader runs.
+    """
+    out: list[dict[str, Any]] = []
+    if record.post_wrap is None:
+        return out
+    backend = record.env.backend
+    backend_rule = (
+        (_DEVICE_ONLY_BACKENDS[backend], f"the {backend} backend")
+        if (backend in _DEVICE_ONLY_BACKENDS)
+        else None
+    )
+    params, buffers = _post_wrap_expectations(record.fsdp_plan, record.post_wrap)
+    for kind, t in _tensors(record.post_wrap):
+        # A parameter FSDP2 does not manage (or an unreadable plan) has no rule: it may be
+        # offloaded on purpose. A buffer outside every fully_shard belongs on the backend's.
+        rule = params.get(t.name) if kind == "param" else buffers.get(t.name, backend_rule)
+        if rule is not None and t.device not in ("meta", rule[0]):
+            out.append(
+                {
+                    "kind": kind,
+                    "name": t.name,
+                    "device": t.device,
+                    "expected": rule[0],
+                    "because": rule[1],
+                }
+            )
+    return out
+
+
+def misplaced(record: RankRecord) -> tuple[str, ...]:
+    """``name:device`` of each device exception: what a rank puts in ``RankRecord.misplaced``,
+    so that its group digest separates it from ranks whose tensors are where they belong."""
+    return tuple(f"{e['name']}:{e['device']}" for e in device_exceptions(record))
+
+
+def device_findings(
+    ref_rank: int, groups: Sequence[tuple[Sequence[int], RankRecord]]
+) -> list[Finding]:
+    """One finding per group (the reference group included) whose tensors are on a device its
+    job cannot use; then, after wrapping, names whose device type differs from the reference."""
+    findings = []
+    for ranks, record in groups:
+        wrong = device_exceptions(record)
+        if wrong:
+            # After wrapping with a pre-wrap record at hand, FSDP2's placement left it there.
+            after = "wrapping" if record.pre_wrap is not None else "unknown"
+            findings.append(_exceptions_finding(ref_rank, ranks, wrong, after))
+    ref = next((rec for ranks, rec in groups if ref_rank in ranks), None)
+    if ref is not None and ref.post_wrap is not None:
+        for ranks, record in groups:
+            if ref_rank not in ranks and record.post_wrap is not None:
+                finding = _cross_rank(ref_rank, ref.post_wrap, ranks, record.post_wrap)
+                if finding is not None:
+                    findings.append(finding)
+    return findings
+
+
+def _tensors(fp: Fingerprint):
+    yield from (("buffer", t) for t in fp.buffers)
+    yield from (("param", t) for t in fp.params)
+
+
+_Rule = tuple[str, str]  # (expected device type, why)
+
+
+def _post_wrap_expectations(
+    plan: FsdpPlanRecord | None, fp: Fingerprint
+) -> tuple[dict[str, _Rule], dict[str, _Rule]]:
+    """name → (expected device type, why), for the parameters and buffers FSDP2 manages."""
+    params: dict[str, _Rule] = {}
+    owners: list[tuple[str, str]] = []  # (fully_shard module prefix, mesh device type)
+    if plan is None:
+        return params, {}
+    mesh = "the FSDP2 mesh"
+    for group in plan.groups:
+        device = group.mesh_device_type
+        if device is None:
+            continue
+        offloaded = group.offload is not None and "CPU" in group.offload
+        rule = ("cpu", "the CPU offload policy") if offloaded else (device, mesh)
+        for name in group.params:
+            params[name] = rule
+        owners.extend((module, device) for module in group.modules)
+    buffers: dict[str, _Rule] = {}
+    for t in fp.buffers:
+        # fully_shard moves the buffers of every module under the one it was applied to.
+        under = [(m, d) for m, d in owners if m == "" or t.name.startswith(m + ".")]
+        if under:
+            buffers[t.name] = (max(under, key=lambda md: len(md[0]))[1], mesh)
+    return params, buffers
+
+
+def _exceptions_finding(
+    ref_rank: int, ranks: Sequence[int], shown: list[dict[str, Any]], cause: str
+) -> Finding:
+    text = ", ".join(
+        f"{e['name']} on {e['device']}, not {e['expected']} ({e['because']})"
+        for e in shown[:_LISTED]
+    )
+    if len(shown) > _LISTED:
+        text += f"; and {len(shown) - _LISTED} more"
+    verb = "has" if len(ranks) == 1 else "have"
+    summary = f"{FindingKind.DEVICE.phrase}: {ranks_label(ranks)} {verb} {text}"
+    return Finding(
+        kind=FindingKind.DEVICE,
+        ranks=tuple(ranks),
+        reference_rank=ref_rank,
+        stage="post-wrap",
+        cause=cause,
+        summary=summary,
+        tensors=tuple(e["name"] for e in shown),
+        details={"misplaced": shown},
+    )
+
+
+def _cross_rank(
+    ref_rank: int, a: Fingerprint, ranks: Sequence[int], b: Fingerprint
+) -> Finding | None:
+    devices: Mapping[str, str] = {t.name: t.device for _, t in _tensors(a) if t.device != "meta"}
+    diffs = [
+        {"name": t.name, "reference": devices[t.name], "other": t.device}
+        for _, t in _tensors(b)
+        if t.device != "meta" and t.name in devices and devices[t.name] != t.device
+    ]
+    if not diffs:
+        return None
+    text = "; ".join(
+        f"{d['name']} is on {d['reference']} on rank {ref_rank} but on {d['other']} on "
+        f"{ranks_label(ranks)}"
+        for d in diffs[:_LISTED]
+    )
+    if len(diffs) > _LISTED:
+        text += f"; and {len(diffs) - _LISTED} more"
+    return Finding(
+        kind=FindingKind.DEVICE,
+        ranks=tuple(ranks),
+        reference_rank=ref_rank,
+        stage="post-wrap",
+        cause="unknown",
+        summary=f"{FindingKind.DEVICE.phrase}: {text}",
+        tensors=tuple(d["name"] for d in diffs),
+        details={"differences": diffs},
+    )

@@ -1,0 +1,74 @@
+"""``uninitialized``: a buffer whose value is not what its module computes.
+
+Each rank that holds real buffers compares its non-persistent buffers with ones recomputed from
+the model's own config (:mod:`fsdpcheck.model.state`) and tests every other buffer for NaN, Inf
+and denormal values; the problems travel in its record (:attr:`RankRecord.uninitialized`). Ranks
+with the same problems share a group, so one finding per group names them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from fsdpcheck.checks.layout import usable_groups
+from fsdpcheck.records import BufferProblem, Finding, Group, RankRecord
+from fsdpcheck.text import ranks_label
+from fsdpcheck.vocab import Cause, FindingKind
+
+_LISTED = 3
+_WHY = {
+    "differs": "not what its module computes",
+    "nan": "holds NaN",
+    "inf": "holds Inf next to finite values",
+    "denormal": "holds denormal values (uninitialised memory)",
+}
+
+
+def uninitialized_findings(
+    groups: Sequence[Group], records: Mapping[int, RankRecord]
+) -> list[Finding]:
+    findings = []
+    for group in usable_groups(groups, records):
+        problems = records[group.representative].uninitialized
+        if problems:
+            findings.append(_finding(group, problems))
+    return findings
+
+
+def _finding(group: Group, problems: Sequence[BufferProblem]) -> Finding:
+    who = ranks_label(group.ranks)
+    first = problems[0]
+    shown = "; ".join(_describe(p, who) for p in problems[:_LISTED])
+    if len(problems) > _LISTED:
+        shown += f"; and {len(problems) - _LISTED} more"
+    return Finding(
+        kind=FindingKind.UNINITIALIZED,
+        ranks=tuple(group.ranks),
+        reference_rank=group.representative,
+        stage=first.stage,
+        cause=Cause.LOADING,
+        summary=f"buffers are not initialised on {who}: {shown}",
+        tensors=tuple(p.name for p in problems),
+        details={
+            "problems": [
+                {
+                    "name": p.name,
+                    "stage": p.stage,
+                    "reason": p.reason,
+                    "got": list(p.got),
+                    "expected": list(p.expected),
+                }
+                for p in problems
+            ]
+        },
+    )
+
+
+def _describe(p: BufferProblem, who: str) -> str:
+    text = f"{p.name} {_WHY.get(p.reason, p.reason)}"
+    if p.got:
+        text += f" (first values {', '.join(p.got)} on {who.split(',')[0]}"
+        if p.expected:
+            text += f"; expected {', '.join(p.expected)}"
+        text += ")"
+    return text

@@ -1,0 +1,239 @@
+"""``value``: tensors that must be identical across ranks but are not, compared by name.
+
+What must agree on every rank: every buffer (FSDP2 replicates them), every parameter before
+wrapping, and unsharded parameters after it. What must agree among HSDP replicas only: the local
+shards of sharded parameters, on ranks that hold the same shard coordinate. Tensors on ``meta``
+have no values and are never compared.
+
+Digest-first: each rank puts two digests in its gather slot (:func:`value_digests`); only the
+lowest rank of each distinct digest sends its full record (:func:`value_senders`), at most
+:data:`SENDER_LIMIT` of them, so ranks that agree still send a fixed number of bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fsdpcheck.records import Finding, Fingerprint, RankRecord, TensorRecord, short_digest
+from fsdpcheck.text import ranks_label
+from fsdpcheck.vocab import Cause, FindingKind, Snapshot
+
+SENDER_LIMIT = 8  # distinct value digests (and replica sets) examined in detail
+_LISTED = 3
+_CAUSE = {
+    Snapshot.PRE_WRAP: Cause.CONSTRUCTION_TIME,
+    Snapshot.POST_WRAP: Cause.WRAPPING,
+    Snapshot.LOAD: Cause.LOADING,
+}
+
+
+def is_sharded(t: TensorRecord) -> bool:
+    """Any placement but Replicate: ``S(0)``, ``_S(0, 2)``, ``Shard(dim=0)``, ``P(sum)``..."""
+    return t.placements is not None and any(p not in ("R", "Replicate()") for p in t.placements)
+
+
+def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
+    """(digest of what must agree on every rank, digest of this rank's local shards); ``None``
+    where the rank holds no values to compare (on meta, or nothing gathered)."""
+    shared: list[tuple[str, ...]] = []
+    replica: list[tuple[str, ...]] = []
+    for fp in record.fingerprints():
+        for t in fp.buffers:
+            if t.digest is not None:
+                shared.append((fp.stage, "buffer", t.name, t.digest))
+        for t in fp.params:
+            if t.digest is not None:
+                (replica if is_sharded(t) else shared).append((fp.stage, "param", t.name, t.digest))
+    return (
+        short_digest(repr(shared)) if shared else None,
+        short_digest(repr(replica)) if replica else None,
+    )
+
+
+def _by_digest(digests: Mapping[int, str | None], ranks: Sequence[int]) -> dict[str, list[int]]:
+    """digest → its ranks, lowest rank first; ranks without a digest left out."""
+    out: dict[str, list[int]] = {}
+    for rank in sorted(ranks):
+        digest = digests.get(rank)
+        if digest is not None:
+            out.setdefault(digest, []).append(rank)
+    return out
+
+
+def _replica_sets(shard_keys: Mapping[int, str | None]) -> list[list[int]]:
+    sets: dict[str, list[int]] = {}
+    for rank in sorted(shard_keys):
+        if shard_keys[rank] is not None:
+            sets.setdefault(shard_keys[rank], []).append(rank)
+    return [ranks for ranks in sets.values() if len(ranks) > 1]
+
+
+def value_senders(
+    values: Mapping[int, str | None],
+    replicas: Mapping[int, str | None],
+    shard_keys: Mapping[int, str | None],
+) -> set[int]:
+    """Ranks whose full record rank 0 needs to name differing tensors; every rank computes the
+    same set from the slots. Empty when every rank agrees."""
+    senders: set[int] = set()
+    groups = _by_digest(values, list(values))
+    if len(groups) > 1:
+        senders.update(ranks[0] for ranks in list(groups.values())[:SENDER_LIMIT])
+    differing = 0
+    for members in _replica_sets(shard_keys):
+        groups = _by_digest(replicas, members)
+        if len(groups) > 1 and differing < SENDER_LIMIT:
+            differing += 1
+            senders.update(ranks[0] for ranks in list(groups.values())[:SENDER_LIMIT])
+    return senders
+
+
+def not_compared(
+    values: Mapping[int, str | None], replicas: Mapping[int, str | None]
+) -> tuple[int, ...]:
+    """Ranks that hold no values at all (every tensor on meta)."""
+    return tuple(r for r in sorted(values) if values[r] is None and replicas.get(r) is None)
+
+
+def value_findings(
+    records: Mapping[int, RankRecord],
+    values: Mapping[int, str | None],
+    replicas: Mapping[int, str | None],
+    shard_keys: Mapping[int, str | None],
+) -> list[Finding]:
+    """One finding per group of ranks whose must-agree values differ from the reference's, and
+    one per HSDP replica set whose local shards differ."""
+    findings: list[Finding] = []
+    groups = list(_by_digest(values, list(values)).values())
+    if len(groups) > 1:
+        reference = groups[0]
+        for ranks in groups[1:]:
+            finding = _finding(records, reference[0], ranks, sharded=False)
+            if finding is not None:
+                findings.append(finding)
+    for members in _replica_sets(shard_keys):
+        groups = list(_by_digest(replicas, members).values())
+        for ranks in groups[1:]:
+            finding = _finding(records, groups[0][0], ranks, sharded=True, replicas=members)
+            if finding is not None:
+                findings.append(finding)
+    return findings
+
+
+def _finding(
+    records: Mapping[int, RankRecord],
+    ref_rank: int,
+    ranks: Sequence[int],
+    *,
+    sharded: bool,
+    replicas: Sequence[int] = (),
+) -> Finding | None:
+    ref, other = records.get(ref_rank), records.get(ranks[0])
+    who = ranks_label(ranks)
+    what = "values differ between HSDP replicas" if sharded else "values differ"
+    if ref is None or other is None:  # past SENDER_LIMIT: known to differ, not examined
+        return Finding(
+            kind=FindingKind.VALUE,
+            ranks=tuple(ranks),
+            reference_rank=ref_rank,
+            stage=Snapshot.POST_WRAP if sharded else Snapshot.PRE_WRAP,
+            cause=Cause.UNKNOWN,
+            summary=f"{what} on {who} from rank {ref_rank}'s (not examined: more than "
+            f"{SENDER_LIMIT} distinct values)",
+            details={"examined": False, "replicas": list(replicas)},
+        )
+    diffs = compare_values(ref, other, sharded=sharded)
+    if sharded:  # shards of parameters that already differed whole, before wrapping, are told
+        before = {d["name"] for d in compare_values(ref, other, sharded=False)}
+        diffs = [d for d in diffs if d["name"] not in before]
+    if not diffs:  # only meta-vs-real or buffers already reported as uninitialized
+        return None
+    first = diffs[0]
+    stages = {fp.stage for fp in ref.fingerprints()} & {fp.stage for fp in other.fingerprints()}
+    cause = _CAUSE.get(first["stage"], Cause.UNKNOWN)
+    if cause == Cause.WRAPPING and Snapshot.PRE_WRAP not in stages:
+        cause = Cause.UNKNOWN  # no pre-wrap values to tell construction from wrapping
+    shown = "; ".join(_describe(d, ref_rank, who) for d in diffs[:_LISTED])
+    more = f"; and {len(diffs) - _LISTED} more" if len(diffs) > _LISTED else ""
+    where = {"pre-wrap": " (before wrapping)", "post-wrap": " (after wrapping)"}.get(
+        first["stage"], ""
+    )
+    return Finding(
+        kind=FindingKind.VALUE,
+        ranks=tuple(ranks),
+        reference_rank=ref_rank,
+        stage=first["stage"],
+        cause=cause,
+        summary=f"{what} on {who} from rank {ref_rank}'s{where}: {shown}{more}",
+        tensors=tuple(dict.fromkeys(d["name"] for d in diffs)),
+        details={
+            "examined": True,
+            "count": len(diffs),
+            "differences": diffs[:16],
+            "replicas": list(replicas),
+        },
+    )
+
+
+def compare_values(ref: RankRecord, other: RankRecord, *, sharded: bool) -> list[dict[str, Any]]:
+    """Tensors whose digests differ, stage by stage, by name; both sides must hold values.
+    Buffers either side reports as uninitialized are left to that finding."""
+    explained = {p.name for r in (ref, other) for p in r.uninitialized}
+    theirs = {fp.stage: fp for fp in other.fingerprints()}
+    diffs = []
+    for fp in ref.fingerprints():
+        match = theirs.get(fp.stage)
+        if match is None:
+            continue
+        for kind, a, b in _pairs(fp, match, sharded):
+            if a.name in explained or a.digest is None or b.digest is None:
+                continue
+            if a.digest != b.digest:
+                diffs.append(
+                    {
+                        "stage": fp.stage,
+                        "kind": kind,
+                        "name": a.name,
+                        "reference": list(a.head or ()),
+                        "other": list(b.head or ()),
+                        "max_abs_diff_first_values": _max_abs_diff(a.head, b.head),
+                    }
+                )
+    return diffs
+
+
+def _pairs(a: Fingerprint, b: Fingerprint, sharded: bool):
+    theirs = {t.name: t for t in b.buffers}
+    if not sharded:
+        for t in a.buffers:
+            if t.name in theirs:
+                yield "buffer", t, theirs[t.name]
+    theirs = {t.name: t for t in b.params}
+    for t in a.params:
+        match = theirs.get(t.name)
+        if match is not None and is_sharded(t) == sharded and is_sharded(match) == sharded:
+            yield "param", t, match
+
+
+def _max_abs_diff(a: Sequence[str] | None, b: Sequence[str] | None) -> float | None:
+    try:
+        diffs = [abs(float(x) - float(y)) for x, y in zip(a or (), b or (), strict=False)]
+    except ValueError:  # not numbers (complex, bool)
+        return None
+    best = max(diffs, default=None)
+    return best if best is not None and math.isfinite(best) else None
+
+
+def _describe(d: Mapping[str, Any], ref_rank: int, who: str) -> str:
+    text = f"{d['kind']} {d['name']}"
+    if d["reference"] or d["other"]:
+        text += (
+            f" (first values {', '.join(d['reference'])} on rank {ref_rank}; "
+            f"{', '.join(d['other'])} on {who}"
+        )
+        if d["max_abs_diff_first_values"] is not None:
+            text += f"; max |diff| {d['max_abs_diff_first_values']:.3g} among them"
+        text += ")"
+    return text

@@ -1,0 +1,1 @@
+"""Machine-readable outputs for CI: JUnit XML, GitHub workflow annotations, SARIF."""

@@ -1,0 +1,1 @@
+"""Hooks that run fsdpcheck's pre-flight check inside training frameworks (optional extras)."""

@@ -1,0 +1,48 @@
+"""accelerate: check every rank's model right after ``accelerator.prepare``.
+
+    model = accelerator.prepare(model)
+    check_prepared(accelerator, model)
+
+Needs ``pip install 'fsdpcheck[accelerate]'``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fsdpcheck.integrations.common import (
+    FsdpcheckWarning,
+    ModelCheckFailed,
+    missing_extra,
+    run_check,
+    validate_on_failure,
+)
+
+__all__ = ["FsdpcheckWarning", "ModelCheckFailed", "check_prepared"]
+
+
+def check_prepared(
+    accelerator: Any,
+    model: Any,
+    *,
+    on_failure: str = "raise",
+    timeout: float = 60.0,
+    json_path: str | Path | None = None,
+) -> Any:
+    """Collective (every process calls it): :func:`fsdpcheck.check_model` on the model that
+    ``accelerator.prepare`` returned, unwrapped from DDP (FSDP2 shards in place, so its
+    parameters stay DTensors and the check sees the wrapped layout). Returns the AuditResult;
+    a failure raises :class:`ModelCheckFailed` or, with ``on_failure="warn"``, warns."""
+    try:
+        import accelerate  # noqa: F401  (the extra; the accelerator itself is the caller's)
+    except ImportError as exc:
+        raise missing_extra("accelerate", "accelerate", exc) from exc
+    validate_on_failure(on_failure)
+    return run_check(
+        accelerator.unwrap_model(model),
+        on_failure=on_failure,
+        timeout=timeout,
+        json_path=json_path,
+        where="after accelerator.prepare",
+    )

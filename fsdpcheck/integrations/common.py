@@ -1,0 +1,66 @@
+"""What every framework hook does: run :func:`fsdpcheck.check_model`, then raise or warn."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from fsdpcheck.errors import FsdpcheckError
+
+ON_FAILURE = ("raise", "warn")
+
+
+class ModelCheckFailed(FsdpcheckError):
+    """The ranks' models differ (or the check could not finish); ``headline`` says how."""
+
+    def __init__(self, headline: str, exit_code: int, result: Any = None):
+        super().__init__(f"fsdpcheck: {headline} (exit {exit_code})")
+        self.headline = headline
+        self.exit_code = exit_code
+        self.result = result  # the AuditResult; its report is on rank 0
+
+
+class FsdpcheckWarning(UserWarning):
+    """``on_failure="warn"``: the ranks' models differ, and training goes on anyway."""
+
+
+def validate_on_failure(on_failure: str) -> str:
+    if on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure={on_failure!r}: choose 'raise' or 'warn'")
+    return on_failure
+
+
+def missing_extra(framework: str, extra: str, exc: ImportError) -> ImportError:
+    return ImportError(
+        f"fsdpcheck.integrations.{extra} needs {framework}, which is not importable here "
+        f"({exc}); install it with: pip install 'fsdpcheck[{extra}]'"
+    )
+
+
+def run_check(
+    model: Any,
+    *,
+    on_failure: str,
+    timeout: float,
+    json_path: str | Path | None,
+    where: str,
+) -> Any:
+    """Collective: every rank must call it. Returns the AuditResult when the ranks agree;
+    otherwise raises :class:`ModelCheckFailed` or warns, the same on every rank."""
+    from fsdpcheck.audit import check_model
+
+    result = check_model(model, timeout=timeout)
+    if json_path is not None and result.report is not None:  # rank 0 holds the report
+        from fsdpcheck.output import write_json
+
+        write_json(result.report, Path(json_path))
+    if result.exit_code == 0:
+        return result
+    headline = result.headline or "the check failed; see rank 0's report"
+    if on_failure == "raise":
+        raise ModelCheckFailed(f"{where}: {headline}", result.exit_code, result)
+    warnings.warn(
+        f"fsdpcheck ({where}): {headline} (exit {result.exit_code})", FsdpcheckWarning, stacklevel=3
+    )
+    return result

@@ -1,0 +1,66 @@
+"""Lightning: check every rank's model when ``fit`` starts.
+
+    from fsdpcheck.integrations.lightning import FsdpcheckCallback
+    trainer = Trainer(..., callbacks=[FsdpcheckCallback()])
+
+``on_fit_start`` runs after the strategy has set up the model (DDP, or FSDP2 under
+``ModelParallelStrategy``) on every rank, before the first step. Built on ``pytorch_lightning``
+when it is installed, else on ``lightning.pytorch``. Needs ``pip install 'fsdpcheck[lightning]'``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fsdpcheck.integrations.common import (
+    FsdpcheckWarning,
+    ModelCheckFailed,
+    missing_extra,
+    run_check,
+    validate_on_failure,
+)
+
+try:
+    from pytorch_lightning import Callback
+except ImportError:
+    try:
+        from lightning.pytorch import Callback
+    except ImportError as exc:  # the extra is optional
+        raise missing_extra("pytorch_lightning (or lightning)", "lightning", exc) from exc
+
+__all__ = ["FsdpcheckCallback", "FsdpcheckWarning", "ModelCheckFailed"]
+
+
+class FsdpcheckCallback(Callback):
+    """Run :func:`fsdpcheck.check_model` on the LightningModule at ``on_fit_start``.
+
+    ``on_failure="raise"`` ends ``fit`` with :class:`ModelCheckFailed` (its message is the
+    report's headline) on every rank; ``"warn"`` emits :class:`FsdpcheckWarning` and fits on.
+    ``attribute``: check ``pl_module.<attribute>`` (e.g. ``"model"``) instead of the whole
+    module. ``json_path``: rank 0 writes the full report there. ``result`` holds the last check.
+    """
+
+    def __init__(
+        self,
+        *,
+        on_failure: str = "raise",
+        timeout: float = 60.0,
+        json_path: str | Path | None = None,
+        attribute: str | None = None,
+    ):
+        self.on_failure = validate_on_failure(on_failure)
+        self.timeout = timeout
+        self.json_path = json_path
+        self.attribute = attribute
+        self.result: Any = None
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        model = getattr(pl_module, self.attribute) if self.attribute else pl_module
+        self.result = run_check(
+            model,
+            on_failure=self.on_failure,
+            timeout=self.timeout,
+            json_path=self.json_path,
+            where="Lightning on_fit_start",
+        )

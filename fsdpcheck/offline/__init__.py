@@ -1,0 +1,1 @@
+"""Collective-free fingerprints: each process writes its own record; ``diff`` compares them."""

@@ -1,0 +1,393 @@
+"""Fingerprint files: what one process writes (its record, with no collective) and how
+``diff`` reads them back, refusing bad input with one paragraph.
+
+A fingerprint file holds one :class:`~fsdpcheck.records.RankRecord`, the same record the audit
+gathers, so ``diff`` runs the audit's own analysis over files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fsdpcheck.errors import InputError
+from fsdpcheck.records import (
+    EnvRecord,
+    ModelInfo,
+    RankRecord,
+    WrapPlan,
+    from_dict,
+    to_dict,
+)
+from fsdpcheck.vocab import Snapshot
+
+FINGERPRINT_SCHEMA = "fsdpcheck.fingerprint/1"
+SCHEMA_PREFIX = "fsdpcheck.fingerprint/"
+DEFAULT_PATH = "fsdpcheck-fingerprints/rank{rank}.json"
+
+
+@dataclass(frozen=True)
+class FingerprintFile:
+    """What one process writes: its record, and what it was a record of."""
+
+    record: RankRecord
+    model: ModelInfo | None = None
+    wrap: WrapPlan | None = None
+    created: str = ""  # UTC, ISO 8601
+    fsdpcheck: str = ""  # the version that wrote it
+    notes: tuple[str, ...] = ()  # e.g. why the model was not wrapped
+    schema: str = FINGERPRINT_SCHEMA
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Where this process sits in its job, read without any collective."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str
+
+
+# ---------------------------------------------------------------- writing
+
+
+def process_identity(rank: int | None = None) -> Identity:
+    """This process's rank: the default group's when one exists (a local lookup, never a
+    collective), else the launcher's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``; else rank 0 of 1.
+    ``rank`` overrides the rank. The backend is the group's, else the one the audit would
+    choose here (nccl with CUDA, else gloo), so that offline records compare with gathered ones.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        own, world, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
+    else:
+        own, world = _int_env("RANK", 0), _int_env("WORLD_SIZE", 1)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local = _int_env("LOCAL_RANK", own)
+    if rank is not None:
+        own = rank
+    if own < 0:
+        raise InputError(f"rank {own} is negative; pass a rank of 0 or more.")
+    return Identity(own, local, max(world, own + 1), backend)
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InputError(
+            f"environment variable {name}={raw!r} is not an integer, so this process cannot "
+            "tell its rank; fix the launcher's variables, or pass the rank explicitly "
+            "(save_fingerprint(..., rank=N) or fsdpcheck fingerprint --rank N)."
+        ) from None
+
+
+def env_record(identity: Identity) -> EnvRecord:
+    """The audit's allowlisted environment record, for a process that has no group."""
+    from fsdpcheck.dist.environment import env_record as audit_env_record
+
+    return audit_env_record(
+        identity.rank, identity.local_rank, identity.world_size, identity.backend
+    )
+
+
+def model_record(model: Any, env: EnvRecord) -> RankRecord:
+    """Fingerprint ``model`` as it is now: ``post-wrap`` when FSDP2 has sharded it; with its
+    FSDP2 plan and config, as ``check_model`` records them."""
+    from fsdpcheck.model.fingerprint import fingerprint
+    from fsdpcheck.model.rank_state import with_state
+
+    wrapped = any(hasattr(p, "placements") for p in model.parameters())
+    fp = fingerprint(model, Snapshot.POST_WRAP if wrapped else Snapshot.PRE_WRAP)
+    record = RankRecord(
+        env=env, pre_wrap=None if wrapped else fp, post_wrap=fp if wrapped else None
+    )
+    return with_state(record, model, getattr(model, "config", None))
+
+
+def describe_model(model: Any) -> ModelInfo:
+    """What a training script's model is, from the model alone."""
+    config = getattr(model, "config", None)
+    tensors = [*model.parameters(), *model.buffers()]
+    dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
+    on_meta = any(t.device.type == "meta" for t in tensors)
+    architecture = _model_class(model).__name__
+    name = getattr(config, "name_or_path", None) or architecture
+    return ModelInfo(
+        spec=architecture,
+        kind="script",
+        name=str(name),
+        path=None,
+        architecture=architecture,
+        dtype=dtype,
+        init="meta" if on_meta else "script",
+        checkpoint=False,
+    )
+
+
+def _model_class(model: Any) -> type:
+    """The model's own class: fully_shard swaps in a subclass named ``FSDP<name>``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return type(model)
+    for cls in type(model).__mro__:
+        if not issubclass(cls, FSDPModule):
+            return cls
+    return type(model)
+
+
+def save_fingerprint(
+    model: Any, path: str | os.PathLike = DEFAULT_PATH, *, rank: int | None = None
+) -> Path:
+    """Write this process's fingerprint of ``model`` to ``path``, with no collective at all.
+
+    Call it on every rank, e.g. right after building (and wrapping) the model and before any
+    loader: it only reads local tensors, so it works when collectives are broken or a peer is
+    gone, and the files are there even if the job hangs afterwards. ``path`` may contain
+    ``{rank}``, ``{local_rank}``, ``{world_size}`` and ``{host}``. Returns the path written.
+    Compare the files with ``fsdpcheck diff DIR``.
+    """
+    identity = process_identity(rank)
+    env = env_record(identity)
+    content = FingerprintFile(record=model_record(model, env), model=describe_model(model))
+    return write_fingerprint(content, format_path(path, env))
+
+
+def format_path(path: str | os.PathLike, env: EnvRecord) -> Path:
+    text = os.fspath(path)
+    try:
+        text = text.format(
+            rank=env.rank, local_rank=env.local_rank, world_size=env.world_size, host=env.host
+        )
+    except (KeyError, IndexError, ValueError) as exc:
+        raise InputError(
+            f"rank {env.rank}: fingerprint path {text!r} has a placeholder that cannot be "
+            f"filled ({type(exc).__name__}: {exc}); use {{rank}}, {{local_rank}}, "
+            "{world_size} or {host}, and double other braces ({{ }})."
+        ) from None
+    return Path(text).expanduser()
+
+
+def write_fingerprint(content: FingerprintFile, path: str | os.PathLike) -> Path:
+    """Write atomically (a reader never sees half a file); unwritable paths are bad input."""
+    from fsdpcheck.dist.environment import package_version
+
+    content = replace(
+        content,
+        created=content.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        fsdpcheck=content.fsdpcheck or package_version("fsdpcheck") or "unknown",
+    )
+    path = Path(path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as out:
+            data = to_dict(content)
+            json.dump({"schema": data.pop("schema"), **data}, out)  # the marker first
+            out.write("\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise _unwritable(content.record.env.rank, path, exc) from None
+    return path
+
+
+def check_writable(path: str | os.PathLike, rank: int) -> None:
+    """Fail before any work when the fingerprint could not be written (makes its folder)."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "is a directory; pass a file path, e.g. rank0.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".check")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise _unwritable(rank, path, exc) from None
+
+
+def _unwritable(rank: int, path: Path, exc: OSError) -> InputError:
+    return InputError(
+        f"rank {rank}: cannot write the fingerprint to {path} ({exc.strerror or exc}); choose "
+        "a writable path (--out, or save_fingerprint's path), e.g. one under the job's working "
+        "directory."
+    )
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A fingerprint file as ``diff`` read it."""
+
+    path: str
+    content: FingerprintFile
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Every fingerprint ``diff`` will compare, in argument order, and what was skipped."""
+
+    files: tuple[Loaded, ...]
+    skipped: tuple[str, ...] = ()  # "path: why", for JSON in a directory that is no fingerprint
+    duplicates: tuple[str, ...] = field(default=())  # paths given more than once
+
+
+def read_inputs(paths: Sequence[str | os.PathLike]) -> Inputs:
+    """Load every FILE and every ``*.json`` fingerprint in every DIR; bad input raises
+    :class:`InputError` with one paragraph naming the file and the fix."""
+    if not paths:
+        raise InputError(need_two("no files were given"))
+    files: list[Loaded] = []
+    skipped: list[str] = []
+    duplicates: list[str] = []
+    seen: set[str] = set()
+    schemas: dict[str, list[str]] = {}
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            found = _from_directory(path, skipped, schemas)
+        elif path.exists():
+            data = _read_json(path)
+            schemas.setdefault(_schema_of(path, data), []).append(str(path))
+            found = [(path, data)]
+        else:
+            raise InputError(
+                f"fsdpcheck diff: {path} does not exist. Pass fingerprint files written by "
+                "`fsdpcheck fingerprint --out` or fsdpcheck.save_fingerprint, or the "
+                "directory that holds them."
+            )
+        for file, data in found:
+            key = os.path.realpath(file)
+            if key in seen:
+                duplicates.append(str(file))
+                continue
+            seen.add(key)
+            files.append(Loaded(str(file), data))  # parsed below, once schemas agree
+    _check_schemas(schemas)
+    loaded = tuple(Loaded(f.path, _parse(Path(f.path), f.content)) for f in files)
+    if len(loaded) < 2:
+        what = "only one fingerprint was found" if loaded else "no fingerprint was found"
+        raise InputError(need_two(what + (f" (skipped: {'; '.join(skipped)})" if skipped else "")))
+    return Inputs(loaded, tuple(skipped), tuple(duplicates))
+
+
+def need_two(what: str) -> str:
+    return (
+        f"fsdpcheck diff needs at least two fingerprints to compare, but {what}. Write one per "
+        "rank with `fsdpcheck fingerprint --model M --out fp/rank{rank}.json` (under your "
+        "launcher) or fsdpcheck.save_fingerprint(model) in the training script, then run "
+        "`fsdpcheck diff fp/`; or pass two files, e.g. today's and last week's."
+    )
+
+
+def _from_directory(
+    path: Path, skipped: list[str], schemas: dict[str, list[str]]
+) -> list[tuple[Path, Any]]:
+    """A directory's ``*.json`` fingerprints, by name; other JSON there (a report) is skipped."""
+    found = []
+    for file in sorted(path.glob("*.json")):
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            skipped.append(f"{file.name}: not readable JSON ({type(exc).__name__})")
+            continue
+        schema = data.get("schema") if isinstance(data, dict) else None
+        if not (isinstance(schema, str) and schema.startswith(SCHEMA_PREFIX)):
+            skipped.append(f"{file.name}: not a fingerprint ({_foreign_kind(data)})")
+            continue
+        schemas.setdefault(schema, []).append(str(file))
+        found.append((file, data))
+    return found
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise InputError(
+            f"fsdpcheck diff: cannot read {path} ({why}). Check the path and its permissions."
+        ) from None
+    except ValueError as exc:
+        raise InputError(
+            f"fsdpcheck diff: {path} is not JSON ({exc}); it may be truncated (was the job "
+            "killed while writing?) or not a fingerprint. Re-create it with `fsdpcheck "
+            "fingerprint` or fsdpcheck.save_fingerprint."
+        ) from None
+
+
+def _foreign_kind(data: Any) -> str:
+    schema = data.get("schema") if isinstance(data, dict) else None
+    if schema == "fsdpcheck.report/1":
+        return "an fsdpcheck report (--json output)"
+    if isinstance(schema, str):
+        return f"schema {schema!r}"
+    return "no fsdpcheck schema marker"
+
+
+def _schema_of(path: Path, data: Any) -> str:
+    schema = data.get("schema") if isinstance(data, dict) else None
+    if isinstance(schema, str) and schema.startswith(SCHEMA_PREFIX):
+        return schema
+    raise InputError(
+        f"fsdpcheck diff: {path} is not an fsdpcheck fingerprint: it is {_foreign_kind(data)}. "
+        f'Fingerprints start with {{"schema": "{FINGERPRINT_SCHEMA}"}}; write them with '
+        "`fsdpcheck fingerprint --out` or fsdpcheck.save_fingerprint, and pass those files."
+    )
+
+
+def _check_schemas(schemas: dict[str, list[str]]) -> None:
+    if len(schemas) > 1:
+        listed = "; ".join(
+            f"{schema}: {', '.join(paths[:3])}{' …' if len(paths) > 3 else ''}"
+            for schema, paths in sorted(schemas.items())
+        )
+        raise InputError(
+            f"fsdpcheck diff: the fingerprints mix schema versions ({listed}), so their records "
+            "cannot be compared field by field. Re-create the older ones with the same fsdpcheck "
+            f"version (this one reads {FINGERPRINT_SCHEMA})."
+        )
+    for schema, paths in schemas.items():
+        if schema != FINGERPRINT_SCHEMA:
+            raise InputError(
+                f"fsdpcheck diff: {paths[0]} has schema {schema!r}, but this fsdpcheck reads "
+                f"{FINGERPRINT_SCHEMA} only; it was written by another fsdpcheck version. "
+                "Run diff with the version that wrote it, or re-create the fingerprints."
+            )
+
+
+def _parse(path: Path, data: dict) -> FingerprintFile:
+    try:
+        content = from_dict(FingerprintFile, data)
+        if not isinstance(content.record, RankRecord) or not isinstance(
+            content.record.env, EnvRecord
+        ):
+            raise TypeError("no record with an environment")
+        int(content.record.env.rank)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise InputError(
+            f"fsdpcheck diff: {path} has the fingerprint schema marker but its record is "
+            f"malformed ({type(exc).__name__}: {exc}); it was edited or damaged. Re-create it "
+            "with `fsdpcheck fingerprint` or fsdpcheck.save_fingerprint."
+        ) from None
+    return content

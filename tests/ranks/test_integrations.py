@@ -1,0 +1,59 @@
+"""Framework hooks for real: HF Trainer, Lightning and accelerate on 2 CPU ranks (DDP over
+gloo) with hash seeds 0 and 1. Each launch runs the clean twin (a plain tiny Llama: the same on
+both ranks whatever the seed) and the failing twin (the same Llama with buffers registered in
+set order, as transformers 5.0-5.15 did: their order follows the seed), in "warn" and "raise"."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import QUIET_ENV, REPO
+
+from fsdpcheck.children.launch import launch
+
+WORKERS = {
+    "hf": ("hf_trainer_worker.py", "Trainer on_train_begin"),
+    "lightning": ("lightning_worker.py", "Lightning on_fit_start"),
+    "accelerate": ("accelerate_worker.py", "after accelerator.prepare"),
+}
+HEADLINE = "buffer order differs on rank 1 (construction-time)"
+
+
+def _run(worker: str, out: Path) -> list[dict]:
+    result = launch(
+        [str(REPO / "tests" / "workers" / worker), str(out)],
+        2,
+        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
+        rank_env=lambda r: {"PYTHONHASHSEED": str(r)},
+        timeout=300,
+        cwd=str(REPO),
+    )
+    assert result.codes == [0, 0], result.output(0)[-3000:] + result.output(1)[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("framework", list(WORKERS))
+def test_hook_fails_only_the_twin_whose_ranks_differ(tmp_path: Path, framework) -> None:
+    worker, where = WORKERS[framework]
+    for record in _run(worker, tmp_path):
+        # The clean twin: no warning, no exception, training ran, in both modes.
+        for mode in ("warn", "raise"):
+            clean = record["clean"][mode]
+            assert clean["raised"] is None and clean["warned"] == [], clean
+            assert clean["returned"] is not None
+        # The planted twin, warn: one warning naming the difference, and training went on.
+        warn, fail = record["planted"]["warn"], record["planted"]["raise"]
+        assert warn["raised"] is None and warn["returned"] is not None
+        assert len(warn["warned"]) == 1 and where in warn["warned"][0]
+        assert HEADLINE in warn["warned"][0] and "ddp-sync → silent-corruption" in warn["warned"][0]
+        # raise: the exception carries the headline and the exit code, on both ranks.
+        assert fail["raised"]["exit_code"] == 1 and HEADLINE in fail["raised"]["message"]
+        assert fail["returned"] is None and fail["warned"] == []
+    # Rank 0's full reports.
+    for mode in ("warn", "raise"):
+        assert json.loads((tmp_path / f"clean-{mode}.json").read_text())["verdict"] == "consistent"
+        planted = json.loads((tmp_path / f"planted-{mode}.json").read_text())
+        assert planted["verdict"] == "inconsistent"
+        assert planted["findings"][0]["kind"] == "buffer-order"

@@ -1,0 +1,120 @@
+"""The state checks on real ranks: a training script's FSDP2 setup that differs on one rank
+(a frozen parameter, another mixed-precision policy, a stale config) and the clean twins, and
+the audit reading each rank's own Hugging Face cache."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from conftest import QUIET_ENV, REPO, read_report
+
+from fsdpcheck.children.launch import launch
+
+WORKER = "tests/workers/state_flags_worker.py"
+
+
+def _worker(tmp_path: Path, *args: str) -> tuple[list, dict]:
+    out = tmp_path / "report.json"
+    result = launch(
+        [WORKER, "--out", str(out), *args],
+        2,
+        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
+        cwd=str(REPO),
+        timeout=180,
+    )
+    assert out.is_file(), result.output(0) + result.output(1)
+    return result.codes, read_report(out)
+
+
+def _kinds(report: dict) -> list[str]:
+    return [f["kind"] for f in report["findings"]]
+
+
+def test_one_rank_froze_a_parameter_casts_to_bf16_and_read_another_config(
+    tmp_path: Path,
+) -> None:
+    # Three independent faults on rank 1, one launch: each is named by its own kind.
+    faults = ("--fault", "freeze", "--fault", "mixed-precision", "--fault", "config")
+    codes, report = _worker(tmp_path, *faults)
+    assert codes == [1, 1]
+    # Another rope_theta also gives other inv_freq values: a value check may name those too.
+    assert [k for k in _kinds(report) if k != "value"] == ["requires-grad", "wrap-plan", "config"]
+    by_kind = {f["kind"]: f for f in report["findings"]}
+    assert all(f["ranks"] == [1] for f in report["findings"])
+
+    frozen = by_kind["requires-grad"]
+    assert frozen["tensors"] == ["model.layers.0.mlp.up_proj.weight"]
+    assert "trainable on rank 0 but frozen on rank 1" in frozen["summary"]
+
+    policies = by_kind["wrap-plan"]["details"]["policies"]
+    assert {(p["field"], p["reference"], p["other"]) for p in policies} == {
+        ("param_dtype", None, "bfloat16")
+    }
+    assert {p["group"] for p in policies} == {"<root>", "model.layers.0", "model.layers.1"}
+
+    config = by_kind["config"]
+    assert config["details"]["differences"] == [
+        {"path": "rope_parameters.rope_theta", "reference": 10000.0, "other": 500000.0}
+    ]
+    assert "rope_parameters.rope_theta: 10000.0 on rank 0, 500000.0 on rank 1" in config["summary"]
+
+
+def test_clean_twin_with_mixed_precision_and_cpu_offload_everywhere(tmp_path: Path) -> None:
+    codes, report = _worker(tmp_path, "--bf16-everywhere", "--cpu-offload")
+    assert codes == [0, 0], report["findings"]
+    assert report["verdict"] == "consistent" and len(report["groups"]) == 1
+
+
+def _per_rank_homes(tmp_path: Path, hf_home: Path, rope_theta: float | None) -> list[Path]:
+    """Two nodes' caches of acme/tiny-llama; node 1's config.json gets ``rope_theta``."""
+    homes = []
+    for rank in range(2):
+        home = tmp_path / f"node{rank}"
+        shutil.copytree(hf_home, home, symlinks=True)
+        homes.append(home)
+    if rope_theta is not None:
+        config = next((homes[1] / "hub").glob("models--acme--tiny-llama/snapshots/*/config.json"))
+        data = json.loads(config.read_text())
+        data["rope_parameters"]["rope_theta"] = rope_theta
+        config.write_text(json.dumps(data))
+    return homes
+
+
+def _audit_per_node(tmp_path: Path, homes: list[Path], *args: str):
+    out = tmp_path / "report.json"
+    result = launch(
+        ["-m", "fsdpcheck", "audit", "--model", "acme/tiny-llama", "--init", "all"]
+        + ["--json", str(out), *args],
+        2,
+        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
+        rank_env=lambda r: {"HF_HOME": str(homes[r])},
+        cwd=str(REPO),
+        timeout=180,
+    )
+    assert out.is_file(), result.output(0) + result.output(1)
+    return result.codes, read_report(out)
+
+
+def test_audit_names_the_stale_config_key_on_one_node(tmp_path: Path, hf_home: Path) -> None:
+    homes = _per_rank_homes(tmp_path, hf_home, rope_theta=500000.0)
+    codes, report = _audit_per_node(tmp_path, homes)
+    assert codes == [1, 1]
+    config = [f for f in report["findings"] if f["kind"] == "config"]
+    assert len(config) == 1 and config[0]["ranks"] == [1]
+    assert (
+        "rope_parameters.rope_theta: 10000.0 on rank 0, 500000.0 on rank 1"
+        in (config[0]["summary"])
+    )
+
+
+def test_audit_per_node_caches_hsdp_cpu_offload_clean_twin(tmp_path: Path, hf_home: Path) -> None:
+    # Each node reads the same model from its own path: not a config difference. HSDP on a
+    # 1x2 mesh with CPU offload: every rank's plan agrees, offloaded parameters on CPU are
+    # where they belong, and the loader and its verification run on them.
+    homes = _per_rank_homes(tmp_path, hf_home, rope_theta=None)
+    codes, report = _audit_per_node(tmp_path, homes, "--mesh", "1,2", "--cpu-offload")
+    assert codes == [0, 0], report["findings"]
+    assert report["verdict"] == "consistent" and len(report["groups"]) == 1
+    assert report["options"]["cpu_offload"] is True and report["verify"]["passed"] is True

@@ -1,0 +1,129 @@
+"""value, uninitialized, tie and failed-load checks on real ranks: each public failure, and its
+clean twin (a training script's own steps in tests/workers/state_worker.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import QUIET_ENV, REPO, read_report, run_ranks
+
+from fsdpcheck.children.launch import launch
+from fsdpcheck.faults import FAULT_ENV
+
+
+def _worker(tmp_path: Path, case: str, *extra: str, timeout: float = 240) -> tuple[list, object]:
+    out = tmp_path / f"{case}.json"
+    result = launch(
+        [str(REPO / "tests" / "workers" / "state_worker.py"), "--case", case, "--out", str(out),
+         *extra],
+        2,
+        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
+        rank_env=lambda r: {"PYTHONHASHSEED": "0"},
+        timeout=timeout,
+        cwd=str(REPO),
+    )  # fmt: skip
+    assert not result.timed_out, result.output(0) + result.output(1)
+    assert out.is_file(), result.output(0) + result.output(1)
+    return result.codes, json.loads(out.read_text())
+
+
+def _kinds(report: dict) -> list[str]:
+    return [f["kind"] for f in report["findings"]]
+
+
+def test_dcp_only_load_leaves_garbage_buffers_that_check_model_names(tmp_path: Path) -> None:
+    # set_model_state_dict(full_state_dict, broadcast_from_rank0) alone: rank 1 was built on
+    # meta and to_empty()-ed, and DCP never touches non-persistent buffers.
+    codes, report = _worker(tmp_path, "dcp-only")
+    assert codes == [1, 1] and report["verdict"] == "inconsistent"
+    (finding,) = report["findings"]
+    assert (finding["kind"], finding["ranks"], finding["cause"]) == (
+        "uninitialized",
+        [1],
+        "loading",
+    )
+    problems = {p["name"]: p for p in finding["details"]["problems"]}
+    scale = problems["model.embed_tokens.embed_scale"]
+    assert scale["reason"] == "differs" and scale["expected"] == ["8"] and scale["got"] != ["8"]
+    assert any(name.endswith("inv_freq") for name in problems)
+
+
+def test_dcp_then_buffer_broadcast_is_consistent_after_the_load(tmp_path: Path) -> None:
+    # The clean twin: every rank holds real values now, so values and ties are compared.
+    codes, report = _worker(tmp_path, "dcp-and-buffers")
+    assert codes == [0, 0] and report["verdict"] == "consistent", report["findings"]
+    assert report["not_compared"] == []
+
+
+def test_a_loader_that_reassigns_the_head_breaks_the_configured_tie(tmp_path: Path) -> None:
+    codes, report = _worker(tmp_path, "untied")
+    assert codes == [1, 1]
+    assert _kinds(report) == ["tie"]
+    finding = report["findings"][0]
+    assert finding["ranks"] == [0, 1]
+    assert finding["details"]["missing"] == [["lm_head.weight", "model.embed_tokens.weight"]]
+
+
+def test_a_tied_model_built_on_every_rank_is_consistent(tmp_path: Path) -> None:
+    codes, report = _worker(tmp_path, "tied")
+    assert codes == [0, 0] and report["verdict"] == "consistent", report["findings"]
+
+
+def test_hsdp_replicas_whose_local_shards_drift_apart_are_a_value_finding(tmp_path: Path) -> None:
+    # (2, 1) mesh: ranks 0 and 1 hold the same shard; rank 1's copy of one tensor differs.
+    codes, report = _worker(tmp_path, "replica-drift", "--model", "hazard")
+    assert codes == [1, 1]
+    (finding,) = report["findings"]
+    assert (finding["kind"], finding["ranks"], finding["stage"]) == ("value", [1], "post-wrap")
+    assert finding["tensors"] == ["model.norm.weight"]
+    assert finding["summary"].startswith("values differ between HSDP replicas on rank 1")
+    (diff,) = finding["details"]["differences"]
+    assert diff["reference"][:1] == ["1"] and diff["other"][:1] == ["2"]
+    assert diff["max_abs_diff_first_values"] == 1.0
+
+
+def test_per_rank_seeds_with_init_all_are_value_findings(tmp_path: Path) -> None:
+    # FSDP2 has no sync_module_states: every rank trains from its own initial values. On a
+    # (2, 1) HSDP mesh the two ranks are replicas, so their local shards must agree too.
+    codes, reports = _worker(tmp_path, "audits", "--audit", "hazard:all::2,1:rank")
+    report = reports[0]["report"]
+    assert codes == [1, 1] and report["verdict"] == "inconsistent"
+    (finding,) = report["findings"]
+    assert (finding["kind"], finding["ranks"], finding["stage"]) == ("value", [1], "pre-wrap")
+    assert finding["cause"] == "construction-time"
+    assert "model.embed_tokens.weight" in finding["tensors"]
+    assert finding["details"]["differences"][0]["max_abs_diff_first_values"] > 0
+
+
+def test_no_false_alarms_across_presets_init_modes_dtypes_and_meshes(tmp_path: Path) -> None:
+    specs = [
+        "hazard:rank0", "hazard:meta", "hazard:all", "hazard-equal:all::2,1",
+        "tiny-gemma3:rank0", "tiny-gemma3:all:bfloat16", "tiny-gemma3:all::2,1",
+        "tiny-gemma4:rank0:bfloat16", "tiny-gemma4:all", "tiny-gemma4:meta",
+        "tiny-llama:all:bfloat16:1,2", "tiny-qwen3:rank0::2,1",
+    ]  # fmt: skip
+    args = [a for spec in specs for a in ("--audit", spec)]
+    codes, reports = _worker(tmp_path, "audits", *args, timeout=480)
+    verdicts = {r["spec"]: (r["report"]["verdict"], _kinds(r["report"])) for r in reports}
+    assert verdicts == {spec: ("consistent", []) for spec in specs}
+    assert codes == [0, 0]
+    by_spec = {r["spec"]: r["report"] for r in reports}
+    assert by_spec["hazard:rank0"]["not_compared"] == [1]  # on meta until the load
+    assert by_spec["hazard:all"]["not_compared"] == []
+    assert by_spec["tiny-gemma3:rank0"]["load"]["outcome"] == "loaded"
+
+
+def test_a_refused_load_is_not_consistent(tmp_path: Path) -> None:
+    # Every rank refuses alike (as the loader's own checks raise on every rank).
+    out = tmp_path / "report.json"
+    result = run_ranks(
+        ["audit", "--model", "tiny-llama", "--json", str(out), "--timeout", "60"],
+        env={FAULT_ENV: "0:load:input,1:load:input"},
+        seeds=[0, 0],
+        timeout=240,
+    )
+    assert result.codes == [1, 1], result.output(0) + result.output(1)
+    report = read_report(out)
+    assert report["verdict"] == "inconsistent" and report["load"]["outcome"] == "refused"
+    assert _kinds(report) == ["verify"] and "refused" in report["findings"][0]["summary"]

@@ -1,0 +1,46 @@
+"""The framework hooks are optional extras: a missing framework names the extra to install."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "module, blocked, extra",
+    [
+        ("hf", ("transformers",), "hf"),
+        ("lightning", ("pytorch_lightning", "lightning"), "lightning"),
+    ],
+)
+def test_a_missing_framework_names_the_extra(monkeypatch, module, blocked, extra) -> None:
+    for name in blocked:
+        monkeypatch.setitem(sys.modules, name, None)  # import of it fails, as if not installed
+    monkeypatch.delitem(sys.modules, f"fsdpcheck.integrations.{module}", raising=False)
+    with pytest.raises(ImportError, match=rf"pip install 'fsdpcheck\[{extra}\]'"):
+        importlib.import_module(f"fsdpcheck.integrations.{module}")
+
+
+def test_accelerate_helper_names_the_extra_and_checks_options(monkeypatch) -> None:
+    from fsdpcheck.integrations.accelerate import check_prepared
+
+    with pytest.raises(ValueError, match="choose 'raise' or 'warn'"):
+        check_prepared(object(), object(), on_failure="ignore")
+    monkeypatch.setitem(sys.modules, "accelerate", None)
+    with pytest.raises(ImportError, match=r"pip install 'fsdpcheck\[accelerate\]'"):
+        check_prepared(object(), object())
+
+
+def test_importing_fsdpcheck_imports_no_framework() -> None:
+    code = (
+        "import sys, fsdpcheck; fsdpcheck.save_fingerprint; fsdpcheck.diff_fingerprints\n"
+        "frameworks = {'transformers', 'pytorch_lightning', 'lightning', 'accelerate'}\n"
+        "assert not frameworks & set(sys.modules), frameworks & set(sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,514 @@
+"""The state checks (requires-grad, wrap-plan, device, config, env) on synthetic records, and
+the collectors on live objects in this process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, tensor
+
+from fsdpcheck.checks.config import config_differences
+from fsdpcheck.checks.flags import device_exceptions, misplaced
+from fsdpcheck.checks.layout import analyse, group_ranks, verdict
+from fsdpcheck.model.config_record import REDACTED, config_record
+from fsdpcheck.records import (
+    EnvRecord,
+    Fingerprint,
+    FsdpGroupRecord,
+    FsdpPlanRecord,
+    RankRecord,
+    from_dict,
+    to_dict,
+)
+
+LAYER0 = "model.layers.0"
+
+
+def env(rank, backend="gloo", **versions):
+    return EnvRecord(
+        rank=rank,
+        local_rank=rank,
+        world_size=2,
+        host="node0",
+        backend=backend,
+        python="3.11.9",
+        torch="2.13.0",
+        transformers="5.24.0",
+        hash_seed="0",
+        **versions,
+    )
+
+
+def fp(stage, *, device="cpu", frozen=(), buffer_devices=None, param_devices=None):
+    buffer_devices = buffer_devices or {}
+    param_devices = param_devices or {}
+    placements = ("Shard(dim=0)",) if stage == "post-wrap" else None
+    bufs = tuple(
+        tensor(n, (8,), persistent=False, device=buffer_devices.get(n, device))
+        for n in (SCALE, FULL, SLIDING)
+    )
+    prms = tuple(
+        dataclasses.replace(
+            tensor(n, (8, 8), placements=placements, device=param_devices.get(n, device)),
+            requires_grad=n not in frozen,
+        )
+        for n in (EMBED, Q_PROJ, K_PROJ)
+    )
+    return Fingerprint(stage=stage, buffers=bufs, params=prms)
+
+
+def plan(device="cpu", param_dtype=None, offload="OffloadPolicy", layer_params=(Q_PROJ, K_PROJ)):
+    def group(modules, names):
+        return FsdpGroupRecord(
+            modules=modules,
+            params=tuple(names),
+            param_dtype=param_dtype,
+            reshard_after_forward=True,
+            offload=offload,
+            mesh_shape=(2,),
+            mesh_device_type=device,
+        )
+
+    rest = [n for n in (EMBED, Q_PROJ, K_PROJ) if n not in layer_params]
+    return FsdpPlanRecord(groups=(group(("",), rest), group((LAYER0,), layer_params)))
+
+
+def dumps(record):
+    return json.dumps(to_dict(record))
+
+
+def record(rank, **fields):
+    """A rank's record as the rank sends it: with its own judgement of misplaced tensors."""
+    rec = RankRecord(env=fields.pop("env", env(rank)), **fields)
+    return dataclasses.replace(rec, misplaced=misplaced(rec))
+
+
+def run(records):
+    """Analyse as rank 0 would after the gather: group by digest, keep representatives."""
+    groups = group_ranks({r: rec.group_digest() for r, rec in records.items()})
+    reps = {g.representative: records[g.representative] for g in groups}
+    return groups, analyse(groups, reps)
+
+
+def kinds(findings):
+    return [f.kind for f in findings]
+
+
+# ---------------------------------------------------------------- requires-grad
+
+
+def test_one_frozen_parameter_is_a_requires_grad_finding():
+    records = {
+        0: record(0, pre_wrap=fp("pre-wrap"), post_wrap=fp("post-wrap")),
+        1: record(
+            1, pre_wrap=fp("pre-wrap", frozen={Q_PROJ}), post_wrap=fp("post-wrap", frozen={Q_PROJ})
+        ),
+    }
+    groups, findings = run(records)
+    assert len(groups) == 2
+    assert kinds(findings) == ["requires-grad"]
+    f = findings[0]
+    assert (f.ranks, f.stage, f.cause, f.tensors) == (
+        (1,),
+        "pre-wrap",
+        "construction-time",
+        (Q_PROJ,),
+    )
+    assert f"{Q_PROJ} is trainable on rank 0 but frozen on rank 1" in f.summary
+    assert f.details["persists_after_wrap"] is True
+    assert verdict(findings, []) == ("inconsistent", 1)
+
+
+def test_the_same_frozen_parameter_on_every_rank_is_consistent():
+    records = {r: record(r, pre_wrap=fp("pre-wrap", frozen={EMBED})) for r in (0, 1)}
+    groups, findings = run(records)
+    assert len(groups) == 1 and findings == []
+
+
+def test_records_without_requires_grad_keep_their_digest():
+    bare = Fingerprint(
+        "pre-wrap",
+        fp("pre-wrap").buffers,
+        tuple(dataclasses.replace(t, requires_grad=None) for t in fp("pre-wrap").params),
+    )
+    trainable = fp("pre-wrap")
+    assert bare.layout_digest() != trainable.layout_digest()
+    old = Fingerprint("pre-wrap", bare.buffers, tuple(tensor(t.name, t.shape) for t in bare.params))
+    assert old.layout_digest() == bare.layout_digest()
+
+
+# ---------------------------------------------------------------- wrap-plan
+
+
+def test_mixed_precision_on_one_rank_is_a_wrap_plan_finding():
+    records = {
+        0: record(0, post_wrap=fp("post-wrap"), fsdp_plan=plan()),
+        1: record(1, post_wrap=fp("post-wrap"), fsdp_plan=plan(param_dtype="bfloat16")),
+    }
+    groups, findings = run(records)
+    assert len(groups) == 2 and kinds(findings) == ["wrap-plan"]
+    f = findings[0]
+    assert f.stage == "post-wrap" and f.ranks == (1,)
+    assert (
+        "param_dtype unset on rank 0 but bfloat16 on rank 1 (groups <root>, model.layers.0)"
+        in f.summary
+    )
+    assert {p["group"] for p in f.details["policies"]} == {"<root>", LAYER0}
+
+
+def test_regrouped_parameters_and_other_targets_are_named():
+    other = FsdpPlanRecord(
+        groups=(
+            FsdpGroupRecord(modules=("",), params=(EMBED, K_PROJ), mesh_shape=(2,)),
+            FsdpGroupRecord(modules=("model.layers.0.attn",), params=(Q_PROJ,), mesh_shape=(2,)),
+        )
+    )
+    ref = dataclasses.replace(
+        plan(),
+        groups=tuple(
+            dataclasses.replace(g, offload=None, reshard_after_forward=None, mesh_device_type=None)
+            for g in plan().groups
+        ),
+    )
+    records = {0: record(0, fsdp_plan=ref), 1: record(1, fsdp_plan=other)}
+    _, findings = run(records)
+    f = findings[0]
+    assert f.kind == "wrap-plan"
+    assert f.details["only_reference"] == [LAYER0]
+    assert f.details["only_other"] == ["model.layers.0.attn"]
+    moved = {m["name"]: (m["reference"], m["other"]) for m in f.details["regrouped"]}
+    assert moved == {Q_PROJ: (LAYER0, "model.layers.0.attn"), K_PROJ: (LAYER0, "<root>")}
+    assert set(f.tensors) == {Q_PROJ, K_PROJ}
+
+
+def test_mesh_shape_and_names_differ():
+    hsdp = FsdpPlanRecord(
+        groups=tuple(
+            dataclasses.replace(g, mesh_shape=(1, 2), mesh_dim_names=("replicate", "shard"))
+            for g in plan().groups
+        )
+    )
+    _, findings = run({0: record(0, fsdp_plan=plan()), 1: record(1, fsdp_plan=hsdp)})
+    fields = {p["field"] for p in findings[0].details["policies"]}
+    assert fields == {"mesh_shape", "mesh_dim_names"}
+    assert "mesh_shape (2) on rank 0 but (1, 2) on rank 1" in findings[0].summary
+
+
+def test_a_rank_that_did_not_wrap_and_unreadable_plans():
+    _, findings = run({0: record(0, fsdp_plan=plan()), 1: record(1)})
+    assert (
+        kinds(findings) == ["wrap-plan"]
+        and "rank 1 did not apply fully_shard" in findings[0].summary
+    )
+    unreadable = FsdpPlanRecord(groups=(), unavailable="AttributeError: private API moved")
+    _, findings = run({0: record(0, fsdp_plan=plan()), 1: record(1, fsdp_plan=unreadable)})
+    assert findings == []  # never a finding from what could not be read
+
+
+def test_identical_plans_are_one_group_and_round_trip():
+    records = {
+        r: record(r, post_wrap=fp("post-wrap"), fsdp_plan=plan(param_dtype="bfloat16"))
+        for r in (0, 1)
+    }
+    groups, findings = run(records)
+    assert len(groups) == 1 and findings == []
+    again = from_dict(RankRecord, json.loads(dumps(records[1])))
+    assert again == records[1]
+    assert again.group_digest() == records[1].group_digest()
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_difference_names_the_key_path_and_both_values():
+    base = {"rope_parameters": {"full_attention": {"rope_theta": 1000000.0}}, "vocab_size": 256}
+    stale = {"rope_parameters": {"full_attention": {"rope_theta": 500000.0}}, "vocab_size": 256}
+    records = {0: record(0, config=config_record(base)), 1: record(1, config=config_record(stale))}
+    groups, findings = run(records)
+    assert len(groups) == 2 and kinds(findings) == ["config"]
+    assert (
+        "rope_parameters.full_attention.rope_theta: 1000000.0 on rank 0, 500000.0 on rank 1"
+        in findings[0].summary
+    )
+    assert findings[0].details["count"] == 1
+
+
+def test_config_differences_cover_missing_keys_and_lists():
+    diffs = config_differences(
+        {"layer_types": ["sliding", "full"], "a": 1, "b": {"c": True}},
+        {"layer_types": ["sliding", "sliding"], "b": {"c": True, "d": 2}},
+    )
+    assert diffs == [
+        {"path": "a", "reference": 1, "other": None, "missing": "other"},
+        {"path": "b.d", "reference": None, "other": 2, "missing": "reference"},
+        {"path": "layer_types[1]", "reference": "full", "other": "sliding"},
+    ]
+    assert config_differences({"x": [1, 2]}, {"x": [1]}) == [
+        {"path": "x", "reference": [1, 2], "other": [1]}
+    ]
+
+
+def test_volatile_keys_paths_and_numbers_do_not_split_ranks():
+    a = {
+        "_name_or_path": "/node0/llama",
+        "transformers_version": "5.24.0",
+        "dtype": "bfloat16",
+        "text_config": {"_attn_implementation_internal": "sdpa", "rope_theta": 10000},
+    }
+    b = {
+        "_name_or_path": "/node1/llama",
+        "transformers_version": "5.23.0",
+        "dtype": "float32",
+        "text_config": {"_attn_implementation_internal": "eager", "rope_theta": 10000.0},
+    }
+    assert config_record(a).digest == config_record(b).digest
+    assert config_record(a).canonical == {"text_config": {"rope_theta": 10000}}
+
+
+def test_secret_looking_config_values_are_redacted():
+    rec = config_record(
+        {
+            "hub_token": "abc",
+            "pad_token_id": 0,
+            "note": "hf_" + "x" * 30,
+            "nested": {"api_key": "k"},
+            "value": float("nan"),
+        }
+    )
+    assert rec.canonical == {
+        "hub_token": REDACTED,
+        "pad_token_id": 0,
+        "note": REDACTED,
+        "nested": {"api_key": REDACTED},
+        "value": "nan",
+    }
+    assert "abc" not in dumps(rec) and "xxxx" not in dumps(rec)
+
+
+def test_config_records_of_real_configs():
+    from fsdpcheck.model.hazard import HazardConfig
+    from fsdpcheck.model.presets import PRESETS
+
+    gemma = PRESETS["tiny-gemma3"].make_config()
+    rec = config_record(gemma)
+    assert rec.canonical["rope_parameters"]["full_attention"]["rope_theta"] == 1000000.0
+    assert "transformers_version" not in rec.canonical and "_name_or_path" not in rec.canonical
+    gemma.rope_parameters["full_attention"]["rope_theta"] = 500000.0
+    assert config_record(gemma).digest != rec.digest
+    hazard = config_record(HazardConfig())
+    assert hazard.canonical["layer_types"] == ["sliding_attention", "full_attention"]
+    assert config_record(None) is None and config_record(object()) is None
+
+
+# ---------------------------------------------------------------- device
+
+
+def nccl_record(rank, fingerprint, fsdp_plan=None, stage="post-wrap"):
+    key = "post_wrap" if stage == "post-wrap" else "pre_wrap"
+    return record(rank, env=env(rank, backend="nccl"), fsdp_plan=fsdp_plan, **{key: fingerprint})
+
+
+def test_a_cpu_buffer_in_an_nccl_job_is_a_device_finding_on_every_rank_that_has_it():
+    # transformers >= 5 left inv_freq on CPU (unsloth #6662): every rank, including rank 0.
+    wrapped = fp("post-wrap", device="cuda", buffer_devices={FULL: "cpu"})
+    records = {r: nccl_record(r, wrapped, plan("cuda")) for r in (0, 1)}
+    groups, findings = run(records)
+    assert len(groups) == 1 and kinds(findings) == ["device"]
+    f = findings[0]
+    assert f.ranks == (0, 1) and f.tensors == (FULL,)
+    assert f"ranks 0,1 have {FULL} on cpu, not cuda (the FSDP2 mesh)" in f.summary
+    assert f.details["misplaced"] == [
+        {
+            "kind": "buffer",
+            "name": FULL,
+            "device": "cpu",
+            "expected": "cuda",
+            "because": "the FSDP2 mesh",
+        }
+    ]
+
+
+def test_a_cpu_buffer_on_one_rank_only_splits_the_group():
+    good = fp("post-wrap", device="cuda")
+    bad = fp("post-wrap", device="cuda", buffer_devices={SLIDING: "cpu"})
+    records = {0: nccl_record(0, good, plan("cuda")), 1: nccl_record(1, bad, plan("cuda"))}
+    groups, findings = run(records)
+    assert [g.ranks for g in groups] == [(0,), (1,)]
+    assert [(f.kind, f.ranks) for f in findings] == [("device", (1,)), ("device", (1,))]
+    cross = findings[1]
+    assert f"{SLIDING} is on cuda on rank 0 but on cpu on rank 1" in cross.summary
+
+
+def test_no_device_finding_where_placement_is_legitimate():
+    # Meta on ranks > 0 before the load; a CPU-built model before fully_shard moves it;
+    # CPU-offloaded parameters; a gloo job on CPU; no readable plan (parameters unknown).
+    cases = [
+        (nccl_record(1, fp("post-wrap", device="meta"), plan("cuda")), ()),
+        (nccl_record(0, fp("pre-wrap", device="cpu"), stage="pre-wrap"), ()),
+        (
+            nccl_record(
+                0,
+                fp(
+                    "post-wrap",
+                    device="cuda",
+                    param_devices={EMBED: "cpu", Q_PROJ: "cpu", K_PROJ: "cpu"},
+                ),
+                plan("cuda", offload="CPUOffloadPolicy"),
+            ),
+            (),
+        ),
+        (record(0, post_wrap=fp("post-wrap"), fsdp_plan=plan("cpu")), ()),
+        (nccl_record(0, fp("post-wrap", device="cuda", param_devices={EMBED: "cpu"})), ()),
+    ]
+    for rec, expected in cases:
+        assert tuple(device_exceptions(rec)) == expected, rec
+
+
+def test_device_exceptions_that_are_real():
+    # Offloaded parameters whose buffers stayed on CPU; a buffer outside every fully_shard in
+    # an NCCL job; any tensor on CPU when the FSDP2 mesh is on the accelerator.
+    offloaded = nccl_record(
+        0, fp("post-wrap", device="cpu"), plan("cuda", offload="CPUOffloadPolicy")
+    )
+    assert [e["name"] for e in device_exceptions(offloaded)] == [SCALE, FULL, SLIDING]
+    layer_only = FsdpPlanRecord(groups=(plan("cuda").groups[1],))
+    outside = nccl_record(
+        0, fp("post-wrap", device="cuda", buffer_devices={FULL: "cpu"}), layer_only
+    )
+    assert device_exceptions(outside) == [
+        {
+            "kind": "buffer",
+            "name": FULL,
+            "device": "cpu",
+            "expected": "cuda",
+            "because": "the nccl backend",
+        }
+    ]
+    param = nccl_record(
+        0, fp("post-wrap", device="cuda", param_devices={K_PROJ: "cpu"}), plan("cuda")
+    )
+    assert [(e["kind"], e["name"]) for e in device_exceptions(param)] == [("param", K_PROJ)]
+
+
+def test_before_wrapping_any_placement_is_fine():
+    # fully_shard will move a CPU straggler of a model already on the accelerator.
+    straggler = fp("pre-wrap", device="cuda", buffer_devices={SCALE: "cpu"})
+    assert device_exceptions(nccl_record(0, straggler, stage="pre-wrap")) == []
+
+
+# ---------------------------------------------------------------- env
+
+
+def test_nccl_and_cuda_versions_are_compared():
+    records = {
+        0: record(0, env=env(0, nccl="2.21.5", cuda="12.4", accelerate="1.15.0")),
+        1: record(1, env=env(1, nccl="2.26.2", cuda="12.4", accelerate="1.15.0")),
+    }
+    _, findings = run(records)
+    assert kinds(findings) == ["env"]
+    assert findings[0].details["differences"] == [
+        {"field": "nccl", "reference": "2.21.5", "other": "2.26.2"}
+    ]
+
+
+def test_env_records_from_older_reports_still_load_and_keep_their_digest():
+    old = {k: v for k, v in to_dict(env(0)).items() if k not in ("accelerate", "nccl", "cuda")}
+    loaded = from_dict(EnvRecord, old)
+    assert loaded == env(0) and loaded.nccl is None
+    assert loaded._digest_part() == repr(("3.11.9", "2.13.0", "5.24.0", "gloo"))
+
+
+# ---------------------------------------------------------------- collectors, live
+
+
+@pytest.fixture()
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp_plan_reads_the_live_policies(one_rank_group):
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    from fsdpcheck.model.fingerprint import fingerprint
+    from fsdpcheck.model.fsdp_plan import fsdp_plan
+    from fsdpcheck.model.wrap import fully_shard_fn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 2)))
+    model.register_buffer("table", torch.ones(3), persistent=False)
+    model[0].weight.requires_grad_(False)
+    assert fsdp_plan(model) is None
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard = fully_shard_fn()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model[1], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    got = fsdp_plan(model)
+    assert got.unavailable is None
+    root, inner = got.groups
+    assert root.modules == ("",) and root.params == ("0.weight", "0.bias")
+    assert (root.offload, root.pin_memory, root.param_dtype) == ("CPUOffloadPolicy", False, None)
+    assert root.reshard_after_forward is True and root.mesh_shape == (1,)
+    assert root.mesh_device_type == "cpu"
+    assert inner.modules == ("1",) and inner.params == ("1.0.weight", "1.0.bias")
+    assert (inner.param_dtype, inner.reduce_dtype, inner.reshard_after_forward) == (
+        "bfloat16",
+        "float32",
+        False,
+    )
+    assert from_dict(FsdpPlanRecord, json.loads(dumps(got))) == got
+    params = {t.name: t.requires_grad for t in fingerprint(model, "post-wrap").params}
+    assert params == {"0.weight": False, "0.bias": True, "1.0.weight": True, "1.0.bias": True}
+    rank = RankRecord(env=env(0), post_wrap=fingerprint(model, "post-wrap"), fsdp_plan=got)
+    assert device_exceptions(rank) == []
+
+
+def test_every_finding_kind_has_a_readme_entry():
+    from pathlib import Path
+
+    from fsdpcheck.vocab import FindingKind
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert [k.value for k in FindingKind if f"`{k.value}`" not in readme] == []
+
+
+def test_device_cause_after_wrapping_depends_on_a_pre_wrap_record():
+    bad = fp("post-wrap", device="cuda", buffer_devices={FULL: "cpu"})
+    audit = nccl_record(0, bad, plan("cuda"))
+    audit = dataclasses.replace(audit, pre_wrap=fp("pre-wrap"))
+    script = nccl_record(0, bad, plan("cuda"))
+    assert [f.cause for f in run({0: audit})[1]] == ["wrapping"]
+    assert [f.cause for f in run({0: script})[1]] == ["unknown"]
+
+
+def test_fsdp_plan_survives_private_state_it_does_not_know():
+    # Another torch release: the state lacks the attributes this one has, or reading it fails.
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from fsdpcheck.model.fsdp_plan import fsdp_plan
+
+    class Bare(nn.Linear):
+        def _get_fsdp_state(self):
+            return SimpleNamespace()
+
+    class Broken(nn.Linear):
+        def _get_fsdp_state(self):
+            raise AttributeError("_fsdp_param_groups moved")
+
+    bare = fsdp_plan(Bare(2, 2))
+    assert bare == FsdpPlanRecord(groups=(FsdpGroupRecord(modules=(), params=()),))
+    broken = fsdp_plan(Broken(2, 2))
+    assert broken.groups == () and "moved" in broken.unavailable
+    # An unreadable plan is never a finding, and never splits ranks by itself.
+    _, findings = run({0: record(0, fsdp_plan=broken), 1: record(1, fsdp_plan=broken)})
+    assert findings == []

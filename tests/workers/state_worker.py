@@ -1,0 +1,146 @@
+"""One rank of a state test: a training script's own steps, then fsdpcheck on the result.
+
+Cases (``--case``), each writing rank 0's report(s) as JSON into ``--out``:
+
+- ``dcp-only``: rank 0 builds real, the others on meta; fully_shard; DCP
+  ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` alone (the meta ranks
+  ``to_empty()`` first), then ``check_model``: non-persistent buffers hold garbage there.
+- ``dcp-and-buffers``: the same, then ``fsdpcheck.load.broadcast_buffers`` (the clean twin).
+- ``untied``: every rank builds real, re-assigns ``lm_head.weight`` as a new Parameter (a loader
+  that breaks the tie), wraps, then ``check_model``.
+- ``tied``: the same without the re-assignment (the clean twin).
+- ``replica-drift``: every rank builds real, wraps on a (2, 1) HSDP mesh (the two ranks are
+  replicas), then rank 1's loader writes other values into its local shard of one parameter.
+- ``audits``: ``run_audit`` once per ``--audit`` spec ``MODEL:INIT[:DTYPE[:MESH[:SEED]]]`` in this
+  one process group; ``SEED`` ``rank`` means this rank's number (per-rank initial values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdpcheck
+from fsdpcheck.records import to_dict
+
+
+def _build(model_name: str, *, real: bool) -> nn.Module:
+    from fsdpcheck.model.build import _from_config
+    from fsdpcheck.model.presets import PRESETS
+
+    torch.manual_seed(0)
+    with torch.device("cpu" if real else "meta"):
+        return _from_config(PRESETS[model_name].make_config(), False)
+
+
+def _wrap(model: nn.Module, shape: tuple[int, ...] | None = None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdpcheck.model.wrap import fully_shard_fn, plan
+
+    shape = shape or (dist.get_world_size(),)
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    fully_shard = fully_shard_fn()
+    for _, module in plan(model).modules:
+        fully_shard(module, mesh=mesh)
+
+
+def _dcp(model_name: str, *, buffers: bool) -> nn.Module:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank = dist.get_rank()
+    model = _build(model_name, real=rank == 0)
+    source = {k: v.clone() for k, v in model.state_dict().items()} if rank == 0 else {}
+    _wrap(model)
+    if rank != 0:
+        model.to_empty(device="cpu")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, source, options=options)
+    if buffers:
+        from fsdpcheck.loader.load import broadcast_buffers
+
+        broadcast_buffers(model)
+    return model
+
+
+def _tie_case(model_name: str, *, untie: bool) -> nn.Module:
+    model = _build(model_name, real=True)
+    if untie:  # what a loader does when it assigns a fresh tensor to every name it loads
+        model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    _wrap(model)
+    return model
+
+
+def _replica_drift(model_name: str) -> nn.Module:
+    model = _build(model_name, real=True)
+    _wrap(model, (dist.get_world_size(), 1))
+    if dist.get_rank() == 1:  # this replica's loader read another checkpoint for one tensor
+        with torch.no_grad():
+            model.model.norm.weight.to_local().add_(1.0)
+    return model
+
+
+def _audit(spec: str) -> dict:
+    from fsdpcheck.audit import AuditOptions, run_audit
+
+    parts = spec.split(":") + [""] * 5
+    model, init, dtype, mesh, seed = parts[:5]
+    options = AuditOptions(
+        model=model,
+        backend="gloo",
+        timeout=60.0,
+        init=init,
+        dtype=dtype or None,
+        mesh=tuple(int(x) for x in mesh.split(",")) if mesh else None,
+        seed=dist.get_rank() if seed == "rank" else int(seed or 0),
+        load=seed != "rank",  # per-rank values: as `--no-load`, the state before any load
+    )
+    result = run_audit(options)
+    report = to_dict(result.report) if result.report else None
+    return {"spec": spec, "report": report, "exit_code": result.exit_code}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="tiny-gemma3")
+    parser.add_argument("--audit", action="append", default=[])
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    out = Path(args.out)
+    code = 0
+    if args.case == "audits":
+        reports = [_audit(spec) for spec in args.audit]
+        code = max((r["exit_code"] for r in reports), default=0)
+        payload: object = reports
+    else:
+        cases = {
+            "dcp-only": lambda: _dcp(args.model, buffers=False),
+            "dcp-and-buffers": lambda: _dcp(args.model, buffers=True),
+            "untied": lambda: _tie_case(args.model, untie=True),
+            "tied": lambda: _tie_case(args.model, untie=False),
+            "replica-drift": lambda: _replica_drift(args.model),
+        }
+        model = cases[args.case]()
+        result = fsdpcheck.check_model(model, timeout=60)
+        code = result.exit_code
+        payload = to_dict(result.report) if result.report is not None else None
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(payload))
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    sys.exit(main())
