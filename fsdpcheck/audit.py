@@ -318,12 +318,21 @@ def _rank0_extras(
     probing: _ProbeThread | None,
     progress: Callable[[str], None] | None = None,
 ) -> AuditOutcome:
-    """Rank 0's optional extras: the unsafe loader in a child job, and the probe's result.
-    ``progress`` names them on the console (no liveness mark: the others are not behind)."""
+    """Rank 0's optional extras: every loader for real and the unsafe loader's value-level
+    reproduction, each in child jobs, and the probe's result. ``progress`` names them on the
+    console (no liveness mark: the others are not behind)."""
     if options.reproduce:
         if progress is not None:
             progress("reproduce")
-        outcome = replace(outcome, reproduction=_reproduce(options, outcome.gathered))
+        start = time.monotonic()
+        observed, note = _observe_loaders(options, outcome.gathered)
+        left = max(10.0, options.budgets.reproduce - (time.monotonic() - start))
+        outcome = replace(
+            outcome,
+            observed=observed,
+            reproduction=_reproduce(options, outcome.gathered, left),
+            notes=(*outcome.notes, *filter(None, [note])),
+        )
     if probing is not None:
         if progress is not None:
             progress("probe")
@@ -332,7 +341,30 @@ def _rank0_extras(
     return outcome
 
 
-def _reproduce(options: AuditOptions, gathered: Gathered) -> dict[str, Any]:
+def _observe_loaders(options: AuditOptions, gathered: Gathered) -> tuple[dict, str | None]:
+    """Every known loader, run for real in its own 2-rank gloo child job (five sixths of the
+    --reproduce budget): ``({loader: Observation}, a note if it could not run)``."""
+    from fsdpcheck.children.jobs import ChildSpec
+    from fsdpcheck.children.observe import job_seeds, observe_loaders
+
+    spec = ChildSpec(
+        model=options.model,
+        init=options.init,
+        dtype=options.dtype,
+        seed=options.seed,
+        text_only=options.text_only,
+        trust_remote_code=options.trust_remote_code,
+        allow_pickle=options.allow_pickle,
+    )
+    seeds = job_seeds([gathered.records[r].env.hash_seed for r in sorted(gathered.records)])
+    try:
+        budget = options.budgets.reproduce * 5 / 6
+        return observe_loaders(spec, seeds=seeds, budget=budget), None
+    except Exception as exc:  # an extra: its failure must not end the audit
+        return {}, f"--reproduce could not run the loaders: {type(exc).__name__}: {exc}"
+
+
+def _reproduce(options: AuditOptions, gathered: Gathered, timeout: float) -> dict[str, Any]:
     """Run the unsafe named-buffers-order loader in an isolated child job (never in-process)."""
     from fsdpcheck.children.reproduce import run_reproduction
 
@@ -341,7 +373,7 @@ def _reproduce(options: AuditOptions, gathered: Gathered) -> dict[str, Any]:
             options.model,
             nprocs=2,
             seeds=_divergent_seeds(gathered),
-            timeout=options.budgets.reproduce,
+            timeout=timeout,
         )
         return to_dict(result)
     except Exception as exc:  # the reproduction is an extra; its failure must not end the audit

@@ -119,16 +119,31 @@ _LOADER_STYLE = {
 def _render_loaders(report: Report, console: Console) -> None:
     if not report.loaders or (report.errors and not report.findings):
         return
-    if all(p.verdict == LoaderVerdict.OK for p in report.loaders):
-        console.print(f"loaders: all {len(report.loaders)} known loaders would load these ranks")
+    if all(p.verdict == LoaderVerdict.OK and p.observed in (None, "ok") for p in report.loaders):
+        ran = sum(p.observed == LoaderVerdict.OK for p in report.loaders)
+        tail = f" ({ran} run for real: ok)" if ran else ""
+        count = len(report.loaders)
+        console.print(f"loaders: all {count} known loaders would load these ranks{tail}")
         return
+    observed = any(p.observed_detail is not None for p in report.loaders)
     table = Table(title="what each loader would do on these ranks", title_justify="left")
     table.add_column("loader", style="bold")
     table.add_column("verdict")
+    if observed:
+        table.add_column("observed (gloo)")
     table.add_column("why", overflow="fold")
     for p in report.loaders:
-        table.add_row(p.name, Text(p.verdict, style=_LOADER_STYLE.get(p.verdict, "")), p.summary)
+        cells = [p.name, Text(p.verdict, style=_LOADER_STYLE.get(p.verdict, ""))]
+        if observed:
+            seen = p.observed or "not run"
+            cells.append(Text(seen, style=_LOADER_STYLE.get(seen, "dim")))
+        cells.append(p.summary)
+        table.add_row(*cells)
     console.print(table)
+    for p in report.loaders:
+        if p.observed_detail is not None and p.observed is None:
+            why = escape(str(p.observed_detail.get("summary", "")))
+            console.print(f"{p.name} not run for real: {why}", style="dim")
 
 
 def _render_load(report: Report, console: Console) -> None:

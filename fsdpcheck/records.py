@@ -107,6 +107,8 @@ class Fingerprint:
     buffers: tuple[TensorRecord, ...]
     params: tuple[TensorRecord, ...]
     state_dict_keys: tuple[str, ...] = ()  # ``model.state_dict()`` order, as loaders walk it
+    # Tied weights: (name, the parameter it is), for names named_parameters() deduplicates.
+    aliases: tuple[tuple[str, str], ...] = ()
 
     def layout_digest(self) -> str:
         return short_digest(
@@ -331,6 +333,11 @@ class LoaderPrediction:
     summary: str
     ranks: tuple[int, ...] = ()  # ranks affected
     first_issue: Mapping[str, Any] | None = None
+    products: str = ""  # the products and versions this row stands for
+    on_gloo: str | None = None  # the verdict on gloo where it differs (a larger receive buffer)
+    # --reproduce: what the real loader did in a child job (same vocabulary; None: not run)
+    observed: str | None = None
+    observed_detail: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from fsdpcheck.checks.hash_seed import probe_finding
 from fsdpcheck.checks.layout import analyse, group_ranks, headline, verdict
 from fsdpcheck.checks.loaded import load_errors, load_findings, verify_findings
+from fsdpcheck.checks.observed import Observation, with_observations
 from fsdpcheck.checks.predict import predict_loaders
 from fsdpcheck.checks.ties import tie_findings
 from fsdpcheck.checks.uninitialized import uninitialized_findings
@@ -25,7 +26,14 @@ from fsdpcheck.records import (
     WrapPlan,
     to_dict,
 )
-from fsdpcheck.vocab import ErrorKind, ExitCode, LoaderVerdict, LoadStatus, Verdict
+from fsdpcheck.vocab import (
+    ErrorKind,
+    ExitCode,
+    FindingKind,
+    LoaderVerdict,
+    LoadStatus,
+    Verdict,
+)
 
 if TYPE_CHECKING:
     from fsdpcheck.checks.hash_seed import ProbeResult
@@ -43,6 +51,7 @@ class AuditOutcome:
     load: LoadOutcome | None = None
     verify: VerifyResult | None = None
     reproduction: Mapping[str, Any] | None = None  # --reproduce: the unsafe loader's child job
+    observed: Mapping[str, Observation] | None = None  # --reproduce: every loader, for real
     probe: ProbeResult | None = None  # --probe K
     notes: tuple[str, ...] = ()  # warnings from optional extras that did not finish
     after_load: Gathered | None = None  # every rank's ties and buffer problems after the load
@@ -66,6 +75,10 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         errors = _by_rank(*errors, *after.errors)
     if outcome.probe is not None and (found := probe_finding(outcome.probe)) is not None:
         findings.append(found)
+    loaders = tuple(predict_loaders(groups, records, gathered.meta_ranks))
+    if outcome.observed:
+        loaders, wrong = with_observations(loaders, outcome.observed)
+        findings.extend(wrong)
     name, code = verdict(findings, errors)
     return Report(
         verdict=name,
@@ -76,7 +89,7 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         groups=tuple(groups),
         findings=tuple(findings),
         errors=errors,
-        loaders=tuple(predict_loaders(groups, records, gathered.meta_ranks)),
+        loaders=loaders,
         load=outcome.load,
         verify=outcome.verify,
         reproduction=outcome.reproduction,
@@ -134,8 +147,13 @@ def report_headline(report: Report) -> str:
     """The one line a person can act on."""
     line = headline(report.findings, report.errors, report.world_size)
     bad = [f"{p.name} → {p.verdict}" for p in report.loaders if p.verdict != LoaderVerdict.OK]
-    if bad and report.findings:
+    if bad and any(f.kind != FindingKind.PREDICTION for f in report.findings):
         line += ": " + ", ".join(bad)
+    wrong = [f.details for f in report.findings if f.kind == FindingKind.PREDICTION]
+    if wrong:
+        line += "; PREDICTION WRONG (a bug in fsdpcheck): " + ", ".join(
+            f"{w['loader']} predicted {w['predicted']}, observed {w['observed']}" for w in wrong
+        )
     load, verified = report.load, report.verify
     ranks = f"{report.world_size} rank{'s' if report.world_size != 1 else ''}"
     if load is not None and load.outcome == LoadStatus.LOADED and verified is not None:

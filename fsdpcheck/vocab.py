@@ -76,6 +76,7 @@ class Snapshot(Word):
     POST_WRAP = "post-wrap"
     LOAD = "load"
     PROBE = "probe"
+    REPRODUCE = "reproduce"  # --reproduce: the real loaders' child jobs
 
 
 class ErrorKind(Word):
@@ -137,6 +138,7 @@ class Cause(_Described):
     ENVIRONMENT = "environment", "the ranks run different software"
     CONFIGURATION = "configuration", "how the audit was asked to run"
     LOADING = "loading", "the loader itself left ranks different"
+    FSDPCHECK = "fsdpcheck", "fsdpcheck's own model of a loader was wrong"
     UNKNOWN = (
         "unknown",
         "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
@@ -234,6 +236,11 @@ class FindingKind(_Described):
         "tie",
         "parameters the config ties hold separate storage, or ranks tie different names",
         "tied weights differ",
+    )
+    PREDICTION = (
+        "prediction",
+        "a real loader did not do what fsdpcheck predicted (a bug in fsdpcheck)",
+        "a loader prediction was wrong",
     )
 
     @property

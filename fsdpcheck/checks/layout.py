@@ -102,6 +102,8 @@ def verdict(findings: Sequence[Finding], errors: Sequence[RankError]) -> tuple[V
     if errors:
         bad_input = all(e.kind == ErrorKind.INPUT for e in errors)
         return Verdict.ERROR, ExitCode.BAD_INPUT if bad_input else ExitCode.RUNTIME
+    # A wrong prediction is fsdpcheck's bug, not a difference between the ranks.
+    findings = [f for f in findings if f.kind != FindingKind.PREDICTION]
     if findings and all(f.kind == FindingKind.HASH_SEED for f in findings):
         return Verdict.LATENT, ExitCode.FINDINGS
     if findings:
@@ -123,6 +125,7 @@ def headline(findings: Sequence[Finding], errors: Sequence[RankError], world_siz
     """One short line a person can act on."""
     if errors:
         return _error_headline(errors)
+    findings = [f for f in findings if f.kind != FindingKind.PREDICTION]  # report_headline says it
     if not findings:
         if world_size <= 1:
             return "1 rank: nothing to compare across ranks"

@@ -132,6 +132,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def _from_config(config: Any, trust_remote_code: bool) -> nn.Module:
     from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
 
+    if hasattr(config, "build_model"):  # fixtures build themselves (fsdpcheck.model.fixtures)
+        return config.build_model()
     if isinstance(config, HazardConfig):
         return HazardForCausalLM(config)
     from transformers import AutoModel, AutoModelForCausalLM

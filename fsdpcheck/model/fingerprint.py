@@ -72,7 +72,20 @@ def fingerprint(
     )
     params = tuple(_param_record(name, p, param_values) for name, p in model.named_parameters())
     keys = tuple(model.state_dict(keep_vars=True).keys())
-    return Fingerprint(stage=stage, buffers=buffers, params=params, state_dict_keys=keys)
+    return Fingerprint(
+        stage=stage, buffers=buffers, params=params, state_dict_keys=keys, aliases=aliases(model)
+    )
+
+
+def aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """(name, canonical name) of every parameter that another name already holds (tied)."""
+    first: dict[int, str] = {}
+    out = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(param), name)
+        if owner != name:
+            out.append((name, owner))
+    return tuple(out)
 
 
 def _param_record(name: str, param: torch.Tensor, with_values: bool = False) -> TensorRecord:

@@ -89,6 +89,38 @@ def _hazard_equal() -> Any:
     return HazardConfig.equal_sizes()
 
 
+def _fixture(variant: str) -> Callable[[], Any]:
+    def make() -> Any:
+        from fsdpcheck.model.fixtures import FixtureConfig
+
+        return FixtureConfig.of(variant)
+
+    return make
+
+
+# fsdpcheck.model.fixtures builds these; listed here so that listing presets needs no torch.
+FIXTURE_VARIANTS: dict[str, str] = {
+    "param-shape": "ranks other than 0 build layer 0's MLP 96 wide instead of 64",
+    "tied": "lm_head shares embed_tokens' weight; ranks other than 0 register lm_head first, "
+    "so the tied pair comes first in their state dict",
+    "missing-key": "rank 0's final norm has a bias parameter, the other ranks' has none",
+    "dtype": "ranks other than 0 build the final norm's weight in bfloat16 (same shape)",
+    "persistence": "buffer model.norm.scale is persistent on rank 0, non-persistent elsewhere",
+    "extra-buffer": "ranks other than 0 register one more non-persistent buffer",
+    "bucket-swap": "ranks other than 0 register layer 0's equal-sized gate and up projections "
+    "in swapped order, and a bfloat16 buffer of 4 elements where rank 0 has 8",
+    "buffer-values": "ranks other than 0 compute RoPE with another base: same names and shapes, "
+    "other values",
+}
+
+
+def _fixtures() -> tuple[Preset, ...]:
+    return tuple(
+        Preset(f"fixture-{variant}", "FixtureForCausalLM", f"fixture: {why}", _fixture(variant))
+        for variant, why in FIXTURE_VARIANTS.items()
+    )
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -119,5 +151,6 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset("tiny-llama", "LlamaForCausalLM", "Llama, 2 layers", _llama),
         Preset("tiny-qwen3", "Qwen3ForCausalLM", "Qwen3, 2 layers", _qwen3),
+        *_fixtures(),  # one per-rank difference each (docs/loaders.md)
     )
 }

@@ -63,17 +63,24 @@ def test_hazard_with_equal_hash_seeds_is_consistent(tmp_path: Path) -> None:
 
 def test_equal_size_swap_is_silent_corruption_and_reproduce_shows_it(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    result = run_ranks(
-        ["audit", "--model", "hazard-equal", "--reproduce", "--json", str(out)], seeds=[0, 1]
-    )
+    args = ["audit", "--model", "hazard-equal", "--reproduce", "--timeout", "300"]
+    result = run_ranks([*args, "--json", str(out)], seeds=[0, 1], timeout=420)
     assert result.codes == [1, 1], result.output(0)
     report = read_report(out)
     loaders = {p["name"]: p["verdict"] for p in report["loaders"]}
     assert loaders["named-buffers-order"] == "silent-corruption"
-    # The real unsafe broadcast, in a child job: values really land in the wrong buffer.
+    # Every known loader, run for real in its own child job, did what was predicted.
+    for row in report["loaders"]:
+        assert row["observed"] == (row["on_gloo"] or row["verdict"]), row
+        assert row["products"]
+    assert not [f for f in report["findings"] if f["kind"] == "prediction"]
+    unsafe = next(p for p in report["loaders"] if p["name"] == "named-buffers-order")
+    swapped = unsafe["observed_detail"]["differing"][0]
+    assert swapped["rank"] == 1 and "holds model.rotary_emb." in swapped["state"]
     assert report["reproduction"]["outcome"] == "silent-corruption"
     assert report["reproduction"]["seeds"] == [0, 1]
     assert report["verify"]["passed"] is True  # the sorted loader is not fooled
+    assert "PREDICTION WRONG" not in result.output(0)
 
 
 def test_init_meta_audits_without_loading(tmp_path: Path) -> None:

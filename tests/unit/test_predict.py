@@ -16,10 +16,12 @@ from fsdpcheck.checks.predict import (
     _ddp_buckets,
     itemsize,
     predict_loaders,
+    products,
 )
 from fsdpcheck.records import (
     EnvRecord,
     Fingerprint,
+    Group,
     RankError,
     RankRecord,
     from_dict,
@@ -91,11 +93,16 @@ def test_swapped_buffers_of_different_sizes():
     out = predict({0: record(0), 1: record(1, buffers(HAZARD))})
     assert verdicts(out) == {
         "named-buffers-order": "hang",
-        "state-dict-order": "ok",  # non-persistent buffers are not in the state dict
+        # accelerate: SCALE is a persistent buffer, a plain tensor without a device_mesh
+        "state-dict-order": "refused",
         "ddp-sync": "silent-corruption",  # same total bytes, scrambled inside the bucket
         "dcp-broadcast": "ok",
         "sorted-names": "ok",
     }
+    no_scale = (FULL, SLIDING)
+    calm = predict({0: record(0, buffers(no_scale)), 1: record(1, buffers(HAZARD[1:]))})
+    # Non-persistent buffers are not in the state dict, and accelerate keeps each rank's own.
+    assert calm["state-dict-order"].verdict == "ok"
     hang = out["named-buffers-order"]
     assert hang.ranks == (1,)
     assert hang.first_issue == {
@@ -172,21 +179,33 @@ def test_buffer_set_difference():
 
 
 def test_extra_state_dict_entry_is_a_count_mismatch():
-    extra = tensor("model.norm.bias", (4,), persistent=True)
-    out = predict({0: record(0), 1: record(1, (*buffers(), extra))})
+    bufs = buffers((FULL, SLIDING))
+    extra = tensor("model.norm.bias", (4,))
+    out = predict({0: record(0, bufs), 1: record(1, bufs, (*params(), extra))})
     sd = out["state-dict-order"]
     assert sd.verdict == "hang"
     assert sd.summary.startswith(
-        "count mismatch: rank 0 makes 4 state-dict broadcasts, rank 1 makes 5"
+        "count mismatch: rank 0 makes 3 state-dict broadcasts, rank 1 makes 4"
     )
     assert sd.first_issue["other_name"] == "model.norm.bias"
     assert out["dcp-broadcast"].verdict == "refused"
     assert "extra state-dict key model.norm.bias" in out["dcp-broadcast"].summary
+    assert out["ddp-sync"].verdict == "refused"  # the parameter counts differ: DDP checks first
+
+
+def test_state_dict_order_refuses_a_persistent_buffer():
+    # accelerate's fsdp2_load_full_state_dict reads .device_mesh of every state-dict entry.
+    sd = predict(
+        {r: record(r) for r in (0, 1)} | {1: record(1, prms=params((EMBED, K_PROJ, Q_PROJ)))}
+    )
+    assert sd["state-dict-order"].verdict == "refused"
+    assert "no device_mesh" in sd["state-dict-order"].summary
 
 
 def test_state_dict_order_swap_of_equal_sized_params():
     order = (EMBED, K_PROJ, Q_PROJ)
-    out = predict({0: record(0), 1: record(1, prms=params(order))})
+    bufs = buffers((FULL, SLIDING))
+    out = predict({0: record(0, bufs), 1: record(1, bufs, params(order))})
     sd = out["state-dict-order"]
     assert sd.verdict == "silent-corruption"
     assert (sd.first_issue["index"], sd.first_issue["reference_name"]) == (1, Q_PROJ)
@@ -208,14 +227,21 @@ def test_same_name_different_dtype_same_bytes():
     assert out["dcp-broadcast"].verdict == "ok"  # non-persistent: not compared by DCP
 
 
-def test_shape_difference_hangs_ddp_and_is_refused_by_name_keyed_loaders():
+def test_shape_difference_is_refused_by_ddp_and_by_name_keyed_loaders():
     wide = tensor(EMBED, (64, 8))
-    prms = (wide, *params()[1:])
-    out = predict({0: record(0), 1: record(1, prms=prms)})
-    assert out["ddp-sync"].verdict == "hang"
-    assert out["state-dict-order"].verdict == "hang"
+    bufs = buffers((FULL, SLIDING))
+    out = predict({0: record(0, bufs), 1: record(1, bufs, (wide, *params()[1:]))})
+    ddp = out["ddp-sync"]
+    assert (ddp.verdict, ddp.ranks) == ("refused", (1,))  # DDP checks shapes before broadcasting
+    assert "params[0]" in ddp.summary
+    # Rank 0 sends 1 KiB into rank 1's 2 KiB: NCCL blocks; gloo fills half and carries on.
+    assert (out["state-dict-order"].verdict, out["state-dict-order"].on_gloo) == (
+        "hang",
+        "silent-corruption",
+    )
     assert out["dcp-broadcast"].verdict == "refused"
     assert "(32, 8) float32 on rank 0 but (64, 8) float32 on rank 1" in out["dcp-broadcast"].summary
+    assert out["named-buffers-order"].verdict == "refused"  # its DCP step raises first
     assert out["sorted-names"].verdict == "refused"
 
 
@@ -274,3 +300,121 @@ def test_loader_prediction_round_trips_through_json():
     for prediction in out.values():
         again = from_dict(LoaderPrediction, json.loads(json.dumps(to_dict(prediction))))
         assert again == prediction
+
+
+# ---------------------------------------------------------------- what the real loaders do
+# Each case below is also run for real in tests/test_loaders_real.py.
+
+
+def test_ddp_takes_the_worst_bucket_not_the_first():
+    # Bucket 0 (float32): an equal-size swap. Bucket 1 (bfloat16): 8 bytes sent into 4.
+    table = tensor("model.table", (4,), dtype="bfloat16", persistent=False)
+    small = tensor("model.table", (2,), dtype="bfloat16", persistent=False)
+    bufs = buffers((FULL, SLIDING))
+    ref = record(0, (*bufs, table))
+    other = record(1, (*bufs, small), params((EMBED, K_PROJ, Q_PROJ)))
+    ddp = predict({0: ref, 1: other})["ddp-sync"]
+    assert ddp.verdict == "hang"
+    assert ddp.summary.startswith("bucket 1: rank 0 broadcasts 8 bytes")
+
+
+def test_ddp_on_gloo_leaves_a_longer_tail_alone():
+    # Rank 1's extra buffer at the end of its bucket: NCCL blocks on the count, gloo receives
+    # rank 0's shorter message into the front and the extra buffer keeps its own values.
+    bufs = buffers((FULL, SLIDING))
+    extra = tensor("model.extra", (4,), persistent=False)
+    ddp = predict({0: record(0, bufs), 1: record(1, (*bufs, extra))})["ddp-sync"]
+    assert (ddp.verdict, ddp.on_gloo) == ("hang", "ok")
+
+
+def test_dcp_loads_a_key_missing_on_rank_1_and_a_dtype_only_difference():
+    bufs = buffers((FULL, SLIDING))
+    missing = predict({0: record(0, bufs), 1: record(1, bufs, params()[:2])})
+    assert missing["dcp-broadcast"].verdict == "ok"  # DCP follows rank 0's keys
+    assert missing["ddp-sync"].verdict == "refused"  # parameter counts differ
+    assert missing["state-dict-order"].verdict == "hang"  # rank 0 makes one more broadcast
+    half = (tensor(EMBED, (32, 8), dtype="bfloat16"), *params()[1:])
+    dtype = predict({0: record(0, bufs), 1: record(1, bufs, half)})
+    assert dtype["dcp-broadcast"].verdict == "ok"  # DCP converts to the receiver's dtype
+    assert dtype["sorted-names"].verdict == "refused"
+
+
+def test_dcp_refuses_only_on_the_ranks_that_differ():
+    bufs = buffers((FULL, SLIDING))
+    wide = (tensor(EMBED, (64, 8)), *params()[1:])
+    per_rank = {0: record(0, bufs), 1: record(1, bufs), 2: record(2, bufs, wide)}
+    dcp = predict(per_rank)["dcp-broadcast"]
+    assert (dcp.verdict, dcp.ranks) == ("refused", (2,))
+    assert dcp.summary.endswith("set_model_state_dict raises on rank 2")
+
+
+def tied(rank, first=EMBED):
+    """Embedding and lm_head tied; ``first``: the name named_parameters() keeps."""
+    head = "lm_head.weight"
+    alias = head if first == EMBED else EMBED
+    prms = (tensor(first, (32, 8)), *params()[1:])
+    keys = (EMBED, Q_PROJ, K_PROJ, head) if first == EMBED else (head, EMBED, Q_PROJ, K_PROJ)
+    bufs = buffers((FULL, SLIDING))
+    base = record(rank, bufs, prms, keys)
+    return dataclasses.replace(
+        base,
+        pre_wrap=dataclasses.replace(base.pre_wrap, aliases=((alias, first),)),
+        post_wrap=dataclasses.replace(base.post_wrap, aliases=((alias, first),)),
+    )
+
+
+def test_tied_weights_are_known_by_both_names():
+    out = predict({0: tied(0), 1: tied(1, first="lm_head.weight")})
+    sd = out["state-dict-order"]
+    assert "size unknown" not in sd.summary
+    # The tied pair trades places harmlessly; Q_PROJ (8, 8) then lands in EMBED (32, 8).
+    assert sd.verdict == "hang"
+    assert (sd.first_issue["reference_name"], sd.first_issue["other_name"]) == (Q_PROJ, EMBED)
+    assert sd.on_gloo is None  # gloo aborts too, two broadcasts later (1 KiB into 256 B)
+    assert out["ddp-sync"].verdict == "ok"  # the same tensor under another name
+    assert out["sorted-names"].verdict == "ok"  # both names on both ranks
+    assert out["dcp-broadcast"].verdict == "ok"
+
+
+def test_unknown_item_size_with_another_shape_is_not_ok():
+    odd = tensor(FULL, (16,), dtype="float2_e1m1_fake", persistent=False)
+    odder = tensor(FULL, (8,), dtype="float2_e1m1_fake", persistent=False)
+    out = predict({0: record(0, (odd,)), 1: record(1, (odder,))})
+    assert out["named-buffers-order"].verdict == "hang"  # same dtype: sizes follow elements
+    mixed = tensor(FULL, (8,), dtype="float32", persistent=False)
+    out = predict({0: record(0, (odd,)), 1: record(1, (mixed,))})
+    assert out["named-buffers-order"].verdict == "hang"
+    assert "size unknown" in out["named-buffers-order"].summary
+    assert itemsize("float4_e2m1fn_x2") == 1
+
+
+def test_accelerate_keeps_each_ranks_buffer_values():
+    bufs = buffers((FULL, SLIDING))
+    ours = tuple(dataclasses.replace(b, digest=f"d-{b.name}") for b in bufs)
+    theirs = (dataclasses.replace(bufs[0], digest="other"), ours[1])
+    # Values are not part of a group's digest: ranks that differ only there need their own
+    # group (as a value-aware gather gives them) for their records to be compared at all.
+    groups = [Group((0,), "a"), Group((1,), "b")]
+    records = {0: record(0, ours), 1: record(1, theirs)}
+    out = {p.name: p for p in predict_loaders(groups, records)}
+    sd = out["state-dict-order"]
+    assert sd.verdict == "silent-corruption"
+    assert "kept per rank" in sd.summary
+    assert out["dcp-broadcast"].verdict == "silent-corruption"  # DCP leaves them alone too
+    assert out["named-buffers-order"].verdict == "ok"  # broadcast from rank 0
+    unknown = (dataclasses.replace(bufs[0], digest=None), ours[1])
+    records[1] = record(1, unknown)
+    assert predict_loaders(groups, records)[1].verdict == "ok"  # not recorded: not judged
+
+
+def test_rows_name_products_and_installed_versions():
+    env = EnvRecord(0, 0, 2, "h", "gloo", "3.11", "2.13.0+cpu", "5.24.0", "0", accelerate="1.15.0")
+    assert "verl before PR #6405" in products("named-buffers-order")
+    assert "lmms-engine" in products("named-buffers-order")
+    assert products("state-dict-order", env).endswith("installed: accelerate 1.15.0")
+    assert "PR #3982" in products("state-dict-order", env)
+    gone = dataclasses.replace(env, accelerate=None)
+    assert products("state-dict-order", gone).endswith("accelerate is not installed here")
+    assert products("ddp-sync", env).endswith("torch 2.13.0+cpu")
+    out = predict({0: record(0), 1: record(1)})
+    assert all(p.products for p in out.values())

@@ -1,0 +1,208 @@
+"""What a loader really did in its child job, in the predictions' vocabulary; and where the
+prediction was wrong. Pure: functions over the ranks' exits, stage marks and JSON records.
+
+- ``hang``: a rank was still inside the loader's collectives at the deadline, or left them with
+  a collective failure (a timeout, a vanished peer), or gloo aborted it there (a size mismatch:
+  gloo aborts the receiver, NCCL would block until its watchdog);
+- ``refused``: the loader raised a clear exception of its own on some rank, and no rank was
+  aborted for a mismatched collective;
+- ``silent-corruption``: every rank finished, and a tensor differs from what rank 0 holds (or
+  sent) under the same name;
+- ``uninitialized``: every rank finished, and a non-persistent buffer of a rank built on meta
+  differs from its own module's reference and holds no value anyone computed;
+- ``None``: the job says nothing about the loader (a rank failed or was too slow before it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fsdpcheck.records import Finding, LoaderPrediction
+from fsdpcheck.vocab import Cause, FindingKind, LoaderVerdict, Snapshot
+
+# Stages a child marks; "loading" is the only one inside the loader's own collectives.
+LOADING = "loading"
+_LISTED = 8  # differing tensors kept in the detail
+_GARBAGE = "holds uninitialised memory (built on meta, never loaded)"
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One rank of one loader job, as the parent saw it."""
+
+    rank: int
+    returncode: int | None  # None: killed at the deadline
+    signal: str | None
+    stage: str | None  # the last stage it marked
+    last_error: str  # the most telling stderr line
+    record: Mapping[str, Any] | None = field(default=None)  # rank<N>.json, when written
+
+
+@dataclass(frozen=True)
+class Observation:
+    loader: str
+    verdict: str | None  # None: the job did not get as far as the loader
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+def classify(loader: str, runs: Sequence[RankRun], elapsed: float = 0.0) -> Observation:
+    """The outcome of one loader job (see the module docstring for the rules)."""
+    detail: dict[str, Any] = {
+        "ranks": [_rank_detail(r) for r in runs],
+        "elapsed": round(elapsed, 2),
+        "differing": [],
+    }
+
+    def done(verdict: str | None, summary: str) -> Observation:
+        return Observation(loader, verdict, {**detail, "summary": summary})
+
+    aborted = [r for r in runs if r.signal is not None and r.stage == LOADING]
+    if aborted:
+        r = aborted[0]
+        return done(
+            "hang",
+            f"rank {r.rank} was killed by {r.signal} inside the loader's collectives "
+            f"({r.last_error or 'no message'}): gloo aborts a mismatched collective, NCCL blocks",
+        )
+    refused = [r for r in runs if _error(r, "refused", LOADING)]
+    if refused:
+        r = refused[0]
+        return done("refused", f"rank {r.rank} raised {r.record['error']['message']}")
+    stuck = [r for r in runs if r.returncode is None and r.stage == LOADING]
+    failed = [r for r in runs if _error(r, "collective", LOADING)]
+    if stuck or failed:
+        late = "still inside the loader's collectives at the deadline"
+        parts = [f"rank {r.rank} {late}" for r in stuck]
+        parts += [f"rank {r.rank}: {r.record['error']['message']}" for r in failed]
+        return done("hang", "; ".join(parts))
+    unfinished = [r for r in runs if r.returncode != 0 or not r.record or r.record.get("error")]
+    if unfinished:
+        r = unfinished[0]
+        why = (
+            "killed at the deadline"
+            if r.returncode is None
+            else (r.record or {}).get("error", {}).get("message")
+            if r.record and r.record.get("error")
+            else r.last_error or f"exit {r.returncode}"
+        )
+        return done(None, f"rank {r.rank} did not get through the loader (stage {r.stage}): {why}")
+
+    differing, only = compare_holdings({r.rank: r.record for r in runs})
+    detail["differing"] = differing[:_LISTED]
+    detail["differing_count"] = len(differing)
+    if only:
+        detail["only_on"] = only[:_LISTED]
+    if not differing:
+        return done("ok", "every rank holds rank 0's values under every shared name")
+    worst = max(differing, key=lambda d: LoaderVerdict(d["verdict"]).severity)
+    first = next(d for d in differing if d["verdict"] == worst["verdict"])
+    more = f" (and {len(differing) - 1} more)" if len(differing) > 1 else ""
+    where = f"rank {first['rank']} {first['name']} {first['state']}"
+    return done(worst["verdict"], f"finished, but on {where}{more}")
+
+
+def compare_holdings(
+    records: Mapping[int, Mapping[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every tensor that is not what rank 0 holds or sent, and the names only one side has."""
+    ref = records[min(records)]
+    ref_tensors = ref.get("tensors", {})
+    expected = ref.get("expected", {})
+    first = min(records)
+    known = {t["digest"] for t in ref_tensors.values() if t["digest"]}
+    differing: list[dict[str, Any]] = []
+    only: list[dict[str, Any]] = []
+    for rank in sorted(records):
+        record = records[rank]
+        tensors = record.get("tensors", {})
+        own = record.get("reference", {})
+        wants = expected.get(str(rank), {})
+        for name, t in tensors.items():
+            volatile = t["kind"] == "buffer" and t["persistent"] is False
+            if volatile and t["digest"] != own.get(name):
+                if record.get("meta_built") and t["digest"] not in known | set(own.values()):
+                    differing.append(_entry(name, rank, "uninitialized", _GARBAGE))
+                    continue
+            if name in wants:
+                if t["digest"] == wants[name].get(t["dtype"]):
+                    continue
+                state = f"differs from rank {first}'s source"
+            elif name in ref_tensors:
+                if rank == first or t["digest"] == ref_tensors[name]["digest"]:
+                    continue
+                state = f"differs from rank {first}'s"
+            elif volatile and t["digest"] != own.get(name):
+                state = "is only on this rank, and the loader overwrote its own value"
+            else:
+                only.append({"name": name, "rank": rank})
+                continue
+            held = [n for n, o in ref_tensors.items() if o["digest"] == t["digest"] and n != name]
+            if held:
+                state = f"holds {held[0]}'s values"
+            elif volatile and t["digest"] == own.get(name):
+                state = "kept its own value, not rank 0's"
+            differing.append(_entry(name, rank, "silent-corruption", state))
+        if rank != first:
+            only += [{"name": n, "rank": first} for n in ref_tensors if n not in tensors]
+    return differing, only
+
+
+def _entry(name: str, rank: int, verdict: str, state: str) -> dict[str, Any]:
+    return {"name": name, "rank": rank, "verdict": verdict, "state": state}
+
+
+def _error(run: RankRun, kind: str, stage: str) -> bool:
+    """The rank's child reported an error of ``kind`` raised in ``stage``."""
+    error = (run.record or {}).get("error")
+    return bool(error) and error.get("kind") == kind and error.get("stage") == stage
+
+
+def _rank_detail(run: RankRun) -> dict[str, Any]:
+    error = (run.record or {}).get("error") or {}
+    if run.returncode is None:
+        exit_text = "killed at the deadline"
+    elif run.signal:
+        exit_text = run.signal
+    else:
+        exit_text = f"exit {run.returncode}"
+    return {
+        "rank": run.rank,
+        "exit": exit_text,
+        "stage": run.stage,
+        "error": error.get("message") or (run.last_error if run.returncode != 0 else None),
+    }
+
+
+# ---------------------------------------------------------------- folding into the report
+
+
+def with_observations(
+    loaders: Sequence[LoaderPrediction], observations: Mapping[str, Observation]
+) -> tuple[tuple[LoaderPrediction, ...], tuple[Finding, ...]]:
+    """Predictions with ``observed`` filled in, and a ``prediction`` finding per disagreement."""
+    out, findings = [], []
+    for p in loaders:
+        seen = observations.get(p.name)
+        if seen is None:
+            out.append(p)
+            continue
+        out.append(replace(p, observed=seen.verdict, observed_detail=dict(seen.detail)))
+        expected = p.on_gloo or p.verdict  # the jobs run on gloo
+        if seen.verdict is not None and seen.verdict != expected:
+            findings.append(
+                Finding(
+                    kind=FindingKind.PREDICTION,
+                    ranks=(),
+                    reference_rank=0,
+                    stage=Snapshot.REPRODUCE,
+                    cause=Cause.FSDPCHECK,
+                    summary=f"fsdpcheck predicted {p.name} → {expected} on gloo, but the real "
+                    f"loader was {seen.verdict}: {seen.detail.get('summary', '')} (a bug in "
+                    "fsdpcheck's model of this loader; please report it)",
+                    tensors=(),
+                    details={"loader": p.name, "predicted": expected, "observed": seen.verdict},
+                )
+            )
+    return tuple(out), tuple(findings)
