@@ -72,6 +72,26 @@ class DType(str, Enum):
     float16 = "float16"
 
 
+# Options shared by the commands that build a model (audit, fingerprint).
+DTYPE_OPTION = typer.Option(None, help="Build dtype \\[default: the config's].")
+SEED_OPTION = typer.Option(0, help="Random-init seed when the model has no checkpoint.")
+WRAP_CLASS_OPTION = typer.Option(
+    [],
+    "--wrap-class",
+    help="Layer class to fully_shard (repeatable) \\[default: _no_split_modules].",
+)
+MIN_PARAMS_OPTION = typer.Option(
+    100_000_000, help="Size-based wrapping threshold, used when no wrap class is present."
+)
+TEXT_ONLY_OPTION = typer.Option(False, help="Build only the text model of a multimodal config.")
+TRUST_REMOTE_CODE_OPTION = typer.Option(
+    False, help="Allow the model's own Python code (off: never runs remote code)."
+)
+ALLOW_PICKLE_OPTION = typer.Option(
+    False, help="Allow pickle weights (*.bin, *.pt); safetensors only by default."
+)
+
+
 @app.command(epilog=AUDIT_EPILOG)
 def audit(
     model: str = typer.Option(
@@ -86,23 +106,13 @@ def audit(
     init: Init = typer.Option(
         Init.rank0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
     ),
-    dtype: DType | None = typer.Option(None, help="Build dtype \\[default: the config's]."),
-    seed: int = typer.Option(0, help="Random-init seed when the model has no checkpoint."),
-    wrap_class: list[str] = typer.Option(
-        [],
-        "--wrap-class",
-        help="Layer class to fully_shard (repeatable) \\[default: _no_split_modules].",
-    ),
-    min_params: int = typer.Option(
-        100_000_000, help="Size-based wrapping threshold, used when no wrap class is present."
-    ),
-    text_only: bool = typer.Option(False, help="Build only the text model of a multimodal config."),
-    trust_remote_code: bool = typer.Option(
-        False, help="Allow the model's own Python code (off: never runs remote code)."
-    ),
-    allow_pickle: bool = typer.Option(
-        False, help="Allow pickle weights (*.bin, *.pt); safetensors only by default."
-    ),
+    dtype: DType | None = DTYPE_OPTION,
+    seed: int = SEED_OPTION,
+    wrap_class: list[str] = WRAP_CLASS_OPTION,
+    min_params: int = MIN_PARAMS_OPTION,
+    text_only: bool = TEXT_ONLY_OPTION,
+    trust_remote_code: bool = TRUST_REMOTE_CODE_OPTION,
+    allow_pickle: bool = ALLOW_PICKLE_OPTION,
     vary_hash_seed: bool = typer.Option(
         False,
         help="Give each rank its own PYTHONHASHSEED (= its rank), so a hash-order dependence "
@@ -396,10 +406,8 @@ def probe(
         None, "--junit", help="Write a JUnit XML file here: a test case per seed and per order."
     ),
     annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
-    text_only: bool = typer.Option(False, help="Build only the text model of a multimodal config."),
-    trust_remote_code: bool = typer.Option(
-        False, help="Allow the model's own Python code (off: never runs remote code)."
-    ),
+    text_only: bool = TEXT_ONLY_OPTION,
+    trust_remote_code: bool = TRUST_REMOTE_CODE_OPTION,
     jobs: int | None = typer.Option(None, min=1, help="Children at a time \\[default: CPU count]."),
     timeout: float = typer.Option(180.0, min=1.0, help="Seconds each child may take (killed)."),
 ) -> None:
@@ -578,26 +586,16 @@ def fingerprint(
     init: Init = typer.Option(
         Init.rank0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
     ),
-    dtype: DType | None = typer.Option(None, help="Build dtype \\[default: the config's]."),
-    seed: int = typer.Option(0, help="Random-init seed when the model has no checkpoint."),
+    dtype: DType | None = DTYPE_OPTION,
+    seed: int = SEED_OPTION,
     wrap: bool = typer.Option(
         True, help="Also fully_shard on a one-rank group of this process's own, and record after."
     ),
-    wrap_class: list[str] = typer.Option(
-        [],
-        "--wrap-class",
-        help="Layer class to fully_shard (repeatable) \\[default: _no_split_modules].",
-    ),
-    min_params: int = typer.Option(
-        100_000_000, help="Size-based wrapping threshold, used when no wrap class is present."
-    ),
-    text_only: bool = typer.Option(False, help="Build only the text model of a multimodal config."),
-    trust_remote_code: bool = typer.Option(
-        False, help="Allow the model's own Python code (off: never runs remote code)."
-    ),
-    allow_pickle: bool = typer.Option(
-        False, help="Allow pickle weights (*.bin, *.pt); safetensors only by default."
-    ),
+    wrap_class: list[str] = WRAP_CLASS_OPTION,
+    min_params: int = MIN_PARAMS_OPTION,
+    text_only: bool = TEXT_ONLY_OPTION,
+    trust_remote_code: bool = TRUST_REMOTE_CODE_OPTION,
+    allow_pickle: bool = ALLOW_PICKLE_OPTION,
     rank: int | None = typer.Option(
         None,
         "--rank",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpcheck.checks.observed import RankRun
+from fsdpcheck.children.launch import last_error, signal_name
 
 EXIT_REFUSED = 3  # the loader raised a clear exception
 EXIT_COLLECTIVE = 124  # a collective failed or timed out (the peer is gone or out of step)
@@ -29,7 +29,6 @@ _COLLECTIVE_WORDS = re.compile(
     r"collective mismatch|preamble",
     re.IGNORECASE,
 )
-_ERROR_LINE = re.compile(r"error|what\(\)|enforce fail|abort|timed out|timeout", re.IGNORECASE)
 COMMON_DTYPES = ("float32", "bfloat16", "float16")
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding fsdpcheck/
 
@@ -99,9 +98,9 @@ def run_job(
             RankRun(
                 rank=r.rank,
                 returncode=r.returncode,
-                signal=_signal_name(r.returncode),
+                signal=signal_name(r.returncode),
                 stage=_read_text(Path(tmp) / f"rank{r.rank}.stage"),
-                last_error=_last_error(r.stderr),
+                last_error=last_error(r.stderr, 300),
                 record=_read_json(Path(tmp) / f"rank{r.rank}.json"),
             )
             for r in result.ranks
@@ -121,40 +120,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _signal_name(code: int | None) -> str | None:
-    if code is None or code >= 0:
-        return None
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
-
-
-def _last_error(stderr: str) -> str:
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    telling = [line for line in lines if _ERROR_LINE.search(line)]
-    return (telling or lines or [""])[-1][:300]
-
-
-# ---------------------------------------------------------------- child side
-
-
-class Marks:
-    """This rank's stage file and result file in the parent's directory."""
-
-    def __init__(self, out: str, rank: int):
-        self.out = Path(out)
-        self.rank = rank
-        self.current = "start"
-
-    def stage(self, name: str) -> None:
-        self.current = name
-        _atomic_write(self.out / f"rank{self.rank}.stage", name)
-
-    def result(self, record: Mapping[str, Any]) -> None:
-        _atomic_write(self.out / f"rank{self.rank}.json", json.dumps(record, sort_keys=True))
 
 
 def _atomic_write(path: Path, text: str) -> None:

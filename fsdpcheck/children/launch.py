@@ -8,6 +8,7 @@ process group of every rank when the time is up.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -122,3 +123,23 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=10)
+
+
+_ERROR_LINE = re.compile(r"error|what\(\)|enforce fail|abort|timed out|timeout", re.IGNORECASE)
+
+
+def signal_name(code: int | None) -> str | None:
+    """``SIGABRT`` for a rank killed by that signal (a negative return code); else None."""
+    if code is None or code >= 0:
+        return None
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def last_error(stderr: str, limit: int = 500) -> str:
+    """The most telling line of a child's stderr: gloo's enforce message, a traceback's end."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    telling = [line for line in lines if _ERROR_LINE.search(line)]
+    return (telling or lines or [""])[-1][:limit]

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -21,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdpcheck.children.launch import last_error, signal_name
 from fsdpcheck.errors import InputError
 from fsdpcheck.options import child_collective_timeout
 from fsdpcheck.vocab import ExitCode
 
 EXIT_COLLECTIVE_TIMEOUT = 124  # the child's own collective timed out: the loader hung
 _VALUES_SHOWN = 64  # buffers up to this many elements carry their values in the JSON
-_ERROR_LINE = re.compile(r"error|what\(\)|enforce fail|abort|timed out|timeout", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -107,8 +105,8 @@ def run_reproduction(
             rank=r.rank,
             hash_seed=seeds[r.rank],
             returncode=r.returncode,
-            signal=_signal_name(r.returncode),
-            last_error=_last_error(r.stderr),
+            signal=signal_name(r.returncode),
+            last_error=last_error(r.stderr),
         )
         for r in result.ranks
     )
@@ -124,21 +122,6 @@ def run_reproduction(
         exits=exits,
         details=details,
     )
-
-
-def _signal_name(code: int | None) -> str | None:
-    if code is None or code >= 0:
-        return None
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
-
-
-def _last_error(stderr: str) -> str:
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    telling = [line for line in lines if _ERROR_LINE.search(line)]
-    return (telling or lines or [""])[-1][:500]
 
 
 def _classify(
