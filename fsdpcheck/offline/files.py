@@ -60,24 +60,35 @@ class Identity:
 
 def process_identity(rank: int | None = None) -> Identity:
     """This process's rank: the default group's when one exists (a local lookup, never a
-    collective), else the launcher's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``; else rank 0 of 1.
+    collective), else the launcher's variables (torchrun, srun, mpirun); else rank 0 of 1.
     ``rank`` overrides the rank. The backend is the group's, else the one the audit would
     choose here (nccl with CUDA, else gloo), so that offline records compare with gathered ones.
     """
     import torch
     import torch.distributed as dist
 
+    from fsdpcheck.dist.launcher import local_rank_hint, rank_hint
+
     if dist.is_available() and dist.is_initialized():
         own, world, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
     else:
-        own, world = _int_env("RANK", 0), _int_env("WORLD_SIZE", 1)
+        # Any launcher's variables (torchrun, srun, mpirun); no rendezvous is needed here.
+        own = _int_env("RANK", rank_hint(os.environ))
+        world = _first_int_env(("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"), 1)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    local = _int_env("LOCAL_RANK", own)
+    local = local_rank_hint(os.environ, own)
     if rank is not None:
         own = rank
     if own < 0:
         raise InputError(f"rank {own} is negative; pass a rank of 0 or more.")
     return Identity(own, local, max(world, own + 1), backend)
+
+
+def _first_int_env(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        if os.environ.get(name):
+            return _int_env(name, default)
+    return default
 
 
 def _int_env(name: str, default: int) -> int:

@@ -309,3 +309,22 @@ def test_diff_unwritable_output_is_bad_input_before_reading(tmp_path: Path) -> N
     result = CliRunner().invoke(app, ["diff", str(a), str(a), "--junit", f"{blocker}/d.xml"])
     assert result.exit_code == 2
     assert "is a file, not a folder" in result.output and "Traceback" not in result.output
+
+
+def test_offline_identity_reads_srun_and_mpirun_variables(monkeypatch) -> None:
+    from fsdpcheck.offline.files import process_identity
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    identity = process_identity()
+    assert (identity.rank, identity.local_rank, identity.world_size) == (3, 1, 4)
+    for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "2")
+    identity = process_identity()
+    assert (identity.rank, identity.local_rank, identity.world_size) == (2, 2, 8)
