@@ -42,7 +42,8 @@ GIB, MIB = 2**30, 2**20
 NCCL_TIMEOUT_S = 600.0  # torch.distributed's default NCCL collective timeout
 BUCKET_BYTES = 256 * MIB  # load_full_state_dict's default
 ROWS = (
-    "audit", "init", "trainer", "cli", "buffers", "load", "gather", "scale", "probe", "verdict",
+    "audit", "init", "trainer", "cli", "buffers", "load", "gather", "scale", "digests", "probe",
+    "verdict",
 )  # fmt: skip
 
 # A Llama-3-70B-shaped config: built on meta, it costs what any 70B model costs to describe.
@@ -730,6 +731,69 @@ def row_gather(s: Settings) -> Row:
     return row
 
 
+def row_digests(s: Settings) -> Row:
+    row = Row(
+        "digests",
+        "state-check digests",
+        "what the state checks (issue: values, ties, buffers, config) cost on one rank of a "
+        "Gemma3-1B-shaped model (bfloat16, deterministic fill), against its build",
+    )
+    model = s.scratch / "gemma3-1b-shaped"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(
+        json.dumps(GEMMA3_1B if not s.quick else {**GEMMA3_1B, "num_hidden_layers": 2}, indent=2)
+    )
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_digests.py"), "--model", str(model),
+         "--repeats", str(s.repeats)],
+        capture_output=True, text=True, env={**os.environ, **ENV}, timeout=1800,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@bench ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"bench_digests failed: {proc.stderr[-2000:]}")
+    record = json.loads(lines[-1][len("@bench ") :])
+    seconds = {k: median(v) for k, v in record["seconds"].items()}
+    build = record["build_seconds"]
+    gb = record["parameter_bytes"] / 1e9
+    digests = seconds["fingerprint + parameter digests"] - seconds["layout fingerprint"]
+    blake = seconds["blake2b of every parameter (one thread)"]
+    row.raw = record
+    row.lines.append(
+        Line(
+            "parameter digests / blake2b",
+            f"{digests / blake:.2f}×",
+            "< 1× (faster than one-thread blake2b)",
+            digests < blake,
+            f"{fmt_s(digests)} for {gb:.2f} GB ({gb / max(digests, 1e-9):.1f} GB/s) vs blake2b "
+            f"{fmt_s(blake)} ({gb / max(blake, 1e-9):.1f} GB/s); build {fmt_s(build)} "
+            f"({record['init_values']})",
+            digests / blake,
+        )
+    )
+    others = {k: v for k, v in seconds.items() if "blake2b" not in k and "parameter" not in k}
+    total = sum(others.values())
+    row.lines.append(
+        Line(
+            "other state checks / build",
+            f"{total / build:.3f}×",
+            "informational",
+            None,
+            "; ".join(f"{k} {fmt_ms(v)}" for k, v in others.items()),
+            total / build,
+        )
+    )
+    row.notes.append(
+        "Parameter digests run only where values must agree across ranks and are real: "
+        "`--init all`, and `check_model` on a script's own model (each rank digests its local "
+        "shards, so a rank's work is model / world). They use the verify checksum "
+        "(fsdpcheck/model/checksum.py: two position-weighted int64 sums, on the tensor's own "
+        "device, over this rank's share of the cores). Buffers are digested in every "
+        "fingerprint; the buffer check rebuilds the model's class from its config with "
+        "parameters on meta, so it costs about one meta build. Command: scripts/bench_digests.py."
+    )
+    return row
+
+
 def row_probe(s: Settings) -> Row:
     from fsdpcheck.children import probe as probe_module
     from fsdpcheck.children.harness import ChildRunner
@@ -1162,6 +1226,7 @@ RUNNERS: dict[str, Callable[[Settings], Row]] = {
     "load": row_load,
     "gather": row_gather,
     "scale": row_scale,
+    "digests": row_digests,
     "probe": row_probe,
     "verdict": row_verdict,
 }

@@ -18,8 +18,8 @@ from torch import nn
 
 from fsdpcheck.dist.environment import all_cores
 from fsdpcheck.errors import FsdpcheckError
-from fsdpcheck.loader.checksum import checksums
 from fsdpcheck.loader.shards import expected_shard
+from fsdpcheck.model.checksum import checksums
 from fsdpcheck.records import VerifyResult
 
 # Status codes rank 0 broadcasts with its verdict.

@@ -1,12 +1,11 @@
-"""Stages 3 and 5: record a rank's buffers and parameters, in iteration order."""
+"""Record a rank's buffers and parameters, in iteration order."""
 
 from __future__ import annotations
-
-import hashlib
 
 import torch
 from torch import nn
 
+from fsdpcheck.model.checksum import checksum, checksums
 from fsdpcheck.records import Fingerprint, TensorRecord
 
 
@@ -15,11 +14,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def value_digest(tensor: torch.Tensor) -> str | None:
-    """A digest of the values, or None where there are none (meta)."""
-    if tensor.device.type == "meta":
-        return None
-    data = tensor.detach().reshape(-1).contiguous().cpu()
-    return hashlib.blake2b(data.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+    """A digest of the values, or None where there are none (meta): the memory-speed checksum
+    verify uses, on the tensor's own device (see :mod:`fsdpcheck.model.checksum`)."""
+    return checksum(tensor)
 
 
 HEAD_VALUES = 4  # values a record carries per tensor: enough for a hint, bounded bytes
@@ -56,8 +53,15 @@ def fingerprint(
     model: nn.Module, stage: str, *, with_values: bool = True, param_values: bool = False
 ) -> Fingerprint:
     """``with_values``: buffer digests and first values; ``param_values``: parameters' too (of
-    the local shard, for DTensors), for comparing them across ranks."""
+    the local shard, for DTensors), for comparing them across ranks. Digests are taken in one
+    batch, so the checksum spreads over this rank's cores."""
     non_persistent = non_persistent_buffers(model)
+    named_buffers = list(model.named_buffers())
+    named_params = [(name, p, _local(p)) for name, p in model.named_parameters()]
+    to_digest = [buf for _, buf in named_buffers] if with_values else []
+    if param_values:
+        to_digest += [local for _, _, local in named_params]
+    digests = iter(checksums(to_digest))
     buffers = tuple(
         TensorRecord(
             name=name,
@@ -65,12 +69,15 @@ def fingerprint(
             dtype=dtype_name(buf.dtype),
             device=buf.device.type,
             persistent=name not in non_persistent,
-            digest=value_digest(buf) if with_values else None,
+            digest=next(digests) if with_values else None,
             head=head_values(buf) if with_values else None,
         )
-        for name, buf in model.named_buffers()
+        for name, buf in named_buffers
     )
-    params = tuple(_param_record(name, p, param_values) for name, p in model.named_parameters())
+    params = tuple(
+        _param_record(name, p, local, next(digests) if param_values else None, param_values)
+        for name, p, local in named_params
+    )
     keys = tuple(model.state_dict(keep_vars=True).keys())
     return Fingerprint(
         stage=stage, buffers=buffers, params=params, state_dict_keys=keys, aliases=aliases(model)
@@ -88,12 +95,17 @@ def aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _param_record(name: str, param: torch.Tensor, with_values: bool = False) -> TensorRecord:
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``param``: its local shard for a DTensor, else the tensor."""
+    return param.to_local() if getattr(param, "placements", None) is not None else param
+
+
+def _param_record(
+    name: str, param: torch.Tensor, local: torch.Tensor, digest: str | None, with_values: bool
+) -> TensorRecord:
     placements = getattr(param, "placements", None)
     local_shape = None
-    local = param
     if placements is not None:
-        local = param.to_local()
         local_shape = tuple(local.shape)
         placements = tuple(str(p) for p in placements)
     return TensorRecord(
@@ -103,7 +115,7 @@ def _param_record(name: str, param: torch.Tensor, with_values: bool = False) -> 
         device=param.device.type,
         placements=placements,
         local_shape=local_shape,
-        digest=value_digest(local) if with_values else None,
+        digest=digest,
         head=head_values(local) if with_values else None,
         requires_grad=bool(param.requires_grad),
     )

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdpcheck.loader.checksum import _CHUNK, checksum, checksums
 from fsdpcheck.model.build import _from_config, _load_config, build
+from fsdpcheck.model.checksum import _CHUNK, checksum, checksums
 from fsdpcheck.model.resolve import resolve
 
 
