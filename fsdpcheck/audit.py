@@ -319,56 +319,63 @@ def _rank0_extras(
     progress: Callable[[str], None] | None = None,
 ) -> AuditOutcome:
     """Rank 0's optional extras: every loader for real and the unsafe loader's value-level
-    reproduction, each in child jobs, and the probe's result. ``progress`` names them on the
-    console (no liveness mark: the others are not behind)."""
+    reproduction, each in child jobs, and the probe's result. The other ranks wait for rank 0's
+    decision under ``--timeout``, so all of it shares one deadline well inside it; what does not
+    fit says so in the report. ``progress`` names them on the console (no liveness mark: the
+    others are not behind)."""
+    deadline = time.monotonic() + options.budgets.extras
     if options.reproduce:
         if progress is not None:
             progress("reproduce")
-        start = time.monotonic()
-        observed, note = _observe_loaders(options, outcome.gathered)
-        left = max(10.0, options.budgets.reproduce - (time.monotonic() - start))
-        outcome = replace(
-            outcome,
-            observed=observed,
-            reproduction=_reproduce(options, outcome.gathered, left),
-            notes=(*outcome.notes, *filter(None, [note])),
-        )
+        left = min(options.budgets.reproduce, deadline - time.monotonic())
+        observed, note = _observe_loaders(options, outcome.gathered, left * 5 / 6)
+        outcome = replace(outcome, observed=observed, notes=(*outcome.notes, *filter(None, [note])))
+        left = min(options.budgets.reproduce, deadline - time.monotonic())
+        outcome = replace(outcome, reproduction=_reproduce(options, outcome.gathered, left))
     if probing is not None:
         if progress is not None:
             progress("probe")
-        result, note = probing.result()
+        result, note = probing.result(deadline)
         outcome = replace(outcome, probe=result, notes=(*outcome.notes, *filter(None, [note])))
     return outcome
 
 
-def _observe_loaders(options: AuditOptions, gathered: Gathered) -> tuple[dict, str | None]:
-    """Every known loader, run for real in its own 2-rank gloo child job (five sixths of the
-    --reproduce budget): ``({loader: Observation}, a note if it could not run)``."""
-    from fsdpcheck.children.jobs import ChildSpec
-    from fsdpcheck.children.observe import job_seeds, observe_loaders
+def _observe_loaders(
+    options: AuditOptions, gathered: Gathered, budget: float
+) -> tuple[dict, str | None]:
+    """Every known loader, run for real in its own 2-rank gloo child job, within ``budget``
+    seconds in all: ``({loader: Observation}, a note if it could not run)``."""
+    try:  # an extra: its failure, even to import, must not end the audit
+        from fsdpcheck.children.jobs import ChildSpec
+        from fsdpcheck.children.observe import job_seeds, observe_loaders
 
-    spec = ChildSpec(
-        model=options.model,
-        init=options.init,
-        dtype=options.dtype,
-        seed=options.seed,
-        text_only=options.text_only,
-        trust_remote_code=options.trust_remote_code,
-        allow_pickle=options.allow_pickle,
-    )
-    seeds = job_seeds([gathered.records[r].env.hash_seed for r in sorted(gathered.records)])
-    try:
-        budget = options.budgets.reproduce * 5 / 6
+        if budget < 2.0:
+            return {}, f"--reproduce: no time left to run the loaders ({budget:.1f} s)"
+        spec = ChildSpec(
+            model=options.model,
+            init=options.init,
+            dtype=options.dtype,
+            seed=options.seed,
+            text_only=options.text_only,
+            trust_remote_code=options.trust_remote_code,
+            allow_pickle=options.allow_pickle,
+        )
+        seeds = job_seeds([gathered.records[r].env.hash_seed for r in sorted(gathered.records)])
         return observe_loaders(spec, seeds=seeds, budget=budget), None
-    except Exception as exc:  # an extra: its failure must not end the audit
+    except Exception as exc:
         return {}, f"--reproduce could not run the loaders: {type(exc).__name__}: {exc}"
 
 
 def _reproduce(options: AuditOptions, gathered: Gathered, timeout: float) -> dict[str, Any]:
     """Run the unsafe named-buffers-order loader in an isolated child job (never in-process)."""
-    from fsdpcheck.children.reproduce import run_reproduction
+    if timeout < 2.0:
+        return {
+            "outcome": ReproOutcome.ERROR,
+            "summary": f"no time left within --timeout {options.timeout:g}s (give more)",
+        }
+    try:  # an extra: its failure, even to import, must not end the audit
+        from fsdpcheck.children.reproduce import run_reproduction
 
-    try:
         result = run_reproduction(
             options.model,
             nprocs=2,
@@ -376,7 +383,7 @@ def _reproduce(options: AuditOptions, gathered: Gathered, timeout: float) -> dic
             timeout=timeout,
         )
         return to_dict(result)
-    except Exception as exc:  # the reproduction is an extra; its failure must not end the audit
+    except Exception as exc:
         return {"outcome": ReproOutcome.ERROR, "summary": str(exc)}
 
 
@@ -438,9 +445,10 @@ class _ProbeThread:
         except BaseException as exc:  # reported in the audit's warnings, never fatal
             self._error = exc
 
-    def result(self) -> tuple[ProbeResult | None, str | None]:
-        """The probe's result, or why there is none (a warning for the report)."""
-        self._thread.join(max(0.0, self._budget + 5 - (time.monotonic() - self._started)))
+    def result(self, deadline: float) -> tuple[ProbeResult | None, str | None]:
+        """The probe's result by ``deadline`` (monotonic), or why there is none (a warning)."""
+        own_end = self._started + self._budget + 5
+        self._thread.join(max(0.0, min(own_end, deadline) - time.monotonic()))
         if self._result is not None:
             return self._result, None
         why = f"{type(self._error).__name__}: {self._error}" if self._error else "timed out"

@@ -693,14 +693,22 @@ def diff(
     """Compare saved fingerprints as ranks, with the audit's analysis and report: ranks of one
     job (hung or not), or the same model across machines and library versions."""
     from fsdpcheck.console import render
-    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.errors import FsdpcheckError, InputError
     from fsdpcheck.offline.diff import diff_records
     from fsdpcheck.offline.files import read_inputs
 
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)
     _refuse_outputs("diff", outputs)
     try:
-        report = diff_records(read_inputs(paths))
+        try:
+            report = diff_records(read_inputs(paths))
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            # A record damaged in a way the reader's checks did not foresee: still bad input.
+            raise InputError(
+                f"fsdpcheck diff: a fingerprint among {', '.join(map(str, paths))} is malformed "
+                f"({type(exc).__name__}: {exc}); re-create it with `fsdpcheck fingerprint` or "
+                "fsdpcheck.save_fingerprint."
+            ) from None
     except FsdpcheckError as exc:
         _stderr().print(f"[bold red]fsdpcheck diff[/]: {escape(str(exc))}", highlight=False)
         outputs.annotations(_error_annotation("fsdpcheck diff", str(exc)))

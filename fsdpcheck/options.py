@@ -37,17 +37,22 @@ class Budgets:
     """Seconds each bounded piece of work may take, all from one ``--timeout``.
 
     Work that rank 0 does while the other ranks wait for its decision (the probe, the
-    reproduction) must finish well inside the collective timeout those ranks wait under.
+    reproduction) must finish well inside the collective timeout those ranks wait under:
+    ``extras`` is that share, one deadline for all of them together.
     """
 
     collective: float  # any collective on the side channel
     probe: float  # rank 0's --probe children, alongside the audit
-    reproduce: float  # the --reproduce child job, whole
+    reproduce: float  # the --reproduce child jobs, in all
+    extras: float  # everything rank 0 does while the others wait for its decision
 
     @classmethod
     def from_timeout(cls, timeout: float) -> Budgets:
         return cls(
-            collective=timeout, probe=max(5.0, 0.8 * timeout), reproduce=max(10.0, 0.75 * timeout)
+            collective=timeout,
+            probe=0.8 * timeout,
+            reproduce=0.75 * timeout,
+            extras=0.8 * timeout,
         )
 
 

@@ -39,6 +39,9 @@ class ExitCode(IntEnum):
     BAD_INPUT = 2
     RUNTIME = 3
 
+    def __str__(self) -> str:  # "3", on every Python (3.10's IntEnum says "ExitCode.RUNTIME")
+        return str(int(self))
+
 
 class Verdict(Word):
     CONSISTENT = "consistent"

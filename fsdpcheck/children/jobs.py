@@ -122,6 +122,22 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+class Marks:
+    """This rank's stage file and result file in the parent's directory."""
+
+    def __init__(self, out: str, rank: int):
+        self.out = Path(out)
+        self.rank = rank
+        self.current = "start"
+
+    def stage(self, name: str) -> None:
+        self.current = name
+        _atomic_write(self.out / f"rank{self.rank}.stage", name)
+
+    def result(self, record: Mapping[str, Any]) -> None:
+        _atomic_write(self.out / f"rank{self.rank}.json", json.dumps(record, sort_keys=True))
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)

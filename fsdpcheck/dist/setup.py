@@ -70,16 +70,19 @@ def init(
     another rank waiting in a rendezvous.
     """
     found = None
-    if dist.is_initialized():  # a script's own group: its launcher variables may be gone
+    owns = not dist.is_initialized()
+    if not owns:  # a script's own group: its launcher variables may be gone
         rank, world_size = dist.get_rank(), dist.get_world_size()  # (Lightning drops WORLD_SIZE)
         local_rank = launcher.local_rank_hint(os.environ, rank)
+        # The script's backend decides, and its current CUDA device is its own business.
+        backend = "nccl" if "nccl" in str(dist.get_backend()).lower() else "gloo"
     else:
         found = launcher.detect(os.environ)
         rank, local_rank, world_size = found.rank, found.local_rank, found.world_size
-    backend = resolve_backend(backend)
+        backend = resolve_backend(backend)
     shape = _mesh_shape(mesh_shape, world_size, rank)
     device_type = "cuda" if backend == "nccl" else "cpu"
-    if device_type == "cuda":
+    if device_type == "cuda" and owns:
         devices = torch.cuda.device_count()
         if local_rank >= devices:
             raise InputError(
@@ -89,7 +92,6 @@ def init(
                 "gloo to run on CPU."
             )
         torch.cuda.set_device(local_rank)
-    owns = not dist.is_initialized()
     wait = timedelta(seconds=timeout)
     if owns:
         # srun and mpirun set no RANK/WORLD_SIZE: hand them to env:// explicitly rather than
@@ -155,11 +157,19 @@ def _init_default_group(
         ) from None
 
 
+_runs = 0  # fsdpcheck runs in this process: every rank makes the same calls, in the same order
+
+
 def _default_store() -> Any:
+    """The default group's store, under a prefix of this run's own: a script that calls
+    ``check_model`` twice must not meet the first call's stage marks or abort mark."""
+    global _runs
+    _runs += 1
     try:
-        return dist.distributed_c10d._get_default_store()
+        store = dist.distributed_c10d._get_default_store()
     except Exception:  # private API: stage marks are a nicety, never a requirement
         return None
+    return dist.PrefixStore(f"fsdpcheck-run{_runs}", store)
 
 
 def shutdown(ctx: DistContext) -> None:

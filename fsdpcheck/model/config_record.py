@@ -90,6 +90,8 @@ def canonicalize(value: Any, key: str = "") -> Any:
         return REDACTED
     if isinstance(value, (list, tuple)):
         return [canonicalize(v) for v in value]
+    if isinstance(value, (set, frozenset)):  # iteration order follows the hash seed: sort
+        return sorted((canonicalize(v) for v in value), key=repr)
     if isinstance(value, str):
         return REDACTED if _SECRET_VALUE.match(value) else value
     if isinstance(value, float) and not math.isfinite(value):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fsdpcheck.checks.value import value_digests
 from fsdpcheck.errors import InputError
 from fsdpcheck.records import (
     EnvRecord,
@@ -394,7 +395,15 @@ def _parse(path: Path, data: dict) -> FingerprintFile:
             content.record.env, EnvRecord
         ):
             raise TypeError("no record with an environment")
-        int(content.record.env.rank)
+        if type(content.record.env.rank) is not int:
+            raise TypeError(f"env.rank is {content.record.env.rank!r}, not an integer")
+        # Everything diff will compute from the record, so damage shows here, not as a crash.
+        content.record.group_digest()
+        value_digests(content.record)
+        for fp in content.record.fingerprints():
+            for t in (*fp.buffers, *fp.params):
+                tuple(int(d) for d in t.shape)
+                str(t.name), str(t.dtype)
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
         raise InputError(
             f"fsdpcheck diff: {path} has the fingerprint schema marker but its record is "

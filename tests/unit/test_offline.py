@@ -328,3 +328,25 @@ def test_offline_identity_reads_srun_and_mpirun_variables(monkeypatch) -> None:
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "2")
     identity = process_identity()
     assert (identity.rank, identity.local_rank, identity.world_size) == (2, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda r: r["env"].__setitem__("rank", "5"),
+        lambda r: r["env"].__setitem__("host", None),
+        lambda r: r["pre_wrap"]["buffers"][0].__setitem__("shape", None),
+        lambda r: r["pre_wrap"]["buffers"][0].__setitem__("shape", "abc"),
+        lambda r: r.__setitem__("ties", [None]),
+    ],
+    ids=["rank-text", "host-null", "shape-null", "shape-text", "ties-null"],
+)
+def test_a_damaged_record_with_the_marker_is_bad_input(tmp_path: Path, damage) -> None:
+    good = _save(tmp_path, "rank0.json", _record(0))
+    bad = _save(tmp_path, "rank1.json", _record(1))
+    data = json.loads(bad.read_text())
+    damage(data["record"])
+    bad.write_text(json.dumps(data))
+    result = CliRunner().invoke(app, ["diff", str(good), str(bad)])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output

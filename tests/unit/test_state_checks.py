@@ -338,3 +338,14 @@ def test_views_of_one_flat_allocation_are_not_ties():
     module.a = nn.Parameter(flat[:4])
     module.b = nn.Parameter(flat[4:])
     assert shared_parameters(module) == ()
+
+
+def test_float16_rope_frequencies_below_the_normal_range_are_not_garbage() -> None:
+    import torch
+
+    from fsdpcheck.model.state import garbage
+
+    base, dim = 1e6, 256
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    assert garbage(inv_freq.to(torch.float16)) is None
+    assert garbage(torch.tensor([8.0, -7.00649e-39])) == "denormal"

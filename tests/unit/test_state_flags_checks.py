@@ -512,3 +512,11 @@ def test_fsdp_plan_survives_private_state_it_does_not_know():
     # An unreadable plan is never a finding, and never splits ranks by itself.
     _, findings = run({0: record(0, fsdp_plan=broken), 1: record(1, fsdp_plan=broken)})
     assert findings == []
+
+
+def test_a_set_in_a_config_is_canonical_whatever_the_hash_seed() -> None:
+    from fsdpcheck.model.config_record import canonicalize
+
+    assert canonicalize({"layer_types": {"sliding_attention", "full_attention"}}) == {
+        "layer_types": ["full_attention", "sliding_attention"]
+    }
