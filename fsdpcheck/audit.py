@@ -59,11 +59,13 @@ class _RankState:
     publish: Callable[[Report], None] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     error: RankError | None = None
+    current: str = Stage.LAUNCH  # the stage this rank entered last
     model_info: ModelInfo | None = None
     wrap_plan: WrapPlan | None = None
     env: EnvRecord | None = None
 
     def enter(self, stage: Stage) -> None:
+        self.current = stage
         liveness.mark_stage(self.ctx, stage)
         if self.progress is not None:
             self.progress(stage)
@@ -301,7 +303,11 @@ def _conclude(
         return AuditResult(ctx.rank, code, report, state.error, headline)
     except Exception as exc:  # a peer died or timed out: name it from heartbeats and marks
         watch.disarm()
-        errors = liveness.diagnose_peers(ctx, exc, own=state.error)
+        own = state.error
+        if own is None and not liveness.is_collective_failure(exc):  # this rank's own failure
+            message = f"{type(exc).__name__}: {exc}"
+            own = RankError(ctx.rank, state.current, message, ErrorKind.RUNTIME)
+        errors = liveness.diagnose_peers(ctx, exc, own=own)
         liveness.signal_abort(ctx, errors)
         report = error_report(errors, ctx.world_size, options) if ctx.rank == 0 else None
         if report is not None and state.publish is not None:

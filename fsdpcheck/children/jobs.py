@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,11 +23,6 @@ from fsdpcheck.children.launch import last_error, signal_name
 
 EXIT_REFUSED = 3  # the loader raised a clear exception
 EXIT_COLLECTIVE = 124  # a collective failed or timed out (the peer is gone or out of step)
-_COLLECTIVE_WORDS = re.compile(
-    r"timed out|timeout|connection (closed|reset)|broken pipe|peer|socket|gloo|"
-    r"collective mismatch|preamble",
-    re.IGNORECASE,
-)
 COMMON_DTYPES = ("float32", "bfloat16", "float16")
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding fsdpcheck/
 
@@ -142,11 +136,6 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """A gloo timeout or a vanished peer, as opposed to a loader refusing with its own error."""
-    return bool(_COLLECTIVE_WORDS.search(f"{type(exc).__name__}: {exc}"))
 
 
 def first_line(exc: BaseException) -> str:

@@ -167,6 +167,18 @@ def last_stages(ctx: DistContext) -> dict[int, str | None]:
     return {r: v.decode() if v is not None else None for r, v in enumerate(values)}
 
 
+_COLLECTIVE_WORDS = re.compile(
+    r"timed out|timeout|connection (closed|reset)|broken pipe|peer|socket|gloo|"
+    r"collective mismatch|preamble",
+    re.IGNORECASE,
+)
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """A gloo timeout or a vanished peer, as opposed to a loader refusing with its own error."""
+    return bool(_COLLECTIVE_WORDS.search(f"{type(exc).__name__}: {exc}"))
+
+
 def collective_cause(exc: BaseException) -> str:
     """The useful part of a collective's error: gloo prefixes a source path and adds advice."""
     text = str(exc).strip()
