@@ -22,10 +22,10 @@ from fsdpcheck.children.jobs import (
     Marks,
     expected_holdings,
     first_line,
-    is_collective_failure,
     reference_buffers,
     tensors_held,
 )
+from fsdpcheck.dist.liveness import is_collective_failure
 
 MODULE = "fsdpcheck.children.loaders"
 
