@@ -357,15 +357,7 @@ def _observe_loaders(
 
         if budget < 2.0:
             return {}, f"--reproduce: no time left to run the loaders ({budget:.1f} s)"
-        spec = ChildSpec(
-            model=options.model,
-            init=options.init,
-            dtype=options.dtype,
-            seed=options.seed,
-            text_only=options.text_only,
-            trust_remote_code=options.trust_remote_code,
-            allow_pickle=options.allow_pickle,
-        )
+        spec = ChildSpec(**vars(options.build_spec))
         seeds = job_seeds([gathered.records[r].env.hash_seed for r in sorted(gathered.records)])
         return observe_loaders(spec, seeds=seeds, budget=budget), None
     except Exception as exc:

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 DEFAULT_MIN_PARAMS = 100_000_000  # size-based wrapping threshold, when no wrap class is present
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """How a model is built on a rank: the audit's, a child job's and ``fingerprint``'s."""
+
+    model: str
+    init: str = "rank0"
+    dtype: str | None = None
+    seed: int = 0
+    text_only: bool = False
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,11 @@ class AuditOptions:
     reproduce: bool = False  # also run the unsafe loader, in an isolated child job
     probe: int = 0  # rank 0 also probes the build under this many hash seeds (0: off)
     download: bool = False  # rank 0 fetches a hub id into the cache first; the others wait
+
+    @property
+    def build_spec(self) -> BuildSpec:
+        """The fields that say how to build the model (the report keeps its own flat order)."""
+        return BuildSpec(**{f.name: getattr(self, f.name) for f in fields(BuildSpec)})
 
     @property
     def budgets(self) -> Budgets:

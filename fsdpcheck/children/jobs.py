@@ -20,6 +20,7 @@ from typing import Any
 
 from fsdpcheck.checks.observed import RankRun
 from fsdpcheck.children.launch import last_error, signal_name
+from fsdpcheck.options import BuildSpec
 
 EXIT_REFUSED = 3  # the loader raised a clear exception
 EXIT_COLLECTIVE = 124  # a collective failed or timed out (the peer is gone or out of step)
@@ -28,16 +29,8 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding fsd
 
 
 @dataclass(frozen=True)
-class ChildSpec:
+class ChildSpec(BuildSpec):
     """The audited model and how the audit built it: every loader job builds it the same way."""
-
-    model: str
-    init: str = "rank0"
-    dtype: str | None = None
-    seed: int = 0
-    text_only: bool = False
-    trust_remote_code: bool = False
-    allow_pickle: bool = False
 
     def argv(self) -> list[str]:
         args = ["--model", self.model, "--init", self.init, "--seed", str(self.seed)]

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.model.wrap import DEFAULT_MIN_PARAMS
 from fsdpcheck.offline.files import FingerprintFile, env_record, process_identity
+from fsdpcheck.options import BuildSpec
 from fsdpcheck.records import RankError, RankRecord
 from fsdpcheck.vocab import ErrorKind, Snapshot, Stage
 
@@ -20,14 +21,7 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class StandaloneOptions:
-    model: str
-    init: str = "rank0"
-    dtype: str | None = None
-    seed: int = 0
-    text_only: bool = False
-    trust_remote_code: bool = False
-    allow_pickle: bool = False
+class StandaloneOptions(BuildSpec):
     wrap: bool = True
     wrap_classes: tuple[str, ...] = ()
     min_params: int = DEFAULT_MIN_PARAMS
