@@ -28,7 +28,7 @@ from fsdpcheck.records import (
 )
 from fsdpcheck.vocab import Snapshot
 
-FINGERPRINT_SCHEMA = "fsdpcheck.fingerprint/1"
+FINGERPRINT_SCHEMA = "fsdpcheck.fingerprint/2"
 SCHEMA_PREFIX = "fsdpcheck.fingerprint/"
 DEFAULT_PATH = "fsdpcheck-fingerprints/rank{rank}.json"
 

@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from fsdpcheck.model.build import _from_config, _load_config, build
-from fsdpcheck.model.checksum import _CHUNK, checksum, checksums
+from fsdpcheck.model import checksum as checksum_module
+from fsdpcheck.model.checksum import _BLOCK_ROWS, _COLS, checksum, checksums
 from fsdpcheck.model.resolve import resolve
+
+_CHUNK = _COLS * _BLOCK_ROWS  # elements: block boundaries fall inside the tensors below
 
 
 @pytest.mark.parametrize(
@@ -18,7 +21,7 @@ def test_checksum_catches_every_single_changed_element(dtype: torch.dtype) -> No
     gen = torch.Generator().manual_seed(0)
     base = (torch.randn(2 * _CHUNK + 13, generator=gen) * 50).to(dtype)
     want = checksum(base)
-    positions = [0, 1, 7, _CHUNK - 1, _CHUNK, 2 * _CHUNK + 12]
+    positions = [0, 1, 7, _COLS - 1, _COLS, _CHUNK - 1, _CHUNK, 2 * _CHUNK + 12]
     positions += torch.randint(0, base.numel(), (40,), generator=gen).tolist()
     for position in positions:
         changed = base.clone()
@@ -40,6 +43,38 @@ def test_checksum_catches_swaps_and_top_bit_pairs() -> None:
     pair[3] = pair[9] = -(2**63)  # a pair of top bits: cancels in a plain odd-weighted sum
     assert checksum(pair) != checksum(words)
     assert checksum(base.reshape(10, 100)) == checksum(base)  # values in row-major order
+
+
+def test_checksum_catches_sign_flips_and_moves_the_grid_sums_alone_would_miss() -> None:
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randn(3 * _CHUNK + 7, dtype=torch.float64, generator=gen)
+    want = checksum(values)
+    assert checksum(-values) != want  # every word differs in its top bit only
+    grid = values[: 2 * _CHUNK].view(-1, _COLS)
+    swapped = values.clone()
+    swapped[5], swapped[9] = -values[9], -values[5]  # same row: v and -v trade places
+    assert checksum(swapped) != want
+    column = values.clone()
+    column[7] = -column[7]
+    column[7 + _COLS] = -column[7 + _COLS]  # same column, two rows: top bits only
+    assert checksum(column) != want
+    rectangle = values.clone().view(-1)[: 2 * _CHUNK].view(-1, _COLS).clone()
+    delta = 0.5
+    for (i, j), sign in {(0, 1): 1, (0, 2): -1, (_BLOCK_ROWS, 1): -1, (_BLOCK_ROWS, 2): 1}.items():
+        rectangle[i, j] = grid[i, j] + sign * delta  # four corners, in two different blocks
+    changed = torch.cat([rectangle.view(-1), values[2 * _CHUNK :]])
+    assert checksum(changed) != want
+    rows = values.clone()
+    rows[: 2 * _COLS] = torch.cat([values[_COLS : 2 * _COLS], values[:_COLS]])  # rows swapped
+    assert checksum(rows) != want
+
+
+def test_checksum_does_not_depend_on_how_the_work_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    tensors = [torch.randn(5 * _CHUNK + 3), torch.randn(17).to(torch.bfloat16)]
+    whole = checksums(tensors, threads=1)
+    monkeypatch.setattr(checksum_module, "_SPAN_BLOCKS", 1)  # one job per 1 MiB block
+    assert checksums(tensors, threads=1) == whole
+    assert checksums(tensors, threads=3) == whole
 
 
 def test_checksum_ignores_alignment_threads_and_strides() -> None:
