@@ -1,9 +1,9 @@
 """Prove a load: every rank's buffers equal rank 0's, every parameter shard equals its slice of the
 source state dict. Digests travel to rank 0 over a gloo group; values never leave their rank.
 
-Digests are :mod:`fsdpcheck.loader.checksum` checksums: every rank digests its own shards (on
-their device), and rank 0 its source slices, once over the source, at memory bandwidth across
-threads."""
+Digests are :mod:`fsdpcheck.model.checksum` checksums: every rank digests its own shards (on
+their device) while rank 0 digests its source slices for the other ranks and compares its own
+shards in place, so rank 0's extra work overlaps theirs instead of following it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.dist.environment import all_cores
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.loader.shards import expected_shard
 from fsdpcheck.model.checksum import checksums
@@ -47,17 +46,23 @@ def verify_load(
     ranks = list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     root = ranks[0]
     rank = dist.get_rank()
+    failure: BaseException | None = None
+    expected: _Expected | None = None
+    if rank == root and full_state_dict_on_rank0 is not None:
+        try:  # before the gather: the other ranks digest their own shards meanwhile
+            expected = _expect(model, full_state_dict_on_rank0, ranks, root)
+        except Exception as exc:  # the gather and the verdict broadcast below must still happen
+            failure = exc
     mine = _digests(model, rank, in_place=rank == root)
     gathered: list[Any] | None = [None] * len(ranks) if rank == root else None
     dist.gather_object(mine, gathered, dst=root, group=group)
 
     result = VerifyResult(ran=False, passed=False, checked=0)
     status = torch.tensor([_FAILED, 0, 0], dtype=torch.int64)
-    failure: BaseException | None = None
-    if rank == root:
+    if rank == root and failure is None:
         try:
-            if full_state_dict_on_rank0 is not None:
-                result = _check(model, full_state_dict_on_rank0, gathered, root)
+            if expected is not None:
+                result = _judge(model, full_state_dict_on_rank0, gathered, root, expected)
                 status = torch.tensor([_RAN, int(result.passed), result.checked])
             else:
                 status = torch.tensor([_NOT_RUN, 0, 0])
@@ -137,7 +142,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(raw_a, raw_b)
 
 
-class _Expected:
+class _Batches:
     """Rank 0's expected digests, computed in batches (one threaded checksum pass per batch).
     Slices of the source are views; only dtype conversions copy, so a batch closes once those
     copies reach ``_BATCH_COPY_BYTES``."""
@@ -155,9 +160,8 @@ class _Expected:
 
     def flush(self) -> None:
         if self.pending:
-            # Every core of the host: the other ranks have digested their own (1/world) shards
-            # by now and wait for this verdict, idle.
-            digests = checksums([t for _, t in self.pending], threads=all_cores())
+            # This rank's share of the cores: the other ranks digest their own shards meanwhile.
+            digests = checksums([t for _, t in self.pending])
             self.done.update((key, d) for (key, _), d in zip(self.pending, digests, strict=True))
         self.pending, self.copied = [], 0
 
@@ -165,54 +169,71 @@ class _Expected:
 _BATCH_COPY_BYTES = 256 * 2**20
 
 
-def _check(
+@dataclass
+class _Expected:
+    """What rank 0 expects every rank to hold, worked out before the gather."""
+
+    digests: dict[Any, str | None]
+    shapes: dict[Any, tuple[int, ...]]
+    problems: dict[tuple[str, int], str]  # (parameter, rank): why no digest ("" = rank 0 in place)
+
+
+def _expect(
+    model: nn.Module, source: Mapping[str, torch.Tensor], ranks: Sequence[int], root: int
+) -> _Expected:
+    """Rank 0: the digest of every buffer and of every rank's slice of every parameter (its own
+    shards compared in place), in threaded batches."""
+    batches = _Batches()
+    shapes: dict[Any, tuple[int, ...]] = {}
+    for name, buf in model.named_buffers():
+        want = source[name] if name in source else buf
+        converted = want.to(buf.dtype)
+        batches.add(("buffer", name), converted, converted is not want)
+        shapes[("buffer", name)] = tuple(want.shape)
+    problems: dict[tuple[str, int], str] = {}
+    coordinates: dict = {}
+    for name, param in model.named_parameters():
+        full = source.get(name)
+        if full is None:
+            continue
+        converted = full.to(param.dtype)
+        copied = converted is not full
+        for global_rank in ranks:
+            try:
+                shard = expected_shard(converted, param, global_rank, coordinates)
+            except ValueError as exc:
+                problems[(name, global_rank)] = str(exc)
+                continue
+            if global_rank == root:  # rank 0's own shard: compared in place
+                problems[(name, root)] = _in_place_reason(param, shard) or ""
+                continue
+            key = ("param", name, global_rank)
+            batches.add(key, shard, copied)
+            shapes[key] = tuple(shard.shape)
+            copied = False  # one conversion per parameter, sliced for every rank
+    batches.flush()
+    return _Expected(batches.done, shapes, problems)
+
+
+def _judge(
     model: nn.Module,
     source: Mapping[str, torch.Tensor],
     gathered: Sequence[_Digests],
     root: int,
+    expected: _Expected,
 ) -> VerifyResult:
     """Rank 0: compare every rank's digests with what that rank must hold."""
     found: dict[tuple[str, str, str], list[int]] = defaultdict(list)
     own_buffers = dict(model.named_buffers())
     own_params = dict(model.named_parameters())
 
-    # First every expected tensor, then all their digests in threaded batches, then compare.
-    expected = _Expected()
-    shapes: dict[Any, tuple[int, ...]] = {}
-    for name, buf in own_buffers.items():
-        want = source[name] if name in source else buf
-        converted = want.to(buf.dtype)
-        expected.add(("buffer", name), converted, converted is not want)
-        shapes[("buffer", name)] = tuple(want.shape)
-    problems: dict[tuple[str, int], str] = {}
-    coordinates: dict = {}
-    for name, param in own_params.items():
-        full = source.get(name)
-        if full is None:
-            continue
-        converted = full.to(param.dtype)
-        copied = converted is not full
-        for digests in gathered:
-            try:
-                shard = expected_shard(converted, param, digests.global_rank, coordinates)
-            except ValueError as exc:
-                problems[(name, digests.global_rank)] = str(exc)
-                continue
-            key = ("param", name, digests.global_rank)
-            if digests.global_rank == root:  # rank 0's own shard: compared in place below
-                problems[(name, root)] = _in_place_reason(param, shard) or ""
-                continue
-            expected.add(key, shard, copied)
-            shapes[key] = tuple(shard.shape)
-            copied = False  # one conversion per parameter, sliced for every rank
-    expected.flush()
-
     for name in own_buffers:
         if name in source:  # persistent: the source is the truth, rank 0 included
             differs = "values differ from the source state dict"
         else:
             differs = f"values differ from rank {root}'s"
-        want = _Entry(expected.done[("buffer", name)], shapes[("buffer", name)])
+        key = ("buffer", name)
+        want = _Entry(expected.digests[key], expected.shapes[key])
         for digests in gathered:
             reason = _compare(digests.buffers.get(name), want, differs)
             if reason:
@@ -226,10 +247,10 @@ def _check(
                 reason = "not in the source state dict"
             elif got is not None and got.placements != _placements(param):
                 reason = f"sharded as {got.placements}, on rank {root} as {_placements(param)}"
-            elif (name, digests.global_rank) in problems:
-                reason = problems[(name, digests.global_rank)] or None
+            elif (name, digests.global_rank) in expected.problems:
+                reason = expected.problems[(name, digests.global_rank)] or None
             else:
-                want = _Entry(expected.done[key], shapes[key])
+                want = _Entry(expected.digests[key], expected.shapes[key])
                 reason = _compare(got, want, "values differ from the source state dict")
             if reason:
                 found[(name, "param", reason)].append(digests.global_rank)
