@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsdpcheck.dist import liveness
 from fsdpcheck.dist import setup as distributed
-from fsdpcheck.dist.environment import env_record
+from fsdpcheck.dist.environment import env_record, torch_threads
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.faults import maybe_inject
 from fsdpcheck.model.rank_state import with_state
@@ -234,10 +234,13 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         Stage.WRAP_PLAN,
         lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
     )
-    state.stage(
-        Stage.WRAP,
-        lambda: wrap.apply(targets.modules, ctx.mesh, cpu_offload=options.cpu_offload),
-    )
+    # FSDP2 copies each real parameter's shard out of it: on rank 0 alone with --init rank0.
+    threads = build.materialising_threads(options.init) if built and built.materialised else 1
+    with torch_threads(threads):
+        state.stage(
+            Stage.WRAP,
+            lambda: wrap.apply(targets.modules, ctx.mesh, cpu_offload=options.cpu_offload),
+        )
     post = state.stage(
         Stage.FINGERPRINT_POST,
         lambda: (

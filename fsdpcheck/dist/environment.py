@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 import os
 import platform
 import socket
@@ -56,6 +58,22 @@ def all_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Inside, torch's intra-op kernels (copies, fills) use ``count`` threads: for work only
+    this rank does while the others on the host wait (rank 0 materialising the model)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if count > previous:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)
 
 
 def worker_threads() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,6 +192,7 @@ def _expect(
         batches.add(("buffer", name), converted, converted is not want)
         shapes[("buffer", name)] = tuple(want.shape)
     problems: dict[tuple[str, int], str] = {}
+    in_place: list[tuple[str, nn.Parameter, torch.Tensor]] = []
     coordinates: dict = {}
     for name, param in model.named_parameters():
         full = source.get(name)
@@ -204,14 +206,20 @@ def _expect(
             except ValueError as exc:
                 problems[(name, global_rank)] = str(exc)
                 continue
-            if global_rank == root:  # rank 0's own shard: compared in place
-                problems[(name, root)] = _in_place_reason(param, shard) or ""
+            if global_rank == root:  # rank 0's own shard: compared in place, below
+                in_place.append((name, param, shard))
                 continue
             key = ("param", name, global_rank)
             batches.add(key, shard, copied)
             shapes[key] = tuple(shard.shape)
             copied = False  # one conversion per parameter, sliced for every rank
-    batches.flush()
+    # Both read memory: the comparisons on a thread of their own, beside the checksums.
+    with ThreadPoolExecutor(1, thread_name_prefix="fsdpcheck-verify") as side:
+        compared = side.submit(
+            lambda: {(n, root): _in_place_reason(p, s) or "" for n, p, s in in_place}
+        )
+        batches.flush()
+        problems.update(compared.result())
     return _Expected(batches.done, shapes, problems)
 
 

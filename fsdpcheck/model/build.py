@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdpcheck.dist.environment import all_cores, worker_threads
 from fsdpcheck.errors import InputError
 from fsdpcheck.model.resolve import ResolvedModel
 from fsdpcheck.records import ModelInfo
@@ -58,7 +59,11 @@ def build(
 
         torch.manual_seed(seed)
         with _default_dtype(torch_dtype):
-            model = build_filled(lambda: _from_config(config, trust_remote_code), seed=seed)
+            model = build_filled(
+                lambda: _from_config(config, trust_remote_code),
+                seed=seed,
+                threads=materialising_threads(init),
+            )
         init_values = FILL
         if model is None:  # its __init__ needs real parameters: the model's own init, slowly
             torch.manual_seed(seed)
@@ -84,6 +89,13 @@ def build(
     return BuiltModel(
         model=model, info=info, materialised=materialise, full_state_dict=full, config=config
     )
+
+
+def materialising_threads(init: str) -> int:
+    """Threads for filling and sharding real weights: with ``rank0`` the other ranks build on
+    meta and then wait for rank 0, so rank 0 may use every core of the host; with ``all``
+    every rank materialises, each on its share."""
+    return all_cores() if init == "rank0" else worker_threads()
 
 
 def _load_config(resolved: ResolvedModel, *, text_only: bool, trust_remote_code: bool) -> Any:

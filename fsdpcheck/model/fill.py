@@ -56,7 +56,11 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def build_filled(
-    make: Callable[[], nn.Module], *, seed: int, device: str | torch.device = "cpu"
+    make: Callable[[], nn.Module],
+    *,
+    seed: int,
+    device: str | torch.device = "cpu",
+    threads: int | None = None,
 ) -> nn.Module | None:
     """``make()`` with parameters on meta, then every parameter filled on ``device``; None when
     the model cannot be built that way (its ``__init__`` needs real parameters, or it leaves a
@@ -68,14 +72,21 @@ def build_filled(
         return None
     if any(b.is_meta for b in model.buffers()):
         return None  # no computed values to keep: the ordinary build must make them
-    fill_parameters(model, seed=seed, device=device)
+    fill_parameters(model, seed=seed, device=device, threads=threads)
     return model
 
 
-def fill_parameters(model: nn.Module, *, seed: int, device: str | torch.device = "cpu") -> int:
+def fill_parameters(
+    model: nn.Module,
+    *,
+    seed: int,
+    device: str | torch.device = "cpu",
+    threads: int | None = None,
+) -> int:
     """Give every ``meta`` parameter storage on ``device`` filled with :func:`fill_`, keyed by its
     name in ``named_parameters()``; tied parameters stay one tensor. Returns how many it filled.
-    The same model structure and seed give the same values on every rank."""
+    The same model structure and seed give the same values on every rank. ``threads``: how many
+    to fill with (default :func:`worker_threads`, this rank's share of the host's cores)."""
     names: dict[int, str] = {}
     for name, param in model.named_parameters():
         names.setdefault(id(param), name)
@@ -94,7 +105,7 @@ def fill_parameters(model: nn.Module, *, seed: int, device: str | torch.device =
                 fills.append((data, names.get(id(param), attr)))
             module._parameters[attr] = new
     work = [(t, n) for t, n in fills if t.numel()]
-    threads = worker_threads()
+    threads = threads if threads is not None else worker_threads()
     with torch.no_grad():
         if threads > 1 and len(work) > 1:  # copies release the GIL: fill tensors side by side
             with ThreadPoolExecutor(threads, thread_name_prefix="fsdpcheck-fill") as pool:
