@@ -34,18 +34,20 @@ def exchange_slots(
     # Each part padded to whole 8-byte words and moved as int64: gloo moves a uint8 tensor
     # several times slower than the same bytes as int64.
     padded_width, padded_attached = -(-width // 8) * 8, -(-attached // 8) * 8
-    part = raw.ljust(padded_width, b"\0")
-    if me == src:
-        part += attachment.ljust(padded_attached, b"\0")
-    sent = len(part) // 8
-    # expand + reshape, not repeat(): repeat() costs milliseconds for the 64 KiB of inline
-    # buffers, more than the collective itself (torch 2.13, CPU).
-    word = torch.frombuffer(bytearray(part), dtype=torch.int64).to(device)
-    own = word.expand(size, -1).reshape(-1)
-    received = [(padded_width + (padded_attached if i == src else 0)) // 8 for i in range(size)]
+    slot = raw.ljust(padded_width, b"\0")
+    extra_to = [padded_attached if i == src and i != me else 0 for i in range(size)]
+    if me == src and padded_attached:  # the attachment to every other rank, not to itself
+        message = slot + attachment.ljust(padded_attached, b"\0")
+        own = b"".join(slot if i == me else message for i in range(size))
+        sent = [(padded_width + (0 if i == me else padded_attached)) // 8 for i in range(size)]
+    else:
+        own = slot * size
+        sent = [padded_width // 8] * size
+    word = torch.frombuffer(bytearray(own), dtype=torch.int64).to(device)
+    received = [(padded_width + extra_to[i]) // 8 for i in range(size)]
     out = torch.empty(sum(received), dtype=torch.int64, device=device)
     dist.all_to_all_single(
-        out, own, output_split_sizes=received, input_split_sizes=[sent] * size, group=group
+        out, word, output_split_sizes=received, input_split_sizes=sent, group=group
     )
     flat = out.cpu().numpy().tobytes()
     slots, extra, offset = [], b"", 0
@@ -54,6 +56,8 @@ def exchange_slots(
         if i == src:
             extra = flat[offset + padded_width : offset + padded_width + attached]
         offset += count * 8
+    if me == src and attached:
+        extra = attachment.ljust(attached, b"\0")
     return slots, extra
 
 

@@ -5,6 +5,7 @@ it first."""
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -17,7 +18,6 @@ from torch import nn
 from fsdpcheck.dist.wire import exchange_slots, transport_device
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers
-from fsdpcheck.records import short_digest
 from fsdpcheck.text import name_list, ranks_label
 
 # (name, shape, dtype): what must agree across ranks before a tensor may be paired by name.
@@ -154,10 +154,22 @@ def _exchange_slot(
     fast_digest = fast[0] if fast is not None and fast[0] else "00" * _DIGEST
     return (
         bytes([flags])
-        + bytes.fromhex(short_digest(repr(mine.buffers), size=_DIGEST))
-        + bytes.fromhex(short_digest(repr(mine.state), size=_DIGEST))
+        + layout_digest(mine.buffers)
+        + layout_digest(mine.state)
         + bytes.fromhex(fast_digest)
     )
+
+
+def layout_digest(layout: Layout) -> bytes:
+    """``_DIGEST`` bytes naming ``layout`` exactly: its names, shapes and dtypes, each column
+    hashed in one piece (``repr`` of the whole layout costs 80 µs for 200 buffers; this a third
+    of that). A name holds no NUL, so the joined names part the same way on every rank."""
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    h.update(str(len(layout)).encode())
+    h.update("\0".join([name for name, _, _ in layout]).encode())
+    h.update(repr([shape for _, shape, _ in layout]).encode())
+    h.update("\0".join([dtype for _, _, dtype in layout]).encode())
+    return h.digest()
 
 
 @dataclass(frozen=True)

@@ -202,18 +202,26 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
     rank = dist.get_rank()
     mine = local_layout(model, rank, src=src, source=None, with_state=False)
     capacity = inline_capacity_for(len(ranks))
-    payload = None
-    if rank == src and not mine.problems:
+    payload = groups = None
+    if not mine.problems:
         try:  # packed before the check: when the layouts agree, the values arrive with it
-            payload = _inline_payload(_by_dtype(mine.named, mine.buffers), capacity)
+            groups = _by_dtype(mine.named, mine.buffers)
+            payload = _inline_payload(groups, capacity) if rank == src else None
         except Exception:  # too big or unpackable here: the separate broadcast moves them
             payload = None
     agreed = agree(
         mine, src=src, group=group, ranks=ranks, inline=payload, inline_capacity=capacity
     )
     collectives = agreed.collectives
+    # The layouts agreed, so every rank's own grouping of its buffers is the one to unpack into.
     moved = _broadcast_flat(
-        model, agreed.layout, src=src, group=group, named=mine.named, inline=agreed.inline
+        model,
+        agreed.layout,
+        src=src,
+        group=group,
+        named=mine.named,
+        inline=agreed.inline,
+        groups=groups,
     )
     return BufferBroadcast(
         names=moved.names,
@@ -308,13 +316,16 @@ def _broadcast_flat(
     group: Any,
     named: Mapping[str, torch.Tensor] | None = None,
     inline: bytes | None = None,
+    groups: list[tuple[str, list[torch.Tensor]]] | None = None,
 ) -> BufferBroadcast:
     """One broadcast per dtype, buffers packed in name order; every rank holds ``layout``.
     ``named``: the buffers, when nothing can have replaced them since they were described.
-    ``inline``: the packed values, already received with the check: nothing left to send."""
-    if named is None:
-        named = non_persistent_buffers(model)  # after to_empty(): the new tensors
-    groups = _by_dtype(named, layout)
+    ``inline``: the packed values, already received with the check: nothing left to send.
+    ``groups``: :func:`_by_dtype` of ``layout``, when the caller has it already."""
+    if groups is None:
+        if named is None:
+            named = non_persistent_buffers(model)  # after to_empty(): the new tensors
+        groups = _by_dtype(named, layout)
     device = transport_device(group)
     is_src = dist.get_rank() == src
     sent = broadcasts = offset = 0
