@@ -1,7 +1,8 @@
 """One rank of the buffer-broadcast benchmark: 200 non-persistent buffers (RoPE-sized, 8 to 128
 float32 elements) broadcast from rank 0 one ``dist.broadcast`` per buffer (as loaders do) versus
 ``fsdpcheck.loader.load.broadcast_buffers`` (validated layout, one flat broadcast per dtype)
-versus the flat broadcast alone. Methods alternate within each repeat. Prints one line ``@bench
+versus the flat broadcast alone, and the validated path's two parts alone (describing and
+digesting; the exchange of slots). Methods alternate within each repeat. Prints one line ``@bench
 {json}``
 per rank with every repeat's (start, end) on the host's monotonic clock; run by
 scripts/bench.py through fsdpcheck.children.launch."""
@@ -50,6 +51,27 @@ def flat_only(model: nn.Module, group) -> None:
         torch._foreach_copy_(buffers, _unflatten_dense_tensors(flat, buffers))
 
 
+def describe(model: nn.Module, rank: int) -> bytes:
+    from fsdpcheck.loader.agree import layout_digest, local_layout
+
+    return layout_digest(local_layout(model, rank, src=0, source=None, with_state=False).buffers)
+
+
+def exchange(model: nn.Module, rank: int, world: int, group):
+    """The all_to_all ``broadcast_buffers`` makes, with the same slot and attachment sizes."""
+    from fsdpcheck.dist.wire import exchange_slots
+    from fsdpcheck.loader.agree import _exchange_slot, inline_capacity_for, local_layout
+    from fsdpcheck.loader.load import _by_dtype, _inline_payload
+
+    capacity = inline_capacity_for(world)
+    mine = local_layout(model, rank, src=0, source=None, with_state=False)
+    payload = _inline_payload(_by_dtype(mine.named, mine.buffers), capacity) if rank == 0 else b""
+    slot = _exchange_slot(mine, None, inline=rank == 0)
+    return lambda: exchange_slots(
+        slot, group, size=world, src=0, attached=capacity, attachment=payload or b""
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--buffers", type=int, default=200)
@@ -66,6 +88,10 @@ def main() -> int:
         "per-buffer": lambda: per_buffer(model, group),
         "coalesced": lambda: broadcast_buffers(model, group=group),
         "flat-only": lambda: flat_only(model, group),
+        # The check's two parts, alone: each rank describing and digesting its buffers (no
+        # collective), and the exchange of slots with rank 0's packed values attached.
+        "describe": lambda: describe(model, ctx.rank),
+        "exchange": exchange(model, ctx.rank, ctx.world_size, group),
     }
     for fn in methods.values():  # warm-up: connections, allocator
         fn()

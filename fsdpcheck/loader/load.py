@@ -285,9 +285,11 @@ def _pack_flat(buffers: list[torch.Tensor], device: torch.device) -> torch.Tenso
 
 
 def _unpack_flat(flat: torch.Tensor, buffers: list[torch.Tensor]) -> None:
-    if all(b.device == flat.device for b in buffers):
+    try:  # one C++ call; asking every buffer for its device first costs as much again
         torch._foreach_copy_(buffers, _unflatten_dense_tensors(flat, buffers))
         return
+    except RuntimeError:  # buffers on another device than the transport's, or on several
+        pass
     offset = 0
     for buf in buffers:
         count = buf.numel()
