@@ -43,10 +43,10 @@ import torch
 
 from fsdpcheck.dist.environment import worker_threads
 
-_COLS = 4096  # words per grid row (32 KiB)
-_BLOCK_ROWS = 32  # rows per block: 1 MiB, read twice (the second time from cache)
+_COLS = 8192  # words per grid row (64 KiB)
+_BLOCK_ROWS = 16  # rows per block: 1 MiB, read twice (the second time from cache)
 _SPAN_BLOCKS = 64  # blocks per job for the thread pool (64 MiB)
-_GPU_BLOCK_ROWS = 8192  # on CUDA: 256 MiB per block, few large kernels
+_GPU_BLOCK_ROWS = 4096  # on CUDA: 256 MiB per block, few large kernels
 _MASK64 = (1 << 64) - 1
 # Row weights (A * row + B) | 1 and block multipliers (C * block + D) | 1: odd, one pair per sum.
 _ROW_MUL = ((0x9E3779B97F4A7C15, 0x632BE59BD9B4E019), (0xD6E8FEB86659FD93, 0x2545F4914F6CDD1D))
@@ -126,14 +126,14 @@ def _span(words: torch.Tensor, first_block: int, last_block: int) -> tuple[int, 
         for k in (0, 1):
             if k == 0:
                 grid = block[: full * _COLS].view(full, _COLS)
-                rest = block[full * _COLS :]
             else:
                 grid = shifted[:full]
                 torch.bitwise_right_shift(block[: full * _COLS].view(full, _COLS), 32, out=grid)
-                rest = torch.bitwise_right_shift(block[full * _COLS :], 32)
             torch.sum(grid, 1, out=row_sums[k, at : at + full])
             torch.sum(grid, 0, out=column_sums[k, q])
             if tail:  # the short last row of the tensor
+                rest = block[full * _COLS :]
+                rest = rest if k == 0 else torch.bitwise_right_shift(rest, 32)
                 row_sums[k, at + full] = rest.sum()
                 column_sums[k, q, :tail] += rest
     result = []
