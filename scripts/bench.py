@@ -88,16 +88,16 @@ GEMMA3_1B = {
 
 VERIFY_FLOOR = (
     "Where verify misses 0.5× the load: verify must read every byte twice over, once where it "
-    "landed (each rank its shards, in parallel) and once in rank 0's source, which only rank 0 "
-    "holds: rank 0 checksums the other ranks' slices (two position-weighted int64 sums, about "
-    "3 GB/s per core quiet, on every core of the host) and compares its own shards with its "
-    "source bitwise in int64 words (about 5 GB/s). The load moves rank 1's half once, over "
-    "loopback, straight from the source tensors. So on 2 ranks verify reads 1.5× the model on "
-    "rank 0 where the load writes 0.5× into each rank; with both ranks and other work on 2 "
-    "cores, rank 0 gets about one core and the ratio lands between 1× and 2× here. On a host "
-    "with more cores than ranks the checksum spreads over them (rank 0 uses all of them while "
-    "the others wait for its verdict). Profiled: no single-threaded pass over the whole model "
-    "and no host copy remain; the floor is rank 0's memory bandwidth over its source."
+    "landed and once in rank 0's source, which only rank 0 holds. Every rank checksums its own "
+    "shards (fsdpcheck/model/checksum.py: weighted row and column sums of a grid of 64-bit "
+    "words, no multiplication over the data, about 6 GB/s per core here); meanwhile, before the "
+    "gather, rank 0 checksums the other ranks' slices of its source and compares its own shards "
+    "with its source bitwise on a second thread. So on 2 ranks rank 0 reads 1.5× the model "
+    "where the load writes 0.5× into each rank, and the three streams share the host's 2 "
+    "cores: the ratio moves with how fast the load happened to be (rank 1's page faults, see "
+    "below). On a host with more cores each rank's checksum spreads over its share of them. "
+    "Profiled: no single-threaded pass over the whole model and no host copy remain; the floor "
+    "is rank 0's memory bandwidth over its source."
 )
 
 
@@ -509,8 +509,9 @@ def row_load(s: Settings) -> Row:
             f"{verify / seconds['bucketed']:.2f}×",
             "≤ 0.5×",
             verify / seconds["bucketed"] <= 0.5,
-            f"verify_load {fmt_s(verify)}, load {fmt_s(seconds['bucketed'])}; rank 0 checksums "
-            f"its whole source ({fmt_mib(nbytes)}) and its own shard, rank 1 its shard",
+            f"verify_load {fmt_s(verify)}, load {fmt_s(seconds['bucketed'])}; of the "
+            f"{fmt_mib(nbytes)} source, rank 0 checksums rank 1's half and compares its own "
+            "half in place while rank 1 checksums its shards",
             verify / seconds["bucketed"],
         )
     )
@@ -797,10 +798,11 @@ def row_digests(s: Settings) -> Row:
         "Parameter digests run only where values must agree across ranks and are real: "
         "`--init all`, and `check_model` on a script's own model (each rank digests its local "
         "shards, so a rank's work is model / world). They use the verify checksum "
-        "(fsdpcheck/model/checksum.py: two position-weighted int64 sums, on the tensor's own "
-        "device, over this rank's share of the cores). Buffers are digested in every "
-        "fingerprint; the buffer check rebuilds the model's class from its config with "
-        "parameters on meta, so it costs about one meta build. Command: scripts/bench_digests.py."
+        "(fsdpcheck/model/checksum.py: weighted row and column sums of a grid of 64-bit "
+        "words, on the tensor's own device, over this rank's share of the cores). Buffers are "
+        "digested in every fingerprint; the buffer check rebuilds the model's class from its "
+        "config with parameters on meta, so it costs about one meta build. Command: "
+        "scripts/bench_digests.py."
     )
     return row
 
@@ -996,15 +998,16 @@ def row_init(s: Settings) -> Row:
         "wall from launch to the last rank's exit."
     )
     row.notes.append(
-        "The floor of `--init rank0` over `--init meta` is first touch of the 2.0 GiB rank 0 "
-        "materialises (and, with the load, the 1.0 GiB of shards rank 1 receives): `--init "
-        "meta` allocates nothing. On this VM first touch of fresh memory costs about 1 to 7 s "
-        "per GiB from one run to the next (2 GiB took 1.7 s and 15 s in two tries minutes "
-        "apart while writing this row; the full load row shows the per-fault cost), and that, "
-        "not the fill's arithmetic (a broadcast copy: about 0.4 s for 2 GiB of memory already "
-        "touched), is what moves this ratio. transformers' own init, which the fill "
-        "replaces, took 25 s of CPU for this model before (issue 13: 32.2 s vs 6.9 s audit "
-        "wall)."
+        "What `--init rank0` adds over `--init meta`: rank 0 writes the 2.0 GiB of parameters "
+        "(the fill) and FSDP2 copies its 1.0 GiB of shards out of them (`fully_shard` on real "
+        "tensors, as in a trainer); `--init meta` allocates nothing. While rank 0 does this the "
+        "other ranks have built on meta and wait for it, so rank 0 fills and shards with every "
+        "core of the host (fsdpcheck/model/build.py `materialising_threads`). What is left is "
+        "first touch of that fresh memory: on this VM about 0.4 to 7 s per GiB from one run to "
+        "the next (the full load row shows the per-fault cost), not the fill's arithmetic (a "
+        "broadcast copy: about 0.4 s for 2 GiB of memory already touched). transformers' own "
+        "init, which the fill replaces, took 25 s of CPU for this model (issue 13: 32.2 s vs "
+        "6.9 s audit wall)."
     )
     return row
 
@@ -1385,8 +1388,9 @@ def to_markdown(rows: list[Row], meta: dict) -> str:
         "",
         "Not run: no GPU lent this session. The target is a bfloat16 `--init rank0` audit under "
         "60 s on one H200 (issue 13); `--init rank0` now fills parameters at memory speed on "
-        "the CPU (fsdpcheck/model/fill.py) and verify checksums CUDA shards on the GPU "
-        "(fsdpcheck/loader/checksum.py), the two stages that dominated there.",
+        "the CPU with every core of the host (fsdpcheck/model/fill.py) and verify checksums "
+        "CUDA shards on the GPU (fsdpcheck/model/checksum.py), the two stages that dominated "
+        "there. scripts/gpu_check.sh is the prepared check for a session that has one.",
         "",
         "Raw figures for every repeat: `docs/benchmarks.json`.",
         "",

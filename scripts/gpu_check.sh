@@ -15,7 +15,7 @@ step() {  # step NAME EXPECTED_EXIT COMMAND...
     local name=$1 want=$2
     shift 2
     local start=$SECONDS
-    timeout 240 "$@" >"$out/step.log" 2>&1
+    timeout 330 "$@" >"$out/step.log" 2>&1
     local code=$?
     local verdict=ok
     [ "$code" = "$want" ] || verdict=UNEXPECTED
@@ -33,6 +33,22 @@ step "audit tiny-gemma4 bfloat16, nccl" 0 \
 step "audit, one rank more than GPUs (bad input)" 1 \
     $run "$((gpus + 1))" -m fsdpcheck audit --model tiny-llama --backend nccl --timeout 20
 step "library on CUDA tensors" 0 $run "$gpus" scripts/gpu_check.py
+# Issue 13's GPU row: a Gemma3-27B-shaped bfloat16 config, no weights, --init rank0 (rank 0 fills
+# 54 GB on the host with every core, shards onto its GPU, loads and verifies); target < 60 s.
+mkdir -p "$out/gemma3-27b-shaped"
+"$py" - "$out/gemma3-27b-shaped/config.json" <<'PY'
+import json, sys
+json.dump({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+           "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+           "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+           "vocab_size": 262208, "sliding_window": 1024, "rope_theta": 1000000.0,
+           "rope_local_base_freq": 10000.0, "max_position_embeddings": 131072,
+           "query_pre_attn_scalar": 168, "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
+           "torch_dtype": "bfloat16"}, open(sys.argv[1], "w"))
+PY
+step "audit gemma3-27b-shaped bfloat16, --init rank0, nccl, 1 rank" 0 \
+    $run 1 -m fsdpcheck audit --model "$out/gemma3-27b-shaped" --backend nccl --init rank0 \
+    --timeout 300 --json "$out/gemma3-27b-shaped.json"
 grep -h "^@gpu" "$out/step.log" >"$out/library.jsonl" 2>/dev/null
 "$py" - "$out" <<'PY' | tee -a "$log"
 import json, pathlib, sys
