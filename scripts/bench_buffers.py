@@ -2,7 +2,7 @@
 float32 elements) broadcast from rank 0 one ``dist.broadcast`` per buffer (as loaders do) versus
 ``fsdpcheck.loader.load.broadcast_buffers`` (validated layout, one flat broadcast per dtype)
 versus the flat broadcast alone, and the validated path's two parts alone (describing and
-digesting; the exchange of slots). Methods alternate within each repeat. Prints one line ``@bench
+digesting; the exchange of slots). Methods alternate within each repeat, in rotating order. Prints one line ``@bench
 {json}``
 per rank with every repeat's (start, end) on the host's monotonic clock; run by
 scripts/bench.py through fsdpcheck.children.launch."""
@@ -98,8 +98,12 @@ def main() -> int:
     # (start, end) on this rank's monotonic clock, which every process on a host shares: the
     # bench takes the latest end minus the earliest start, with no trailing barrier in it.
     spans: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
-    for _ in range(args.repeats):
-        for name, fn in methods.items():
+    names = list(methods)
+    for repeat in range(args.repeats):
+        # Rotating order: no method always runs right after another (the per-buffer loop's 200
+        # collectives leave caches and the scheduler in a different state from a single one).
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            fn = methods[name]
             dist.barrier(group=group)
             start = time.perf_counter()
             fn()

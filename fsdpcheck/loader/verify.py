@@ -206,7 +206,10 @@ def _expect(
             except ValueError as exc:
                 problems[(name, global_rank)] = str(exc)
                 continue
-            if global_rank == root:  # rank 0's own shard: compared in place, below
+            if global_rank == root and converted is not full:  # a copy: compare, let it go
+                problems[(name, root)] = _in_place_reason(param, shard) or ""
+                continue
+            if global_rank == root:  # rank 0's own shard, a view of the source: below
                 in_place.append((name, param, shard))
                 continue
             key = ("param", name, global_rank)
