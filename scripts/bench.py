@@ -91,7 +91,8 @@ VERIFY_FLOOR = (
     "Where verify misses 0.5× the load: verify must read every byte twice over, once where it "
     "landed and once in rank 0's source, which only rank 0 holds. Every rank checksums its own "
     "shards (fsdpcheck/model/checksum.py: weighted row and column sums of a grid of 64-bit "
-    "words, no multiplication over the data, about 6 GB/s per core here); meanwhile, before the "
+    "words, no multiplication over the data; the digests row measures its speed); meanwhile, "
+    "before the "
     "gather, rank 0 checksums the other ranks' slices of its source and compares its own shards "
     "with its source bitwise on a second thread. So on 2 ranks rank 0 reads 1.5× the model "
     "where the load writes 0.5× into each rank, and the three streams share the host's 2 "
@@ -306,13 +307,14 @@ def row_cli(s: Settings) -> Row:
     return row
 
 
-def loglog_slope(points: dict[int, float]) -> float:
-    """Least-squares slope of log(value) over log(key): the exponent of a power law."""
+def loglog_slope(points: dict[int, float]) -> float | None:
+    """Least-squares slope of log(value) over log(key): the exponent of a power law; None with
+    fewer than two distinct keys."""
     xs = [math.log(k) for k in points]
     ys = [math.log(max(v, 1e-12)) for v in points.values()]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else None
 
 
 def spans_to_seconds(records: list[dict]) -> dict[str, list[float]]:
@@ -413,13 +415,13 @@ def row_buffers(s: Settings) -> Row:
                 f"measured alone in the same launches: describing and digesting the 200 buffers "
                 f"{fmt_ms(described)} (every rank at once, no collective: a walk of the module "
                 "tree, a (name, shape, dtype) per buffer, sorted, and a blake2b of the names, "
-                f"shapes and dtypes), and the all_to_all of {collectives and 'layout'} slots "
+                "shapes and dtypes), and the all_to_all of layout slots "
                 f"with rank 0's packed values attached {fmt_ms(exchanged)} where the flat "
                 f"broadcast with its packing and unpacking takes {fmt_ms(flat)} (the slots are "
                 "fixed-size, so the values travel padded to the inline capacity: a rank whose "
                 "layout differs must still receive exactly what was sent, or gloo aborts). "
-                "Profiled, what is left is Python per buffer (about 0.15 µs for its shape, "
-                "0.5 µs in all) and torch's per-call overhead. The flat broadcast alone is "
+                "Profiled (cProfile, this script's model): what is left is Python work per "
+                "buffer and torch's per-call overhead. The flat broadcast alone is "
                 f"{per / flat:.1f}× faster than one broadcast per buffer in this run "
                 f"({fmt_ms(per / 200)} per collective). The check is the floor of the validated "
                 f"path: without it a rank with a different buffer set hangs or is silently "
@@ -1013,9 +1015,9 @@ def row_init(s: Settings) -> Row:
         "tensors, as in a trainer); `--init meta` allocates nothing. While rank 0 does this the "
         "other ranks have built on meta and wait for it, so rank 0 fills and shards with every "
         "core of the host (fsdpcheck/model/build.py `materialising_threads`). What is left is "
-        "first touch of that fresh memory: on this VM about 0.4 to 7 s per GiB from one run to "
-        "the next (the full load row shows the per-fault cost), not the fill's arithmetic (a "
-        "broadcast copy: about 0.4 s for 2 GiB of memory already touched). transformers' own "
+        "first touch of that fresh memory, whose cost on this VM varies from run to run (the "
+        "full load row measures the per-fault cost), not the fill's arithmetic (a broadcast "
+        "copy of a seeded pattern). transformers' own "
         "init, which the fill replaces, took 25 s of CPU for this model (issue 13: 32.2 s vs "
         "6.9 s audit wall)."
     )
@@ -1137,13 +1139,15 @@ def row_scale(s: Settings) -> Row:
     row.lines.append(
         Line(
             f"gather, all agree: rank-0 time {first} → {last} ranks",
-            f"∝ ranks^{slope:.2f} ({growth:.0f}× for {last // first}× the ranks)",
-            "linear or better (exponent ≤ 1.1)",
-            slope <= 1.1,
+            f"∝ ranks^{slope:.2f} ({growth:.0f}× for {last // first}× the ranks)"
+            if slope is not None
+            else "one world size only",
+            "linear (fitted exponent ≤ 1.1)",
+            slope <= 1.1 if slope is not None else None,
             "; ".join(f"{w}: {fmt_ms(a['rank0_seconds_median'])}" for w, a in agree.items())
             + " (the exponent is the least-squares slope of log time over log ranks across all "
-            "these world sizes: with up to 256 threads on this host's cores, one size's median "
-            "moves by tens of percent with scheduling, the slope much less)",
+            "these world sizes, rather than the two ends alone: with up to 256 threads on this "
+            "host's cores, scheduling moves any one size's median by tens of percent)",
             slope,
         )
     )

@@ -15,7 +15,7 @@ step() {  # step NAME EXPECTED_EXIT COMMAND...
     local name=$1 want=$2
     shift 2
     local start=$SECONDS
-    timeout 330 "$@" >"$out/step.log" 2>&1
+    timeout 240 "$@" >"$out/step.log" 2>&1
     local code=$?
     local verdict=ok
     [ "$code" = "$want" ] || verdict=UNEXPECTED
@@ -33,8 +33,10 @@ step "audit tiny-gemma4 bfloat16, nccl" 0 \
 step "audit, one rank more than GPUs (bad input)" 1 \
     $run "$((gpus + 1))" -m fsdpcheck audit --model tiny-llama --backend nccl --timeout 20
 step "library on CUDA tensors" 0 $run "$gpus" scripts/gpu_check.py
+grep -h "^@gpu" "$out/step.log" >"$out/library.jsonl" 2>/dev/null
 # Issue 13's GPU row: a Gemma3-27B-shaped bfloat16 config, no weights, --init rank0 (rank 0 fills
-# 54 GB on the host with every core, shards onto its GPU, loads and verifies); target < 60 s.
+# 54 GB on the host with every core, shards onto its GPU, loads and verifies); target < 60 s,
+# read off the step's time in the log (the summary below also prints its report's timings).
 mkdir -p "$out/gemma3-27b-shaped"
 "$py" - "$out/gemma3-27b-shaped/config.json" <<'PY'
 import json, sys
@@ -48,8 +50,7 @@ json.dump({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
 PY
 step "audit gemma3-27b-shaped bfloat16, --init rank0, nccl, 1 rank" 0 \
     $run 1 -m fsdpcheck audit --model "$out/gemma3-27b-shaped" --backend nccl --init rank0 \
-    --timeout 300 --json "$out/gemma3-27b-shaped.json"
-grep -h "^@gpu" "$out/step.log" >"$out/library.jsonl" 2>/dev/null
+    --timeout 200 --json "$out/gemma3-27b-shaped.json"
 "$py" - "$out" <<'PY' | tee -a "$log"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -58,5 +59,6 @@ for path in sorted(out.glob("*.json")):
     load = r.get("load") or {}
     print(f"{path.name}: verdict={r['verdict']} exit={r['exit_code']} load={load.get('outcome')}"
           f"/{load.get('method')} fallback={load.get('fallback_reason')} "
-          f"verify={(r.get('verify') or {}).get('passed')} env={r['environment'][0]['torch'] if r.get('environment') else None}")
+          f"verify={(r.get('verify') or {}).get('passed')} env={r['environment'][0]['torch'] if r.get('environment') else None}"
+          f" init_values={(r.get('model') or {}).get('init_values')} stage_seconds={r.get('timings')}")
 PY

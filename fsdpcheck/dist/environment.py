@@ -79,9 +79,17 @@ def torch_threads(count: int) -> Iterator[None]:
 def worker_threads() -> int:
     """Threads for memory-bound work on this rank: this process's cores, shared with the other
     ranks on the host (torchrun's LOCAL_WORLD_SIZE), at least one."""
-    cores = all_cores()
+    return max(1, all_cores() // _local_ranks())
+
+
+def lead_threads() -> int:
+    """Threads for the rank with the most work while the others on the host do a small share
+    each (rank 0 checksumming every other rank's slices): every core but one per other rank."""
+    return max(worker_threads(), all_cores() - (_local_ranks() - 1))
+
+
+def _local_ranks() -> int:
     try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
-        local = 1
-    return max(1, cores // local)
+        return 1

@@ -288,8 +288,8 @@ def _unpack_flat(flat: torch.Tensor, buffers: list[torch.Tensor]) -> None:
     try:  # one C++ call; asking every buffer for its device first costs as much again
         torch._foreach_copy_(buffers, _unflatten_dense_tensors(flat, buffers))
         return
-    except RuntimeError:  # buffers on another device than the transport's, or on several
-        pass
+    except RuntimeError:  # should a torch refuse a mix of devices here: one copy_ each (copies
+        pass  # are idempotent, so what the foreach call wrote before failing does no harm)
     offset = 0
     for buf in buffers:
         count = buf.numel()

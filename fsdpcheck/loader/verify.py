@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdpcheck.dist.environment import lead_threads
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.loader.shards import expected_shard
 from fsdpcheck.model.checksum import checksums
@@ -161,8 +162,9 @@ class _Batches:
 
     def flush(self) -> None:
         if self.pending:
-            # This rank's share of the cores: the other ranks digest their own shards meanwhile.
-            digests = checksums([t for _, t in self.pending])
+            # The others digest their own shards meanwhile, 1/world of the model each, so rank 0
+            # (the rest of it) takes every core but one per other rank on the host.
+            digests = checksums([t for _, t in self.pending], threads=lead_threads())
             self.done.update((key, d) for (key, _), d in zip(self.pending, digests, strict=True))
         self.pending, self.copied = [], 0
 

@@ -147,6 +147,18 @@ def test_verify_catches_one_bit_of_one_element_in_a_shard(tmp_path: Path, rank: 
     ]
 
 
+def test_verify_failing_on_rank0_before_the_gather_ends_every_rank_without_a_hang(
+    tmp_path: Path,
+) -> None:
+    # Rank 0 works out what every rank must hold before the gather; its failure there must
+    # still reach the others through the verdict, within the ranks' own collective timeout.
+    result, records = run_worker(tmp_path, "hazard", "--break-verify-source", "lm_head.weight")
+    assert result.codes[0] not in (0, None) and result.codes[1] not in (0, None), result.codes
+    assert "AttributeError" in result.output(0)
+    assert "verification failed on rank 0" in records[1]["error"]["message"]
+    assert max(r["elapsed"] for r in records) < 30  # the verdict, not the 40 s timeout
+
+
 def test_state_dict_load_leaves_buffers_empty_until_broadcast_buffers(tmp_path: Path) -> None:
     # set_model_state_dict alone never touches non-persistent buffers: on the meta rank they
     # hold whatever to_empty() left there. broadcast_buffers alone then fixes exactly those.

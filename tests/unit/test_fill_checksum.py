@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdpcheck.model.build import _from_config, _load_config, build
 from fsdpcheck.model import checksum as checksum_module
+from fsdpcheck.model.build import _from_config, _load_config, build
 from fsdpcheck.model.checksum import _BLOCK_ROWS, _COLS, checksum, checksums
 from fsdpcheck.model.resolve import resolve
 
-_CHUNK = _COLS * _BLOCK_ROWS  # elements: block boundaries fall inside the tensors below
+_CHUNK = _COLS * _BLOCK_ROWS  # words in a block
 
 
 @pytest.mark.parametrize(
@@ -19,9 +19,13 @@ _CHUNK = _COLS * _BLOCK_ROWS  # elements: block boundaries fall inside the tenso
 )
 def test_checksum_catches_every_single_changed_element(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
-    base = (torch.randn(2 * _CHUNK + 13, generator=gen) * 50).to(dtype)
+    per_word = 8 // torch.empty(0, dtype=dtype).element_size()
+    words = 2 * _CHUNK + 13  # two whole blocks and a short third, whatever the element size
+    base = (torch.randn(words * per_word - 3, generator=gen) * 50).to(dtype)
     want = checksum(base)
-    positions = [0, 1, 7, _COLS - 1, _COLS, _CHUNK - 1, _CHUNK, 2 * _CHUNK + 12]
+    edges = [0, 1, 7, _COLS - 1, _COLS, _CHUNK - 1, _CHUNK, 2 * _CHUNK + 12]
+    positions = [w * per_word for w in edges if w * per_word < base.numel()]
+    positions += [base.numel() - 1]
     positions += torch.randint(0, base.numel(), (40,), generator=gen).tolist()
     for position in positions:
         changed = base.clone()
@@ -30,7 +34,8 @@ def test_checksum_catches_every_single_changed_element(dtype: torch.dtype) -> No
         for bit in (0, 7):  # the lowest bit of the element's first byte, and its top bit
             flipped = raw.clone()
             flipped[position * size + (size - 1 if bit == 7 else 0)] ^= 1 << bit
-            assert checksum(flipped.view(dtype)) != want, (position, bit)
+            got = checksum(flipped.view(dtype))
+            assert got[:16] != want[:16], (position, bit)  # sum 1 alone always sees it
 
 
 def test_checksum_catches_swaps_and_top_bit_pairs() -> None:
@@ -50,7 +55,6 @@ def test_checksum_catches_sign_flips_and_moves_the_grid_sums_alone_would_miss() 
     values = torch.randn(3 * _CHUNK + 7, dtype=torch.float64, generator=gen)
     want = checksum(values)
     assert checksum(-values) != want  # every word differs in its top bit only
-    grid = values[: 2 * _CHUNK].view(-1, _COLS)
     swapped = values.clone()
     swapped[5], swapped[9] = -values[9], -values[5]  # same row: v and -v trade places
     assert checksum(swapped) != want
@@ -58,23 +62,27 @@ def test_checksum_catches_sign_flips_and_moves_the_grid_sums_alone_would_miss() 
     column[7] = -column[7]
     column[7 + _COLS] = -column[7 + _COLS]  # same column, two rows: top bits only
     assert checksum(column) != want
-    rectangle = values.clone().view(-1)[: 2 * _CHUNK].view(-1, _COLS).clone()
-    delta = 0.5
+    words = values.view(torch.int64)
+    corners = words.clone()  # +d -d / -d +d in two blocks: every row and column sum as before
     for (i, j), sign in {(0, 1): 1, (0, 2): -1, (_BLOCK_ROWS, 1): -1, (_BLOCK_ROWS, 2): 1}.items():
-        rectangle[i, j] = grid[i, j] + sign * delta  # four corners, in two different blocks
-    changed = torch.cat([rectangle.view(-1), values[2 * _CHUNK :]])
-    assert checksum(changed) != want
+        corners[i * _COLS + j] += sign * 12345
+    assert checksum(corners.view(torch.float64)) != want  # the blocks' multipliers differ
     rows = values.clone()
     rows[: 2 * _COLS] = torch.cat([values[_COLS : 2 * _COLS], values[:_COLS]])  # rows swapped
     assert checksum(rows) != want
 
 
 def test_checksum_does_not_depend_on_how_the_work_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
-    tensors = [torch.randn(5 * _CHUNK + 3), torch.randn(17).to(torch.bfloat16)]
+    tensors = [torch.randn(10 * _CHUNK + 3), torch.randn(17).to(torch.bfloat16)]
     whole = checksums(tensors, threads=1)
     monkeypatch.setattr(checksum_module, "_SPAN_BLOCKS", 1)  # one job per 1 MiB block
     assert checksums(tensors, threads=1) == whole
     assert checksums(tensors, threads=3) == whole
+    # CUDA reduces many blocks per kernel: the same path, several blocks per step, same sums.
+    for blocks in (3, checksum_module._GPU_CHUNK_BLOCKS):
+        monkeypatch.setattr(checksum_module, "_chunk_blocks", lambda device, n=blocks: n)
+        monkeypatch.setattr(checksum_module, "_SPAN_BLOCKS", 7)
+        assert checksums(tensors, threads=2) == whole, blocks
 
 
 def test_checksum_ignores_alignment_threads_and_strides() -> None:

@@ -52,6 +52,9 @@ def main() -> int:
     )
     parser.add_argument("--tamper-rank", type=int, default=1, help="the rank --tamper-one edits")
     parser.add_argument("--dump", action="append", default=[], help="gather this param's full")
+    parser.add_argument(
+        "--break-verify-source", default=None, help="rank 0 verifies against a non-tensor here"
+    )
     args = parser.parse_args()
 
     out = Path(args.out)
@@ -94,6 +97,8 @@ def main() -> int:
             local = dict(model.named_parameters())[args.tamper_one].to_local()
             words = local.detach().view(-1).view(torch.int16)  # bfloat16/float16/float32 alike
             words[words.numel() // 2 + 1] ^= 1  # one element, its least significant bit
+        if args.break_verify_source and source is not None:
+            source = {**source, args.break_verify_source: "not a tensor"}
         result = verify_load(model, source, group=ctx.side_channel)
         record["verify"] = to_dict(result)
         record["n_params"] = len(list(model.named_parameters()))
