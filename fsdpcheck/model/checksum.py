@@ -107,7 +107,9 @@ def _words(raw: torch.Tensor, first: int, last: int) -> torch.Tensor:
     """Words ``first:last`` of ``raw`` (uint8, flat) as int64: a view where ``raw`` is aligned
     and long enough, else a zero-padded copy of just these words."""
     part = raw[first * 8 : last * 8]
-    if part.numel() == (last - first) * 8 and part.data_ptr() % 8 == 0:
+    # view() needs the byte offset into the storage aligned, and the data behind it too.
+    aligned = part.storage_offset() % 8 == 0 and part.data_ptr() % 8 == 0
+    if aligned and part.numel() == (last - first) * 8:
         return part.view(torch.int64)
     padded = torch.zeros((last - first) * 8, dtype=torch.uint8, device=raw.device)
     padded[: part.numel()].copy_(part)
@@ -127,40 +129,59 @@ def _span(raw: torch.Tensor, first_block: int, last_block: int) -> tuple[int, in
     first_row, last_row = first_block * _BLOCK_ROWS, min(last_block * _BLOCK_ROWS, rows)
     count, blocks = last_row - first_row, last_block - first_block
     row_sums = torch.empty(2, count, dtype=torch.int64, device=device)
-    column_sums = torch.empty(2, blocks, _COLS, dtype=torch.int64, device=device)
+    # Column sums wait in a buffer until they are weighted into one number per block: once per
+    # span with one block per step (CPU: at most _SPAN_BLOCKS), else once per step (CUDA, where
+    # one span is a whole tensor and its column sums would be 1/8 of it).
+    capacity = min(blocks if step == 1 else step, blocks)
+    column_sums = torch.empty(2, capacity, _COLS, dtype=torch.int64, device=device)
+    block_totals = torch.empty(2, blocks, dtype=torch.int64, device=device)
     shifted = torch.empty(min(step * _BLOCK_ROWS, count), _COLS, dtype=torch.int64, device=device)
+    weights = [_column_weights(k, device) for k in (0, 1)]
+    done = pending = 0  # blocks weighted so far; blocks waiting in column_sums
+
+    def weigh() -> None:
+        for k in (0, 1):
+            weighted = column_sums[k, :pending] * weights[k]
+            torch.sum(weighted, 1, out=block_totals[k, done : done + pending])
+
     for block in range(first_block, last_block, step):
+        if pending + step > capacity:
+            weigh()
+            done, pending = done + pending, 0
         start = block * _BLOCK_ROWS
         stop = min(start + step * _BLOCK_ROWS, last_row)
         words = _words(raw, start * _COLS, min(stop * _COLS, _word_count(raw)))
         full, tail = divmod(words.numel(), _COLS)
         whole = full // _BLOCK_ROWS  # complete blocks among the full rows
-        at, q = start - first_row, block - first_block
+        used = whole + (1 if full > whole * _BLOCK_ROWS or tail or not whole else 0)
+        at = start - first_row
         for k in (0, 1):
             grid = words[: full * _COLS].view(full, _COLS)
             if k == 1:
                 grid = torch.bitwise_right_shift(grid, 32, out=shifted[:full])
             torch.sum(grid, 1, out=row_sums[k, at : at + full])
+            sums = column_sums[k, pending:]
             if whole == 1:  # CPU: one block per step (a plain column sum is the fast kernel)
-                torch.sum(grid[:_BLOCK_ROWS], 0, out=column_sums[k, q])
+                torch.sum(grid[:_BLOCK_ROWS], 0, out=sums[0])
             elif whole:
                 blocked = grid[: whole * _BLOCK_ROWS].view(whole, _BLOCK_ROWS, _COLS)
-                torch.sum(blocked, 1, out=column_sums[k, q : q + whole])
+                torch.sum(blocked, 1, out=sums[:whole])
             if full > whole * _BLOCK_ROWS:  # the tensor's last block, short
-                torch.sum(grid[whole * _BLOCK_ROWS :], 0, out=column_sums[k, q + whole])
+                torch.sum(grid[whole * _BLOCK_ROWS :], 0, out=sums[whole])
             elif tail or not whole:  # a last block of the short row alone, or an empty tensor
-                column_sums[k, q + whole].zero_()
+                sums[whole].zero_()
             if tail:  # the tensor's last row, short
                 rest = words[full * _COLS :]
                 rest = rest if k == 0 else torch.bitwise_right_shift(rest, 32)
                 row_sums[k, at + full] = rest.sum()
-                column_sums[k, q + whole, :tail] += rest
+                sums[whole, :tail] += rest
+        pending += used
+    weigh()
     result = []
     for k in (0, 1):
         weighted_rows = row_sums[k] * _odd_hashes(_ROW_SEEDS[k], first_row, count, device)
-        per_block_columns = (column_sums[k] * _column_weights(k, device)).sum(1)
         multipliers = _odd_hashes(_BLOCK_SEEDS[k], first_block, blocks, device)
-        total = weighted_rows.sum() + (per_block_columns * multipliers).sum()
+        total = weighted_rows.sum() + (block_totals[k] * multipliers).sum()
         result.append(int(total.item()) & _MASK64)
     return result[0], result[1]
 
@@ -194,11 +215,15 @@ def checksums(tensors: Sequence[torch.Tensor], *, threads: int | None = None) ->
         i, first, last = job
         return i, _span(raws[i], first, last)
 
-    if workers > 1 and len(jobs) > 1:
+    # CUDA tensors one after another (their kernels share a stream, and each holds scratch of
+    # up to 256 MiB); CPU spans across the threads.
+    on_host = [job for job in jobs if raws[job[0]].device.type == "cpu"]
+    results = [run(job) for job in jobs if raws[job[0]].device.type != "cpu"]
+    if workers > 1 and len(on_host) > 1:
         with ThreadPoolExecutor(workers, thread_name_prefix="fsdpcheck-checksum") as pool:
-            results = list(pool.map(run, jobs))
+            results += pool.map(run, on_host)
     else:
-        results = [run(job) for job in jobs]
+        results += [run(job) for job in on_host]
     for i, (a, b) in results:
         totals[i][0] = (totals[i][0] + a) & _MASK64
         totals[i][1] = (totals[i][1] + b) & _MASK64

@@ -85,6 +85,65 @@ def test_checksum_does_not_depend_on_how_the_work_is_split(monkeypatch: pytest.M
         assert checksums(tensors, threads=2) == whole, blocks
 
 
+def _by_definition(raw: torch.Tensor) -> str:
+    """The checksum as the module docstring defines it, word by word in Python integers."""
+    nbytes = raw.numel()
+    padded = torch.zeros(-(-nbytes // 8) * 8, dtype=torch.uint8)
+    padded[:nbytes] = raw
+    words = padded.view(torch.int64).tolist()
+    cols, block_rows, cpu = checksum_module._COLS, checksum_module._BLOCK_ROWS, torch.device("cpu")
+    rows = max(1, -(-len(words) // cols))
+    blocks = -(-rows // block_rows)
+    sums = []
+    for k in (0, 1):
+        a = checksum_module._odd_hashes(checksum_module._ROW_SEEDS[k], 0, rows, cpu).tolist()
+        m = checksum_module._odd_hashes(checksum_module._BLOCK_SEEDS[k], 0, blocks, cpu).tolist()
+        b = checksum_module._column_weights(k, cpu).tolist()
+        total = 0
+        for index, word in enumerate(words):
+            i, j = divmod(index, cols)
+            total += (word >> 32 if k else word) * (a[i] + m[i // block_rows] * b[j])
+        sums.append(total & (2**64 - 1))
+    return f"{sums[0]:016x}{sums[1]:016x}{nbytes:x}"
+
+
+def test_checksum_is_its_definition_however_the_work_is_cut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A 4-column grid in blocks of 2 rows, so that a few hundred bytes cross every edge: short
+    # last rows and blocks, unaligned starts, spans of 1..n blocks, CPU's one block per step
+    # and CUDA's many (with its column sums weighted per step). Scratch starts as garbage, so
+    # an entry the code forgets to write shows.
+    monkeypatch.setattr(checksum_module, "_COLS", 4)
+    monkeypatch.setattr(checksum_module, "_BLOCK_ROWS", 2)
+    monkeypatch.setattr(checksum_module, "_tables", {})
+    real_empty = torch.empty
+
+    def garbage(*args: object, **kwargs: object) -> torch.Tensor:
+        out = real_empty(*args, **kwargs)
+        return out.fill_(-0x5A5A5A5A5A5A5A5B) if out.dtype == torch.int64 else out
+
+    monkeypatch.setattr(torch, "empty", garbage)
+    gen = torch.Generator().manual_seed(2)
+    source = torch.randint(0, 256, (300,), dtype=torch.uint8, generator=gen)
+    for nbytes in [*range(0, 80), 127, 128, 129, 191, 255]:
+        for offset in (0, 3):
+            raw = source[offset : offset + nbytes]
+            want = _by_definition(raw)
+            for step in (1, 3):
+                monkeypatch.setattr(checksum_module, "_chunk_blocks", lambda device, n=step: n)
+                for span in (1, 2, 64):
+                    monkeypatch.setattr(checksum_module, "_SPAN_BLOCKS", span)
+                    assert checksums([raw], threads=1)[0] == want, (nbytes, offset, step, span)
+
+
+def test_checksum_of_empty_and_offset_views() -> None:
+    values = torch.randn(7).to(torch.bfloat16)
+    assert checksum(values[7:]) == checksum(torch.zeros(0, dtype=torch.bfloat16))
+    assert checksum(values.narrow(0, 5, 0)) == checksum(values[:0])
+    assert checksum(values[1:]) == checksum(values[1:].clone())
+
+
 def test_checksum_ignores_alignment_threads_and_strides() -> None:
     full = torch.randn(3 * _CHUNK + 5).to(torch.bfloat16)
     part = full[3:]  # starts 6 bytes into an aligned allocation
