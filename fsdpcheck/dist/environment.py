@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 import os
 import platform
 import socket
+from collections.abc import Iterator
 from importlib import metadata
 
 from fsdpcheck.records import EnvRecord
