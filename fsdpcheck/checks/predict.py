@@ -6,7 +6,7 @@ the fingerprints of the reference group and every other usable group. Pure: no t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -165,6 +165,14 @@ class _Context:
     @property
     def ref_rank(self) -> int:
         return self.reference.representative
+
+    def compared(self, prefer: str) -> Iterator[tuple[Group, Fingerprint, Fingerprint]]:
+        """Every other group with the reference's and its fingerprints (``prefer``'s stage where
+        both have it); groups without a fingerprint to compare are left out."""
+        for group, other in self.pairs:
+            views = _views(self.ref, other, prefer=prefer)
+            if views is not None:
+                yield group, *views
 
 
 # ---------------------------------------------------------------- pairing and aggregation
@@ -387,14 +395,11 @@ def _walk(
 def _named_buffers(ctx: _Context) -> LoaderPrediction:
     """DCP first (its refusals end the load on the ranks that differ), then the buffer loop."""
     results = []
-    for group, other in ctx.pairs:
-        views = _views(ctx.ref, other, prefer="post_wrap")
-        if views is None:
-            continue
-        issue = _dcp_refusal(*views, ctx.ref_rank, group)
+    for group, ref_fp, other_fp in ctx.compared("post_wrap"):
+        issue = _dcp_refusal(ref_fp, other_fp, ctx.ref_rank, group)
         if issue is None:
-            a, b = _buffer_slots(views[0]), _buffer_slots(views[1])
-            issue = _walk(a, b, ctx, group, _canonical(views[0]), "buffer")
+            a, b = _buffer_slots(ref_fp), _buffer_slots(other_fp)
+            issue = _walk(a, b, ctx, group, _canonical(ref_fp), "buffer")
         results.append((group.ranks, issue))
     view = _loader_view(ctx.ref)
     count = len(_buffer_slots(view)) if view is not None else 0
@@ -405,11 +410,8 @@ def _named_buffers(ctx: _Context) -> LoaderPrediction:
 def _state_dict_order(ctx: _Context) -> LoaderPrediction:
     """accelerate: every state-dict entry in local order, each rank's own buffers kept."""
     results = []
-    for group, other in ctx.pairs:
-        views = _views(ctx.ref, other, prefer="post_wrap")
-        if views is None:
-            continue
-        a, b = _state_dict_slots(views[0]), _state_dict_slots(views[1])
+    for group, ref_fp, other_fp in ctx.compared("post_wrap"):
+        a, b = _state_dict_slots(ref_fp), _state_dict_slots(other_fp)
 
         def refuse(i: int, x: Slot, y: Slot, group: Group = group) -> _Issue | None:
             # Every entry needs a device_mesh: a persistent buffer (a plain tensor) raises.
@@ -426,9 +428,9 @@ def _state_dict_order(ctx: _Context) -> LoaderPrediction:
                     return _Issue("refused", i, ra, rb, group.representative, summary)
             return None
 
-        issue = _walk(a, b, ctx, group, _canonical(views[0]), "state-dict", refuse)
+        issue = _walk(a, b, ctx, group, _canonical(ref_fp), "state-dict", refuse)
         if not _stops(issue):
-            issue = _worse(issue, _kept_buffer_values(*views, ctx.ref_rank, group))
+            issue = _worse(issue, _kept_buffer_values(ref_fp, other_fp, ctx.ref_rank, group))
         results.append((group.ranks, issue))
     view = _loader_view(ctx.ref)
     count = len(_state_dict_slots(view)) if view is not None else 0
@@ -444,9 +446,9 @@ def _kept_buffer_values(a: Fingerprint, b: Fingerprint, ref_rank: int, group: Gr
     differs from rank 0's stays different. Digests come from materialised ranks only; ``None``
     (meta) is unknown and not judged here. Values are not in a group's digest, so only ranks
     that differ in layout too (or a value-aware gather) get compared."""
-    theirs = {t.name: t for t in b.buffers if t.persistent is False}
+    other_fp = {t.name: t for t in b.buffers if t.persistent is False}
     for i, x in enumerate(t for t in a.buffers if t.persistent is False):
-        y = theirs.get(x.name)
+        y = other_fp.get(x.name)
         if y is None or x.digest is None or y.digest is None or x.digest == y.digest:
             continue
         summary = (
@@ -549,7 +551,7 @@ def _ddp_pair(
             )
             index = x if x is not None else y
             return _worse(worst, _Issue("hang", index, ra, rb, group.representative, summary))
-        # gloo with room to spare fills the first `sent` bytes: tensors past them keep theirs.
+        # gloo with room to spare fills the first `sent` bytes: tensors past them keep other_fp.
         for start, end, i in spans_a:
             if start == end:
                 continue  # an empty tensor receives nothing
@@ -590,15 +592,12 @@ def _first_unlike(a, ia: Sequence[int], b, ib: Sequence[int]) -> tuple[int | Non
 
 def _ddp(ctx: _Context) -> LoaderPrediction:
     results = []
-    for group, other in ctx.pairs:
-        views = _views(ctx.ref, other, prefer="pre_wrap")
-        if views is None:
-            continue
-        issue = _ddp_shape_check(views[0].params, views[1].params, ctx.ref_rank, group)
+    for group, ref_fp, other_fp in ctx.compared("pre_wrap"):
+        issue = _ddp_shape_check(ref_fp.params, other_fp.params, ctx.ref_rank, group)
         if issue is None:
-            a = [*views[0].params, *views[0].buffers]
-            b = [*views[1].params, *views[1].buffers]
-            issue = _ddp_pair(a, b, ctx, group, _canonical(views[0]))
+            a = [*ref_fp.params, *ref_fp.buffers]
+            b = [*other_fp.params, *other_fp.buffers]
+            issue = _ddp_pair(a, b, ctx, group, _canonical(ref_fp))
         results.append((group.ranks, issue))
     ok = "parameters and buffers fill the same flat buckets in the same order on every rank"
     return _aggregate("ddp-sync", results, ok)
@@ -651,16 +650,12 @@ def _meta_hits(group: Group, records: Mapping[int, RankRecord], meta_ranks: set[
 def _dcp(ctx: _Context, records, meta_ranks) -> LoaderPrediction:
     reference = ctx.reference
     results: list[tuple[Sequence[int], _Issue | None]] = []
-    for group, other in ctx.pairs:
-        views = _views(ctx.ref, other, prefer="post_wrap")
-        if views is not None:
-            results.append((group.ranks, _dcp_refusal(*views, ctx.ref_rank, group)))
+    for group, ref_fp, other_fp in ctx.compared("post_wrap"):
+        results.append((group.ranks, _dcp_refusal(ref_fp, other_fp, ctx.ref_rank, group)))
     if any(_stops(issue) for _, issue in results):
         return _aggregate("dcp-broadcast", results, "")
-    for group, other in ctx.pairs:  # untouched, so a rank built for real keeps its own values
-        views = _views(ctx.ref, other, prefer="post_wrap")
-        if views is not None:
-            results.append((group.ranks, _kept_buffer_values(*views, ctx.ref_rank, group)))
+    for group, ref_fp, other_fp in ctx.compared("post_wrap"):  # untouched: a rank keeps its own
+        results.append((group.ranks, _kept_buffer_values(ref_fp, other_fp, ctx.ref_rank, group)))
 
     # Not in the state dict, so DCP leaves these as built: garbage where built on meta.
     view = _loader_view(ctx.ref)
@@ -688,7 +683,7 @@ def _dcp(ctx: _Context, records, meta_ranks) -> LoaderPrediction:
 
 def _first_name_difference(a: Fingerprint, b: Fingerprint, ref_rank: int, group: Group):
     """(index, reference, other, what) for the first mismatch by sorted name, or None."""
-    mine, theirs = f"rank {ref_rank}", _who(group)
+    ref_fp, other_fp = f"rank {ref_rank}", _who(group)
     kinds = (
         ("buffer", a.buffers, b.buffers),
         ("parameter", _with_aliases(a), _with_aliases(b)),
@@ -698,14 +693,14 @@ def _first_name_difference(a: Fingerprint, b: Fingerprint, ref_rank: int, group:
         for i, name in enumerate(sorted(left.keys() | right.keys())):
             x, y = left.get(name), right.get(name)
             if x is None or y is None:
-                where = mine if y is None else theirs
+                where = ref_fp if y is None else other_fp
                 what = f"{kind} {describe(x or y)} exists only on {where}"
             elif _layout(x) != _layout(y):
-                what = f"{kind} {name} is {_layout(x)} on {mine} but {_layout(y)} on {theirs}"
+                what = f"{kind} {name} is {_layout(x)} on {ref_fp} but {_layout(y)} on {other_fp}"
             elif x.persistent != y.persistent:
                 what = (
-                    f"{kind} {name} is {_persistence(x)} on {mine} but {_persistence(y)} on "
-                    f"{theirs}"
+                    f"{kind} {name} is {_persistence(x)} on {ref_fp} but {_persistence(y)} on "
+                    f"{other_fp}"
                 )
             else:
                 continue
@@ -719,11 +714,8 @@ def _persistence(t: TensorRecord) -> str:
 
 def _sorted_names(ctx: _Context) -> LoaderPrediction:
     results = []
-    for group, other in ctx.pairs:
-        views = _views(ctx.ref, other, prefer="post_wrap")
-        if views is None:
-            continue
-        found = _first_name_difference(*views, ctx.ref_rank, group)
+    for group, ref_fp, other_fp in ctx.compared("post_wrap"):
+        found = _first_name_difference(ref_fp, other_fp, ctx.ref_rank, group)
         issue = None
         if found is not None:
             index, x, y, what = found
