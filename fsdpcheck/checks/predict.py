@@ -446,9 +446,9 @@ def _kept_buffer_values(a: Fingerprint, b: Fingerprint, ref_rank: int, group: Gr
     differs from rank 0's stays different. Digests come from materialised ranks only; ``None``
     (meta) is unknown and not judged here. Values are not in a group's digest, so only ranks
     that differ in layout too (or a value-aware gather) get compared."""
-    other_fp = {t.name: t for t in b.buffers if t.persistent is False}
+    theirs = {t.name: t for t in b.buffers if t.persistent is False}
     for i, x in enumerate(t for t in a.buffers if t.persistent is False):
-        y = other_fp.get(x.name)
+        y = theirs.get(x.name)
         if y is None or x.digest is None or y.digest is None or x.digest == y.digest:
             continue
         summary = (
@@ -551,7 +551,7 @@ def _ddp_pair(
             )
             index = x if x is not None else y
             return _worse(worst, _Issue("hang", index, ra, rb, group.representative, summary))
-        # gloo with room to spare fills the first `sent` bytes: tensors past them keep other_fp.
+        # gloo with room to spare fills the first `sent` bytes: tensors past them keep theirs.
         for start, end, i in spans_a:
             if start == end:
                 continue  # an empty tensor receives nothing
@@ -683,7 +683,7 @@ def _dcp(ctx: _Context, records, meta_ranks) -> LoaderPrediction:
 
 def _first_name_difference(a: Fingerprint, b: Fingerprint, ref_rank: int, group: Group):
     """(index, reference, other, what) for the first mismatch by sorted name, or None."""
-    ref_fp, other_fp = f"rank {ref_rank}", _who(group)
+    mine, theirs = f"rank {ref_rank}", _who(group)
     kinds = (
         ("buffer", a.buffers, b.buffers),
         ("parameter", _with_aliases(a), _with_aliases(b)),
@@ -693,14 +693,14 @@ def _first_name_difference(a: Fingerprint, b: Fingerprint, ref_rank: int, group:
         for i, name in enumerate(sorted(left.keys() | right.keys())):
             x, y = left.get(name), right.get(name)
             if x is None or y is None:
-                where = ref_fp if y is None else other_fp
+                where = mine if y is None else theirs
                 what = f"{kind} {describe(x or y)} exists only on {where}"
             elif _layout(x) != _layout(y):
-                what = f"{kind} {name} is {_layout(x)} on {ref_fp} but {_layout(y)} on {other_fp}"
+                what = f"{kind} {name} is {_layout(x)} on {mine} but {_layout(y)} on {theirs}"
             elif x.persistent != y.persistent:
                 what = (
-                    f"{kind} {name} is {_persistence(x)} on {ref_fp} but {_persistence(y)} on "
-                    f"{other_fp}"
+                    f"{kind} {name} is {_persistence(x)} on {mine} but {_persistence(y)} on "
+                    f"{theirs}"
                 )
             else:
                 continue
