@@ -8,7 +8,7 @@ import signal
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -167,15 +167,9 @@ def audit(
     from fsdpcheck.vocab import Stage
 
     options = AuditOptions(
-        model=model,
+        **_build_fields(model, init, dtype, seed, text_only, trust_remote_code, allow_pickle),
         backend=backend.value,
         timeout=timeout,
-        init=init.value,
-        dtype=dtype.value if dtype else None,
-        seed=seed,
-        text_only=text_only,
-        trust_remote_code=trust_remote_code,
-        allow_pickle=allow_pickle,
         wrap_classes=tuple(wrap_class),
         min_params=min_params,
         mesh=_parse_mesh(mesh),
@@ -283,6 +277,27 @@ def _error_annotation(title: str, message: str) -> list[str]:
     from fsdpcheck.formats.annotations import command
 
     return [command("error", message, title=title)]
+
+
+def _build_fields(
+    model: str,
+    init: Any,
+    dtype: Any,
+    seed: int,
+    text_only: bool,
+    trust_remote_code: bool,
+    allow_pickle: bool,
+) -> dict[str, Any]:
+    """The model options, as ``fsdpcheck.options.BuildSpec`` fields (audit and fingerprint)."""
+    return {
+        "model": model,
+        "init": init.value,
+        "dtype": dtype.value if dtype else None,
+        "seed": seed,
+        "text_only": text_only,
+        "trust_remote_code": trust_remote_code,
+        "allow_pickle": allow_pickle,
+    }
 
 
 def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
@@ -619,13 +634,7 @@ def fingerprint(
     from fsdpcheck.vocab import ErrorKind, ExitCode
 
     options = StandaloneOptions(
-        model=model,
-        init=init.value,
-        dtype=dtype.value if dtype else None,
-        seed=seed,
-        text_only=text_only,
-        trust_remote_code=trust_remote_code,
-        allow_pickle=allow_pickle,
+        **_build_fields(model, init, dtype, seed, text_only, trust_remote_code, allow_pickle),
         wrap=wrap,
         wrap_classes=tuple(wrap_class),
         min_params=min_params,

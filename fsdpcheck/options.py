@@ -21,16 +21,9 @@ class BuildSpec:
 
 
 @dataclass(frozen=True)
-class AuditOptions:
-    model: str
+class AuditOptions(BuildSpec):
     backend: str = "auto"
     timeout: float = 60.0
-    init: str = "rank0"
-    dtype: str | None = None
-    seed: int = 0
-    text_only: bool = False
-    trust_remote_code: bool = False
-    allow_pickle: bool = False
     wrap_classes: tuple[str, ...] = ()
     min_params: int = DEFAULT_MIN_PARAMS
     mesh: tuple[int, ...] | None = None  # (replicate, shard) for HSDP; default: 1-D, all ranks
@@ -42,7 +35,7 @@ class AuditOptions:
 
     @property
     def build_spec(self) -> BuildSpec:
-        """The fields that say how to build the model (the report keeps its own flat order)."""
+        """Just the fields that say how to build the model (what a child job is handed)."""
         return BuildSpec(**{f.name: getattr(self, f.name) for f in fields(BuildSpec)})
 
     @property
