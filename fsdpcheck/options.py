@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import KW_ONLY, dataclass, fields
 
 DEFAULT_MIN_PARAMS = 100_000_000  # size-based wrapping threshold, when no wrap class is present
 
@@ -12,6 +12,7 @@ class BuildSpec:
     """How a model is built on a rank: the audit's, a child job's and ``fingerprint``'s."""
 
     model: str
+    _: KW_ONLY  # everything after the model by name: subclasses add fields of their own
     init: str = "rank0"
     dtype: str | None = None
     seed: int = 0
@@ -20,7 +21,7 @@ class BuildSpec:
     allow_pickle: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AuditOptions(BuildSpec):
     backend: str = "auto"
     timeout: float = 60.0
