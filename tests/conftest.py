@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdpcheck.children.launch import LaunchResult, launch
+from fsdpcheck.children.launch import LaunchResult, free_port, launch
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
@@ -98,6 +98,23 @@ def run_worker_ranks(
         assert path.is_file(), result.output(rank)
         records.append(json.loads(path.read_text()))
     return result, records
+
+
+def torchrun_fsdpcheck(nproc: int, *args: str) -> list[str]:
+    """``torchrun --nproc-per-node N --master-port <free> -m fsdpcheck ARGS``, as the README
+    runs it, with the torchrun next to this interpreter."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    port = str(free_port())
+    return [
+        torchrun,
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        port,
+        "-m",
+        "fsdpcheck",
+        *args,
+    ]
 
 
 def read_report(path: Path) -> dict:

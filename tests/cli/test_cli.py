@@ -5,10 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from conftest import read_report
+from conftest import read_report, torchrun_fsdpcheck
 from conftest import run_plain as _run
-
-from fsdpcheck.children.launch import free_port
 
 
 def test_presets_lists_required_models_without_importing_torch() -> None:
@@ -43,23 +41,7 @@ def test_single_rank_without_any_launcher_variables(tmp_path: Path) -> None:
 
 def test_torchrun_as_the_readme_says(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    result = _run(
-        [
-            str(torchrun),
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "fsdpcheck",
-            "audit",
-            "--model",
-            "tiny-gemma4",
-            "--json",
-            str(out),
-        ]
-    )
+    result = _run(torchrun_fsdpcheck(2, "audit", "--model", "tiny-gemma4", "--json", str(out)))
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(out)
     assert report["world_size"] == 2

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, read_report, run_ranks
+from conftest import REPO, read_report, run_ranks, torchrun_fsdpcheck
 
 from fsdpcheck.children.launch import free_port, launch
 from fsdpcheck.faults import FAULT_ENV
@@ -342,18 +342,8 @@ def test_download_failure_on_rank_0_ends_every_rank_cleanly(tmp_path: Path) -> N
 
 
 def test_torchrun_summary_shows_the_cause(tmp_path: Path) -> None:
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
     proc = subprocess.run(
-        [
-            torchrun,
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "fsdpcheck",
-            *audit(tmp_path, model="tiny-nonesuch"),
-        ],
+        torchrun_fsdpcheck(2, *audit(tmp_path, model="tiny-nonesuch")),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from accelerate import Accelerator
-from hooked import VARIANTS, outcome, rank, tiny_llama, write
+from hooked import run_twins, tiny_llama
 
 from fsdpcheck.integrations.accelerate import check_prepared
 
@@ -23,12 +23,12 @@ def check(model, on_failure: str, json_path: Path):
 
 
 record = {"distributed_type": str(accelerator.distributed_type)}
-for variant, planted in VARIANTS.items():
+
+
+def hooked(planted: bool):
     model = accelerator.prepare(tiny_llama(planted))
     record["prepared"] = type(model).__name__
-    record[variant] = {
-        mode: outcome(check(model, mode, out / f"{variant}-{mode}.json"))
-        for mode in ("warn", "raise")
-    }
-write(out, record)
-print(f"rank {rank()} done")
+    return lambda mode, json_path: check(model, mode, json_path)
+
+
+run_twins(out, hooked, record)

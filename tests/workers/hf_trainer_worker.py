@@ -4,7 +4,7 @@ the planted tiny Llama, one step with ``on_failure="warn"``, then a Trainer with
 import sys
 from pathlib import Path
 
-from hooked import VARIANTS, Tokens, outcome, rank, tiny_llama, write
+from hooked import Tokens, run_twins, tiny_llama
 from transformers import Trainer, TrainingArguments
 
 from fsdpcheck.integrations.hf import FsdpcheckCallback
@@ -30,12 +30,9 @@ def train(model, on_failure: str, json_path: Path):
     return lambda: trainer.train().global_step
 
 
-record = {}
-for variant, planted in VARIANTS.items():
+def hooked(planted: bool):
     model = tiny_llama(planted)
-    record[variant] = {
-        mode: outcome(train(model, mode, out / f"{variant}-{mode}.json"))
-        for mode in ("warn", "raise")
-    }
-write(out, record)
-print(f"rank {rank()} done")
+    return lambda mode, json_path: train(model, mode, json_path)
+
+
+run_twins(out, hooked)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -74,3 +76,22 @@ def outcome(run) -> dict:
 def write(out: Path, record: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank()}.json").write_text(json.dumps(record))
+
+
+def run_twins(
+    out: Path,
+    hooked: Callable[[bool], Callable[[str, Path], Callable[[], Any]]],
+    record: dict | None = None,
+) -> None:
+    """For each twin (clean first): ``hooked(planted)`` sets it up once and returns how to run
+    it with the hook in a given ``on_failure`` mode; both modes run, and this rank's record is
+    written."""
+    record = {} if record is None else record
+    for variant, planted in VARIANTS.items():
+        run_with = hooked(planted)
+        record[variant] = {
+            mode: outcome(run_with(mode, out / f"{variant}-{mode}.json"))
+            for mode in ("warn", "raise")
+        }
+    write(out, record)
+    print(f"rank {rank()} done")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from hooked import VARIANTS, Tokens, outcome, rank, tiny_llama, write
+from hooked import Tokens, run_twins, tiny_llama
 
 from fsdpcheck.integrations.lightning import FsdpcheckCallback
 
@@ -50,12 +50,9 @@ def fit(module, on_failure: str, json_path: Path):
     return run
 
 
-record = {}
-for variant, planted in VARIANTS.items():
+def hooked(planted: bool):
     module = Module(planted)
-    record[variant] = {
-        mode: outcome(fit(module, mode, out / f"{variant}-{mode}.json"))
-        for mode in ("warn", "raise")
-    }
-write(out, record)
-print(f"rank {rank()} done")
+    return lambda mode, json_path: fit(module, mode, json_path)
+
+
+run_twins(out, hooked)
