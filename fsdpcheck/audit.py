@@ -10,9 +10,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fsdpcheck.dist import liveness
-from fsdpcheck.dist import setup as distributed
-from fsdpcheck.dist.environment import env_record, torch_threads
+from fsdpcheck.distributed import liveness
+from fsdpcheck.distributed import setup as distributed
+from fsdpcheck.distributed.environment import env_record, torch_threads
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.faults import maybe_inject
 from fsdpcheck.model.rank_state import with_state
@@ -139,7 +139,7 @@ def _preflight(
     publish: Callable[[Report], None] | None,
 ) -> AuditResult | None:
     """Collective: rank 0's preflight answer, on every rank; None to go on."""
-    from fsdpcheck.dist.wire import broadcast_decision
+    from fsdpcheck.distributed.wire import broadcast_decision
 
     problem = preflight() if ctx.rank == 0 else ""
     try:
@@ -279,8 +279,8 @@ def _conclude(
 
     ``options`` None: :func:`check_model`, which only checks (the script loads its own weights).
     """
-    from fsdpcheck.dist.gather import gather_records
-    from fsdpcheck.dist.wire import broadcast_decision
+    from fsdpcheck.distributed.gather import gather_records
+    from fsdpcheck.distributed.wire import broadcast_decision
 
     ctx = state.ctx
     try:
@@ -465,7 +465,7 @@ def _load_stage(
     """Collective: rank 0 decides whether the loader runs; then load, verify and look at every
     rank's ties and buffers, or say why not. The outcome is known on rank 0 (``None`` elsewhere
     when skipped)."""
-    from fsdpcheck.dist.wire import broadcast_decision
+    from fsdpcheck.distributed.wire import broadcast_decision
 
     ctx = state.ctx
     skip = _load_skip_reason(options, gathered, built) if ctx.rank == 0 else ""
@@ -535,7 +535,7 @@ def _load_and_verify(
 def _state_after_load(state: _RankState, built: BuiltModel) -> Gathered | None:
     """Collective: every rank's ties and buffer problems after the load, gathered on rank 0
     (``None`` elsewhere). Values are the verification's business."""
-    from fsdpcheck.dist.gather import gather_records
+    from fsdpcheck.distributed.gather import gather_records
     from fsdpcheck.model.state import buffer_problems, buffer_reference, tie_record
 
     ctx = state.ctx

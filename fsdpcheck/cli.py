@@ -160,7 +160,7 @@ def audit(
 
     from fsdpcheck.audit import run_audit
     from fsdpcheck.console import StageStatus
-    from fsdpcheck.dist.launcher import rank_hint
+    from fsdpcheck.distributed.launcher import rank_hint
     from fsdpcheck.errors import FsdpcheckError
     from fsdpcheck.options import AuditOptions
     from fsdpcheck.records import RankError
@@ -322,7 +322,7 @@ def _stderr() -> Console:
 
 
 def _fail(error: RankError, exit_code: int, outputs: _Outputs, options: object) -> None:
-    from fsdpcheck.dist.launcher import world_hint
+    from fsdpcheck.distributed.launcher import world_hint
     from fsdpcheck.report import error_report
 
     _stderr().print(
@@ -368,7 +368,7 @@ def _tell_torchrun(message: str) -> None:
 
 def _reexec_with_rank_hash_seed() -> None:
     """Restart this interpreter with PYTHONHASHSEED = RANK, before anything is hashed for real."""
-    from fsdpcheck.dist.launcher import rank_hint
+    from fsdpcheck.distributed.launcher import rank_hint
 
     env = dict(os.environ)
     env["PYTHONHASHSEED"] = str(rank_hint(env))

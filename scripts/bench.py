@@ -695,7 +695,7 @@ def thp_mode() -> str:
 
 
 def row_gather(s: Settings) -> Row:
-    from fsdpcheck.dist.gather import SLOT_BYTES
+    from fsdpcheck.distributed.gather import SLOT_BYTES
 
     row = Row(
         "gather",
@@ -1202,7 +1202,7 @@ def row_scale(s: Settings) -> Row:
         "rank. Times are rank 0's, from a barrier to the call's return, with up to 256 threads "
         "on 2 cores: scheduling, not the network, dominates."
     )
-    from fsdpcheck.dist.gather import SLOT_BYTES
+    from fsdpcheck.distributed.gather import SLOT_BYTES
 
     row.notes.append(
         "Paper estimate to 4096 ranks (from the figures above, per-rank costs measured, "

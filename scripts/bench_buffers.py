@@ -58,7 +58,7 @@ def describe(model: nn.Module, rank: int) -> bytes:
 
 def exchange(model: nn.Module, rank: int, world: int, group):
     """The all_to_all ``broadcast_buffers`` makes, with the same slot and attachment sizes."""
-    from fsdpcheck.dist.wire import exchange_slots
+    from fsdpcheck.distributed.wire import exchange_slots
     from fsdpcheck.loader.agree import _exchange_slot, inline_capacity_for, local_layout
     from fsdpcheck.loader.load import _by_dtype, _inline_payload
 
@@ -77,7 +77,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
 
-    from fsdpcheck.dist import setup as distributed
+    from fsdpcheck.distributed import setup as distributed
     from fsdpcheck.loader.load import broadcast_buffers
 
     ctx = distributed.init("gloo", 120.0)

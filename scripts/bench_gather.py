@@ -1,10 +1,10 @@
 """One rank of the gather benchmark, one process per rank (no model: a synthetic record of 64
-buffers and 256 parameters): ``fsdpcheck.dist.gather.gather_records`` with every rank agreeing and
-with the last rank divergent. Bytes each rank sent are measured two ways: at the socket (the
-growth of this process's ``wchar`` in /proc/self/io over the call: every byte gloo wrote,
-headers included) and at the call site (the payload handed to torch.distributed calls, counted
-by the wrapper in scripts/bench_scale.py). Prints one line ``@bench {json}`` per rank; run by
-scripts/bench.py through fsdpcheck.children.launch."""
+buffers and 256 parameters): ``fsdpcheck.distributed.gather.gather_records`` with every rank
+agreeing and with the last rank divergent. Bytes each rank sent are measured two ways: at the
+socket (the growth of this process's ``wchar`` in /proc/self/io over the call: every byte gloo
+wrote, headers included) and at the call site (the payload handed to torch.distributed calls,
+counted by the wrapper in scripts/bench_scale.py). Prints one line ``@bench {json}`` per rank;
+run by scripts/bench.py through fsdpcheck.children.launch."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
 
-    from fsdpcheck.dist import gather, setup
+    from fsdpcheck.distributed import gather, setup
 
     bench_scale._install_counters()
     ctx = setup.init("gloo", 120.0)

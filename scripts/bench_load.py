@@ -134,7 +134,7 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    from fsdpcheck.dist import setup as distributed
+    from fsdpcheck.distributed import setup as distributed
     from fsdpcheck.model import wrap
 
     ctx = distributed.init("gloo", 300.0)

@@ -4,7 +4,8 @@ lightweight ranks (no model, no transformers), on a real TCPStore and real gloo 
 Each rank is a thread; a process hosts at most ``--per-proc`` of them (each rank holds a socket
 per peer it talks to, and a process has a limited number of file descriptors). Threads get their
 own c10d world (torch's ``ThreadLocalWorld``, as torch's multi-threaded test groups use), so
-``fsdpcheck.dist.gather.gather_records`` and ``exchange_slots`` run unchanged on real gloo groups.
+``fsdpcheck.distributed.gather.gather_records`` and ``exchange_slots`` run unchanged on real gloo
+groups.
 
 Bytes are counted at the call site, per rank: a wrapper around every ``torch.distributed``
 call the code issues (send, recv, gather, broadcast, all_to_all_single) adds the payload this
@@ -96,7 +97,7 @@ def _thread_worlds() -> None:
 
 def _record(rank: int, world: int, divergent: bool):
     """A rank's record: 64 buffers and 256 parameters, as a mid-size model's fingerprint."""
-    from fsdpcheck.dist.environment import env_record
+    from fsdpcheck.distributed.environment import env_record
     from fsdpcheck.records import Fingerprint, RankRecord, TensorRecord
 
     buffers = tuple(
@@ -121,7 +122,7 @@ def _rank_main(what: str, rank: int, world: int, port: int, repeats: int, out: d
     try:
         results = {}
         if what == "gather":
-            from fsdpcheck.dist.gather import gather_records
+            from fsdpcheck.distributed.gather import gather_records
 
             variants = {"agree": False, "one-divergent": rank == world - 1}
             for name, divergent in variants.items():
@@ -141,7 +142,7 @@ def _rank_main(what: str, rank: int, world: int, port: int, repeats: int, out: d
                     "groups": len(got.records) if got is not None else None,
                 }
         else:  # slots: the layout check's exchange, an all_to_all of fixed-size slots
-            from fsdpcheck.dist.wire import exchange_slots
+            from fsdpcheck.distributed.wire import exchange_slots
 
             slot = bytes([rank % 256]) * 49
             exchange_slots(slot, None, size=world)
@@ -245,8 +246,8 @@ class CountingStore:
 def run_diagnose(world: int, dead: int) -> dict:
     """Every rank but ``dead`` reaches the gather and gives up; all call diagnose_peers at once.
     Rank ``dead`` marked 'build' and never beat. Counts the store calls diagnosis makes."""
-    from fsdpcheck.dist import liveness
-    from fsdpcheck.dist.setup import DistContext
+    from fsdpcheck.distributed import liveness
+    from fsdpcheck.distributed.setup import DistContext
 
     port = _free_port()
     timeout = timedelta(seconds=120)

@@ -41,7 +41,7 @@ def build(rank: int, dtype: torch.dtype) -> tuple[nn.Module, dict | None]:
 
 
 def main() -> int:
-    from fsdpcheck.dist import setup as distributed
+    from fsdpcheck.distributed import setup as distributed
     from fsdpcheck.loader.load import broadcast_buffers, load_full_state_dict
     from fsdpcheck.loader.verify import verify_load
     from fsdpcheck.records import to_dict

@@ -59,7 +59,7 @@ def launch(
     port: int | None = None,
 ) -> LaunchResult:
     """Start ``python -m <argv...>``-style commands (``argv`` after the interpreter) as ranks."""
-    from fsdpcheck.dist.launcher import FOREIGN
+    from fsdpcheck.distributed.launcher import FOREIGN
 
     port = port or free_port()
     # A new job: an enclosing srun's or mpirun's variables would contradict the ones set here.

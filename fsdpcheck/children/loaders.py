@@ -25,13 +25,13 @@ from fsdpcheck.children.jobs import (
     reference_buffers,
     tensors_held,
 )
-from fsdpcheck.dist.liveness import is_collective_failure
+from fsdpcheck.distributed.liveness import is_collective_failure
 
 MODULE = "fsdpcheck.children.loaders"
 
 
 def accelerate_version() -> str | None:
-    from fsdpcheck.dist.environment import package_version
+    from fsdpcheck.distributed.environment import package_version
 
     return package_version("accelerate")
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     marks = Marks(args.out, int(os.environ.get("RANK", "0") or 0))
     marks.stage("init")
-    from fsdpcheck.dist import setup
+    from fsdpcheck.distributed import setup
 
     ctx = setup.init("gloo", args.timeout)
     run = _Run(args, ctx, marks)

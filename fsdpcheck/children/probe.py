@@ -27,7 +27,7 @@ from typing import Any
 
 from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, compare_orders, tensor_names
 from fsdpcheck.children.harness import emit, failure_message, run_seeds
-from fsdpcheck.dist.environment import package_version
+from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
 from fsdpcheck.vocab import ErrorKind, ExitCode, Verdict
 

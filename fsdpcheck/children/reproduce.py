@@ -194,7 +194,7 @@ def _child(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from fsdpcheck.dist import setup as distributed
+    from fsdpcheck.distributed import setup as distributed
 
     ctx = distributed.init("gloo", args.timeout)
     try:

@@ -32,7 +32,7 @@ from typing import Any
 from fsdpcheck.checks.hash_seed import ModuleReorder, SeedError, compare_orders
 from fsdpcheck.children.harness import emit, failure_message, run_seeds
 from fsdpcheck.children.probe import DEFAULT_SEEDS
-from fsdpcheck.dist.environment import package_version
+from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.errors import InputError
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
 from fsdpcheck.text import int_ranges

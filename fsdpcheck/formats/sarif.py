@@ -257,7 +257,7 @@ def _transformers_dir() -> Path | None:
 
 
 def _own_version() -> str:
-    from fsdpcheck.dist.environment import package_version
+    from fsdpcheck.distributed.environment import package_version
 
     return package_version("fsdpcheck") or "0"
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.dist.wire import exchange_slots, transport_device
+from fsdpcheck.distributed.wire import exchange_slots, transport_device
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers
 from fsdpcheck.text import name_list, ranks_label

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fsdpcheck.dist.wire import transport_device
+from fsdpcheck.distributed.wire import transport_device
 from fsdpcheck.errors import InputError
 from fsdpcheck.loader.agree import (
     BufferMismatchError,

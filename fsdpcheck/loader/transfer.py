@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.dist.wire import transport_device
+from fsdpcheck.distributed.wire import transport_device
 from fsdpcheck.loader.shards import local_shape, mesh_coordinate, shard_of
 from fsdpcheck.model.fingerprint import dtype_name
 from fsdpcheck.records import short_digest

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.dist.environment import lead_threads
+from fsdpcheck.distributed.environment import lead_threads
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.loader.shards import expected_shard
 from fsdpcheck.model.checksum import checksums

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdpcheck.dist.environment import all_cores, worker_threads
+from fsdpcheck.distributed.environment import all_cores, worker_threads
 from fsdpcheck.errors import InputError
 from fsdpcheck.model.resolve import ResolvedModel
 from fsdpcheck.records import ModelInfo

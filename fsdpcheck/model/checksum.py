@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from fsdpcheck.dist.environment import worker_threads
+from fsdpcheck.distributed.environment import worker_threads
 
 _COLS = 8192  # words per grid row (64 KiB)
 _BLOCK_ROWS = 16  # rows per block: 1 MiB, read twice (the second time from cache)

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from fsdpcheck.dist.environment import worker_threads
+from fsdpcheck.distributed.environment import worker_threads
 
 FILL = "deterministic-fill"  # ModelInfo.init_values when this module made the values
 TRANSFORMERS_INIT = "transformers-init"  # the model's own init ran (the fallback)

@@ -68,7 +68,7 @@ def process_identity(rank: int | None = None) -> Identity:
     import torch
     import torch.distributed as dist
 
-    from fsdpcheck.dist.launcher import local_rank_hint, rank_hint
+    from fsdpcheck.distributed.launcher import local_rank_hint, rank_hint
 
     if dist.is_available() and dist.is_initialized():
         own, world, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
@@ -108,7 +108,7 @@ def _int_env(name: str, default: int) -> int:
 
 def env_record(identity: Identity) -> EnvRecord:
     """The audit's allowlisted environment record, for a process that has no group."""
-    from fsdpcheck.dist.environment import env_record as audit_env_record
+    from fsdpcheck.distributed.environment import env_record as audit_env_record
 
     return audit_env_record(
         identity.rank, identity.local_rank, identity.world_size, identity.backend
@@ -195,7 +195,7 @@ def format_path(path: str | os.PathLike, env: EnvRecord) -> Path:
 
 def write_fingerprint(content: FingerprintFile, path: str | os.PathLike) -> Path:
     """Write atomically (a reader never sees half a file); unwritable paths are bad input."""
-    from fsdpcheck.dist.environment import package_version
+    from fsdpcheck.distributed.environment import package_version
 
     content = replace(
         content,

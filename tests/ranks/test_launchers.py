@@ -12,7 +12,7 @@ from pathlib import Path
 from conftest import QUIET_ENV, REPO
 
 from fsdpcheck.children.launch import free_port
-from fsdpcheck.dist.launcher import FOREIGN
+from fsdpcheck.distributed.launcher import FOREIGN
 
 RDV = ("MASTER_ADDR", "MASTER_PORT")
 

@@ -20,7 +20,7 @@ LAYERS = {
     "fsdpcheck.faults": 1,
     "fsdpcheck.output": 2,
     "fsdpcheck.model": 2,
-    "fsdpcheck.dist": 2,
+    "fsdpcheck.distributed": 2,
     "fsdpcheck.checks": 2,
     "fsdpcheck.loader": 3,
     "fsdpcheck.children": 4,

@@ -7,8 +7,8 @@ import threading
 
 import torch.distributed as dist
 
-from fsdpcheck.dist import liveness
-from fsdpcheck.dist.setup import DistContext
+from fsdpcheck.distributed import liveness
+from fsdpcheck.distributed.setup import DistContext
 
 
 class CountingStore:

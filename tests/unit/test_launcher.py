@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdpcheck.dist.launcher import LaunchEnv, detect, local_rank_hint, rank_hint
+from fsdpcheck.distributed.launcher import LaunchEnv, detect, local_rank_hint, rank_hint
 from fsdpcheck.errors import InputError
 
 RDV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}

@@ -21,7 +21,7 @@ from fsdpcheck.checks.value import (
     value_findings,
     value_senders,
 )
-from fsdpcheck.dist.gather import SLOT_BYTES, _pack_slot, _unpack_slot
+from fsdpcheck.distributed.gather import SLOT_BYTES, _pack_slot, _unpack_slot
 from fsdpcheck.records import (
     BufferProblem,
     Gathered,

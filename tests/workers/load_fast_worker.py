@@ -12,7 +12,7 @@ import torch
 from recorded import run_recorded, worker_parser
 from torch import nn
 
-from fsdpcheck.dist import setup as distributed
+from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.loader.verify import verify_load
 from fsdpcheck.model import wrap
 from fsdpcheck.model.build import build

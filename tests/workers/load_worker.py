@@ -11,7 +11,7 @@ import torch
 from recorded import run_recorded, worker_parser
 from torch import nn
 
-from fsdpcheck.dist import setup as distributed
+from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.loader.load import broadcast_buffers, load_full_state_dict
 from fsdpcheck.loader.verify import verify_load
 from fsdpcheck.model import wrap

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fsdpcheck.dist import setup as distributed
+from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.errors import FsdpcheckError
 
 

@@ -24,9 +24,10 @@ def exchange_slots(
     With ``attached`` > 0 (the same on every rank), the rank at group index ``src`` also sends
     every other rank its ``attachment``, padded to ``attached`` bytes, in the same round:
     returned second on every rank, ``src`` included (``b""`` otherwise). Sizes never depend on
-    what a rank holds, so ranks that disagree still exchange cleanly. An all_to_all of the slot rather than an all_gather: gloo's
-    all_gather is a ring (world-1 hops, one after another), its all_to_all one round of direct
-    messages; 0.9 ms against 3.0 ms at 4 ranks on 2 cores (see docs/benchmarks.md)."""
+    what a rank holds, so ranks that disagree still exchange cleanly. An all_to_all of the slot
+    rather than an all_gather: gloo's all_gather is a ring (world-1 hops, one after another),
+    its all_to_all one round of direct messages; 0.9 ms against 3.0 ms at 4 ranks on 2 cores
+    (see docs/benchmarks.md)."""
     me = dist.get_rank(group=group)
     if len(attachment) > attached:
         raise ValueError(f"attachment of {len(attachment)} bytes exceeds attached={attached}")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from fsdpcheck.dist.setup import DistContext
+from fsdpcheck.distributed.setup import DistContext
 from fsdpcheck.records import RankError, from_dict, to_dict
 from fsdpcheck.vocab import STAGE_ORDER, ErrorKind, ExitCode, Stage
 
@@ -107,7 +107,11 @@ class AbortWatch:
                 unreachable_since = unreachable_since or time.monotonic()
                 gone = time.monotonic() - unreachable_since >= self._ctx.timeout
                 why = "the rendezvous store is gone: rank 0 or the launcher died"
-                errors = [RankError(self._ctx.rank, Stage.ABORT, why, ErrorKind.RUNTIME)] if gone else None
+                errors = (
+                    [RankError(self._ctx.rank, Stage.ABORT, why, ErrorKind.RUNTIME)]
+                    if gone
+                    else None
+                )
             if self._done.is_set():
                 return
             if errors and self._armed:
@@ -266,5 +270,3 @@ def _diagnose(ctx: DistContext, exc: BaseException, *, own: RankError | None) ->
         message = f"rank {ctx.rank} failed at '{mine}': {cause}"
         errors.append(RankError(ctx.rank, mine, message, ErrorKind.RUNTIME))
     return errors
-
-

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdpcheck.dist import launcher
+from fsdpcheck.distributed import launcher
 from fsdpcheck.errors import InputError
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -42,7 +42,7 @@ class DistContext:
 
 def launch_env() -> tuple[int, int, int]:
     """``(rank, local_rank, world_size)`` from the launcher's variables (torchrun, accelerate,
-    srun, mpirun: see :mod:`fsdpcheck.dist.launcher`); one rank when none is set."""
+    srun, mpirun: see :mod:`fsdpcheck.distributed.launcher`); one rank when none is set."""
     found = launcher.detect(os.environ)
     return found.rank, found.local_rank, found.world_size
 

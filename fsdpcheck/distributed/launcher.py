@@ -1,13 +1,13 @@
 """Which launcher started this process, and so this rank's place in the job. Pure: env in.
 
-| launcher            | rank                  | world size            | local rank                  |
-|---------------------|-----------------------|-----------------------|-----------------------------|
-| torchrun            | RANK                  | WORLD_SIZE            | LOCAL_RANK                  |
-| accelerate launch   | RANK                  | WORLD_SIZE            | LOCAL_RANK (it runs torch's |
-|                     |                       |                       | elastic agent; ACCELERATE_* |
-|                     |                       |                       | variables tell it apart)    |
-| srun                | SLURM_PROCID          | SLURM_NTASKS          | SLURM_LOCALID               |
-| mpirun (Open MPI)   | OMPI_COMM_WORLD_RANK  | OMPI_COMM_WORLD_SIZE  | OMPI_COMM_WORLD_LOCAL_RANK  |
+| launcher          | rank                 | world size           | local rank                  |
+|-------------------|----------------------|----------------------|-----------------------------|
+| torchrun          | RANK                 | WORLD_SIZE           | LOCAL_RANK                  |
+| accelerate launch | RANK                 | WORLD_SIZE           | LOCAL_RANK (it runs torch's |
+|                   |                      |                      | elastic agent; ACCELERATE_* |
+|                   |                      |                      | variables tell it apart)    |
+| srun              | SLURM_PROCID         | SLURM_NTASKS         | SLURM_LOCALID               |
+| mpirun (Open MPI) | OMPI_COMM_WORLD_RANK | OMPI_COMM_WORLD_SIZE | OMPI_COMM_WORLD_LOCAL_RANK  |
 
 Every launcher with more than one rank also needs ``MASTER_ADDR`` and ``MASTER_PORT`` (srun and
 mpirun do not set them). Launchers nest: torchrun inside an ``sbatch`` allocation still sees the
