@@ -2,7 +2,7 @@
 
 Iterating a set of strings follows the interpreter's hash seed, so tensors registered inside such
 a loop come out of ``named_buffers()`` / ``named_parameters()`` in a per-process order (the
-upstream transformers RoPE bug; see DESIGN.md facts 1 and 4). This module only reads source: it
+upstream transformers RoPE bug; see docs/facts.md, facts 1 and 4). This module only reads source: it
 never imports or runs the code it looks at. Pure: text in, :class:`SetOrderSite` records out.
 
 What counts as *iterating a set*: ``for x in set(...)``, ``list(set(...))``, ``tuple(set(...))``,
