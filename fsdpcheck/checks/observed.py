@@ -184,6 +184,8 @@ def buffer_values(records: Mapping[int, Mapping[str, Any]]) -> list[dict[str, An
                 "state": state,
                 "holds": holds,
                 "shape": t["shape"],
+                "digest": t["digest"],
+                "expected_digest": want.get("digest"),
                 "values": t.get("values"),
                 "expected_values": want.get("values"),
             }
