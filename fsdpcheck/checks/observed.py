@@ -192,7 +192,6 @@ def buffer_values(records: Mapping[int, Mapping[str, Any]]) -> list[dict[str, An
         out.append(
             {
                 "rank": rank,
-                "hash_seed": record.get("hash_seed"),
                 "order": list(order),
                 "buffers": buffers,
                 "swapped": [

@@ -228,12 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = setup.init("gloo", args.timeout)
     run = _Run(args, ctx)
-    record: dict[str, Any] = {
-        "rank": ctx.rank,
-        "loader": args.loader,
-        "hash_seed": os.environ.get("PYTHONHASHSEED", "random"),
-        "error": None,
-    }
+    record: dict[str, Any] = {"rank": ctx.rank, "loader": args.loader, "error": None}
     code = 0
     try:
         run.stage("build")
