@@ -27,10 +27,9 @@ from fsdpcheck.records import (
     Report,
     VerifyResult,
     WrapPlan,
-    to_dict,
 )
 from fsdpcheck.report import AuditOutcome, assemble, error_report, report_headline
-from fsdpcheck.vocab import ErrorKind, ExitCode, LoadStatus, ReproOutcome, Snapshot, Stage
+from fsdpcheck.vocab import ErrorKind, ExitCode, LoadStatus, Snapshot, Stage
 
 if TYPE_CHECKING:
     from fsdpcheck.checks.hash_seed import ProbeResult
@@ -327,20 +326,17 @@ def _rank0_extras(
     probing: _ProbeThread | None,
     progress: Callable[[str], None] | None = None,
 ) -> AuditOutcome:
-    """Rank 0's optional extras: every loader for real and the unsafe loader's value-level
-    reproduction, each in child jobs, and the probe's result. The other ranks wait for rank 0's
-    decision under ``--timeout``, so all of it shares one deadline well inside it; what does not
-    fit says so in the report. ``progress`` names them on the console (no liveness mark: the
-    others are not behind)."""
+    """Rank 0's optional extras: every loader for real, each once in its own child job, and
+    the probe's result. The other ranks wait for rank 0's decision under ``--timeout``, so all
+    of it shares one deadline well inside it; what does not fit says so in the report.
+    ``progress`` names them on the console (no liveness mark: the others are not behind)."""
     deadline = time.monotonic() + options.budgets.extras
     if options.reproduce:
         if progress is not None:
             progress("reproduce")
         left = min(options.budgets.reproduce, deadline - time.monotonic())
-        observed, note = _observe_loaders(options, outcome.gathered, left * 5 / 6)
+        observed, note = _observe_loaders(options, outcome.gathered, left)
         outcome = replace(outcome, observed=observed, notes=(*outcome.notes, *filter(None, [note])))
-        left = min(options.budgets.reproduce, deadline - time.monotonic())
-        outcome = replace(outcome, reproduction=_reproduce(options, outcome.gathered, left))
     if probing is not None:
         if progress is not None:
             progress("probe")
@@ -365,36 +361,6 @@ def _observe_loaders(
         return observe_loaders(spec, seeds=seeds, budget=budget), None
     except Exception as exc:
         return {}, f"--reproduce could not run the loaders: {type(exc).__name__}: {exc}"
-
-
-def _reproduce(options: AuditOptions, gathered: Gathered, timeout: float) -> dict[str, Any]:
-    """Run the unsafe named-buffers-order loader in an isolated child job (never in-process)."""
-    if timeout < 2.0:
-        return {
-            "outcome": ReproOutcome.ERROR,
-            "summary": f"no time left within --timeout {options.timeout:g}s (give more)",
-        }
-    try:  # an extra: its failure, even to import, must not end the audit
-        from fsdpcheck.children.reproduce import run_reproduction
-
-        result = run_reproduction(
-            options.model,
-            nprocs=2,
-            seeds=_divergent_seeds(gathered),
-            timeout=timeout,
-        )
-        return to_dict(result)
-    except Exception as exc:
-        return {"outcome": ReproOutcome.ERROR, "summary": str(exc)}
-
-
-def _divergent_seeds(gathered: Gathered) -> tuple[int, int]:
-    """Rank 0's hash seed and the first differing group's, when both are fixed numbers."""
-    representatives = sorted(gathered.records)[:2]
-    seeds = [gathered.records[r].env.hash_seed for r in representatives]
-    if len(seeds) == 2 and all(s.isdigit() for s in seeds) and seeds[0] != seeds[1]:
-        return int(seeds[0]), int(seeds[1])
-    return 0, 1
 
 
 def _download_on_rank0(options: AuditOptions, state: _RankState) -> None:

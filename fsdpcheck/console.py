@@ -141,9 +141,11 @@ def _render_loaders(report: Report, console: Console) -> None:
         table.add_row(*cells)
     console.print(table)
     for p in report.loaders:
+        why = escape(str((p.observed_detail or {}).get("summary", "")))
         if p.observed_detail is not None and p.observed is None:
-            why = escape(str(p.observed_detail.get("summary", "")))
             console.print(f"{p.name} not run for real: {why}", style="dim")
+        elif p.observed not in (None, LoaderVerdict.OK):
+            console.print(f"{p.name} for real (child job): [bold]{p.observed}[/] — {why}")
 
 
 def _render_load(report: Report, console: Console) -> None:
@@ -160,12 +162,6 @@ def _render_load(report: Report, console: Console) -> None:
         console.print(f"[yellow]sorted loader refused[/] (no rank hung): {escape(load.message)}")
     elif load is not None and load.outcome == LoadStatus.SKIPPED and not report.errors:
         console.print(f"sorted loader not run: {escape(load.message)}", style="dim")
-    if report.reproduction:
-        repro = report.reproduction
-        console.print(
-            f"reproduction of named-buffers-order (child job): [bold]{repro.get('outcome')}[/] "
-            f"— {escape(str(repro.get('summary', '')))}"
-        )
 
 
 def _load_method(load: LoadOutcome) -> str:

@@ -30,7 +30,7 @@ class AuditOptions(BuildSpec):
     mesh: tuple[int, ...] | None = None  # (replicate, shard) for HSDP; default: 1-D, all ranks
     cpu_offload: bool = False  # every fully_shard with FSDP2's CPUOffloadPolicy
     load: bool = True  # run the project's loader and verify every rank afterwards
-    reproduce: bool = False  # also run the unsafe loader, in an isolated child job
+    reproduce: bool = False  # also run every known loader for real, each in a child job
     probe: int = 0  # rank 0 also probes the build under this many hash seeds (0: off)
     download: bool = False  # rank 0 fetches a hub id into the cache first; the others wait
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-SCHEMA = "fsdpcheck.report/1"
+SCHEMA = "fsdpcheck.report/2"
 
 T = TypeVar("T")
 
@@ -335,7 +335,9 @@ class LoaderPrediction:
     first_issue: Mapping[str, Any] | None = None
     products: str = ""  # the products and versions this row stands for
     on_gloo: str | None = None  # the verdict on gloo where it differs (a larger receive buffer)
-    # --reproduce: what the real loader did in a child job (same vocabulary; None: not run)
+    # --reproduce: what the real loader did in a child job (same vocabulary; None: not run), and
+    # the job's evidence: each rank's exit and stage, what differs, each rank's buffers value by
+    # value (which buffer holds whose values), the summary
     observed: str | None = None
     observed_detail: Mapping[str, Any] | None = None
 
@@ -409,7 +411,6 @@ class Report:
     loaders: tuple[LoaderPrediction, ...] = ()
     load: LoadOutcome | None = None
     verify: VerifyResult | None = None
-    reproduction: Mapping[str, Any] | None = None  # --reproduce: the unsafe loader, in a child job
     probe: Mapping[str, Any] | None = None  # --probe K: orders under K hash seeds, rank 0's host
     hosts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # host → its ranks
     warnings: tuple[str, ...] = ()

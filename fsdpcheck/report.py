@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fsdpcheck.checks.hash_seed import probe_finding
 from fsdpcheck.checks.layout import analyse, group_ranks, headline, verdict
@@ -50,8 +50,7 @@ class AuditOutcome:
     timings: Mapping[str, float] = field(default_factory=dict)
     load: LoadOutcome | None = None
     verify: VerifyResult | None = None
-    reproduction: Mapping[str, Any] | None = None  # --reproduce: the unsafe loader's child job
-    observed: Mapping[str, Observation] | None = None  # --reproduce: every loader, for real
+    observed: Mapping[str, Observation] | None = None  # --reproduce: each loader for real, once
     probe: ProbeResult | None = None  # --probe K
     notes: tuple[str, ...] = ()  # warnings from optional extras that did not finish
     after_load: Gathered | None = None  # every rank's ties and buffer problems after the load
@@ -92,7 +91,6 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         loaders=loaders,
         load=outcome.load,
         verify=outcome.verify,
-        reproduction=outcome.reproduction,
         probe=to_dict(outcome.probe) if outcome.probe is not None else None,
         hosts=ranks_by_host(gathered.hosts),
         warnings=(*wrap_warnings(outcome.wrap_plan), *outcome.notes),

@@ -101,16 +101,6 @@ class LoaderVerdict(Word):
         return list(LoaderVerdict).index(self)
 
 
-class ReproOutcome(Word):
-    """What the unsafe loader did in its child job (``--reproduce``)."""
-
-    OK = "ok"
-    SILENT_CORRUPTION = "silent-corruption"
-    CRASH = "crash"
-    HANG = "hang"
-    ERROR = "error"  # the reproduction itself could not run
-
-
 class ScanVerdict(Word):
     """One architecture's row in ``fsdpcheck scan``, worst first."""
 

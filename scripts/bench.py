@@ -34,8 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fsdpcheck.children.harness import usable_cores  # noqa: E402  (torch-free)
-from fsdpcheck.children.launch import LaunchResult, launch  # noqa: E402  (torch-free)
+from fsdpcheck.children.launch import LaunchResult, launch, usable_cores  # noqa: E402  (torch-free)
 
 SCRIPTS = REPO / "scripts"
 ENV = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
@@ -821,7 +820,7 @@ def row_digests(s: Settings) -> Row:
 
 def row_probe(s: Settings) -> Row:
     from fsdpcheck.children import probe as probe_module
-    from fsdpcheck.children.harness import ChildRunner
+    from fsdpcheck.children.launch import JOB_ENV
 
     row = Row("probe", "probe", "`probe(tiny-gemma4, seeds=8)` vs one meta build in a child")
     model = "tiny-gemma4"
@@ -830,10 +829,10 @@ def row_probe(s: Settings) -> Row:
     verdicts = set()
     for _ in range(s.repeats):
         start = time.perf_counter()
-        outcome = ChildRunner().run(argv, 0, 300.0)
+        outcome = launch(argv, 1, env={**JOB_ENV, "PYTHONHASHSEED": "0"}, timeout=300.0)
         times["one build"].append(time.perf_counter() - start)
-        if outcome.returncode != 0:
-            raise RuntimeError(f"one build failed: {outcome.stderr_tail}")
+        if outcome.codes != [0]:
+            raise RuntimeError(f"one build failed: {outcome.ranks[0].stderr[-2000:]}")
         start = time.perf_counter()
         result = probe_module.probe(model, seeds=8)
         times["probe (8 seeds)"].append(time.perf_counter() - start)

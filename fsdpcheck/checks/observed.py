@@ -11,6 +11,10 @@ prediction was wrong. Pure: functions over the ranks' exits, stage marks and JSO
 - ``uninitialized``: every rank finished, and a non-persistent buffer of a rank built on meta
   differs from its own module's reference and holds no value anyone computed;
 - ``None``: the job says nothing about the loader (a rank failed or was too slow before it).
+
+When every rank finished, the detail also shows each rank's buffers value by value
+(:func:`buffer_values`): which buffer holds whose values, e.g. the RoPE table of another
+attention type after the named-buffers-order loader paired them by each rank's own order.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ class RankRun:
     signal: str | None
     stage: str | None  # the last stage it marked
     last_error: str  # the most telling stderr line
-    record: Mapping[str, Any] | None = field(default=None)  # rank<N>.json, when written
+    record: Mapping[str, Any] | None = field(default=None)  # what it emitted, if it got so far
+    hash_seed: int | None = None  # its PYTHONHASHSEED
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,9 @@ def classify(loader: str, runs: Sequence[RankRun], elapsed: float = 0.0) -> Obse
         )
         return done(None, f"rank {r.rank} did not get through the loader (stage {r.stage}): {why}")
 
-    differing, only = compare_holdings({r.rank: r.record for r in runs})
+    records = {r.rank: r.record for r in runs}
+    detail["buffers"] = buffer_values(records)
+    differing, only = compare_holdings(records)
     detail["differing"] = differing[:_LISTED]
     detail["differing_count"] = len(differing)
     if only:
@@ -149,6 +156,55 @@ def compare_holdings(
     return differing, only
 
 
+def buffer_values(records: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per rank, its buffers in its own ``named_buffers()`` order, each ``ok`` (it holds what
+    rank 0 holds under that name), ``swapped`` (what rank 0 holds under another name) or
+    ``corrupted`` (neither), with the values of small ones next to rank 0's."""
+    ref = records[min(records)].get("tensors", {})
+    by_digest: dict[str, str] = {}
+    for name, t in ref.items():
+        if t["kind"] == "buffer" and t["digest"]:
+            by_digest.setdefault(t["digest"], name)
+    out = []
+    for rank in sorted(records):
+        record = records[rank]
+        tensors = record.get("tensors", {})
+        order = record.get("order") or [n for n, t in tensors.items() if t["kind"] == "buffer"]
+        buffers: dict[str, dict[str, Any]] = {}
+        for name in order:
+            t, want = tensors.get(name), ref.get(name, {})
+            if t is None:
+                continue
+            if t["digest"] is not None and t["digest"] == want.get("digest"):
+                state, holds = "ok", name
+            else:
+                holds = by_digest.get(t["digest"]) if t["digest"] else None
+                state = "swapped" if holds is not None and holds != name else "corrupted"
+            buffers[name] = {
+                "state": state,
+                "holds": holds,
+                "shape": t["shape"],
+                "digest": t["digest"],
+                "expected_digest": want.get("digest"),
+                "values": t.get("values"),
+                "expected_values": want.get("values"),
+            }
+        out.append(
+            {
+                "rank": rank,
+                "order": list(order),
+                "buffers": buffers,
+                "swapped": [
+                    {"buffer": n, "holds": b["holds"]}
+                    for n, b in buffers.items()
+                    if b["state"] == "swapped"
+                ],
+                "corrupted": [n for n, b in buffers.items() if b["state"] == "corrupted"],
+            }
+        )
+    return out
+
+
 def _entry(name: str, rank: int, verdict: str, state: str) -> dict[str, Any]:
     return {"name": name, "rank": rank, "verdict": verdict, "state": state}
 
@@ -169,6 +225,7 @@ def _rank_detail(run: RankRun) -> dict[str, Any]:
         exit_text = f"exit {run.returncode}"
     return {
         "rank": run.rank,
+        "hash_seed": run.hash_seed,
         "exit": exit_text,
         "stage": run.stage,
         "error": error.get("message") or (run.last_error if run.returncode != 0 else None),

@@ -1,1 +1,1 @@
-"""Work that runs in isolated child processes: probe, scan, reproduction."""
+"""Work that runs in isolated child processes (:mod:`.launch`): probe, scan, the real loaders."""

@@ -1,31 +1,25 @@
-"""The loader child jobs' plumbing: the child's side (progress marks, builds, what each
-rank holds after its loader) and the parent's side (one bounded 2-rank job, read back as data).
+"""The loader child jobs' plumbing: the parent's side (one bounded 2-rank job, read back as
+data) and the child's side (the builds, what each rank holds after its loader).
 
-A child never talks to its parent over a socket: each rank writes ``rank<N>.stage`` (where it is
-now) and, when it gets that far, ``rank<N>.json`` (what it holds) into a directory the parent
-owns. So the parent can tell a rank killed inside a collective (a hang) from one still importing
-torch at the deadline (too slow to say anything), and a broken process group after a bad loader
-never stands between the parent and the evidence.
+Each rank marks its stages and emits its record through :mod:`fsdpcheck.children.launch`, so the
+parent can tell a rank killed inside the loader's collectives from one too slow to get there.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fsdpcheck.checks.observed import RankRun
-from fsdpcheck.children.launch import last_error, signal_name
+from fsdpcheck.children.launch import JOB_ENV, last_error, launch
 from fsdpcheck.options import BuildSpec
 
 EXIT_REFUSED = 3  # the loader raised a clear exception
 EXIT_COLLECTIVE = 124  # a collective failed or timed out (the peer is gone or out of step)
 COMMON_DTYPES = ("float32", "bfloat16", "float16")
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding fsdpcheck/
+VALUES_SHOWN = 64  # buffers up to this many elements carry their values in the record
 
 
 @dataclass(frozen=True)
@@ -60,75 +54,30 @@ def run_job(
 ) -> tuple[tuple[RankRun, ...], float]:
     """Run ``python -m module --loader loader`` as len(seeds) ranks on gloo, killed at
     ``deadline`` seconds with every process they started; returns each rank and the elapsed time."""
-    from fsdpcheck.children.launch import launch
-
-    with tempfile.TemporaryDirectory(prefix=f"fsdpcheck-{loader}-") as tmp:
-        argv = ["-m", module, "--loader", loader, "--out", tmp, "--timeout"]
-        argv += [f"{collective_timeout:g}", *spec.argv()]
-        # This fsdpcheck, wherever it was imported from, whatever the child's working directory.
-        path = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
-        env = {
-            "TRANSFORMERS_VERBOSITY": "error",
-            "HF_HUB_OFFLINE": "1",
-            "OMP_NUM_THREADS": "1",
-            "TORCH_CPP_LOG_LEVEL": "ERROR",
-            "PYTHONPATH": path,
-        }
-        result = launch(
-            argv,
-            len(seeds),
-            env=env,
-            rank_env=lambda r: {"PYTHONHASHSEED": str(seeds[r])},
-            timeout=deadline,
+    argv = ["-m", module, "--loader", loader, "--timeout", f"{collective_timeout:g}", *spec.argv()]
+    result = launch(
+        argv,
+        len(seeds),
+        env=JOB_ENV,
+        rank_env=lambda r: {"PYTHONHASHSEED": str(seeds[r])},
+        timeout=deadline,
+    )
+    runs = tuple(
+        RankRun(
+            rank=r.rank,
+            returncode=r.returncode,
+            signal=r.signal,
+            stage=r.stage,
+            last_error=last_error(r.stderr, 300),
+            record=r.result,
+            hash_seed=seeds[r.rank],
         )
-        runs = tuple(
-            RankRun(
-                rank=r.rank,
-                returncode=r.returncode,
-                signal=signal_name(r.returncode),
-                stage=_read_text(Path(tmp) / f"rank{r.rank}.stage"),
-                last_error=last_error(r.stderr, 300),
-                record=_read_json(Path(tmp) / f"rank{r.rank}.json"),
-            )
-            for r in result.ranks
-        )
+        for r in result.ranks
+    )
     return runs, result.elapsed
 
 
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-class Marks:
-    """This rank's stage file and result file in the parent's directory."""
-
-    def __init__(self, out: str, rank: int):
-        self.out = Path(out)
-        self.rank = rank
-        self.current = "start"
-
-    def stage(self, name: str) -> None:
-        self.current = name
-        _atomic_write(self.out / f"rank{self.rank}.stage", name)
-
-    def result(self, record: Mapping[str, Any]) -> None:
-        _atomic_write(self.out / f"rank{self.rank}.json", json.dumps(record, sort_keys=True))
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+# ---------------------------------------------------------------- child side
 
 
 def first_line(exc: BaseException) -> str:
@@ -138,8 +87,9 @@ def first_line(exc: BaseException) -> str:
 
 
 def tensors_held(model: Any) -> dict[str, dict[str, Any]]:
-    """Every parameter (deduplicated, as ``named_parameters`` gives them) and buffer: kind,
-    persistence, dtype, local shape, placements and a digest of the local values (None on meta)."""
+    """Every parameter (deduplicated, as ``named_parameters`` gives them) and buffer, in that
+    order: kind, persistence, dtype, local shape, placements, a digest of the local values (None
+    on meta) and, for a small buffer, its values."""
     from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers, value_digest
 
     volatile = non_persistent_buffers(model)
@@ -163,8 +113,17 @@ def tensors_held(model: Any) -> dict[str, dict[str, Any]]:
             "shape": list(buf.shape),
             "placements": None,
             "digest": value_digest(buf),
+            "values": small_values(buf),
         }
     return held
+
+
+def small_values(tensor: Any) -> list[Any] | None:
+    """The values of a small tensor that holds any (None on meta or past :data:`VALUES_SHOWN`)."""
+    if tensor.is_meta or tensor.numel() > VALUES_SHOWN:
+        return None
+    # Strict JSON has no NaN: uninitialised memory often holds some.
+    return [v if math.isfinite(v) else str(v) for v in tensor.detach().float().flatten().tolist()]
 
 
 def expected_holdings(

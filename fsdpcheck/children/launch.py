@@ -1,12 +1,23 @@
-"""Run one command as N local ranks with the env:// variables, bounded in time.
+"""The one child-job framework: start a command as N local ranks (or many one-rank jobs), bounded
+in time, and read back where each rank got to and what it found.
 
-Used by the test-suite, the benchmarks and ``--reproduce``: unlike torchrun it can give each
-rank its own environment (``PYTHONHASHSEED``), keeps every rank's exit code, and kills the whole
-process group of every rank when the time is up.
+Parent side: :func:`launch` (one job of N ranks, each with the env:// variables and its own
+environment, e.g. ``PYTHONHASHSEED``) and :func:`run_each` (independent one-rank jobs, at most
+``jobs`` at a time). Every rank starts in a session of its own; when the deadline passes, when
+the parent is interrupted, or when the job is over, every rank's whole process group is killed,
+so no process outlives its job.
+
+Child side: :func:`mark_stage` (where this rank is now) and :func:`emit` (one result record), each
+one JSON line on stdout that starts with :data:`MARK` (never pickle; other output is ignored).
+A line is flushed before the next step starts, so the parent can tell a rank killed inside a
+collective (a hang) from one still importing torch at the deadline (too slow to say anything),
+and a broken process group never stands between the parent and the evidence.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import re
 import signal
@@ -14,9 +25,40 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MARK = "@fsdpcheck "  # prefix of the JSON lines a child prints (other output is ignored)
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding fsdpcheck/
+_POLL = 0.05  # seconds between checks of the ranks' exits
+
+# What fsdpcheck's own jobs run with: offline, quiet, one thread each, unbuffered.
+JOB_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "PYTHONUNBUFFERED": "1",
+}
+# torchrun's agent speaks to its own workers through these; a child job is a new job, and with
+# TORCHELASTIC_USE_AGENT_STORE its rank 0 would wait for a store nobody serves (issue 19).
+_AGENT_VARS = frozenset(
+    {
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_NAME",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "TORCHELASTIC_ERROR_FILE",
+    }
+)
+_AGENT_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
 
 
 @dataclass(frozen=True)
@@ -26,6 +68,25 @@ class RankOutcome:
     stdout: str
     stderr: str
     elapsed: float  # seconds from launch to this rank's exit
+    stage: str | None = None  # the last stage it marked
+    records: tuple[Mapping[str, Any], ...] = ()  # the results it emitted, in order
+
+    @property
+    def signal(self) -> str | None:
+        return signal_name(self.returncode)
+
+    @property
+    def result(self) -> Mapping[str, Any] | None:
+        """Its last result record, if it emitted one."""
+        return self.records[-1] if self.records else None
+
+    def failure(self, timeout: float) -> str:
+        """Why it gave no result: the deadline, or its exit and most telling stderr line."""
+        if self.returncode is None:
+            return f"timed out after {timeout:g} s (killed)"
+        last = [line for line in self.stderr[-2000:].strip().splitlines() if line.strip()]
+        detail = last[-1] if last else "no output"
+        return f"child exited with code {self.returncode} without a result: {detail}"
 
 
 @dataclass(frozen=True)
@@ -48,6 +109,88 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_env(
+    environ: Mapping[str, str], extra: Mapping[str, str], rank_vars: Mapping[str, str]
+) -> dict[str, str]:
+    """A rank's whole environment: ``environ`` without an enclosing job's launcher variables,
+    then ``extra``, then its own rank variables; this fsdpcheck first on ``PYTHONPATH``."""
+    from fsdpcheck.distributed.launcher import FOREIGN
+
+    inherited = {
+        k: v
+        for k, v in environ.items()
+        if k not in FOREIGN and k not in _AGENT_VARS and not k.startswith(_AGENT_PREFIXES)
+    }
+    env = {**inherited, **extra, **rank_vars}
+    # This fsdpcheck, wherever it was imported from, whatever the child's working directory.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+class _Rank:
+    """One started rank: its process, its stderr file and the reader of its stdout."""
+
+    def __init__(
+        self,
+        rank: int,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str | None,
+        on_record: Callable[[int, Mapping[str, Any]], None] | None,
+    ):
+        self.rank = rank
+        self.stage: str | None = None
+        self.records: list[Mapping[str, Any]] = []
+        self.lines: list[str] = []
+        self.exited: float | None = None
+        self.killed = False
+        self._on_record = on_record
+        self.err = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, *argv],
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            text=True,
+            start_new_session=True,  # its own process group: one kill takes all it started
+        )
+        _LIVE.add(self.proc)
+        self.reader = threading.Thread(target=self._read, name=f"fsdpcheck-rank{rank}", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            kind, value = _parse(line)
+            if kind == "stage":
+                self.stage = value
+            elif kind == "result":
+                self.records.append(value)
+                if self._on_record is not None:
+                    self._on_record(self.rank, value)
+
+    def kill(self) -> None:
+        """Kill its whole process group, whatever is left of it, and reap it."""
+        if self.proc.poll() is None:
+            self.killed = True
+        _kill_group(self.proc)
+        _LIVE.discard(self.proc)
+
+    def outcome(self, start: float) -> RankOutcome:
+        self.reader.join(timeout=10)  # EOF once the group is gone
+        self.err.seek(0)
+        stderr = self.err.read()
+        self.err.close()
+        code = None if self.killed else self.proc.returncode
+        elapsed = (self.exited or time.monotonic()) - start
+        return RankOutcome(
+            self.rank, code, "".join(self.lines), stderr, elapsed, self.stage, tuple(self.records)
+        )
+
+
 def launch(
     argv: Sequence[str],
     nprocs: int,
@@ -57,73 +200,163 @@ def launch(
     timeout: float = 120.0,
     cwd: str | None = None,
     port: int | None = None,
+    on_record: Callable[[int, Mapping[str, Any]], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> LaunchResult:
-    """Start ``python -m <argv...>``-style commands (``argv`` after the interpreter) as ranks."""
-    from fsdpcheck.distributed.launcher import FOREIGN
-
+    """Start ``python <argv...>`` (``argv`` after the interpreter) as ``nprocs`` ranks of one
+    job and wait for them, at most ``timeout`` seconds (or until ``cancel`` is set); then kill
+    every rank's process group. ``on_record(rank, record)`` is called as each record arrives
+    (from reader threads)."""
     port = port or free_port()
-    # A new job: an enclosing srun's or mpirun's variables would contradict the ones set here.
-    inherited = {k: v for k, v in os.environ.items() if k not in FOREIGN}
-    base = {**inherited, **(env or {})}
-    procs: list[tuple[subprocess.Popen, object, object]] = []
     start = time.monotonic()
-    for rank in range(nprocs):
-        rank_vars = {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(nprocs),
-            "LOCAL_WORLD_SIZE": str(nprocs),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen(
-            [sys.executable, *argv],
-            env={**base, **rank_vars, **(rank_env(rank) if rank_env else {})},
-            stdout=out,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            cwd=cwd,
-            start_new_session=True,
-        )
-        procs.append((proc, out, err))
-    deadline = start + timeout
+    ranks: list[_Rank] = []
     timed_out = False
-    exited: dict[int, float] = {}
-    while len(exited) < nprocs:
-        for rank, (proc, _, _) in enumerate(procs):
-            if rank not in exited and proc.poll() is not None:
-                exited[rank] = time.monotonic() - start
-        if len(exited) == nprocs:
-            break
-        if time.monotonic() > deadline:
-            timed_out = True
-            break
-        time.sleep(0.05)
-    killed = set()
-    for rank, (proc, _, _) in enumerate(procs):
-        if proc.poll() is None:
+    try:
+        for rank in range(nprocs):
+            rank_vars = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nprocs),
+                "LOCAL_WORLD_SIZE": str(nprocs),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                **(rank_env(rank) if rank_env else {}),
+            }
+            rank_environ = child_env(os.environ, env or {}, rank_vars)
+            ranks.append(_Rank(rank, argv, rank_environ, cwd, on_record))
+        deadline = start + timeout
+        while True:
+            for r in ranks:
+                if r.exited is None and r.proc.poll() is not None:
+                    r.exited = time.monotonic()
+            if all(r.exited is not None for r in ranks):
+                break
+            if time.monotonic() > deadline or (cancel is not None and cancel.is_set()):
+                timed_out = True
+                break
+            time.sleep(_POLL)
+    finally:
+        for r in ranks:
+            r.kill()
+    outcomes = tuple(r.outcome(start) for r in ranks)
+    return LaunchResult(outcomes, time.monotonic() - start, timed_out)
+
+
+def run_each(
+    argv: Sequence[str],
+    envs: Sequence[Mapping[str, str]],
+    *,
+    jobs: int | None,
+    timeout: float,
+    on_record: Callable[[int, Mapping[str, Any]], None] | None = None,
+) -> list[RankOutcome]:
+    """``argv`` once per environment in ``envs``, each a one-rank job bounded by ``timeout``, at
+    most ``jobs`` at a time (default: the usable cores). ``on_record(index, record)`` is called
+    one call at a time, as records arrive."""
+    lock = threading.Lock()
+    cancel = threading.Event()
+
+    def one(index: int) -> RankOutcome:
+        def report(_: int, record: Mapping[str, Any]) -> None:
+            if on_record is not None:
+                with lock:
+                    on_record(index, record)
+
+        result = launch(argv, 1, env=envs[index], timeout=timeout, on_record=report, cancel=cancel)
+        return result.ranks[0]
+
+    workers = max(1, min(jobs or usable_cores(), len(envs)))
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fsdpcheck-job")
+    try:
+        return list(pool.map(one, range(len(envs))))
+    except BaseException:
+        cancel.set()  # every running job kills its ranks; queued ones are cancelled
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class _LiveProcesses:
+    """Every rank still running: killed at interpreter exit, e.g. when a daemon thread that
+    launched them is abandoned."""
+
+    def __init__(self) -> None:
+        self._procs: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    def add(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.add(proc)
+
+    def discard(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.discard(proc)
+
+    def kill_all(self) -> None:
+        with self._lock:
+            procs = list(self._procs)
+        for proc in procs:
             _kill_group(proc)
-            killed.add(rank)
-    outcomes = []
-    for rank, (proc, out, err) in enumerate(procs):
-        code = None if rank in killed else proc.returncode
-        out.seek(0)
-        err.seek(0)
-        elapsed = exited.get(rank, time.monotonic() - start)
-        outcomes.append(RankOutcome(rank, code, out.read(), err.read(), elapsed))
-        out.close()
-        err.close()
-    return LaunchResult(tuple(outcomes), time.monotonic() - start, timed_out)
+
+
+_LIVE = _LiveProcesses()
+atexit.register(_LIVE.kill_all)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+        os.killpg(proc.pid, signal.SIGKILL)  # also after the leader exited: what it left behind
+    except (ProcessLookupError, PermissionError):
         pass
-    proc.wait(timeout=10)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # unkillable (D state): nothing more to do from here
+        pass
 
+
+# ---------------------------------------------------------------- child side
+
+
+def mark_stage(name: str) -> None:
+    """Child side: this rank is now in stage ``name``."""
+    _write({"stage": name})
+
+
+def emit(record: Mapping[str, Any]) -> None:
+    """Child side: one result record (the only things a child prints on purpose)."""
+    _write({"result": record})
+
+
+def _write(line: Mapping[str, Any]) -> None:
+    sys.stdout.write(MARK + json.dumps(line, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+def _parse(line: str) -> tuple[str | None, Any]:
+    if not line.startswith(MARK):
+        return None, None
+    try:
+        message = json.loads(line[len(MARK) :])
+    except json.JSONDecodeError:  # cut short by a kill mid-write
+        return None, None
+    if not isinstance(message, dict):
+        return None, None
+    if isinstance(message.get("stage"), str):
+        return "stage", message["stage"]
+    if isinstance(message.get("result"), dict):
+        return "result", message["result"]
+    return None, None
+
+
+# ---------------------------------------------------------------- reading a rank's end
 
 _ERROR_LINE = re.compile(r"error|what\(\)|enforce fail|abort|timed out|timeout", re.IGNORECASE)
 

@@ -1,9 +1,10 @@
 """Every known loader, run for real in a child rank: ``python -m fsdpcheck.children.loaders``.
 
 Unsafe on purpose (gloo aborts a rank on a size mismatch, NCCL would block): only ever started by
-:func:`fsdpcheck.children.observe.observe_loaders` as a separate, time-bounded job on gloo. Each
-rank builds the audited model as the audit did, runs one loader, and writes what it then holds
-(digests per tensor) for the parent to compare; rank 0 also writes what every rank should hold.
+:func:`fsdpcheck.children.observe.observe_loaders` as a separate, time-bounded job on gloo (and
+by the benchmarks). Each rank builds the audited model as the audit did, runs one loader, and
+emits what it then holds (digests per tensor, values of small buffers) for the parent to compare;
+rank 0 also emits what every rank should hold.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from fsdpcheck.checks.observed import LOADING
 from fsdpcheck.children.jobs import (
     EXIT_COLLECTIVE,
     EXIT_REFUSED,
-    Marks,
     expected_holdings,
     first_line,
     reference_buffers,
     tensors_held,
 )
+from fsdpcheck.children.launch import emit, mark_stage
 from fsdpcheck.distributed.liveness import is_collective_failure
 
 MODULE = "fsdpcheck.children.loaders"
@@ -37,11 +38,12 @@ def accelerate_version() -> str | None:
 
 
 class _Run:
-    """One rank's job: its arguments, its process group and its marks."""
+    """One rank's job: its arguments, its process group and the stage it is in."""
 
-    def __init__(self, args: argparse.Namespace, ctx: Any, marks: Marks):
-        self.args, self.ctx, self.marks = args, ctx, marks
+    def __init__(self, args: argparse.Namespace, ctx: Any):
+        self.args, self.ctx = args, ctx
         self.rank = ctx.rank
+        self.current = "start"
         self.source: dict[str, Any] | None = None  # rank 0's full state dict, untouched
         self.meta_built = False
 
@@ -73,6 +75,10 @@ class _Run:
 
         wrap.apply(wrap.plan(model).modules, self.ctx.mesh)
 
+    def stage(self, name: str) -> None:
+        self.current = name
+        mark_stage(name)
+
 
 def _audit_built(run: _Run) -> Any:
     """Built as the audit builds (``--init``), wrapped, rank 0's source kept."""
@@ -101,21 +107,31 @@ def _dcp_load(run: _Run, model: Any) -> None:
 def dcp_broadcast(run: _Run) -> Any:
     """torch's set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True), alone."""
     model = _audit_built(run)
-    run.marks.stage(LOADING)
+    run.stage(LOADING)
     _dcp_load(run, model)
     return model
 
 
-def named_buffers_order(run: _Run) -> Any:
-    """verl's fsdp2_load_full_state_dict before PR #6405: DCP for the state dict, then one
-    broadcast per buffer in this rank's own named_buffers() order."""
+def broadcast_each_buffer(model: Any, src: int = 0, group: Any = None) -> int:
+    """verl's buffer loop before PR #6405: one broadcast per buffer in this rank's own
+    ``named_buffers()`` order. Unsafe (ranks whose orders differ pair different tensors): only
+    ever in a child job. Returns the number of broadcasts."""
     import torch.distributed as dist
 
-    model = _audit_built(run)
-    run.marks.stage(LOADING)
-    _dcp_load(run, model)
+    count = 0
     for _, buf in model.named_buffers():
-        dist.broadcast(buf, src=0)
+        dist.broadcast(buf, src, group=group)
+        count += 1
+    return count
+
+
+def named_buffers_order(run: _Run) -> Any:
+    """verl's fsdp2_load_full_state_dict before PR #6405: DCP for the state dict, then
+    :func:`broadcast_each_buffer`."""
+    model = _audit_built(run)
+    run.stage(LOADING)
+    _dcp_load(run, model)
+    broadcast_each_buffer(model)
     return model
 
 
@@ -124,7 +140,7 @@ def sorted_names(run: _Run) -> Any:
     from fsdpcheck.loader.load import load_full_state_dict
 
     model = _audit_built(run)
-    run.marks.stage(LOADING)
+    run.stage(LOADING)
     load_full_state_dict(model, run.source if run.rank == 0 else None, group=run.ctx.side_channel)
     return model
 
@@ -137,7 +153,7 @@ def ddp_sync(run: _Run) -> Any:
     built = run.build(init="all", seed=run.args.seed + run.rank)
     model = built.model
     run.keep_source(model.state_dict())
-    run.marks.stage(LOADING)
+    run.stage(LOADING)
     DistributedDataParallel(model)
     return model
 
@@ -171,7 +187,7 @@ def state_dict_order(run: _Run) -> Any:
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     run.wrap(model)
-    run.marks.stage(LOADING)
+    run.stage(LOADING)
     fsdp2_load_full_state_dict(_Accelerator(run.rank), model, original_sd)
     for fqn, tensor in kept.items():
         parent_name, _, local = fqn.rpartition(".")
@@ -194,7 +210,6 @@ RUNNERS: dict[str, Callable[[_Run], Any]] = {
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__)
     p.add_argument("--loader", required=True, choices=sorted(RUNNERS))
-    p.add_argument("--out", required=True)
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--model", required=True)
     p.add_argument("--init", default="rank0")
@@ -208,30 +223,30 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    marks = Marks(args.out, int(os.environ.get("RANK", "0") or 0))
-    marks.stage("init")
+    mark_stage("init")
     from fsdpcheck.distributed import setup
 
     ctx = setup.init("gloo", args.timeout)
-    run = _Run(args, ctx, marks)
+    run = _Run(args, ctx)
     record: dict[str, Any] = {"rank": ctx.rank, "loader": args.loader, "error": None}
     code = 0
     try:
-        marks.stage("build")
+        run.stage("build")
         model = RUNNERS[args.loader](run)
-        marks.stage("recording")
+        run.stage("recording")
         record["tensors"] = tensors_held(model)
+        record["order"] = [name for name, _ in model.named_buffers()]
         if run.rank == 0 and run.source is not None:
             record["expected"] = expected_holdings(model, run.source, ctx.world_size)
         record["reference"] = reference_buffers(lambda: run.build(init="all").model)
         record["meta_built"] = run.meta_built
     except Exception as exc:  # every failure is evidence: say which kind, then leave
         kind = "collective" if is_collective_failure(exc) else "refused"
-        record["error"] = {"kind": kind, "stage": marks.current, "message": first_line(exc)}
+        record["error"] = {"kind": kind, "stage": run.current, "message": first_line(exc)}
         code = EXIT_COLLECTIVE if kind == "collective" else EXIT_REFUSED
         print(f"rank {ctx.rank}: {record['error']['message']}", file=sys.stderr)
-    marks.result(record)
-    marks.stage("done")
+    emit(record)
+    mark_stage("done")
     sys.stderr.flush()
     sys.stdout.flush()
     # No destroy_process_group: after a loader broke the group it can block; the job is over.

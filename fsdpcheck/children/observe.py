@@ -1,5 +1,6 @@
-"""``--reproduce``: run every known loader for real, each in its own bounded 2-rank child job on
-gloo, and say what it did (:mod:`fsdpcheck.checks.observed` classifies).
+"""``--reproduce``: run every known loader for real, each once, in its own bounded 2-rank child
+job on gloo, and say what it did (:mod:`fsdpcheck.checks.observed` classifies; the
+named-buffers-order row's detail shows which buffers got whose values).
 
 Rank 1 of each job stands for the first group of ranks that differs from rank 0's, with that
 group's hash seed; the model is built as the audit built it (the same ``--init``, ``--dtype``,
@@ -16,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from fsdpcheck.checks.observed import Observation, classify
 from fsdpcheck.children.jobs import ChildSpec, run_job
 from fsdpcheck.children.loaders import MODULE, RUNNERS, accelerate_version
+from fsdpcheck.options import child_collective_timeout
 
 MIN_JOB_SECONDS = 8.0  # below this a job cannot even import torch on a busy machine
 
@@ -52,7 +54,7 @@ def observe_loaders(
             spec,
             seeds=seeds,
             deadline=deadline,
-            collective_timeout=max(2.0, 0.5 * deadline),
+            collective_timeout=child_collective_timeout(deadline),
         )
         out[name] = classify(name, runs, elapsed)
     return {n: out[n] for n in names}

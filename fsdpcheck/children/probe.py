@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, compare_orders, tensor_names
-from fsdpcheck.children.harness import emit, failure_message, run_seeds
+from fsdpcheck.children.launch import JOB_ENV, emit, run_each
 from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
 from fsdpcheck.vocab import ErrorKind, ExitCode, Verdict
@@ -64,28 +64,35 @@ def probe(
     seed_list = tuple(range(seeds))
     done = 0
 
-    def on_line(seed: int, record: Mapping[str, Any]) -> None:
+    def on_record(index: int, record: Mapping[str, Any]) -> None:
         nonlocal done
         done += 1
         if progress is not None:
-            progress(done, len(seed_list), f"PYTHONHASHSEED={seed}")
+            progress(done, len(seed_list), f"PYTHONHASHSEED={seed_list[index]}")
 
-    outcomes = run_seeds(argv, seed_list, jobs=jobs, timeout=timeout, on_line=on_line)
+    envs = [{**JOB_ENV, "PYTHONHASHSEED": str(seed)} for seed in seed_list]
+    outcomes = dict(
+        zip(
+            seed_list,
+            run_each(argv, envs, jobs=jobs, timeout=timeout, on_record=on_record),
+            strict=True,
+        )
+    )
 
     fingerprints: dict[int, Fingerprint] = {}
     errors: list[SeedError] = []
     architecture = None
     for seed in seed_list:
         outcome = outcomes[seed]
-        record = outcome.lines[-1] if outcome.lines else None
+        record = outcome.result
         if record is not None and record.get("ok"):
             fingerprints[seed] = from_dict(Fingerprint, record["fingerprint"])
             architecture = architecture or record.get("architecture")
         elif record is not None:
             errors.append(SeedError(seed, record.get("kind", "runtime"), record["message"]))
         else:
-            kind = "timeout" if outcome.timed_out else "runtime"
-            errors.append(SeedError(seed, kind, failure_message(outcome, timeout)))
+            kind = "timeout" if outcome.returncode is None else "runtime"
+            errors.append(SeedError(seed, kind, outcome.failure(timeout)))
 
     reorders = compare_orders(fingerprints)
     orders = len(
@@ -111,7 +118,7 @@ def probe(
         text_only=text_only,
         timings={
             "total": round(time.monotonic() - start, 3),
-            "slowest_child": max((o.elapsed for o in outcomes.values()), default=0.0),
+            "slowest_child": round(max((o.elapsed for o in outcomes.values()), default=0.0), 3),
         },
     )
 

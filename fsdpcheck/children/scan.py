@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdpcheck.checks.hash_seed import ModuleReorder, SeedError, compare_orders
-from fsdpcheck.children.harness import emit, failure_message, run_seeds
+from fsdpcheck.children.launch import JOB_ENV, emit, run_each
 from fsdpcheck.children.probe import DEFAULT_SEEDS
 from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.errors import InputError
@@ -220,29 +220,36 @@ def scan(
     total = len(targets) * len(seed_list)
     done = 0
 
-    def on_line(seed: int, record: Mapping[str, Any]) -> None:
+    def on_record(index: int, record: Mapping[str, Any]) -> None:
         nonlocal done
         if "arch" in record:
             done += 1
             if progress is not None:
-                progress(done, total, f"{record['arch']} (seed {seed})")
+                progress(done, total, f"{record['arch']} (seed {seed_list[index]})")
 
     argv = [
         "-m", "fsdpcheck.children.scan", "--child",
         "--arch-timeout", str(arch_timeout),
         "--targets", json.dumps([to_dict(t) for t in targets]),
     ]  # fmt: skip
-    outcomes = run_seeds(argv, seed_list, jobs=jobs, timeout=timeout, on_line=on_line)
+    envs = [{**JOB_ENV, "PYTHONHASHSEED": str(seed)} for seed in seed_list]
+    outcomes = dict(
+        zip(
+            seed_list,
+            run_each(argv, envs, jobs=jobs, timeout=timeout, on_record=on_record),
+            strict=True,
+        )
+    )
 
     per_arch: dict[str, dict[int, Mapping[str, Any]]] = {t.id: {} for t in targets}
     errors: list[SeedError] = []
     for seed, outcome in sorted(outcomes.items()):
-        for record in outcome.lines:
+        for record in outcome.records:
             if record.get("arch") in per_arch:
                 per_arch[record["arch"]][seed] = record
-        if outcome.timed_out or outcome.returncode != 0:
-            kind = "timeout" if outcome.timed_out else "runtime"
-            errors.append(SeedError(seed, kind, failure_message(outcome, timeout)))
+        if outcome.returncode != 0:
+            kind = "timeout" if outcome.returncode is None else "runtime"
+            errors.append(SeedError(seed, kind, outcome.failure(timeout)))
     rows = tuple(scan_row(t, per_arch[t.id], seed_list, errors) for t in targets)
     counts = {v: sum(r.verdict == v for r in rows) for v in ScanVerdict}
     if counts["hang"] or counts["silent-corruption"]:

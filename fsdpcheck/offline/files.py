@@ -350,7 +350,7 @@ def _read_json(path: Path) -> Any:
 
 def _foreign_kind(data: Any) -> str:
     schema = data.get("schema") if isinstance(data, dict) else None
-    if schema == "fsdpcheck.report/1":
+    if isinstance(schema, str) and schema.startswith("fsdpcheck.report/"):
         return "an fsdpcheck report (--json output)"
     if isinstance(schema, str):
         return f"schema {schema!r}"

@@ -18,7 +18,7 @@ def t(digest, kind="param", persistent=None, dtype="float32"):
 
 
 def rank_run(rank, record=None, code=0, stage="done", sig=None, last=""):
-    return RankRun(rank, code, sig, stage, last, record)
+    return RankRun(rank, code, sig, stage, last, record, hash_seed=rank)
 
 
 def finished(rank, tensors, expected=None, reference=None, meta=False):
@@ -56,11 +56,29 @@ def test_every_rank_holds_rank_0s_values_is_ok():
 def test_swapped_buffers_are_silent_corruption_naming_what_they_hold():
     buffers0 = {FULL: t("f", "buffer", False), SLIDE: t("s", "buffer", False)}
     buffers1 = {FULL: t("s", "buffer", False), SLIDE: t("f", "buffer", False)}
+    buffers0[FULL]["values"], buffers0[SLIDE]["values"] = [1.0], [2.0]
+    buffers1[FULL]["values"], buffers1[SLIDE]["values"] = [2.0], [1.0]
     refs = {FULL: "f", SLIDE: "s"}
     runs = [finished(0, buffers0, {}, refs), finished(1, buffers1, reference=refs, meta=True)]
+    runs[1].record["order"] = [SLIDE, FULL]
     seen = classify("named-buffers-order", runs)
     assert seen.verdict == "silent-corruption"
     assert seen.detail["differing"][0]["state"] == f"holds {SLIDE}'s values"
+    # Value by value: rank 0 as it was, rank 1 in its own order, each holding the other's.
+    rank0, rank1 = seen.detail["buffers"]
+    assert rank0["swapped"] == [] and {b["state"] for b in rank0["buffers"].values()} == {"ok"}
+    assert rank1["order"] == [SLIDE, FULL]
+    assert rank1["swapped"] == [{"buffer": SLIDE, "holds": FULL}, {"buffer": FULL, "holds": SLIDE}]
+    slide = rank1["buffers"][SLIDE]
+    assert (slide["values"], slide["expected_values"]) == ([1.0], [2.0])
+
+
+def test_a_buffer_holding_nobodys_values_is_corrupted_in_the_value_detail():
+    runs = [
+        finished(0, {FULL: t("f", "buffer", False)}, {}, {FULL: "f"}),
+        finished(1, {FULL: t("junk", "buffer", False)}, reference={FULL: "f"}),
+    ]
+    assert classify("ddp-sync", runs).detail["buffers"][1]["corrupted"] == [FULL]
 
 
 def test_garbage_on_a_meta_built_rank_is_uninitialized():
@@ -97,6 +115,8 @@ def test_a_gloo_abort_inside_the_loader_is_a_hang_even_if_a_peer_refused():
     assert seen.verdict == "hang"
     assert "SIGABRT" in seen.detail["summary"]
     assert seen.detail["ranks"][1]["exit"] == "SIGABRT"
+    assert seen.detail["ranks"][1]["hash_seed"] == 1
+    assert "buffers" not in seen.detail  # nobody got through the loader
 
 
 def test_a_clear_exception_beats_the_peers_broken_connection():
@@ -159,3 +179,4 @@ def test_a_wrong_prediction_is_in_the_headline_but_not_the_verdict():
     render(report, console)
     text = console.export_text()
     assert "observed (gloo)" in text and "refused" in text
+    assert "dcp-broadcast for real (child job): refused — rank 1 raised" in text

@@ -77,7 +77,7 @@ def test_diff_is_the_audits_analysis_over_saved_records(tmp_path: Path) -> None:
     verdicts = {p.name: p.verdict for p in report.loaders}
     assert verdicts["named-buffers-order"] == "hang" and verdicts["sorted-names"] == "ok"
     # The audit's JSON schema, and it round-trips.
-    assert report.schema == "fsdpcheck.report/1"
+    assert report.schema == "fsdpcheck.report/2"
     as_json = json.loads(json.dumps(to_dict(report)))
     assert to_dict(from_dict(Report, as_json)) == as_json
     assert [i["path"] for i in report.options["inputs"]] == [
