@@ -64,8 +64,8 @@ def row_gather(s: Settings) -> Row:
         f"payload handed to torch.distributed ({shown(worker('scale'))}'s wrapper). When all "
         f"agree each rank sends rank 0 one {slot} slot (digest, host, flags, value digest, "
         f"shard key, replica digest: {slot_design_text(per_rank_agree.values())}) and receives "
-        f"a {head} header; gloo's broadcast is a tree, so a rank also forwards that header to "
-        "its children (the socket figures). The divergent rank also sends its full record. "
+        f"rank 0's {head} header; gloo's broadcast is a tree, so a rank also forwards that header "
+        "to its children (the socket figures). The divergent rank also sends its full record. "
         "Rank 0's figure at the call site is the header it broadcasts."
     )
     return row

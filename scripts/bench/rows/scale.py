@@ -35,7 +35,7 @@ def row_scale(s: Settings) -> Row:
     divergent = {w: g["variants"]["one-divergent"] for w, g in gathered.items()}
     row.lines += _gather_lines(agree, divergent)
     exchanged = {w: g["variants"]["agree"] for w, g in slots.items()}
-    row.lines.append(_slot_line(exchanged, slots))
+    row.lines.append(slot_line(exchanged, slots))
     row.lines += _diagnosis_lines(diagnosed)
     row.notes.append(
         "How: each rank is a thread with its own c10d world (torch's ThreadLocalWorld) and its "
@@ -47,7 +47,7 @@ def row_scale(s: Settings) -> Row:
         "rank. Times are rank 0's, from a barrier to the call's return, with up to 256 threads "
         "on 2 cores: scheduling, not the network, dominates."
     )
-    row.notes.append(_paper_estimate(agree, exchanged))
+    row.notes.append(paper_estimate(agree, exchanged))
     return row
 
 
@@ -107,7 +107,7 @@ def _gather_lines(agree: dict[int, dict], divergent: dict[int, dict]) -> list[Li
     ]
 
 
-def _slot_line(exchanged: dict[int, dict], slots: dict[int, dict]) -> Line:
+def slot_line(exchanged: dict[int, dict], slots: dict[int, dict]) -> Line:
     """Bytes per rank of the all_to_all; the slot size in words comes from what was measured."""
     peer = per_peer(exchanged)
     raw = sorted({g.get("slot_bytes") for g in slots.values()} - {None})
@@ -146,7 +146,7 @@ def _diagnosis_lines(diagnosed: dict[int, dict]) -> list[Line]:
     ]
 
 
-def _paper_estimate(agree: dict[int, dict], exchanged: dict[int, dict]) -> str:
+def paper_estimate(agree: dict[int, dict], exchanged: dict[int, dict]) -> str:
     """To 4096 ranks from the measured per-rank figures (the slot sizes included)."""
     n = PAPER_WORLD
     slot = max(a["sent_max_other"] for a in agree.values())
@@ -155,9 +155,10 @@ def _paper_estimate(agree: dict[int, dict], exchanged: dict[int, dict]) -> str:
     return (
         f"Paper estimate to {n} ranks (from the figures above, per-rank costs measured, "
         f"rank-0 costs linear): all agreeing, every rank sends rank 0 one {slot}-byte "
-        f"slot and receives a {header}-byte header (the broadcast is a tree: a rank forwards it "
-        f"to at most log2({n}) = {n.bit_length() - 1} children); rank 0 receives {n} × {slot} B "
-        f"= {round(n * slot / 1024)} KiB and parses {n} slots (about 1 µs each), so the gather "
+        f"slot and receives rank 0's {header}-byte header (the broadcast is a tree: a rank "
+        f"forwards it to at most log2({n}) = {n.bit_length() - 1} children); rank 0 receives "
+        f"{n} × {slot} B = {round(n * slot / 1024)} KiB and parses {n} slots (about 1 µs each), "
+        "so the gather "
         f"stays far below a second. The layout check's all_to_all costs each rank {peer} × "
         f"{n - 1} B = {round(peer * (n - 1) / 1024)} KiB and {n - 1} messages: tolerable, but "
         "the one place that grows with world size per rank. Diagnosis after a failure: one "

@@ -37,7 +37,7 @@ def row_verdict(s: Settings) -> Row:
         )
     )
     row.lines.append(_naive(walls, s, row))
-    row.lines.append(_watchdog_estimate(wall))
+    row.lines.append(watchdog_estimate(wall))
     row.notes.append(
         "On gloo the naive loader does not hang: the rank that receives a differently sized "
         "tensor aborts within seconds of the mismatched broadcast (SIGABRT, an uncatchable "
@@ -73,7 +73,7 @@ def _naive(walls_audit: list[float], s: Settings, row: Row) -> Line:
     )
 
 
-def _watchdog_estimate(wall: float) -> Line:
+def watchdog_estimate(wall: float) -> Line:
     """A documented constant over the measured audit: an estimate, so informational, never a
     goal met (nothing was run on NCCL; the figure only says how much sooner a verdict comes)."""
     ratio = NCCL_TIMEOUT_S / wall
