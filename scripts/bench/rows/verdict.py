@@ -80,7 +80,7 @@ def watchdog_estimate(wall: float) -> Line:
     return Line(
         f"estimate: {NCCL_TIMEOUT_S:.0f} s (NCCL watchdog default, documented) / audit wall",
         f"{ratio:.0f}× (estimate)",
-        "— (not measured)",
+        "—",
         None,
         f"the {NCCL_TIMEOUT_S:.0f} s is torch's documented default NCCL timeout, what a naive "
         "loader whose broadcasts mismatch in size waits on NCCL; it is not a measurement, so "
