@@ -62,7 +62,7 @@ def test_the_slot_size_in_words_is_the_measured_one() -> None:
         8: {"sent_max_other": 56 * 7, "rank0_seconds_median": 0.002},
     }
     line = slot_line(exchanged, {w: {"slot_bytes": 49} for w in exchanged})
-    assert "56-byte slots to each peer (49-byte layout slots, padded" in line.figures
+    assert "56-byte slots to each peer, the 49-byte layout slot padded" in line.figures
     assert "56 × (world − 1) per rank" in line.figures
     agree = {2: {"sent_max_other": 121, "sent_rank0": 8}}
     estimate = paper_estimate(agree, exchanged)

@@ -112,7 +112,7 @@ def slot_line(exchanged: dict[int, dict], slots: dict[int, dict]) -> Line:
     peer = per_peer(exchanged)
     raw = sorted({g.get("slot_bytes") for g in slots.values()} - {None})
     padded = (
-        f" ({byte_size(raw)} layout slots, padded to whole 8-byte words on the wire)"
+        f", the {byte_size(raw)} layout slot padded to whole 8-byte words on the wire"
         if raw and raw != peer
         else ""
     )
