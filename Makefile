@@ -40,7 +40,7 @@ lint: install
 	$(BIN)/ruff format --check fsdpcheck tests scripts
 
 bench: install
-	$(BIN)/python scripts/bench.py
+	$(BIN)/python scripts/bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache demo-report.json

@@ -3,8 +3,8 @@ buffers and 256 parameters): ``fsdpcheck.distributed.gather.gather_records`` wit
 agreeing and with the last rank divergent. Bytes each rank sent are measured two ways: at the
 socket (the growth of this process's ``wchar`` in /proc/self/io over the call: every byte gloo
 wrote, headers included) and at the call site (the payload handed to torch.distributed calls,
-counted by the wrapper in scripts/bench_scale.py). Prints one line ``@bench {json}`` per rank;
-run by scripts/bench.py through fsdpcheck.children.launch."""
+counted by the wrapper in scripts/bench/workers/scale.py). Prints one line ``@bench {json}`` per
+rank; run by scripts/bench (the gather row) through fsdpcheck.children.launch."""
 
 from __future__ import annotations
 
@@ -12,13 +12,9 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
+import scale  # this script's own folder is first on sys.path
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_scale  # noqa: E402
 
 MARK = "@bench "
 
@@ -39,12 +35,12 @@ def main() -> int:
 
     from fsdpcheck.distributed import gather, setup
 
-    bench_scale._install_counters()
+    scale._install_counters()
     ctx = setup.init("gloo", 120.0)
     last = ctx.world_size - 1
     variants = {
-        "agree": bench_scale._record(ctx.rank, ctx.world_size, False),
-        "one-divergent": bench_scale._record(ctx.rank, ctx.world_size, ctx.rank == last),
+        "agree": scale._record(ctx.rank, ctx.world_size, False),
+        "one-divergent": scale._record(ctx.rank, ctx.world_size, ctx.rank == last),
     }
     for _ in range(2):  # warm-up
         for record in variants.values():
@@ -56,7 +52,7 @@ def main() -> int:
         results[name] = {"seconds": [], "socket_bytes": [], "call_bytes": [], "groups": None}
         for _ in range(args.repeats):
             dist.barrier(group=ctx.side_channel)
-            bench_scale._sent.bytes = 0
+            scale._sent.bytes = 0
             before = written()
             start = time.perf_counter()
             got = gather.gather_records(
@@ -64,13 +60,13 @@ def main() -> int:
             )
             results[name]["seconds"].append(time.perf_counter() - start)
             results[name]["socket_bytes"].append(written() - before)
-            results[name]["call_bytes"].append(bench_scale._sent.bytes)
+            results[name]["call_bytes"].append(scale._sent.bytes)
             if got is not None:
                 results[name]["groups"] = len(got.records)
     out = {
         "rank": ctx.rank,
         "world": ctx.world_size,
-        "record_bytes": len(json.dumps(bench_scale._record(0, 1, False), default=vars)),
+        "record_bytes": len(json.dumps(scale._record(0, 1, False), default=vars)),
         "results": results,
     }
     print(MARK + json.dumps(out), flush=True)

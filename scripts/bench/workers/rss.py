@@ -1,9 +1,10 @@
 """Run a script or ``-m module`` in this interpreter and report its peak RSS on exit.
 
-``python scripts/bench_rss.py -m fsdpcheck audit ...`` behaves like ``python -m fsdpcheck
+``python scripts/bench/workers/rss.py -m fsdpcheck audit ...`` behaves like ``python -m fsdpcheck
 audit ...`` and finally writes ``@rss {"rank": .., "maxrss": bytes, "cpu": seconds}`` to stderr:
 ``getrusage(RUSAGE_SELF)``'s high-water mark and user + system time of this process. Used by
-scripts/bench.py so that the audit and the bare job are measured the same way.
+scripts/bench (the audit, init and trainer rows) so that the audit and the bare job are measured
+the same way.
 """
 
 from __future__ import annotations

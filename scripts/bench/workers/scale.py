@@ -10,11 +10,12 @@ groups.
 Bytes are counted at the call site, per rank: a wrapper around every ``torch.distributed``
 call the code issues (send, recv, gather, broadcast, all_to_all_single) adds the payload this
 rank hands over for delivery to other ranks (a broadcast: the source's tensor once; gloo may
-forward it along a tree, which the per-process socket counts of scripts/bench_gather.py show).
+forward it along a tree, which the per-process socket counts of scripts/bench/workers/gather.py
+show).
 
-    python scripts/bench_scale.py gather --world 256     # prints one JSON line
-    python scripts/bench_scale.py slots --world 64
-    python scripts/bench_scale.py diagnose --world 256
+    python scripts/bench/workers/scale.py gather --world 256     # prints one JSON line
+    python scripts/bench/workers/scale.py slots --world 64
+    python scripts/bench/workers/scale.py diagnose --world 256
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")  # connect a pair only when i
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
 _sent = threading.local()  # this thread's (rank's) bytes handed to the wire
+# The layout check's slot (fsdpcheck/loader/agree.py): a flag byte and three 16-byte digests.
+LAYOUT_SLOT_BYTES = 49
 
 
 def _count(n: int) -> None:
@@ -144,7 +147,7 @@ def _rank_main(what: str, rank: int, world: int, port: int, repeats: int, out: d
         else:  # slots: the layout check's exchange, an all_to_all of fixed-size slots
             from fsdpcheck.distributed.wire import exchange_slots
 
-            slot = bytes([rank % 256]) * 49
+            slot = bytes([rank % 256]) * LAYOUT_SLOT_BYTES
             exchange_slots(slot, None, size=world)
             times, sent = [], []
             for _ in range(repeats):
@@ -154,7 +157,7 @@ def _rank_main(what: str, rank: int, world: int, port: int, repeats: int, out: d
                 slots, _ = exchange_slots(slot, None, size=world)
                 times.append(time.perf_counter() - start)
                 sent.append(_sent.bytes)
-            assert slots[world - 1] == bytes([(world - 1) % 256]) * 49
+            assert slots[world - 1] == bytes([(world - 1) % 256]) * LAYOUT_SLOT_BYTES
             results["agree"] = {"seconds": times, "sent": max(sent), "groups": None}
         dist.barrier()
         out[rank] = results
@@ -324,6 +327,8 @@ def main() -> int:
         summary = run_diagnose(args.world, dead=args.world // 2)
     else:
         summary = run_collectives(args.what, args.world, args.repeats, args.per_proc)
+        if args.what == "slots":  # what each rank hands over, before the wire pads it
+            summary["slot_bytes"] = LAYOUT_SLOT_BYTES
     print(json.dumps(summary), flush=True)
     return 0
 

@@ -9,7 +9,8 @@ full_state_dict=True, broadcast_from_rank0=True)``), ``accelerate`` (accelerate'
 flat tensor on rank 0 into a freshly allocated one on the others; then, untimed for the peak, a
 second broadcast into the memory the first one touched: the wire alone, ``seconds_warm``) and
 ``raw-warm`` (only the latter).
-Prints one line ``@bench {json}``; run by scripts/bench.py through fsdpcheck.children.launch.
+Prints one line ``@bench {json}``; run by scripts/bench (the load row) through
+fsdpcheck.children.launch.
 """
 
 from __future__ import annotations

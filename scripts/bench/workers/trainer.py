@@ -4,8 +4,8 @@ ranks build on meta; ``fully_shard`` each decoder layer and the root; DCP's
 ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``; then the
 non-persistent buffers broadcast one by one in sorted-name order (verl after PR #6405).
 
-    python scripts/bench_trainer.py --model DIR              # one rank (run under a launcher)
-    python scripts/bench_trainer.py --make-checkpoint DIR    # write the bench's checkpoint
+    python scripts/bench/workers/trainer.py --model DIR            # one rank (under a launcher)
+    python scripts/bench/workers/trainer.py --make-checkpoint DIR  # write the bench's checkpoint
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 # Llama-shaped, 267M parameters, bfloat16: 0.5 GiB of safetensors.
 CONFIG = {

@@ -4,7 +4,7 @@ float32 elements) broadcast from rank 0 one ``dist.broadcast`` per buffer (as lo
 versus the flat broadcast alone, and the validated path's two parts alone (describing and
 digesting; the exchange of slots). Methods alternate within each repeat, in rotating order.
 Prints one line ``@bench {json}`` per rank with every repeat's (start, end) on the host's
-monotonic clock; run by scripts/bench.py through fsdpcheck.children.launch."""
+monotonic clock; run by scripts/bench (the buffers row) through fsdpcheck.children.launch."""
 
 from __future__ import annotations
 

@@ -1,0 +1,99 @@
+"""``audit --init rank0`` (with and without the load) against ``audit --init meta`` on a
+Gemma3-1B-shaped config."""
+
+from __future__ import annotations
+
+import json
+
+from bench.measure import audit_runs, median
+from bench.result import Line, Row
+from bench.rows.verify_floor import VERIFY_FLOOR, VERIFY_GOAL
+from bench.settings import Settings
+from bench.shapes import GEMMA3_1B
+from bench.text import fmt_mib, fmt_s, plural
+
+NO_LOAD_GOAL = 1.3  # rank0 without the load / meta, wall
+
+
+def row_init(s: Settings) -> Row:
+    row = Row(
+        "init",
+        "init rank0 vs meta",
+        "`audit --init rank0` vs `audit --init meta` on a Gemma3-1B-shaped config (1.0B "
+        "parameters, bfloat16, no weights), 2 ranks",
+    )
+    model = s.scratch / "gemma3-1b-shaped"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(GEMMA3_1B, indent=2))
+    audit = ["-m", "fsdpcheck", "audit", "--model", str(model)]
+    variants = {
+        "meta": [*audit, "--init", "meta"],
+        "rank0, no load": [*audit, "--init", "rank0", "--no-load"],
+        "rank0 (default: load + verify)": [*audit, "--init", "rank0"],
+    }
+    # Two rounds of three 1B-parameter audits: this row is the slowest of `make bench`.
+    figures = audit_runs(variants, max(1, s.repeats - 1), row, s, "gemma3-1b")
+    meta = figures["meta"]
+    goals = {"rank0, no load": NO_LOAD_GOAL, "rank0 (default: load + verify)": None}
+    for variant, goal in goals.items():
+        row.lines.append(_wall_line(variant, figures[variant], meta, goal))
+    default = figures["rank0 (default: load + verify)"]["report"]
+    values = sorted({r["model"].get("init_values") or "none" for r in default})
+    load = median([r["timings"]["load"] for r in default])
+    verify = median([r["timings"]["verify"] for r in default])
+    passed = all(r["verify"]["passed"] for r in default)
+    row.lines.append(
+        Line(
+            "verify / load (default audit, rank 0's stage times)",
+            f"{verify / load:.2f}×",
+            f"≤ {VERIFY_GOAL}×",
+            verify / load <= VERIFY_GOAL,
+            f"load {fmt_s(load)}, verify {fmt_s(verify)} (2.0 GiB of bfloat16; verify passed: "
+            f"{passed})",
+            verify / load,
+        )
+    )
+    row.raw["init_values"] = values
+    if verify / load > VERIFY_GOAL:
+        row.notes.append(VERIFY_FLOOR)
+    row.notes.append(
+        f"Values rank 0 materialised: `init_values` = {', '.join(values)} in the JSON report "
+        "(`--init rank0` without a checkpoint builds with parameters on meta and buffers real, "
+        "then fills every parameter from a seeded pattern in one pass of writes: "
+        "fsdpcheck/model/fill.py; buffers such as RoPE `inv_freq` and `embed_scale` keep the "
+        "values the modules computed). On CPU: the fill does not use a GPU even where there "
+        f"is one. Median of {plural(s.repeats, 'round')}, the variants in rotating order; "
+        "wall from launch to the last rank's exit."
+    )
+    row.notes.append(
+        "What `--init rank0` adds over `--init meta`: rank 0 writes the 2.0 GiB of parameters "
+        "(the fill) and FSDP2 copies its 1.0 GiB of shards out of them (`fully_shard` on real "
+        "tensors, as in a trainer); `--init meta` allocates nothing. While rank 0 does this the "
+        "other ranks have built on meta and wait for it, so rank 0 fills and shards with every "
+        "core of the host (fsdpcheck/model/build.py `materialising_threads`). What is left is "
+        "first touch of that fresh memory, whose cost on this VM varies from run to run (the "
+        "full load row measures the per-fault cost), not the fill's arithmetic (a broadcast "
+        "copy of a seeded pattern). transformers' own "
+        "init, which the fill replaces, took 25 s of CPU for this model (issue 13: 32.2 s vs "
+        "6.9 s audit wall)."
+    )
+    return row
+
+
+def _wall_line(variant: str, f: dict[str, list], meta: dict[str, list], goal: float | None) -> Line:
+    ratio = median(f["wall"]) / median(meta["wall"])
+    build = median([r["timings"]["build"] for r in f["report"]])
+    return Line(
+        f"{variant} / meta: wall",
+        f"{ratio:.2f}×",
+        f"≤ {goal}×" if goal else "—",
+        ratio <= goal if goal else None,
+        f"{variant} {fmt_s(median(f['wall']))}, meta {fmt_s(median(meta['wall']))}; best "
+        f"runs {fmt_s(min(f['wall']))} vs {fmt_s(min(meta['wall']))} "
+        f"({min(f['wall']) / min(meta['wall']):.2f}×); rank 0's build stage "
+        f"{fmt_s(build)} (meta: "
+        f"{fmt_s(median([r['timings']['build'] for r in meta['report']]))}); CPU time "
+        f"of the busier rank {fmt_s(median(f['cpu']))} vs {fmt_s(median(meta['cpu']))};"
+        f" peak RSS {fmt_mib(median(f['rss']))} vs {fmt_mib(median(meta['rss']))}",
+        ratio,
+    )

@@ -1,0 +1,75 @@
+"""The benchmarks' own code (scripts/bench): the entry point, and the report's words, which must
+say what was measured (an estimate is never a goal met; a slot size is the bytes counted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))  # ``bench`` as ``python scripts/bench`` imports it
+
+from bench.markdown import to_markdown  # noqa: E402
+from bench.result import Row  # noqa: E402
+from bench.rows import ROWS  # noqa: E402
+from bench.rows.scale import paper_estimate, slot_line  # noqa: E402
+from bench.rows.verdict import watchdog_estimate  # noqa: E402
+from bench.text import byte_size  # noqa: E402
+
+META = {
+    "command": "python scripts/bench",
+    "make": True,
+    "date": "today",
+    "seconds": 1.0,
+    "repeats": 3,
+    "quick": False,
+    "machine": {
+        "cores": 2, "cpu": "cpu", "memory_gib": 1, "os": "os", "python": "3",
+        "torch": "2", "transformers": "5", "fsdpcheck": "0",
+    },
+    "load_before": [0.1, 0.1, 0.1],
+    "load_after": [0.1, 0.1, 0.1],
+}  # fmt: skip
+
+
+def test_every_row_module_is_registered_and_the_entry_point_lists_them() -> None:
+    modules = {p.stem for p in (ROOT / "scripts" / "bench" / "rows").glob("*.py")}
+    assert modules - {"__init__", "verify_floor"} == set(ROWS)
+    shown = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench"), "--help"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    for flag in ("--quick", "--only", "--repeats", "--out", "--merge"):
+        assert flag in shown
+    assert all(name in shown for name in ROWS)
+
+
+def test_the_watchdog_ratio_is_an_estimate_and_no_goal_met() -> None:
+    line = watchdog_estimate(4.0)
+    assert line.met is None
+    assert "estimate" in line.what and "estimate" in line.result
+    assert line.value == 150.0
+    row = Row("verdict", "time to verdict", "compare", lines=[line])
+    table = [ln for ln in to_markdown([row], META).splitlines() if ln.startswith("| time to")]
+    assert table == [f"| time to verdict | {line.what} | 150× (estimate) | {line.goal} | — |"]
+
+
+def test_the_slot_size_in_words_is_the_measured_one() -> None:
+    # 49-byte layout slots travel as whole 8-byte words: 56 bytes to each peer.
+    exchanged = {
+        2: {"sent_max_other": 56, "rank0_seconds_median": 0.001},
+        8: {"sent_max_other": 56 * 7, "rank0_seconds_median": 0.002},
+    }
+    line = slot_line(exchanged, {w: {"slot_bytes": 49} for w in exchanged})
+    assert "56-byte slots to each peer, the 49-byte layout slot padded" in line.figures
+    assert "56 × (world − 1) per rank" in line.figures
+    agree = {2: {"sent_max_other": 121, "sent_rank0": 8}}
+    estimate = paper_estimate(agree, exchanged)
+    assert "one 121-byte slot and receives rank 0's 8-byte header" in estimate
+    assert "56 × 4095 B = 224 KiB" in estimate and "49 ×" not in estimate
+
+
+def test_byte_size_names_one_size_or_the_range() -> None:
+    assert byte_size([121, 121]) == "121-byte"
+    assert byte_size([130, 121]) == "121- to 130-byte"
