@@ -107,6 +107,7 @@ def init(
 
     names = ("replicate", "shard") if len(shape) == 2 else None
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    log.info("rank %d of %d on %s, mesh %s", rank, world_size, backend, shape)
     return DistContext(
         rank=rank,
         local_rank=local_rank,
