@@ -1,5 +1,7 @@
 """fsdpcheck: find cross-rank buffer and parameter mismatches before FSDP2 training does."""
 
+import os as _os
+
 __version__ = "0.1.0"
 
 # The library API, imported on first use so that `import fsdpcheck` stays torch-free.
@@ -14,6 +16,7 @@ _LAZY = {
     "verify_load": "fsdpcheck.loader.verify",
     "save_fingerprint": "fsdpcheck.offline.files",
     "diff_fingerprints": "fsdpcheck.offline.diff",
+    "configure_logging": "fsdpcheck.process",
 }
 
 
@@ -30,3 +33,9 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
+
+
+if _os.environ.get("FSDPCHECK_LOG"):  # the debug log, from the process's start
+    from fsdpcheck.process import configure_logging
+
+    configure_logging()

@@ -1,18 +1,19 @@
-"""The command line: parse, call the library, render. Nothing here runs collectives itself."""
+"""The command line: parse, call the library, render. Nothing here runs collectives itself;
+what the process does to its own interpreter is :mod:`fsdpcheck.process`, what it shows is
+:mod:`fsdpcheck.console`."""
 
 from __future__ import annotations
 
-import gc
 import os
-import signal
-import sys
-from enum import Enum
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+
+from fsdpcheck.vocab import Annotations, Backend, DType, ExitCode, Init
 
 if TYPE_CHECKING:
     from fsdpcheck.records import RankError, Report
@@ -24,8 +25,6 @@ app = typer.Typer(
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
 )
-
-_REEXEC_MARK = "FSDPCHECK_HASH_SEED_VARIED"
 
 AUDIT_EPILOG = """
 [bold]Examples[/]
@@ -42,34 +41,10 @@ AUDIT_EPILOG = """
 """
 
 
-class Backend(str, Enum):
-    auto = "auto"
-    nccl = "nccl"
-    gloo = "gloo"
-
-
-class Init(str, Enum):
-    rank0 = "rank0"
-    meta = "meta"
-    all = "all"
-
-
-class Annotations(str, Enum):
-    auto = "auto"
-    github = "github"
-    none = "none"
-
-
 ANNOTATIONS_HELP = (
     "GitHub workflow commands (::error/::warning) for findings on rank 0's stdout; auto: when "
     "GITHUB_ACTIONS=true."
 )
-
-
-class DType(str, Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
 
 
 # Options shared by the commands that build a model (audit, fingerprint).
@@ -98,13 +73,13 @@ def audit(
         "hazard", "--model", "-m", help="Preset name, local model directory, or cached hub id."
     ),
     backend: Backend = typer.Option(
-        Backend.auto, help="Process-group backend (auto: nccl with CUDA, else gloo)."
+        Backend.AUTO, help="Process-group backend (auto: nccl with CUDA, else gloo)."
     ),
     timeout: float = typer.Option(
         60.0, min=1.0, help="Seconds any collective may wait before the audit gives up."
     ),
     init: Init = typer.Option(
-        Init.rank0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
+        Init.RANK0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
     ),
     dtype: DType | None = DTYPE_OPTION,
     seed: int = SEED_OPTION,
@@ -152,14 +127,16 @@ def audit(
     junit_path: Path | None = typer.Option(
         None, "--junit", help="Write a JUnit XML file here (rank 0): a test case per check."
     ),
-    annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
+    annotations: Annotations = typer.Option(Annotations.AUTO, help=ANNOTATIONS_HELP),
 ) -> None:
     """Build MODEL on every rank, fully_shard it, and compare every rank's buffers and params."""
-    if vary_hash_seed and os.environ.get(_REEXEC_MARK) != "1":
-        _reexec_with_rank_hash_seed()
+    from fsdpcheck import process
+
+    if vary_hash_seed:
+        process.vary_hash_seed()
 
     from fsdpcheck.audit import run_audit
-    from fsdpcheck.console import StageStatus
+    from fsdpcheck.console import StageStatus, rank_failed
     from fsdpcheck.distributed.launcher import rank_hint
     from fsdpcheck.errors import FsdpcheckError
     from fsdpcheck.options import AuditOptions
@@ -168,7 +145,7 @@ def audit(
 
     options = AuditOptions(
         **_build_fields(model, init, dtype, seed, text_only, trust_remote_code, allow_pickle),
-        backend=backend.value,
+        backend=backend,
         timeout=timeout,
         wrap_classes=tuple(wrap_class),
         min_params=min_params,
@@ -188,11 +165,8 @@ def audit(
         render(report, _stdout())
         outputs.publish_report(report)
 
-    signal.signal(signal.SIGTERM, _terminated)
-    # A short-lived process that imports torch and transformers and builds a model: with the
-    # default thresholds, Python runs full collections over that whole heap several times
-    # (about 0.6 s of CPU per rank on a 70B-shaped config); far fewer young ones do the job.
-    gc.set_threshold(50_000, 100, 100)
+    process.raise_on_sigterm()
+    process.tune_gc()
     try:
         with StageStatus(rank) as status:
             result = run_audit(
@@ -205,13 +179,9 @@ def audit(
         _fail(RankError(rank, Stage.LAUNCH, str(exc), exc.kind), exc.exit_code, outputs, options)
 
     if result.report is None and result.own_error is not None:
-        _stderr().print(
-            f"[bold red]fsdpcheck: rank {rank} failed at {result.own_error.stage}[/]: "
-            f"{escape(result.own_error.message)}",
-            highlight=False,
-        )
+        _stderr().print(rank_failed(result.own_error), highlight=False)
     if result.exit_code != 0:
-        _tell_torchrun(result.headline or "fsdpcheck audit failed; see rank 0's report")
+        process.tell_torchrun(result.headline or "fsdpcheck audit failed; see rank 0's report")
     raise typer.Exit(result.exit_code)
 
 
@@ -223,7 +193,7 @@ class _Outputs:
         from fsdpcheck.formats.annotations import enabled
 
         self.paths = {f"--{name}": path for name, path in paths.items()}
-        self.annotate = enabled(annotations.value, os.environ)
+        self.annotate = enabled(annotations, os.environ)
         self.skipped: set[str] = set()
         self.failed = False
 
@@ -242,12 +212,14 @@ class _Outputs:
         try:
             writer(path)
         except OSError as exc:  # checked up front; a full disk can still say no
+            from fsdpcheck.console import output_failed
+
             self.failed = True
-            _stderr().print(
-                f"[bold red]fsdpcheck[/]: {option} {escape(str(path))} could not be written "
-                f"({escape(exc.strerror or str(exc))}); pass a path in a folder with room.",
-                highlight=False,
-            )
+            _stderr().print(output_failed(option, path, exc), highlight=False)
+
+    def exit_code(self, result: int) -> int:
+        """The command's result, or 3 when it found nothing but an output could not be written."""
+        return result or (ExitCode.RUNTIME if self.failed else ExitCode.CONSISTENT)
 
     def annotations(self, lines: list[str]) -> None:
         if self.annotate:
@@ -268,21 +240,35 @@ def _refuse_outputs(command: str, outputs: _Outputs) -> None:
     """Single-process commands: an unwritable output is bad input before any work (exit 2)."""
     problem = outputs.check()
     if problem:
-        _stderr().print(f"[bold red]fsdpcheck {command}[/]: {escape(problem)}", highlight=False)
-        outputs.annotations(_error_annotation(f"fsdpcheck {command}", problem))
-        raise typer.Exit(2)
+        _exit_with(command, problem, ExitCode.BAD_INPUT, outputs)
 
 
-def _error_annotation(title: str, message: str) -> list[str]:
-    from fsdpcheck.formats.annotations import command
+@contextmanager
+def _errors_exit(command: str, outputs: _Outputs | None = None) -> Iterator[None]:
+    """A single-process command's explained failure (``FsdpcheckError``) ends it with its exit
+    code, its one paragraph on stderr and, where annotations are on, a workflow error."""
+    from fsdpcheck.errors import FsdpcheckError
 
-    return [command("error", message, title=title)]
+    try:
+        yield
+    except FsdpcheckError as exc:
+        _exit_with(command, str(exc), exc.exit_code, outputs)
+
+
+def _exit_with(command: str, message: str, code: int, outputs: _Outputs | None) -> NoReturn:
+    from fsdpcheck.console import command_error
+    from fsdpcheck.formats.annotations import command as workflow_command
+
+    _stderr().print(command_error(f"fsdpcheck {command}", message), highlight=False)
+    if outputs is not None:
+        outputs.annotations([workflow_command("error", message, title=f"fsdpcheck {command}")])
+    raise typer.Exit(code)
 
 
 def _build_fields(
     model: str,
-    init: Any,
-    dtype: Any,
+    init: Init,
+    dtype: DType | None,
     seed: int,
     text_only: bool,
     trust_remote_code: bool,
@@ -291,8 +277,8 @@ def _build_fields(
     """The model options, as ``fsdpcheck.options.BuildSpec`` fields (audit and fingerprint)."""
     return {
         "model": model,
-        "init": init.value,
-        "dtype": dtype.value if dtype else None,
+        "init": init,
+        "dtype": dtype,
         "seed": seed,
         "text_only": text_only,
         "trust_remote_code": trust_remote_code,
@@ -321,77 +307,29 @@ def _stderr() -> Console:
     return stderr_console()
 
 
-def _fail(error: RankError, exit_code: int, outputs: _Outputs, options: object) -> None:
+def _fail(error: RankError, exit_code: int, outputs: _Outputs, options: object) -> NoReturn:
+    from fsdpcheck import process
+    from fsdpcheck.console import command_error, rank_error
     from fsdpcheck.distributed.launcher import world_hint
     from fsdpcheck.report import error_report
 
-    _stderr().print(
-        f"[bold red]fsdpcheck: rank {error.rank}: {error.stage}[/]: {escape(error.message)}",
-        highlight=False,
-    )
+    _stderr().print(rank_error(error), highlight=False)
     if error.rank == 0:
         problem = outputs.check()  # a path that cannot be written is named and skipped
         if problem:
-            _stderr().print(f"[bold red]fsdpcheck[/]: {escape(problem)}", highlight=False)
+            _stderr().print(command_error("fsdpcheck", problem), highlight=False)
         outputs.publish_report(error_report([error], world_hint(os.environ), options))
-    _tell_torchrun(error.message)
+    process.tell_torchrun(error.message)
     raise typer.Exit(exit_code)
-
-
-class Terminated(Exception):
-    """SIGTERM, e.g. torchrun stopping the job because another rank exited."""
-
-
-def _terminated(signum: int, frame: object) -> None:
-    # An exception, not an exit: the audit's failure path still names the cause and, on
-    # rank 0, writes the report before the launcher's follow-up SIGKILL.
-    raise Terminated("stopped by SIGTERM (the launcher is ending the job)")
-
-
-def _tell_torchrun(message: str) -> None:
-    """Write torch elastic's error file, so torchrun's summary names the cause, not exit codes.
-
-    Its plain form (a message and a timestamp, no traceback): the summary shows the one-line
-    cause as it is, where a recorded exception would show a Python traceback."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    import json
-    import time
-
-    try:
-        with open(path, "w") as file:
-            json.dump({"message": f"fsdpcheck: {message}", "timestamp": int(time.time())}, file)
-    except OSError:  # a summary without the cause is worse, but never a reason to fail
-        pass
-
-
-def _reexec_with_rank_hash_seed() -> None:
-    """Restart this interpreter with PYTHONHASHSEED = RANK, before anything is hashed for real."""
-    from fsdpcheck.distributed.launcher import rank_hint
-
-    env = dict(os.environ)
-    env["PYTHONHASHSEED"] = str(rank_hint(env))
-    env[_REEXEC_MARK] = "1"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "fsdpcheck", *sys.argv[1:]], env)
 
 
 @app.command()
 def presets() -> None:
     """List the built-in models."""
-    from rich.table import Table
-
+    from fsdpcheck.console import presets_table
     from fsdpcheck.model.presets import PRESETS
 
-    table = Table(title="fsdpcheck presets")
-    table.add_column("name", style="bold")
-    table.add_column("architecture")
-    table.add_column("what it shows")
-    for preset in PRESETS.values():
-        table.add_row(preset.name, preset.architecture, preset.description)
-    Console().print(table)
+    Console().print(presets_table(PRESETS.values()))
 
 
 PROBE_EPILOG = """
@@ -420,7 +358,7 @@ def probe(
     junit_path: Path | None = typer.Option(
         None, "--junit", help="Write a JUnit XML file here: a test case per seed and per order."
     ),
-    annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
+    annotations: Annotations = typer.Option(Annotations.AUTO, help=ANNOTATIONS_HELP),
     text_only: bool = TEXT_ONLY_OPTION,
     trust_remote_code: bool = TRUST_REMOTE_CODE_OPTION,
     jobs: int | None = typer.Option(None, min=1, help="Children at a time \\[default: CPU count]."),
@@ -436,37 +374,31 @@ def probe(
     """
     from fsdpcheck.children.probe import DEFAULT_SEEDS
     from fsdpcheck.children.probe import probe as run_probe
-    from fsdpcheck.console import CountProgress, probe_errors, probe_summary, probe_table
-    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.console import (
+        CountProgress,
+        probe_errors,
+        probe_header,
+        probe_summary,
+        probe_table,
+    )
     from fsdpcheck.formats.annotations import probe_annotations
     from fsdpcheck.formats.junit import probe_to_junit, write_junit
     from fsdpcheck.output import write_json
 
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)
     _refuse_outputs("probe", outputs)
-    try:
-        with CountProgress("probe") as bar:
-            result = run_probe(
-                model,
-                seeds=seeds or DEFAULT_SEEDS,
-                text_only=text_only,
-                trust_remote_code=trust_remote_code,
-                jobs=jobs,
-                timeout=timeout,
-                progress=bar.update,
-            )
-    except FsdpcheckError as exc:
-        _stderr().print(f"[bold red]fsdpcheck probe[/]: {escape(str(exc))}", highlight=False)
-        outputs.annotations(_error_annotation("fsdpcheck probe", str(exc)))
-        raise typer.Exit(exc.exit_code) from None
+    with _errors_exit("probe", outputs), CountProgress("probe") as bar:
+        result = run_probe(
+            model,
+            seeds=seeds or DEFAULT_SEEDS,
+            text_only=text_only,
+            trust_remote_code=trust_remote_code,
+            jobs=jobs,
+            timeout=timeout,
+            progress=bar.update,
+        )
     console = _stdout()
-    console.print(
-        f"[bold]fsdpcheck probe[/] · {escape(model)}"
-        f"{f' ({result.architecture})' if result.architecture else ''} · "
-        f"PYTHONHASHSEED {result.seeds[0]}..{result.seeds[-1]} · "
-        f"transformers {result.transformers or '-'}",
-        highlight=False,
-    )
+    console.print(probe_header(model, result), highlight=False)
     if result.reorders:
         console.print(probe_table(result))
     for line in probe_errors(result):
@@ -475,7 +407,7 @@ def probe(
     outputs.annotations(probe_annotations(result))
     outputs.write("--json", lambda path: write_json(result, path))
     outputs.write("--junit", lambda path: write_junit(probe_to_junit(result), path))
-    raise typer.Exit(result.exit_code or (3 if outputs.failed else 0))
+    raise typer.Exit(outputs.exit_code(result.exit_code))
 
 
 SCAN_EPILOG = """
@@ -511,7 +443,7 @@ def scan(
         help="Write SARIF 2.1.0 here: the modeling-file lines that register tensors while "
         "iterating a set (seen reordering, or latent).",
     ),
-    annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
+    annotations: Annotations = typer.Option(Annotations.AUTO, help=ANNOTATIONS_HELP),
     timeout: float = typer.Option(
         1800.0, min=1.0, help="Seconds each child (one seed, all architectures) may take."
     ),
@@ -534,8 +466,7 @@ def scan(
     """
     from fsdpcheck.children.probe import DEFAULT_SEEDS
     from fsdpcheck.children.scan import scan as run_scan
-    from fsdpcheck.console import CountProgress, scan_summary, scan_table
-    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.console import CountProgress, scan_errors, scan_summary, scan_table
     from fsdpcheck.formats.annotations import scan_annotations
     from fsdpcheck.formats.junit import scan_to_junit, write_junit
     from fsdpcheck.formats.sarif import scan_to_sarif, write_sarif
@@ -544,33 +475,27 @@ def scan(
     outputs = _Outputs(annotations, json=json_path, junit=junit_path, sarif=sarif_path)
     _refuse_outputs("scan", outputs)
     families = ("causal-lm", "masked-lm") if masked_lm else ("causal-lm",)
-    with CountProgress("scan") as bar:
-        try:
-            result = run_scan(
-                filters,
-                seeds=seeds or DEFAULT_SEEDS,
-                families=families,
-                presets=preset,
-                jobs=jobs,
-                timeout=timeout,
-                arch_timeout=arch_timeout,
-                progress=bar.update,
-            )
-        except FsdpcheckError as exc:
-            bar.stop()
-            _stderr().print(f"[bold red]fsdpcheck scan[/]: {escape(str(exc))}", highlight=False)
-            outputs.annotations(_error_annotation("fsdpcheck scan", str(exc)))
-            raise typer.Exit(exc.exit_code) from None
+    with _errors_exit("scan", outputs), CountProgress("scan") as bar:
+        result = run_scan(
+            filters,
+            seeds=seeds or DEFAULT_SEEDS,
+            families=families,
+            presets=preset,
+            jobs=jobs,
+            timeout=timeout,
+            arch_timeout=arch_timeout,
+            progress=bar.update,
+        )
     console = _stdout()
     console.print(scan_table(result, all_rows=not problems_only))
-    for error in result.errors:
-        console.print(f"[bold red]✗ seed {error.seed}[/]: {escape(error.message)}", highlight=False)
+    for line in scan_errors(result):
+        console.print(line, highlight=False)
     console.print(scan_summary(result), highlight=False)
     outputs.annotations(scan_annotations(result))
     outputs.write("--json", lambda path: write_json(result, path))
     outputs.write("--junit", lambda path: write_junit(scan_to_junit(result), path))
     outputs.write("--sarif", lambda path: write_sarif(scan_to_sarif(result), path))
-    raise typer.Exit(result.exit_code or (3 if outputs.failed else 0))
+    raise typer.Exit(outputs.exit_code(result.exit_code))
 
 
 FINGERPRINT_EPILOG = """
@@ -599,7 +524,7 @@ def fingerprint(
         help="Where to write the fingerprint; may contain {rank}, {local_rank}, {host}.",
     ),
     init: Init = typer.Option(
-        Init.rank0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
+        Init.RANK0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
     ),
     dtype: DType | None = DTYPE_OPTION,
     seed: int = SEED_OPTION,
@@ -622,7 +547,8 @@ def fingerprint(
 ) -> None:
     """Write this process's fingerprint of MODEL (the record the audit gathers) with no
     process group: run it once per rank, on each machine or library version, then `diff`."""
-    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck import process
+    from fsdpcheck.console import fingerprint_failed, fingerprint_written, note
     from fsdpcheck.offline.files import (
         check_writable,
         env_record,
@@ -631,7 +557,7 @@ def fingerprint(
         write_fingerprint,
     )
     from fsdpcheck.offline.standalone import StandaloneOptions, fingerprint_standalone
-    from fsdpcheck.vocab import ErrorKind, ExitCode
+    from fsdpcheck.vocab import errors_exit_code
 
     options = StandaloneOptions(
         **_build_fields(model, init, dtype, seed, text_only, trust_remote_code, allow_pickle),
@@ -640,38 +566,21 @@ def fingerprint(
         min_params=min_params,
         rank=rank,
     )
-    gc.set_threshold(50_000, 100, 100)  # as in audit: a short-lived process with a big heap
-    try:
+    process.tune_gc()  # as in audit: a short-lived process with a big heap
+    with _errors_exit("fingerprint"):
         identity = process_identity(rank)
         path = format_path(out, env_record(identity))
         check_writable(path, identity.rank)  # before the build, not after it
         content = fingerprint_standalone(options)
         path = write_fingerprint(content, format_path(out, content.record.env))
-    except FsdpcheckError as exc:
-        _stderr().print(f"[bold red]fsdpcheck fingerprint[/]: {escape(str(exc))}", highlight=False)
-        raise typer.Exit(exc.exit_code) from None
-    record, console = content.record, _stderr()
+    record = content.record
     if record.error is not None:
-        console.print(
-            f"[bold red]fsdpcheck fingerprint: rank {record.env.rank} failed at "
-            f"{record.error.stage}[/]: {escape(record.error.message)}\n"
-            f"(the error is recorded in {escape(str(path))}, so `fsdpcheck diff` names it)",
-            highlight=False,
-        )
-        bad_input = record.error.kind == ErrorKind.INPUT
-        raise typer.Exit(ExitCode.BAD_INPUT if bad_input else ExitCode.RUNTIME)
-    stages = [
-        f"{fp.stage} {len(fp.buffers)} buffers, {len(fp.params)} params"
-        for fp in (record.pre_wrap, record.post_wrap)
-        if fp is not None
-    ]
-    _stdout().print(
-        f"fsdpcheck fingerprint: rank {record.env.rank} ({'; '.join(stages)}) → "
-        f"{escape(str(path))}",
-        highlight=False,
-    )
-    for note in content.notes:
-        _stdout().print(f"[yellow]! {escape(note)}[/]", highlight=False)
+        _stderr().print(fingerprint_failed(record, path), highlight=False)
+        raise typer.Exit(errors_exit_code([record.error.kind]))
+    console = _stdout()
+    console.print(fingerprint_written(record, path), highlight=False)
+    for line in content.notes:
+        console.print(note(line), highlight=False)
 
 
 DIFF_EPILOG = """
@@ -697,18 +606,18 @@ def diff(
     junit_path: Path | None = typer.Option(
         None, "--junit", help="Write a JUnit XML file here: a test case per check."
     ),
-    annotations: Annotations = typer.Option(Annotations.auto, help=ANNOTATIONS_HELP),
+    annotations: Annotations = typer.Option(Annotations.AUTO, help=ANNOTATIONS_HELP),
 ) -> None:
     """Compare saved fingerprints as ranks, with the audit's analysis and report: ranks of one
     job (hung or not), or the same model across machines and library versions."""
-    from fsdpcheck.console import render
-    from fsdpcheck.errors import FsdpcheckError, InputError
+    from fsdpcheck.console import diff_inputs, render
+    from fsdpcheck.errors import InputError
     from fsdpcheck.offline.diff import diff_records
     from fsdpcheck.offline.files import read_inputs
 
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)
     _refuse_outputs("diff", outputs)
-    try:
+    with _errors_exit("diff", outputs):
         try:
             report = diff_records(read_inputs(paths))
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
@@ -718,22 +627,12 @@ def diff(
                 f"({type(exc).__name__}: {exc}); re-create it with `fsdpcheck fingerprint` or "
                 "fsdpcheck.save_fingerprint."
             ) from None
-    except FsdpcheckError as exc:
-        _stderr().print(f"[bold red]fsdpcheck diff[/]: {escape(str(exc))}", highlight=False)
-        outputs.annotations(_error_annotation("fsdpcheck diff", str(exc)))
-        raise typer.Exit(exc.exit_code) from None
     console = _stdout()
-    for item in report.options.get("inputs", ()):
-        recorded = item["recorded_rank"]
-        moved = f" (recorded as rank {recorded})" if recorded != item["rank"] else ""
-        console.print(
-            f"[dim]rank {item['rank']}{moved} ← {escape(item['path'])} · {escape(item['host'])}"
-            f"{' · ' + escape(item['created']) if item['created'] else ''}[/]",
-            highlight=False,
-        )
+    for line in diff_inputs(report):
+        console.print(line, highlight=False)
     render(report, console, title="fsdpcheck diff")
     outputs.publish_report(report, suite="fsdpcheck.diff")
-    raise typer.Exit(report.exit_code or (3 if outputs.failed else 0))
+    raise typer.Exit(outputs.exit_code(report.exit_code))
 
 
 def main() -> None:

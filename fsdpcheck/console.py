@@ -1,10 +1,13 @@
-"""Everything fsdpcheck shows with rich: the report, probe and scan tables, stage progress.
+"""Everything fsdpcheck shows with rich: the report, probe and scan tables, the commands'
+one-line messages (as rich markup), stage progress.
 
 Only the CLI calls this, on rank 0; library modules never print."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -12,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from fsdpcheck.records import LoadOutcome, Report
+from fsdpcheck.records import LoadOutcome, RankError, RankRecord, Report
 from fsdpcheck.report import report_headline
 from fsdpcheck.text import int_ranges, ranks_label
 from fsdpcheck.vocab import LoaderVerdict, LoadMethod, LoadStatus, ScanVerdict
@@ -20,6 +23,7 @@ from fsdpcheck.vocab import LoaderVerdict, LoadMethod, LoadStatus, ScanVerdict
 if TYPE_CHECKING:
     from fsdpcheck.checks.hash_seed import ProbeResult
     from fsdpcheck.children.scan import ScanResult
+    from fsdpcheck.model.presets import Preset
 
 _VERDICT_STYLE = {
     "consistent": "bold green",
@@ -172,7 +176,91 @@ def _load_method(load: LoadOutcome) -> str:
     return "via DCP"
 
 
+# ---------------------------------------------------------------- messages
+
+
+def command_error(title: str, message: str) -> str:
+    """A command's explained failure: ``fsdpcheck probe: <the paragraph>``."""
+    return f"[bold red]{escape(title)}[/]: {escape(message)}"
+
+
+def rank_error(error: RankError) -> str:
+    """A rank's failure before any gather (bad input, an unreachable rendezvous)."""
+    return f"[bold red]fsdpcheck: rank {error.rank}: {error.stage}[/]: {escape(error.message)}"
+
+
+def rank_failed(error: RankError) -> str:
+    """A rank's own failure when no report reached it (the others' report is on rank 0)."""
+    return (
+        f"[bold red]fsdpcheck: rank {error.rank} failed at {error.stage}[/]: "
+        f"{escape(error.message)}"
+    )
+
+
+def output_failed(option: str, path: Path, exc: OSError) -> str:
+    return (
+        f"[bold red]fsdpcheck[/]: {option} {escape(str(path))} could not be written "
+        f"({escape(exc.strerror or str(exc))}); pass a path in a folder with room."
+    )
+
+
+def note(text: str) -> str:
+    return f"[yellow]! {escape(text)}[/]"
+
+
+def presets_table(presets: Iterable[Preset]) -> Table:
+    table = Table(title="fsdpcheck presets")
+    table.add_column("name", style="bold")
+    table.add_column("architecture")
+    table.add_column("what it shows")
+    for preset in presets:
+        table.add_row(preset.name, preset.architecture, preset.description)
+    return table
+
+
+def fingerprint_written(record: RankRecord, path: Path) -> str:
+    stages = [
+        f"{fp.stage} {len(fp.buffers)} buffers, {len(fp.params)} params"
+        for fp in record.fingerprints()
+    ]
+    return (
+        f"fsdpcheck fingerprint: rank {record.env.rank} ({'; '.join(stages)}) → {escape(str(path))}"
+    )
+
+
+def fingerprint_failed(record: RankRecord, path: Path) -> str:
+    assert record.error is not None
+    return (
+        f"[bold red]fsdpcheck fingerprint: rank {record.env.rank} failed at "
+        f"{record.error.stage}[/]: {escape(record.error.message)}\n"
+        f"(the error is recorded in {escape(str(path))}, so `fsdpcheck diff` names it)"
+    )
+
+
+def diff_inputs(report: Report) -> list[str]:
+    """One dim line per fingerprint diff read: its rank, file, host and creation time."""
+    lines = []
+    for item in report.options.get("inputs", ()):
+        recorded = item["recorded_rank"]
+        moved = f" (recorded as rank {recorded})" if recorded != item["rank"] else ""
+        created = f" · {escape(item['created'])}" if item["created"] else ""
+        lines.append(
+            f"[dim]rank {item['rank']}{moved} ← {escape(item['path'])} · "
+            f"{escape(item['host'])}{created}[/]"
+        )
+    return lines
+
+
 # ---------------------------------------------------------------- probe
+
+
+def probe_header(model: str, result: ProbeResult) -> str:
+    architecture = f" ({result.architecture})" if result.architecture else ""
+    return (
+        f"[bold]fsdpcheck probe[/] · {escape(model)}{architecture} · "
+        f"PYTHONHASHSEED {result.seeds[0]}..{result.seeds[-1]} · "
+        f"transformers {result.transformers or '-'}"
+    )
 
 
 def probe_table(result: ProbeResult) -> Any:
@@ -266,6 +354,11 @@ def scan_table(result: ScanResult, *, all_rows: bool = True) -> Any:
         style = _SCAN_STYLE.get(row.verdict, "")
         table.add_row(row.id, row.architecture, escape(tensors), f"[{style}]{escape(row.label)}[/]")
     return table
+
+
+def scan_errors(result: ScanResult) -> list[str]:
+    """The seeds whose child failed, as rich markup lines."""
+    return [f"[bold red]✗ seed {e.seed}[/]: {escape(e.message)}" for e in result.errors]
 
 
 def scan_summary(result: ScanResult) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, fields
 
+from fsdpcheck.vocab import Backend, DType, Init
+
 DEFAULT_MIN_PARAMS = 100_000_000  # size-based wrapping threshold, when no wrap class is present
 
 
@@ -13,8 +15,8 @@ class BuildSpec:
 
     model: str
     _: KW_ONLY  # everything after the model by name: subclasses add fields of their own
-    init: str = "rank0"
-    dtype: str | None = None
+    init: Init = Init.RANK0
+    dtype: DType | None = None  # None: the config's
     seed: int = 0
     text_only: bool = False
     trust_remote_code: bool = False
@@ -23,7 +25,7 @@ class BuildSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class AuditOptions(BuildSpec):
-    backend: str = "auto"
+    backend: Backend = Backend.AUTO
     timeout: float = 60.0
     wrap_classes: tuple[str, ...] = ()
     min_params: int = DEFAULT_MIN_PARAMS

@@ -1,6 +1,8 @@
 """Plain, frozen records that travel between ranks and into the JSON report.
 
 Every record round-trips through JSON (``to_dict`` / ``from_dict``); nothing here is pickled.
+Fields that hold a word of :mod:`fsdpcheck.vocab` are typed with its Enum: the JSON carries the
+plain value, and ``from_dict`` turns it back into the member.
 """
 
 from __future__ import annotations
@@ -12,7 +14,25 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from enum import Enum
+from typing import Any, Literal, TypeVar
+
+from fsdpcheck.vocab import (
+    BufferReason,
+    Cause,
+    ErrorKind,
+    ExitCode,
+    FindingKind,
+    InitValues,
+    LoaderVerdict,
+    LoadMethod,
+    LoadStatus,
+    ModelKind,
+    Snapshot,
+    Stage,
+    Verdict,
+    WrapSource,
+)
 
 SCHEMA = "fsdpcheck.report/2"
 
@@ -21,6 +41,8 @@ T = TypeVar("T")
 
 def to_dict(record: Any) -> Any:
     """A JSON-ready view of a record (dataclasses, tuples and mappings, recursively)."""
+    if isinstance(record, Enum):
+        return record.value
     if dataclasses.is_dataclass(record) and not isinstance(record, type):
         return {f.name: to_dict(getattr(record, f.name)) for f in dataclasses.fields(record)}
     if isinstance(record, (list, tuple)):
@@ -41,7 +63,18 @@ def _convert(hint: Any, value: Any) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        return _convert(options[0], value) if len(options) == 1 else value
+        if len(options) == 1:
+            return _convert(options[0], value)
+        for option in options:  # the first that takes the value, e.g. LoadMethod | Literal[""]
+            if _is_word(option) and value in option._value2member_map_:
+                return option(value)
+        return value
+    if _is_word(hint):
+        return hint(value)  # ValueError for a word this version does not know
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ValueError(f"{value!r}: expected one of {typing.get_args(hint)}")
+        return value
     if dataclasses.is_dataclass(hint):
         hints = typing.get_type_hints(hint)
         known = {f.name for f in dataclasses.fields(hint)}
@@ -51,9 +84,17 @@ def _convert(hint: Any, value: Any) -> Any:
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(args[0], item) for item in value)
         return tuple(_convert(arg, item) for arg, item in zip(args, value, strict=True))
-    if origin in (dict, Mapping, typing.Mapping) or hint in (dict, Mapping):
-        return dict(value)
+    if origin in (dict, Mapping) or hint in (dict, Mapping):
+        args = typing.get_args(hint)
+        if len(args) != 2:
+            return dict(value)
+        key = int if args[0] is int else (lambda k: k)  # JSON keys are always strings
+        return {key(k): _convert(args[1], v) for k, v in value.items()}
     return value
+
+
+def _is_word(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, Enum)
 
 
 def short_digest(*parts: str, size: int = 16) -> str:
@@ -91,19 +132,11 @@ class TensorRecord:
         return (self.name, self.shape, self.dtype, self.persistent, self.placements)
 
 
-def _requires_grad_part(params: tuple[TensorRecord, ...]) -> tuple[str, ...]:
-    """The layout digest's extra part for ``requires_grad``; empty when never recorded, so
-    digests of records without it are unchanged."""
-    if all(t.requires_grad is None for t in params):
-        return ()
-    return (repr([t.requires_grad for t in params]),)
-
-
 @dataclass(frozen=True)
 class Fingerprint:
     """A rank's tensors at one stage of the audit (``pre-wrap`` or ``post-wrap``)."""
 
-    stage: str
+    stage: Snapshot  # PRE_WRAP or POST_WRAP
     buffers: tuple[TensorRecord, ...]
     params: tuple[TensorRecord, ...]
     state_dict_keys: tuple[str, ...] = ()  # ``model.state_dict()`` order, as loaders walk it
@@ -116,7 +149,7 @@ class Fingerprint:
             repr([t.layout() for t in self.buffers]),
             repr([t.layout() for t in self.params]),
             repr(self.state_dict_keys),
-            *_requires_grad_part(self.params),
+            repr([t.requires_grad for t in self.params]),
         )
 
 
@@ -150,17 +183,15 @@ class EnvRecord:
         )
 
     def _digest_part(self) -> str:
-        # The first four alone keep digests of records without the newer fields unchanged.
-        versions = self.versions()
-        return repr(versions[:4] if versions[4:] == (None, None, None) else versions)
+        return repr(self.versions())
 
 
 @dataclass(frozen=True)
 class RankError:
     rank: int
-    stage: str
+    stage: Stage
     message: str
-    kind: str = "runtime"  # "input" (exit 2) or "runtime" (exit 3)
+    kind: ErrorKind = ErrorKind.RUNTIME
 
 
 @dataclass(frozen=True)
@@ -207,12 +238,13 @@ class TieRecord:
     """Which parameter names share storage on one rank at one stage, and which ties the model's
     config asks for (``tie_word_embeddings``, ``_tied_weights_keys``). Names sorted."""
 
-    stage: str  # "pre-wrap" | "post-wrap" | "load"
+    stage: Snapshot  # PRE_WRAP, POST_WRAP or LOAD
     shared: tuple[tuple[str, ...], ...] = ()  # groups of two or more names on one storage
     expected: tuple[tuple[str, str], ...] = ()  # (tied name, its source)
 
     def digest_part(self) -> str:
-        return repr((self.stage, self.shared, self.expected))
+        # str(): the value, as a plain string, whether the field holds the member or not.
+        return repr((str(self.stage), self.shared, self.expected))
 
 
 @dataclass(frozen=True)
@@ -220,14 +252,14 @@ class BufferProblem:
     """A buffer whose value is not what its module computes, or is garbage (NaN, Inf, denormal)."""
 
     name: str
-    stage: str  # "pre-wrap" | "post-wrap" | "load"
-    reason: str  # "differs" (from the recomputed reference) | "nan" | "inf" | "denormal"
+    stage: Snapshot  # PRE_WRAP, POST_WRAP or LOAD
+    reason: BufferReason
     got: tuple[str, ...] = ()  # first values on this rank ("%.6g")
     expected: tuple[str, ...] = ()  # first values of the reference, for "differs"
 
     def digest_part(self) -> str:
         # Values stay out: garbage differs per rank, and must not split ranks into groups.
-        return repr((self.name, self.stage, self.reason))
+        return repr((self.name, str(self.stage), str(self.reason)))
 
 
 @dataclass(frozen=True)
@@ -259,10 +291,8 @@ class RankRecord:
             self.pre_wrap.layout_digest() if self.pre_wrap else "-",
             self.post_wrap.layout_digest() if self.post_wrap else "-",
         ]
-        # Optional parts only when present, so older records keep their digests.
-        if self.ties or self.uninitialized:
-            parts.append(repr([t.digest_part() for t in self.ties]))
-            parts.append(repr(sorted(p.digest_part() for p in self.uninitialized)))
+        parts.append(repr([t.digest_part() for t in self.ties]))
+        parts.append(repr(sorted(p.digest_part() for p in self.uninitialized)))
         if self.fsdp_plan is not None:
             parts.append("fsdp:" + self.fsdp_plan.digest())
         if self.config is not None:
@@ -314,11 +344,11 @@ class Group:
 class Finding:
     """One cross-rank difference; ``kind`` and ``cause`` are words of :mod:`fsdpcheck.vocab`."""
 
-    kind: str
+    kind: FindingKind
     ranks: tuple[int, ...]
     reference_rank: int
-    stage: str  # "pre-wrap" | "post-wrap" | "load" | "probe"
-    cause: str
+    stage: Snapshot
+    cause: Cause
     summary: str
     tensors: tuple[str, ...] = ()
     details: Mapping[str, Any] = field(default_factory=dict)
@@ -329,16 +359,16 @@ class LoaderPrediction:
     """What one known loader would do on these ranks (see ``fsdpcheck.checks.predict.LOADERS``)."""
 
     name: str
-    verdict: str  # "ok" | "uninitialized" | "silent-corruption" | "refused" | "hang"
+    verdict: LoaderVerdict
     summary: str
     ranks: tuple[int, ...] = ()  # ranks affected
     first_issue: Mapping[str, Any] | None = None
     products: str = ""  # the products and versions this row stands for
-    on_gloo: str | None = None  # the verdict on gloo where it differs (a larger receive buffer)
+    on_gloo: LoaderVerdict | None = None  # the verdict on gloo where it differs (a larger buffer)
     # --reproduce: what the real loader did in a child job (same vocabulary; None: not run), and
     # the job's evidence: each rank's exit and stage, what differs, each rank's buffers value by
     # value (which buffer holds whose values), the summary
-    observed: str | None = None
+    observed: LoaderVerdict | None = None
     observed_detail: Mapping[str, Any] | None = None
 
 
@@ -347,13 +377,13 @@ class LoadOutcome:
     """What the project's loader did in the audit."""
 
     ran: bool
-    outcome: str  # "loaded" | "refused" | "failed" | "skipped"
+    outcome: LoadStatus
     message: str = ""
     params_loaded: int = 0  # state-dict entries
     buffers_broadcast: int = 0  # non-persistent buffers
     collectives: int = 0  # fsdpcheck's own: 2 checks + one flat broadcast per buffer dtype
     seconds: float = 0.0
-    method: str = ""  # how the state dict moved: "bucketed" or "dcp" ("" when not loaded)
+    method: LoadMethod | Literal[""] = ""  # how the state dict moved ("" when not loaded)
     fallback_reason: str | None = None  # why the bucketed path was not taken
     state_messages: int = 0  # bucketed: point-to-point messages rank 0 sent
     state_bytes: int = 0  # bucketed: their bytes (each rank's own shards only)
@@ -373,7 +403,7 @@ class VerifyResult:
 @dataclass(frozen=True)
 class WrapPlan:
     requested: tuple[str, ...]
-    source: str  # "--wrap-class" | "_no_split_modules" | "none"
+    source: WrapSource
     found: tuple[str, ...]
     missing: tuple[str, ...]
     wrapped: tuple[str, ...]  # module names passed to fully_shard, root last
@@ -384,24 +414,21 @@ class WrapPlan:
 @dataclass(frozen=True)
 class ModelInfo:
     spec: str  # what the user passed to --model
-    kind: str  # "preset" | "local" | "hub"
+    kind: ModelKind
     name: str
     path: str | None
     architecture: str | None
     dtype: str | None
-    init: str
+    init: str  # an fsdpcheck.vocab.Init, or "script" for a training script's own model
     checkpoint: bool  # weights came from a checkpoint (else random init)
     text_only: bool = False
-    # Where this rank's values came from: "checkpoint", "deterministic-fill" (a seeded pattern at
-    # memory speed, fsdpcheck.model.fill), "transformers-init" (the model's own init, when the
-    # fill could not build it) or None (built on meta).
-    init_values: str | None = None
+    init_values: InitValues | None = None  # None: built on meta
 
 
 @dataclass(frozen=True)
 class Report:
-    verdict: str  # "consistent" | "inconsistent" | "latent" | "error"
-    exit_code: int
+    verdict: Verdict
+    exit_code: ExitCode
     world_size: int
     model: ModelInfo | None
     wrap: WrapPlan | None

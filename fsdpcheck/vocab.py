@@ -1,11 +1,12 @@
 """The words fsdpcheck's reports are made of: one ``str`` Enum per vocabulary.
 
-Members are strings, so records keep plain ``str`` fields, the JSON carries the same values as
-before, and ``member == "hang"`` holds. Nothing here imports torch.
+Members are strings: records type their fields with these Enums, the JSON carries the plain
+values, and ``member == "hang"`` holds. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import Enum, IntEnum
 
 
@@ -85,6 +86,85 @@ class Snapshot(Word):
 class ErrorKind(Word):
     INPUT = "input"  # exit 2
     RUNTIME = "runtime"  # exit 3
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.BAD_INPUT if self is ErrorKind.INPUT else ExitCode.RUNTIME
+
+
+def errors_exit_code(kinds: Iterable[str]) -> ExitCode:
+    """Exit 2 when every error is bad input, else 3 (a runtime failure outranks input)."""
+    return max((ErrorKind(k).exit_code for k in kinds), default=ExitCode.RUNTIME)
+
+
+class Backend(Word):
+    """``--backend``: the process group fsdpcheck creates (``auto``: nccl with CUDA, else gloo)."""
+
+    AUTO = "auto"
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+
+# The backends a group actually runs on (what ``auto`` resolves to).
+RESOLVED_BACKENDS = (Backend.NCCL, Backend.GLOO)
+
+
+class Init(Word):
+    """``--init``: which ranks build real tensors."""
+
+    RANK0 = "rank0"  # rank 0 real, the others on meta (as verl)
+    META = "meta"  # every rank on meta
+    ALL = "all"  # every rank real
+
+
+class DType(Word):
+    """``--dtype``: the dtypes a model can be built in."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class Annotations(Word):
+    """``--annotations``: GitHub workflow commands for findings (``auto``: on GitHub Actions)."""
+
+    AUTO = "auto"
+    GITHUB = "github"
+    NONE = "none"
+
+
+class ModelKind(Word):
+    """Where a model came from (``ModelInfo.kind``)."""
+
+    PRESET = "preset"
+    LOCAL = "local"
+    HUB = "hub"
+    SCRIPT = "script"  # a training script's own model (check_model, save_fingerprint)
+
+
+class InitValues(Word):
+    """Where a rank's values came from (``ModelInfo.init_values``)."""
+
+    CHECKPOINT = "checkpoint"
+    FILL = "deterministic-fill"  # a seeded pattern at memory speed (fsdpcheck.model.fill)
+    TRANSFORMERS_INIT = "transformers-init"  # the model's own init, when the fill cannot build it
+
+
+class WrapSource(Word):
+    """Where the wrap plan's layer classes came from (``WrapPlan.source``)."""
+
+    WRAP_CLASS = "--wrap-class"
+    NO_SPLIT_MODULES = "_no_split_modules"
+    NONE = "none"
+
+
+class BufferReason(Word):
+    """Why a buffer is not what its module computes (``BufferProblem.reason``)."""
+
+    DIFFERS = "differs"  # from the value the module recomputes
+    NAN = "nan"
+    INF = "inf"
+    DENORMAL = "denormal"
 
 
 class LoaderVerdict(Word):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import platform
 import socket
@@ -10,6 +11,8 @@ from collections.abc import Iterator
 from importlib import metadata
 
 from fsdpcheck.records import EnvRecord
+
+log = logging.getLogger(__name__)
 
 
 def package_version(name: str) -> str | None:
@@ -46,6 +49,7 @@ def nccl_version() -> str | None:
     try:
         version = torch.cuda.nccl.version()
     except Exception:  # no NCCL in this build, or no CUDA runtime: nothing to compare
+        log.debug("no NCCL version", exc_info=True)
         return None
     if isinstance(version, tuple):
         return ".".join(str(v) for v in version)

@@ -9,12 +9,15 @@ record. When all ranks agree, each rank sends the same few bytes whatever the mo
 from __future__ import annotations
 
 import json
+import logging
 
 import torch
 import torch.distributed as dist
 
 from fsdpcheck.checks.value import value_digests, value_senders
 from fsdpcheck.records import Gathered, RankRecord, from_dict, to_dict
+
+log = logging.getLogger(__name__)
 
 _DIGEST_BYTES = 16
 _HOST_BYTES = 64
@@ -90,6 +93,7 @@ def gather_records(
     if rank != 0:
         if rank in _broadcast_ranks(None, group):
             sent += _send_record(record, group)
+        log.debug("digest %s: sent %d bytes", digest[:12], sent)
         return None
     digests, hosts, meta_ranks = {}, {}, []
     values, keys, replicas = {}, {}, {}
@@ -102,6 +106,7 @@ def gather_records(
     extra_senders = value_senders(values, replicas, keys) - reps
     senders = sorted((reps | extra_senders) - {0})
     _broadcast_ranks(senders, group)
+    log.info("%d ranks, %d digests; full records from ranks %s", world_size, len(reps), senders)
     records: dict[int, RankRecord] = {0: record}
     extra: dict[int, RankRecord] = {}
     for sender in senders:

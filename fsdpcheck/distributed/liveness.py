@@ -4,6 +4,7 @@ gives up can name the rank responsible instead of leaving everyone waiting."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -17,6 +18,8 @@ from fsdpcheck.distributed.setup import DistContext
 from fsdpcheck.records import RankError, from_dict, to_dict
 from fsdpcheck.vocab import STAGE_ORDER, ErrorKind, ExitCode, Stage
 
+log = logging.getLogger(__name__)
+
 _STAGE_KEY = "fsdpcheck/stage/{}"
 
 
@@ -27,6 +30,7 @@ def mark_stage(ctx: DistContext, stage: str) -> None:
     try:
         ctx.store.set(_STAGE_KEY.format(ctx.rank), stage)
     except Exception:
+        log.debug("stage marks off: the store refused %s", stage, exc_info=True)
         ctx.store = None
 
 
@@ -39,14 +43,15 @@ def signal_abort(ctx: DistContext, errors: list[RankError]) -> None:
         return
     try:
         ctx.store.set(_ABORT_KEY, json.dumps([to_dict(e) for e in errors[:16]]))
-    except Exception:
-        pass
+    except Exception:  # the store's host is gone too: the others' own timeouts end them
+        log.debug("could not leave the abort mark", exc_info=True)
 
 
 def _abort_errors(payload: bytes) -> list[RankError]:
     try:
         return [from_dict(RankError, e) for e in json.loads(payload)]
     except (ValueError, TypeError, KeyError):
+        log.debug("abort mark is not a list of errors; passing it on as text", exc_info=True)
         return [RankError(-1, Stage.ABORT, payload.decode(errors="replace"), ErrorKind.RUNTIME)]
 
 
@@ -104,6 +109,7 @@ class AbortWatch:
             except Exception:
                 # Rank 0 may simply have finished first; only a store gone for a whole
                 # timeout means nobody is left to conclude the run.
+                log.debug("heartbeat: store unreachable", exc_info=True)
                 unreachable_since = unreachable_since or time.monotonic()
                 gone = time.monotonic() - unreachable_since >= self._ctx.timeout
                 why = "the rendezvous store is gone: rank 0 or the launcher died"
@@ -125,19 +131,16 @@ class AbortWatch:
         if self._on_abort is not None:
             try:  # rank 0 publishes what the rank that gave up found, then goes
                 self._on_abort(errors)
-            except Exception:
-                pass
+            except Exception:  # the exit below matters more than the report
+                log.debug("publishing on abort failed", exc_info=True)
         os._exit(ExitCode.RUNTIME)
 
 
 def _read_many(store: Any, keys: list[str], default: bytes | None) -> list[bytes | None]:
     """Every key's value: two store calls when every key exists (``check`` + ``multi_get``),
     else one ``check`` + ``get`` per key (``default`` for the missing ones)."""
-    try:
-        if keys and store.check(keys):
-            return list(store.multi_get(keys))
-    except Exception:  # an older store without multi_get: one key at a time
-        pass
+    if keys and store.check(keys):
+        return list(store.multi_get(keys))
     return [store.get(k) if store.check([k]) else default for k in keys]
 
 
@@ -155,6 +158,7 @@ def dead_ranks(ctx: DistContext) -> set[int]:
         time.sleep(3 * heartbeat_interval(ctx.world_size))
         after = _counters(ctx.store, keys)
     except Exception:
+        log.debug("heartbeats unreadable: no rank is called dead", exc_info=True)
         return set()
     return {r for r in range(ctx.world_size) if r != ctx.rank and before[r] == after[r]}
 
@@ -167,6 +171,7 @@ def last_stages(ctx: DistContext) -> dict[int, str | None]:
     try:
         values = _read_many(ctx.store, keys, None)
     except Exception:
+        log.debug("stage marks unreadable", exc_info=True)
         return {}
     return {r: v.decode() if v is not None else None for r, v in enumerate(values)}
 
@@ -218,18 +223,20 @@ def diagnose_peers(
     try:
         first = ctx.store.add(_DIAGNOSER_KEY, 1) == 1
     except Exception:
+        log.debug("store gone: diagnosing alone", exc_info=True)
         return _diagnose(ctx, exc, own=own)
     if first:
         errors = _diagnose(ctx, exc, own=own)
         try:
             ctx.store.set(_DIAGNOSIS_KEY, json.dumps([to_dict(e) for e in errors[:64]]))
-        except Exception:
-            pass
+        except Exception:  # the others wait in vain, then diagnose alone
+            log.debug("could not publish the diagnosis", exc_info=True)
         return errors
     try:
         ctx.store.wait([_DIAGNOSIS_KEY], timedelta(seconds=diagnosis_wait(ctx.world_size)))
         published = _abort_errors(ctx.store.get(_DIAGNOSIS_KEY))
     except Exception:
+        log.debug("no published diagnosis: diagnosing alone", exc_info=True)
         return _diagnose(ctx, exc, own=own)
     if own is None:
         return published

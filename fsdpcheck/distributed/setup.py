@@ -6,6 +6,7 @@ never depends on NCCL being healthy and never waits forever.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,8 +17,9 @@ import torch.distributed as dist
 
 from fsdpcheck.distributed import launcher
 from fsdpcheck.errors import InputError
+from fsdpcheck.vocab import Backend
 
-BACKENDS = ("auto", "nccl", "gloo")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,20 +42,16 @@ class DistContext:
         return torch.device("cpu")
 
 
-def launch_env() -> tuple[int, int, int]:
-    """``(rank, local_rank, world_size)`` from the launcher's variables (torchrun, accelerate,
-    srun, mpirun: see :mod:`fsdpcheck.distributed.launcher`); one rank when none is set."""
-    found = launcher.detect(os.environ)
-    return found.rank, found.local_rank, found.world_size
-
-
-def resolve_backend(requested: str) -> str:
-    if requested not in BACKENDS:
-        raise InputError(f"--backend {requested!r}: choose one of {', '.join(BACKENDS)}.")
+def resolve_backend(requested: str) -> Backend:
+    """The backend ``requested`` runs on here: ``auto`` is nccl with CUDA, else gloo."""
+    if requested not in Backend._value2member_map_:
+        choices = ", ".join(b.value for b in Backend)
+        raise InputError(f"--backend {str(requested)!r}: choose one of {choices}.")
+    requested = Backend(requested)
     cuda = torch.cuda.is_available()
-    if requested == "auto":
-        return "nccl" if cuda else "gloo"
-    if requested == "nccl" and not (cuda and dist.is_nccl_available()):
+    if requested is Backend.AUTO:
+        return Backend.NCCL if cuda else Backend.GLOO
+    if requested is Backend.NCCL and not (cuda and dist.is_nccl_available()):
         raise InputError(
             "--backend nccl needs CUDA and a torch build with NCCL; this host has "
             f"{'no CUDA device' if not cuda else 'no NCCL'}. Use --backend gloo (or auto)."
@@ -79,7 +77,7 @@ def init(
     else:
         found = launcher.detect(os.environ)
         rank, local_rank, world_size = found.rank, found.local_rank, found.world_size
-        backend = resolve_backend(backend)
+        backend = resolve_backend(backend).value
     shape = _mesh_shape(mesh_shape, world_size, rank)
     device_type = "cuda" if backend == "nccl" else "cpu"
     if device_type == "cuda" and owns:
@@ -109,6 +107,7 @@ def init(
 
     names = ("replicate", "shard") if len(shape) == 2 else None
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    log.info("rank %d of %d on %s, mesh %s", rank, world_size, backend, shape)
     return DistContext(
         rank=rank,
         local_rank=local_rank,
@@ -168,6 +167,7 @@ def _default_store() -> Any:
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # private API: stage marks are a nicety, never a requirement
+        log.debug("no default store: running without stage marks", exc_info=True)
         return None
     return dist.PrefixStore(f"fsdpcheck-run{_runs}", store)
 

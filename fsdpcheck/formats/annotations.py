@@ -12,13 +12,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from fsdpcheck.records import Report
-from fsdpcheck.vocab import ExitCode, LoaderVerdict, ScanVerdict
+from fsdpcheck.vocab import Annotations, ExitCode, LoaderVerdict, ScanVerdict
 
 if TYPE_CHECKING:
     from fsdpcheck.checks.hash_seed import ProbeResult
     from fsdpcheck.children.scan import ScanResult
 
-MODES = ("auto", "github", "none")
 WARNING_LOADER_VERDICTS = frozenset({LoaderVerdict.UNINITIALIZED})
 
 
@@ -50,11 +49,12 @@ def command(
 
 def enabled(mode: str, environ: Mapping[str, str]) -> bool:
     """``github``: always; ``none``: never; ``auto``: when ``GITHUB_ACTIONS`` is ``true``."""
-    if mode not in MODES:
-        raise ValueError(f"--annotations {mode!r}: choose one of {', '.join(MODES)}")
-    if mode == "auto":
+    if mode not in Annotations._value2member_map_:
+        choices = ", ".join(m.value for m in Annotations)
+        raise ValueError(f"--annotations {str(mode)!r}: choose one of {choices}")
+    if mode == Annotations.AUTO:
         return environ.get("GITHUB_ACTIONS", "").lower() == "true"
-    return mode == "github"
+    return mode == Annotations.GITHUB
 
 
 def report_annotations(report: Report, *, tool: str = "fsdpcheck audit") -> list[str]:

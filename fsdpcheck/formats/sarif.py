@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 from fsdpcheck.checks.set_order import SetOrderSite, find_sites_in_file
 from fsdpcheck.output import write_text
 from fsdpcheck.vocab import ExitCode, ScanVerdict
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from fsdpcheck.children.scan import ScanResult, ScanRow
@@ -303,13 +306,15 @@ def class_location(row: ScanRow) -> tuple[str | None, int]:
 
         cls = getattr(transformers, row.architecture, None)
     except Exception:  # a broken optional import inside transformers: no location
+        log.debug("no class %s in transformers", row.architecture, exc_info=True)
         cls = None
     if cls is None:
         return None, 1
     try:
         path = inspect.getsourcefile(cls)
         line = inspect.getsourcelines(cls)[1]
-    except (OSError, TypeError):
+    except (OSError, TypeError):  # compiled, or defined where no source file is
+        log.debug("no source for %s", row.architecture, exc_info=True)
         return None, 1
     return path, line
 

@@ -18,6 +18,7 @@ LAYERS = {
     "fsdpcheck.records": 1,
     "fsdpcheck.options": 1,
     "fsdpcheck.faults": 1,
+    "fsdpcheck.process": 3,  # the command's own interpreter: log, re-exec, signals
     "fsdpcheck.output": 2,
     "fsdpcheck.model": 2,
     "fsdpcheck.distributed": 2,

@@ -1,0 +1,98 @@
+"""What a command does to its own interpreter: the debug log, the rank hash seed re-exec,
+SIGTERM, gc, and torch elastic's error file on the way out.
+
+Only the command layer calls these, except :func:`configure_logging`, which a training script
+may call too (``import fsdpcheck`` already calls it when ``FSDPCHECK_LOG`` is set).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import sys
+
+from fsdpcheck.distributed.launcher import rank_hint
+
+log = logging.getLogger(__name__)
+
+LOG_VARIABLE = "FSDPCHECK_LOG"
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+_HANDLER = "fsdpcheck-stderr"
+_REEXEC_MARK = "FSDPCHECK_HASH_SEED_VARIED"
+
+
+def configure_logging(level: str | None = None) -> None:
+    """Send the ``fsdpcheck`` loggers to stderr, one line per record prefixed with the rank
+    (``[rank 1] fsdpcheck.audit: ...``), at ``level`` (``debug``, ``info`` or ``warning``;
+    default: ``$FSDPCHECK_LOG``). Without either, logging stays as the caller set it up; a
+    second call only changes the level."""
+    wanted = (level or os.environ.get(LOG_VARIABLE) or "").strip().lower()
+    if not wanted:
+        return
+    logger = logging.getLogger("fsdpcheck")
+    if not any(h.get_name() == _HANDLER for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.set_name(_HANDLER)
+        handler.setFormatter(
+            logging.Formatter(f"[rank {rank_hint(os.environ)}] %(name)s: %(message)s")
+        )
+        logger.addHandler(handler)
+        logger.propagate = False  # one line per record, even where the root logs too
+    logger.setLevel(_LEVELS.get(wanted, logging.WARNING))
+    if wanted not in _LEVELS:
+        log.warning("%s=%s is not a level: use debug, info or warning", LOG_VARIABLE, wanted)
+
+
+def vary_hash_seed() -> None:
+    """Restart this interpreter with PYTHONHASHSEED = its rank, before anything is hashed for
+    real; the restarted one (marked in its environment) carries on."""
+    if os.environ.get(_REEXEC_MARK) == "1":
+        return
+    env = dict(os.environ)
+    env["PYTHONHASHSEED"] = str(rank_hint(env))
+    env[_REEXEC_MARK] = "1"
+    log.debug("re-exec with PYTHONHASHSEED=%s", env["PYTHONHASHSEED"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "fsdpcheck", *sys.argv[1:]], env)
+
+
+class Terminated(Exception):
+    """SIGTERM, e.g. torchrun stopping the job because another rank exited."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    # An exception, not an exit: the audit's failure path still names the cause and, on
+    # rank 0, writes the report before the launcher's follow-up SIGKILL.
+    raise Terminated("stopped by SIGTERM (the launcher is ending the job)")
+
+
+def raise_on_sigterm() -> None:
+    signal.signal(signal.SIGTERM, _terminated)
+
+
+def tune_gc() -> None:
+    """For a short-lived process that imports torch and transformers and builds a model: with
+    the default thresholds, Python runs full collections over that whole heap several times
+    (about 0.6 s of CPU per rank on a 70B-shaped config); far fewer young ones do the job."""
+    gc.set_threshold(50_000, 100, 100)
+
+
+def tell_torchrun(message: str) -> None:
+    """Write torch elastic's error file, so torchrun's summary names the cause, not exit codes.
+
+    Its plain form (a message and a timestamp, no traceback): the summary shows the one-line
+    cause as it is, where a recorded exception would show a Python traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    try:
+        with open(path, "w") as file:
+            json.dump({"message": f"fsdpcheck: {message}", "timestamp": int(time.time())}, file)
+    except OSError:  # a summary without the cause is worse, but never a reason to fail
+        log.debug("could not write %s", path, exc_info=True)

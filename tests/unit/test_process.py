@@ -1,0 +1,48 @@
+"""The process layer: FSDPCHECK_LOG, and the error kinds' exit codes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from fsdpcheck.vocab import ErrorKind, ExitCode, errors_exit_code
+
+SCRIPT = (
+    "import logging, fsdpcheck; "
+    "logging.getLogger('fsdpcheck.demo').debug('seen %s', 1); "
+    "logging.getLogger('fsdpcheck.demo').info('said')"
+)
+
+
+def _stderr(**env: str) -> str:
+    environ = {k: v for k, v in os.environ.items() if k != "FSDPCHECK_LOG"}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stderr
+
+
+def test_fsdpcheck_log_debug_prefixes_every_line_with_the_rank() -> None:
+    assert _stderr(FSDPCHECK_LOG="debug", RANK="1").splitlines() == [
+        "[rank 1] fsdpcheck.demo: seen 1",
+        "[rank 1] fsdpcheck.demo: said",
+    ]
+
+
+def test_fsdpcheck_log_levels_and_no_log_without_it() -> None:
+    assert _stderr(FSDPCHECK_LOG="info").splitlines() == ["[rank 0] fsdpcheck.demo: said"]
+    assert _stderr() == ""
+    assert "is not a level" in _stderr(FSDPCHECK_LOG="loud")
+
+
+def test_a_runtime_error_outranks_bad_input() -> None:
+    assert ErrorKind.INPUT.exit_code is ExitCode.BAD_INPUT
+    assert errors_exit_code(["input", "input"]) is ExitCode.BAD_INPUT
+    assert errors_exit_code([ErrorKind.INPUT, "runtime"]) is ExitCode.RUNTIME
+    assert errors_exit_code([]) is ExitCode.RUNTIME
