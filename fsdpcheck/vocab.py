@@ -6,6 +6,7 @@ before, and ``member == "hang"`` holds. Nothing here imports torch.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import Enum, IntEnum
 
 
@@ -86,6 +87,15 @@ class ErrorKind(Word):
     INPUT = "input"  # exit 2
     RUNTIME = "runtime"  # exit 3
 
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.BAD_INPUT if self is ErrorKind.INPUT else ExitCode.RUNTIME
+
+
+def errors_exit_code(kinds: Iterable[str]) -> ExitCode:
+    """Exit 2 when every error is bad input, else 3 (a runtime failure outranks input)."""
+    return max((ErrorKind(k).exit_code for k in kinds), default=ExitCode.RUNTIME)
+
 
 class LoaderVerdict(Word):
     """What a loader does to these ranks, mildest first."""
@@ -130,6 +140,16 @@ class LoadStatus(Word):
 class LoadMethod(Word):
     BUCKETED = "bucketed"  # each rank receives only its own shards, in flat buckets
     DCP = "dcp"  # torch.distributed.checkpoint's set_model_state_dict
+
+
+class Loader(Word):
+    """The weight loaders fsdpcheck predicts (and ``--reproduce`` runs), in report order."""
+
+    NAMED_BUFFERS_ORDER = "named-buffers-order"
+    STATE_DICT_ORDER = "state-dict-order"
+    DDP_SYNC = "ddp-sync"
+    DCP_BROADCAST = "dcp-broadcast"
+    SORTED_NAMES = "sorted-names"
 
 
 class Cause(_Described):
