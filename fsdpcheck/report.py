@@ -1,4 +1,5 @@
-"""Assemble the report, once, from everything the audit gathered (pure: no I/O, no processes)."""
+"""Assemble the report, once, from everything the audit gathered, and judge it: the verdict,
+the exit code and the headline (pure: no I/O, no processes)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fsdpcheck.checks.hash_seed import probe_finding
-from fsdpcheck.checks.layout import analyse, group_ranks, headline, verdict
-from fsdpcheck.checks.loaded import load_errors, load_findings, verify_findings
+from fsdpcheck.checks.catalogue import Evidence, run_checks
+from fsdpcheck.checks.groups import group_ranks
+from fsdpcheck.checks.loaded import load_errors
 from fsdpcheck.checks.observed import Observation, with_observations
 from fsdpcheck.checks.predict import predict_loaders
-from fsdpcheck.checks.ties import tie_findings
-from fsdpcheck.checks.uninitialized import uninitialized_findings
-from fsdpcheck.checks.value import not_compared, value_findings
+from fsdpcheck.checks.value import not_compared
 from fsdpcheck.records import (
     Finding,
     Gathered,
-    Group,
     LoadOutcome,
     ModelInfo,
     RankError,
@@ -26,18 +24,23 @@ from fsdpcheck.records import (
     WrapPlan,
     to_dict,
 )
+from fsdpcheck.text import ranks_label
 from fsdpcheck.vocab import (
-    ErrorKind,
     ExitCode,
     FindingKind,
     LoaderVerdict,
     LoadStatus,
+    Snapshot,
     Verdict,
+    errors_exit_code,
+    finding_kind,
 )
 
 if TYPE_CHECKING:
     from fsdpcheck.checks.hash_seed import ProbeResult
     from fsdpcheck.options import AuditOptions
+
+_STAGES = (Snapshot.PRE_WRAP, Snapshot.POST_WRAP)
 
 
 @dataclass(frozen=True)
@@ -61,23 +64,24 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
     gathered = outcome.gathered
     groups = group_ranks(gathered.digests, gathered.hosts)
     records = gathered.records
-    findings = analyse(groups, records) + state_findings(groups, gathered)
+    loaders = tuple(predict_loaders(groups, records, gathered.meta_ranks))
+    evidence = Evidence(
+        gathered,
+        load=outcome.load,
+        verify=outcome.verify,
+        after_load=outcome.after_load,
+        probe=outcome.probe,
+        loaders=loaders,
+        observed=outcome.observed,
+    )
+    findings = run_checks(evidence)
     errors = gathered.errors
     if outcome.load is not None:  # a load that did not happen is never consistent
-        findings.extend(load_findings(outcome.load, len(gathered.digests)))
         errors = _by_rank(*errors, *load_errors(outcome.load))
-    if outcome.verify is not None:
-        findings.extend(verify_findings(outcome.verify))
     if outcome.after_load is not None:
-        after = outcome.after_load
-        findings.extend(state_findings(group_ranks(after.digests, after.hosts), after))
-        errors = _by_rank(*errors, *after.errors)
-    if outcome.probe is not None and (found := probe_finding(outcome.probe)) is not None:
-        findings.append(found)
-    loaders = tuple(predict_loaders(groups, records, gathered.meta_ranks))
+        errors = _by_rank(*errors, *outcome.after_load.errors)
     if outcome.observed:
-        loaders, wrong = with_observations(loaders, outcome.observed)
-        findings.extend(wrong)
+        loaders, _ = with_observations(loaders, outcome.observed)  # the findings: run_checks
     name, code = verdict(findings, errors)
     return Report(
         verdict=name,
@@ -101,16 +105,70 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
     )
 
 
-def state_findings(groups: Sequence[Group], gathered: Gathered) -> list[Finding]:
-    """``tie``, ``uninitialized`` and ``value`` findings from one gather."""
-    records = gathered.records
-    findings = tie_findings(groups, records) + uninitialized_findings(groups, records)
-    if gathered.values is not None:
-        everyone = {**records, **(gathered.extra or {})}
-        findings += value_findings(
-            everyone, gathered.values, gathered.replicas or {}, gathered.shard_keys or {}
-        )
-    return findings
+# ---------------------------------------------------------------- the judgement
+
+
+def verdict(findings: Sequence[Finding], errors: Sequence[RankError]) -> tuple[Verdict, ExitCode]:
+    """``latent``: the ranks agree now, but only because they share a hash seed."""
+    if errors:
+        return Verdict.ERROR, errors_exit_code(e.kind for e in errors)
+    # A wrong prediction is fsdpcheck's bug, not a difference between the ranks.
+    findings = [f for f in findings if f.kind != FindingKind.PREDICTION]
+    if findings and all(f.kind == FindingKind.HASH_SEED for f in findings):
+        return Verdict.LATENT, ExitCode.FINDINGS
+    if findings:
+        return Verdict.INCONSISTENT, ExitCode.FINDINGS
+    return Verdict.CONSISTENT, ExitCode.CONSISTENT
+
+
+def phrase(kind: str) -> str:
+    member = finding_kind(kind)
+    return member.phrase if member is not None else kind
+
+
+def kind_order(kind: str) -> int:
+    member = finding_kind(kind)
+    return member.order if member is not None else len(FindingKind)
+
+
+def headline(findings: Sequence[Finding], errors: Sequence[RankError], world_size: int) -> str:
+    """One short line a person can act on."""
+    if errors:
+        return _error_headline(errors)
+    findings = [f for f in findings if f.kind != FindingKind.PREDICTION]  # report_headline says it
+    if not findings:
+        if world_size <= 1:
+            return "1 rank: nothing to compare across ranks"
+        return f"all {world_size} ranks consistent"
+    first = min(findings, key=_headline_key)
+    same = [f for f in findings if (f.kind, f.cause) == (first.kind, first.cause)]
+    ranks = {r for f in same for r in f.ranks}
+    where = f"on {ranks_label(ranks)}" if ranks else "across hash seeds"
+    line = f"{phrase(first.kind)} {where} ({first.cause})"
+    rest = len(findings) - len(same)
+    if rest:
+        line += f"; {rest} other difference{'s' if rest > 1 else ''}"
+    return line
+
+
+def _headline_key(f: Finding) -> tuple:
+    stage = _STAGES.index(f.stage) if f.stage in _STAGES else len(_STAGES)
+    return kind_order(f.kind), stage, min(f.ranks, default=0)
+
+
+def _error_headline(errors: Sequence[RankError]) -> str:
+    ordered = sorted(errors, key=lambda e: e.rank)
+    first = ordered[0]
+    alike = [e for e in ordered if (e.stage, e.message) == (first.stage, first.message)]
+    lines = first.message.strip().splitlines()
+    message = lines[0] if lines else ""
+    if len(message) > 160:
+        message = message[:157] + "..."
+    line = f"{ranks_label(e.rank for e in alike)} failed at {first.stage}: {message}"
+    rest = len({e.rank for e in ordered} - {e.rank for e in alike})
+    if rest:
+        line += f"; {rest} more rank{'s' if rest > 1 else ''} failed differently"
+    return line
 
 
 def _not_compared(gathered: Gathered) -> tuple[int, ...]:
@@ -127,10 +185,9 @@ def error_report(
     errors: Sequence[RankError], world_size: int, options: AuditOptions | None
 ) -> Report:
     """A report for a run that could not finish the gather."""
-    bad_input = all(e.kind == ErrorKind.INPUT for e in errors)
     return Report(
         verdict=Verdict.ERROR,
-        exit_code=ExitCode.BAD_INPUT if bad_input else ExitCode.RUNTIME,
+        exit_code=errors_exit_code(e.kind for e in errors),
         world_size=world_size,
         model=None,
         wrap=None,

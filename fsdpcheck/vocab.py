@@ -202,6 +202,16 @@ class LoadMethod(Word):
     DCP = "dcp"  # torch.distributed.checkpoint's set_model_state_dict
 
 
+class Loader(Word):
+    """The weight loaders fsdpcheck predicts (and ``--reproduce`` runs), in report order."""
+
+    NAMED_BUFFERS_ORDER = "named-buffers-order"
+    STATE_DICT_ORDER = "state-dict-order"
+    DDP_SYNC = "ddp-sync"
+    DCP_BROADCAST = "dcp-broadcast"
+    SORTED_NAMES = "sorted-names"
+
+
 class Cause(_Described):
     CONSTRUCTION_TIME = (
         "construction-time",

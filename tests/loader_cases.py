@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from fsdpcheck.checks.layout import group_ranks
+from fsdpcheck.checks.groups import group_ranks
 from fsdpcheck.checks.predict import predict_loaders
 from fsdpcheck.model.build import build
 from fsdpcheck.model.fingerprint import fingerprint

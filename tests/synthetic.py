@@ -52,3 +52,12 @@ def state_record(rank, *, pre=None, post=None, ties=(), uninitialized=(), shard_
         uninitialized=tuple(uninitialized),
         shard_key=shard_key,
     )
+
+
+def analyse(groups, records):
+    """Every check the report runs over one gather of these groups' representatives."""
+    from fsdpcheck.checks.catalogue import Evidence, run_checks
+    from fsdpcheck.records import Gathered
+
+    digests = {r: g.digest for g in groups for r in g.ranks}
+    return run_checks(Evidence(Gathered(digests, {}, dict(records), bytes_sent=0)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from fsdpcheck.checks.layout import reference_group, usable_groups
+from fsdpcheck.checks.groups import reference_group, usable_groups
 from fsdpcheck.records import Finding, Group, RankRecord, TieRecord
 from fsdpcheck.text import ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from fsdpcheck.checks.layout import usable_groups
+from fsdpcheck.checks.groups import usable_groups
 from fsdpcheck.records import BufferProblem, Finding, Group, RankRecord
 from fsdpcheck.text import ranks_label
 from fsdpcheck.vocab import Cause, FindingKind

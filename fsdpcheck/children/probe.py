@@ -29,7 +29,7 @@ from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, compare_orders, t
 from fsdpcheck.children.launch import JOB_ENV, emit, run_each
 from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
-from fsdpcheck.vocab import ErrorKind, ExitCode, Verdict
+from fsdpcheck.vocab import ExitCode, Verdict, errors_exit_code
 
 DEFAULT_SEEDS = 8
 DEFAULT_TIMEOUT = 180.0
@@ -101,8 +101,7 @@ def probe(
     if reorders:
         verdict, code = Verdict.LATENT, ExitCode.FINDINGS
     elif errors:
-        bad_input = all(e.kind == ErrorKind.INPUT for e in errors)
-        verdict, code = Verdict.ERROR, ExitCode.BAD_INPUT if bad_input else ExitCode.RUNTIME
+        verdict, code = Verdict.ERROR, errors_exit_code(e.kind for e in errors)
     else:
         verdict, code = Verdict.CONSISTENT, ExitCode.CONSISTENT
     return ProbeResult(

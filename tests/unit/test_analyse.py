@@ -6,15 +6,9 @@ import dataclasses
 import json
 
 import pytest
-from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, tensor
+from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, analyse, tensor
 
-from fsdpcheck.checks.layout import (
-    analyse,
-    group_ranks,
-    headline,
-    reference_group,
-    verdict,
-)
+from fsdpcheck.checks.groups import group_ranks, reference_group
 from fsdpcheck.records import (
     EnvRecord,
     Finding,
@@ -24,6 +18,7 @@ from fsdpcheck.records import (
     from_dict,
     to_dict,
 )
+from fsdpcheck.report import headline, verdict
 from fsdpcheck.text import ranks_label
 from fsdpcheck.vocab import Cause, FindingKind
 

@@ -161,10 +161,9 @@ def test_observations_fold_into_rows_and_disagreements_become_findings():
 def test_a_wrong_prediction_is_in_the_headline_but_not_the_verdict():
     from rich.console import Console
 
-    from fsdpcheck.checks.layout import verdict
     from fsdpcheck.console import render
     from fsdpcheck.records import Report, from_dict, to_dict
-    from fsdpcheck.report import report_headline
+    from fsdpcheck.report import report_headline, verdict
 
     rows = (LoaderPrediction("dcp-broadcast", "ok", "keyed by name", products="torch"),)
     seen = {"dcp-broadcast": Observation("dcp-broadcast", "refused", {"summary": "rank 1 raised"})}

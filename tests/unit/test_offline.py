@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, tensor
+from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, analyse, tensor
 from typer.testing import CliRunner
 
-from fsdpcheck.checks.layout import analyse, group_ranks
+from fsdpcheck.checks.groups import group_ranks
 from fsdpcheck.cli import app
 from fsdpcheck.errors import InputError
 from fsdpcheck.offline.diff import diff_fingerprints, diff_records

@@ -8,20 +8,20 @@ import json
 import pytest
 from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, tensor
 
-from fsdpcheck.checks.layout import group_ranks
+from fsdpcheck.checks.groups import group_ranks
 from fsdpcheck.checks.predict import (
     DDP_BUCKET_BYTES,
     LOADERS,
-    LoaderPrediction,
-    _ddp_buckets,
     itemsize,
     predict_loaders,
     products,
 )
+from fsdpcheck.checks.predict.ddp_sync import buckets
 from fsdpcheck.records import (
     EnvRecord,
     Fingerprint,
     Group,
+    LoaderPrediction,
     RankError,
     RankRecord,
     from_dict,
@@ -291,7 +291,7 @@ def test_ddp_buckets_follow_c10d_assignment():
         tensor("c", (100 * MiB // 4,)),  # float32 bucket reaches 300 MiB: closes
         tensor("d", (1,)),
     ]
-    assert _ddp_buckets(t) == [[0, 2], [1], [3]]
+    assert buckets(t) == [[0, 2], [1], [3]]
     assert DDP_BUCKET_BYTES == 250 * MiB
 
 

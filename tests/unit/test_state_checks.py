@@ -10,7 +10,7 @@ import torch
 from synthetic import EMBED, FULL, SCALE, state_record, valued
 from torch import nn
 
-from fsdpcheck.checks.layout import group_ranks, headline, verdict
+from fsdpcheck.checks.groups import group_ranks
 from fsdpcheck.checks.loaded import load_errors, load_findings
 from fsdpcheck.checks.ties import missing_ties, tie_findings
 from fsdpcheck.checks.uninitialized import uninitialized_findings
@@ -31,7 +31,7 @@ from fsdpcheck.records import (
     from_dict,
     to_dict,
 )
-from fsdpcheck.report import AuditOutcome, assemble
+from fsdpcheck.report import AuditOutcome, assemble, headline, verdict
 from fsdpcheck.vocab import FindingKind
 
 SHARD = ("S(0)",)

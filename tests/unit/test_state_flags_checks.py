@@ -7,11 +7,11 @@ import dataclasses
 import json
 
 import pytest
-from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, tensor
+from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, analyse, tensor
 
 from fsdpcheck.checks.config import config_differences
 from fsdpcheck.checks.flags import device_exceptions, misplaced
-from fsdpcheck.checks.layout import analyse, group_ranks, verdict
+from fsdpcheck.checks.groups import group_ranks
 from fsdpcheck.model.config_record import REDACTED, config_record
 from fsdpcheck.records import (
     EnvRecord,
@@ -22,6 +22,7 @@ from fsdpcheck.records import (
     from_dict,
     to_dict,
 )
+from fsdpcheck.report import verdict
 
 LAYER0 = "model.layers.0"
 

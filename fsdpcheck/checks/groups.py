@@ -1,0 +1,70 @@
+"""Which ranks are compared with which: groups of equal digests, the reference group, and the
+pairs (reference, other group) every cross-rank check walks. Pure: no torch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from fsdpcheck.records import Group, RankRecord
+
+
+def group_ranks(digests: Mapping[int, str], hosts: Mapping[int, str] | None = None) -> list[Group]:
+    """Ranks with equal digests form one group; groups come lowest rank first."""
+    members: dict[str, list[int]] = {}
+    for rank in sorted(digests):
+        members.setdefault(digests[rank], []).append(rank)
+    hosts = hosts or {}
+    return [
+        Group(
+            ranks=tuple(ranks),
+            digest=digest,
+            hosts=tuple(sorted({hosts[r] for r in ranks if r in hosts})),
+        )
+        for digest, ranks in members.items()  # insertion order is lowest rank first
+    ]
+
+
+def usable_groups(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> list[Group]:
+    """Groups whose representative has a record without an error, lowest rank first."""
+    keep = [g for g in groups if g.ranks and _has_record(g, records)]
+    return sorted(keep, key=lambda g: g.representative)
+
+
+def reference_group(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> Group | None:
+    """The group holding rank 0, else the lowest usable group; ``None`` if none is usable."""
+    usable = usable_groups(groups, records)
+    for group in usable:
+        if 0 in group.ranks:
+            return group
+    return usable[0] if usable else None
+
+
+@dataclass(frozen=True)
+class Pair:
+    """The reference group and one other usable group, with their representatives' records."""
+
+    reference: Group
+    group: Group
+    ref: RankRecord
+    other: RankRecord
+
+    @property
+    def ref_rank(self) -> int:
+        return self.reference.representative
+
+
+def pairs(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> Iterator[Pair]:
+    """The reference against every other usable group, lowest rank first; none without one."""
+    reference = reference_group(groups, records)
+    if reference is None:
+        return
+    ref = records[reference.representative]
+    for group in usable_groups(groups, records):
+        if group is not reference:
+            yield Pair(reference, group, ref, records[group.representative])
+
+
+def _has_record(group: Group, records: Mapping[int, RankRecord]) -> bool:
+    record = records.get(group.representative)
+    return record is not None and record.error is None

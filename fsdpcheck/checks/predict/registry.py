@@ -1,0 +1,97 @@
+"""Every loader fsdpcheck models, keyed by :class:`~fsdpcheck.vocab.Loader`, and the one entry
+point that predicts them all over the same pairing walk."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import ModuleType
+
+from fsdpcheck.checks.groups import reference_group, usable_groups
+from fsdpcheck.checks.predict import (
+    dcp_broadcast,
+    ddp_sync,
+    named_buffers_order,
+    sorted_names,
+    state_dict_order,
+)
+from fsdpcheck.checks.predict.pairing import Context
+from fsdpcheck.records import EnvRecord, Group, LoaderPrediction, RankRecord
+from fsdpcheck.vocab import RESOLVED_BACKENDS, Backend, Loader
+
+BACKENDS = RESOLVED_BACKENDS  # what a prediction is for: the backends a group really runs on
+
+
+@dataclass(frozen=True)
+class LoaderModel:
+    """One loader: what it does, who runs it, and its prediction over the pairing walk."""
+
+    description: str
+    products: str  # who runs this algorithm: what a user reads to find their own row
+    predict: Callable[[Context], LoaderPrediction]
+    installed: Callable[[EnvRecord], str] | None = None  # the versions on the reference rank
+
+
+def _model(module: ModuleType) -> LoaderModel:
+    return LoaderModel(
+        module.DESCRIPTION, module.PRODUCTS, module.predict, getattr(module, "installed", None)
+    )
+
+
+# In report order (the order of :class:`Loader`).
+REGISTRY: dict[Loader, LoaderModel] = {
+    Loader.NAMED_BUFFERS_ORDER: _model(named_buffers_order),
+    Loader.STATE_DICT_ORDER: _model(state_dict_order),
+    Loader.DDP_SYNC: _model(ddp_sync),
+    Loader.DCP_BROADCAST: _model(dcp_broadcast),
+    Loader.SORTED_NAMES: _model(sorted_names),
+}
+LOADERS: dict[str, str] = {name: m.description for name, m in REGISTRY.items()}
+PRODUCTS: dict[str, str] = {name: m.products for name, m in REGISTRY.items()}
+
+
+def predict_loaders(
+    groups: Sequence[Group],
+    records: Mapping[int, RankRecord],
+    meta_ranks: Iterable[int] = (),
+    backend: str = Backend.NCCL,
+) -> list[LoaderPrediction]:
+    """One prediction per loader in :data:`LOADERS` order; empty if no group is usable.
+
+    ``records`` needs only each group's representative. Device is not part of the group digest,
+    so a rank built on ``meta`` can share a group with a real rank 0: pass such ranks as
+    ``meta_ranks`` (or their records) for ``dcp-broadcast`` to see them. ``backend`` decides
+    what a broadcast into a larger buffer does: NCCL blocks (``hang``); gloo fills the first bytes
+    and leaves the rest (``silent-corruption``); a larger message than the buffer aborts gloo.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: one of {', '.join(BACKENDS)}")
+    reference = reference_group(groups, records)
+    if reference is None:
+        return []
+    others = [g for g in usable_groups(groups, records) if g is not reference]
+    ref = records[reference.representative]
+    pairs = [(g, records[g.representative]) for g in others]
+    ctx = Context(reference, ref, pairs, backend, records, frozenset(meta_ranks))
+    predictions = _predict(ctx)
+    if backend == Backend.NCCL:  # --reproduce runs on gloo: keep its verdict where it differs
+        on_gloo = _predict(replace(ctx, backend=Backend.GLOO))
+        predictions = [
+            replace(p, on_gloo=g.verdict) if g.verdict != p.verdict else p
+            for p, g in zip(predictions, on_gloo, strict=True)
+        ]
+    return [replace(p, products=products(p.name, ref.env)) for p in predictions]
+
+
+def _predict(ctx: Context) -> list[LoaderPrediction]:
+    return [model.predict(ctx) for model in REGISTRY.values()]
+
+
+def products(name: str, env: EnvRecord | None = None) -> str:
+    """Who runs loader ``name``, with the versions installed on the reference rank."""
+    model = REGISTRY.get(name)
+    if model is None:
+        return ""
+    if env is None or model.installed is None:
+        return model.products
+    return f"{model.products}; {model.installed(env)}"
