@@ -91,3 +91,16 @@ def test_text_for_a_number_in_config_is_bad_input(tmp_path: Path) -> None:
 )
 def test_config_values_that_may_be_right_resolve(tmp_path: Path, overrides) -> None:
     assert resolve(str(_model_dir(tmp_path / "m", **overrides))).kind == "local"
+
+
+def test_wrong_type_that_resolve_lets_pass_is_bad_input_at_build(tmp_path: Path) -> None:
+    # A list for a number gets past resolve (a list may be meant elsewhere); transformers' own
+    # validation names it, and build turns that into the same kind of error, in one paragraph.
+    from fsdpcheck.model.build import build
+
+    resolved = resolve(str(_model_dir(tmp_path / "m", hidden_size=[16])))
+    with pytest.raises(InputError) as raised:
+        build(resolved, rank=0, init="meta")
+    message = str(raised.value)
+    assert "config.json could not be used" in message and "hidden_size" in message
+    assert "\n" not in message
