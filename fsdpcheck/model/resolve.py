@@ -164,22 +164,25 @@ def _check_shards(path: Path, files: list[str], *, rank: int) -> None:
 def _check_config_values(config: Path, raw: object, *, rank: int) -> None:
     """A value of the wrong type in config.json (``"hidden_size": "big"``) is the user's to fix:
     named here, before the model's construction fails on it somewhere deep. Checked against the
-    defaults of the model type's config class, where transformers knows the type and the class
-    builds without arguments. Only what cannot be right: text where the class holds a number
-    (a whole number given as a fraction, or a list for a number, may be meant)."""
+    defaults of the model type's config class, as its ``__init__`` declares them (an instance
+    may have turned a declared ``"auto"`` into a number), where transformers knows the type.
+    Only what cannot be right: text where the default is a number (a whole number given as a
+    fraction, or a list for a number, may be meant)."""
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         return
     try:
+        import inspect
+
         from transformers import CONFIG_MAPPING
 
         config_class = CONFIG_MAPPING[raw["model_type"]]
-        defaults = config_class()
-    except Exception:  # remote code, an unknown type, a class that needs arguments
+        declared = inspect.signature(config_class.__init__).parameters
+    except Exception:  # remote code, an unknown model type
         log.debug("no defaults to check %s against", config, exc_info=True)
         return
     wrong = []
     for key, value in raw.items():
-        default = getattr(defaults, key, None)
+        default = declared[key].default if key in declared else None
         number = isinstance(default, int | float) and not isinstance(default, bool)
         if number and isinstance(value, str):
             owner = config_class.__name__

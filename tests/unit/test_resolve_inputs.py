@@ -87,6 +87,8 @@ def test_text_for_a_number_in_config_is_bad_input(tmp_path: Path) -> None:
         {},
         {"eos_token_id": [1, 2], "rope_theta": 500000, "hidden_size": 16.0},  # may be meant
         {"model_type": "not-a-transformers-type", "hidden_size": "big"},  # nothing to go by
+        # Declared "auto", which MambaConfig turns into a number: the declaration decides.
+        {"model_type": "mamba", "time_step_rank": "auto"},
     ],
 )
 def test_config_values_that_may_be_right_resolve(tmp_path: Path, overrides) -> None:
