@@ -1,7 +1,9 @@
 """Prove a load: every rank's buffers equal rank 0's, every parameter shard equals its slice of the
 source state dict. Digests travel to rank 0 over a gloo group; values never leave their rank.
 Tensors are paired with the source by their state-dict names, as the loader moves them
-(:mod:`fsdpcheck.loader.names`), so wrappers such as activation checkpointing do not get in the way.
+(:mod:`fsdpcheck.loader.names`), so wrappers such as activation checkpointing do not get in the
+way; a name the source lacks is also looked up without ``torch.compile``'s ``_orig_mod.``, as
+DCP's ``set_model_state_dict`` (torchtitan's loader) and ``get_model_state_dict`` name it.
 
 Digests are :mod:`fsdpcheck.model.checksum` checksums: every rank digests its own shards (on
 their device) while rank 0 digests its source slices for the other ranks and compares its own
@@ -71,6 +73,23 @@ def _tensors(model: nn.Module) -> _Tensors:
     return _Tensors(by_state_name(model.named_buffers()), by_state_name(model.named_parameters()))
 
 
+_COMPILED = "_orig_mod"  # torch.compile's wrapper holds the module under this name
+
+
+def _keyed_like(tensors: _Tensors, source: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``source`` under the names the model's tensors are checked by: a name it lacks is looked
+    up without the ``_orig_mod`` level, as DCP names a compiled module's tensors. A shallow copy
+    only where some name needs it."""
+    missing = [name for name in [*tensors.buffers, *tensors.params] if name not in source]
+    keyed = None
+    for name in missing:
+        plain = ".".join(part for part in name.split(".") if part != _COMPILED)
+        if plain != name and plain in source:
+            keyed = dict(source) if keyed is None else keyed
+            keyed[name] = source[plain]
+    return source if keyed is None else keyed
+
+
 def verify_load(
     model: nn.Module,
     full_state_dict_on_rank0: Mapping[str, torch.Tensor] | None,
@@ -85,9 +104,11 @@ def verify_load(
     failure: BaseException | None = None
     expected: _Expected | None = None
     tensors = _tensors(model)
-    if rank == root and full_state_dict_on_rank0 is not None:
+    source = full_state_dict_on_rank0
+    if rank == root and source is not None:
         try:  # before the gather: the other ranks digest their own shards meanwhile
-            expected = _expect(tensors, full_state_dict_on_rank0, ranks, root)
+            source = _keyed_like(tensors, source)
+            expected = _expect(tensors, source, ranks, root)
         except Exception as exc:  # the gather and the verdict broadcast below must still happen
             failure = exc
     mine = _digests(tensors, rank, in_place=rank == root)
@@ -99,7 +120,7 @@ def verify_load(
     if rank == root and failure is None:
         try:
             if expected is not None:
-                result = _judge(tensors, full_state_dict_on_rank0, gathered, root, expected)
+                result = _judge(tensors, source, gathered, root, expected)
                 status = torch.tensor([_RAN, int(result.passed), result.checked])
             else:
                 status = torch.tensor([_NOT_RUN, 0, 0])

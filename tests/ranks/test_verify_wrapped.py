@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import run_worker_ranks
 
-CASES = ("plain", "checkpointed", "compiled", "checkpointed-compiled")
+CASES = ("plain", "checkpointed", "compiled", "checkpointed-compiled", "checkpointed-compiled-dcp")
 
 
 def test_verify_load_pairs_wrapped_models_by_state_dict_names(tmp_path: Path) -> None:

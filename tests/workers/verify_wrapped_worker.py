@@ -1,8 +1,10 @@
 """One rank of the wrapped-model load test: a tiny model wrapped as torchtitan wraps its layers
 (activation checkpointing on every layer, ``torch.compile`` on every layer, or both, all before
-``fully_shard``), loaded with ``load_full_state_dict`` and checked with ``fsdpcheck.verify_load``;
-then rank 1 changes one weight of its shard and the check runs again. One case after another in
-one launch; the results go to ``rank<N>.json``."""
+``fully_shard``), loaded with ``load_full_state_dict`` from rank 0's full state dict named as the
+model's state dict names it, or, as torchtitan loads, with DCP's ``set_model_state_dict`` from
+one named as a checkpoint names it (no wrapper in any name), and checked with
+``fsdpcheck.verify_load``; then rank 1 changes one weight of its shard and the check runs again.
+One case after another in one launch; the results go to ``rank<N>.json``."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.model.wrap import fully_shard_fn
 from fsdpcheck.records import to_dict
 
-CASES = ("plain", "checkpointed", "compiled", "checkpointed-compiled")
+CASES = ("plain", "checkpointed", "compiled", "checkpointed-compiled", "checkpointed-compiled-dcp")
 
 
 class Layer(nn.Module):
@@ -78,11 +80,17 @@ def main() -> int:
             # Rank 0's full state dict, before sharding, by the names the model's state dict uses.
             source = None
             if ctx.rank == 0:
-                source = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                named = wrapped("plain", real=True) if case.endswith("-dcp") else model
+                source = {k: v.detach().clone() for k, v in named.state_dict().items()}
             for layer in model.layers:
                 fully_shard(layer, mesh=ctx.mesh)
             fully_shard(model, mesh=ctx.mesh)
-            load = fsdpcheck.load_full_state_dict(model, source, group=ctx.side_channel)
+            if case.endswith("-dcp"):
+                method = _dcp_load(model, source, ctx.side_channel)
+            else:
+                method = fsdpcheck.load_full_state_dict(
+                    model, source, group=ctx.side_channel
+                ).method
             loaded = fsdpcheck.verify_load(model, source, group=ctx.side_channel)
             tampered_name, target = _first_layer_weight(model)
             if ctx.rank == 1:
@@ -90,7 +98,7 @@ def main() -> int:
                     target.to_local().add_(1.0)
             tampered = fsdpcheck.verify_load(model, source, group=ctx.side_channel)
             record[case] = {
-                "method": load.method,
+                "method": method,
                 "names": [n for n, _ in model.named_parameters()],
                 "state_names": sorted(model.state_dict()),
                 "verify": to_dict(loaded),
@@ -99,6 +107,19 @@ def main() -> int:
             }
 
     return run_recorded(out, ctx, work, started=start)
+
+
+def _dcp_load(model: nn.Module, source: dict | None, group) -> str:
+    """torchtitan's load: DCP from rank 0's full state dict, then the non-persistent buffers."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device="cpu")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # A copy: DCP writes rank 0's local shards back into the dict it is given.
+    set_model_state_dict(model, dict(source) if source is not None else {}, options=options)
+    fsdpcheck.broadcast_buffers(model, group=group)
+    return "dcp"
 
 
 def _first_layer_weight(model: nn.Module) -> tuple[str, nn.Parameter]:
