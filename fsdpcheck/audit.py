@@ -155,19 +155,25 @@ def _preflight(
     return AuditResult(ctx.rank, code, report, None, problem)
 
 
-def check_model(model: Any, *, timeout: float = 60.0) -> AuditResult:
+def check_model(model: Any, *, timeout: float = 60.0, end_on_abort: bool = True) -> AuditResult:
     """Check a training script's own model: every rank calls it, after building (and optionally
     wrapping) the model, before its loader, after it, or both. Reuses the script's process
     group; metadata goes over a gloo side channel bounded by ``timeout``. Always: layouts, ties,
     loader predictions; where two or more ranks hold real values (after a load, or a model every
     rank initialised): values, and buffers against what the model's own config computes. The
-    report (rank 0) has the findings; ``exit_code`` is the same on every rank."""
+    report (rank 0) has the findings; ``exit_code`` is the same on every rank.
+
+    ``end_on_abort``: a rank the others gave up on (slower than ``timeout``) is ended with exit
+    3 rather than left to go on alone; False (a hook's "warn" mode) returns the same error
+    result on it instead, once its own wait runs out."""
     from fsdpcheck.model.fingerprint import fingerprint
     from fsdpcheck.model.state import buffer_problems, buffer_reference, shard_key, tie_record
 
     ctx = distributed.init("auto", timeout)
     try:
         with liveness.AbortWatch(ctx) as watch:
+            if not end_on_abort:
+                watch.disarm()
             state = _RankState(ctx)
             env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
             wrapped = any(hasattr(p, "placements") for p in model.parameters())

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.vocab import ExitCode
 
 ON_FAILURE = ("raise", "warn")
 
@@ -47,10 +49,19 @@ def run_check(
     where: str,
 ) -> Any:
     """Collective: every rank must call it. Returns the AuditResult when the ranks agree;
-    otherwise raises :class:`ModelCheckFailed` or warns, the same on every rank."""
+    otherwise raises :class:`ModelCheckFailed` or warns, the same on every rank.
+
+    ``json_path`` is checked on every rank before the check begins, so a path the report cannot
+    be written to fails every rank alike (exit 2, in either mode) instead of rank 0 alone after
+    the check while the others train on. With ``"warn"`` no rank is ended by the check when its
+    peers give up on it (a rank slower than ``timeout``): it returns, and warns, like them."""
     from fsdpcheck.audit import check_model
 
-    result = check_model(model, timeout=timeout)
+    if json_path is not None:
+        problem = _json_path_problem(Path(json_path))
+        if problem:
+            raise ModelCheckFailed(f"{where}: {problem}", ExitCode.BAD_INPUT)
+    result = check_model(model, timeout=timeout, end_on_abort=on_failure == "raise")
     if json_path is not None and result.report is not None:  # rank 0 holds the report
         from fsdpcheck.output import write_json
 
@@ -64,3 +75,26 @@ def run_check(
         f"fsdpcheck ({where}): {headline} (exit {result.exit_code})", FsdpcheckWarning, stacklevel=3
     )
     return result
+
+
+def _json_path_problem(path: Path) -> str | None:
+    """Why rank 0 could not write the report to ``path``, asked of each rank's own filesystem
+    without touching it: every rank asks at once, and a probe file or folder one rank made and
+    removed would trip another (the write itself makes the missing folders)."""
+    problem = None
+    existing = path.parent
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if path.is_dir():
+        problem = f"json_path {path} is a directory; pass a file path, e.g. {path / 'report.json'}"
+    elif not existing.is_dir():
+        problem = f"json_path {path} cannot be written: {existing} is a file, not a folder"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"json_path {path} cannot be written: this user cannot write in {existing}"
+    if problem is None:
+        return None
+    return (
+        f"{problem}. Nothing was checked. Pass a json_path in a folder this user can write "
+        "(every rank checks it before the check begins, so on a multi-node job it must be "
+        "writable on every host)."
+    )

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpcheck.distributed.wire import transport_device
+from fsdpcheck.loader.names import state_dict_names
 from fsdpcheck.loader.shards import local_shape, mesh_coordinate, shard_of
 from fsdpcheck.model.fingerprint import dtype_name
 from fsdpcheck.records import short_digest
@@ -80,22 +81,14 @@ def aligned(nbytes: int) -> int:
 def _specs(model: nn.Module) -> list[_Spec]:
     """The state dict as the tensors to move, by name; tied weights move once."""
     state = model.state_dict(keep_vars=True)
-    owners: dict[int, str] = {}
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        owners.setdefault(id(tensor), name)  # the name named_parameters() and verify_load use
-    groups: dict[int, list[str]] = {}
-    for name in sorted(state):
-        groups.setdefault(id(state[name]), []).append(name)
     specs = []
-    for key, names in groups.items():
-        tensor = state[names[0]]
-        owner = owners.get(key)
-        owner = owner if owner in names else names[0]
+    for owner, *aliases in state_dict_names(model, state).values():
+        tensor = state[owner]
         placements = getattr(tensor, "placements", None)
         specs.append(
             _Spec(
                 name=owner,
-                aliases=tuple(n for n in names if n != owner),
+                aliases=tuple(aliases),
                 shape=tuple(int(d) for d in tensor.shape),
                 dtype=tensor.dtype,
                 placements=tuple(placements) if placements is not None else None,

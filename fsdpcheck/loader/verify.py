@@ -1,5 +1,9 @@
 """Prove a load: every rank's buffers equal rank 0's, every parameter shard equals its slice of the
 source state dict. Digests travel to rank 0 over a gloo group; values never leave their rank.
+Tensors are paired with the source by their state-dict names, as the loader moves them
+(:mod:`fsdpcheck.loader.names`), so wrappers such as activation checkpointing do not get in the
+way; a name the source lacks is also looked up without ``torch.compile``'s ``_orig_mod.``, as
+DCP's ``set_model_state_dict`` (torchtitan's loader) and ``get_model_state_dict`` name it.
 
 Digests are :mod:`fsdpcheck.model.checksum` checksums: every rank digests its own shards (on
 their device) while rank 0 digests its source slices for the other ranks and compares its own
@@ -7,6 +11,7 @@ shards in place, so rank 0's extra work overlaps theirs instead of following it.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,9 +24,12 @@ from torch import nn
 
 from fsdpcheck.distributed.environment import lead_threads
 from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.loader.names import state_dict_names
 from fsdpcheck.loader.shards import expected_shard
 from fsdpcheck.model.checksum import checksums
 from fsdpcheck.records import VerifyResult
+
+log = logging.getLogger(__name__)
 
 # Status codes rank 0 broadcasts with its verdict.
 _RAN, _NOT_RUN, _FAILED = 0, 1, 2
@@ -41,21 +49,69 @@ class _Digests:
     params: dict[str, _Entry]
 
 
+@dataclass(frozen=True)
+class _Tensors:
+    """The model's buffers and parameters by the names they are checked under: their state-dict
+    names, or their module paths where no state dict holds them (non-persistent buffers)."""
+
+    buffers: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+
+
+def _tensors(model: nn.Module) -> _Tensors:
+    try:
+        names = state_dict_names(model)
+    except Exception:  # no state dict to go by: module paths, which the report then names
+        log.debug(
+            "verify_load: the model's state dict failed; checking by module paths", exc_info=True
+        )
+        names = {}
+
+    def by_state_name(pairs: Any) -> dict[str, torch.Tensor]:
+        return {names[id(t)][0] if id(t) in names else name: t for name, t in pairs}
+
+    return _Tensors(by_state_name(model.named_buffers()), by_state_name(model.named_parameters()))
+
+
+_COMPILED = "_orig_mod"  # torch.compile's wrapper holds the module under this name
+
+
+def _keyed_like(tensors: _Tensors, source: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``source`` under the names the model's tensors are checked by: a name it lacks is looked
+    up without the ``_orig_mod`` level, as DCP names a compiled module's tensors. A shallow copy
+    only where some name needs it."""
+    missing = [name for name in [*tensors.buffers, *tensors.params] if name not in source]
+    keyed = None
+    for name in missing:
+        plain = ".".join(part for part in name.split(".") if part != _COMPILED)
+        if plain != name and plain in source:
+            keyed = dict(source) if keyed is None else keyed
+            keyed[name] = source[plain]
+    return source if keyed is None else keyed
+
+
 def verify_load(
-    model: nn.Module, full_state_dict_on_rank0: Mapping[str, torch.Tensor] | None, *, group: Any
+    model: nn.Module,
+    full_state_dict_on_rank0: Mapping[str, torch.Tensor] | None,
+    *,
+    group: Any = None,
 ) -> VerifyResult:
-    """Collective over ``group`` (gloo); rank 0 (the group's first rank) returns the mismatches."""
+    """Collective over ``group`` (gloo; None: the default group); rank 0 (the group's first rank)
+    returns the mismatches."""
     ranks = list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     root = ranks[0]
     rank = dist.get_rank()
     failure: BaseException | None = None
     expected: _Expected | None = None
-    if rank == root and full_state_dict_on_rank0 is not None:
+    tensors = _tensors(model)
+    source = full_state_dict_on_rank0
+    if rank == root and source is not None:
         try:  # before the gather: the other ranks digest their own shards meanwhile
-            expected = _expect(model, full_state_dict_on_rank0, ranks, root)
+            source = _keyed_like(tensors, source)
+            expected = _expect(tensors, source, ranks, root)
         except Exception as exc:  # the gather and the verdict broadcast below must still happen
             failure = exc
-    mine = _digests(model, rank, in_place=rank == root)
+    mine = _digests(tensors, rank, in_place=rank == root)
     gathered: list[Any] | None = [None] * len(ranks) if rank == root else None
     dist.gather_object(mine, gathered, dst=root, group=group)
 
@@ -64,7 +120,7 @@ def verify_load(
     if rank == root and failure is None:
         try:
             if expected is not None:
-                result = _judge(model, full_state_dict_on_rank0, gathered, root, expected)
+                result = _judge(tensors, source, gathered, root, expected)
                 status = torch.tensor([_RAN, int(result.passed), result.checked])
             else:
                 status = torch.tensor([_NOT_RUN, 0, 0])
@@ -85,13 +141,13 @@ def verify_load(
 _IN_PLACE = "in-place"  # rank 0's own shards: compared with its source directly, no digest
 
 
-def _digests(model: nn.Module, rank: int, *, in_place: bool = False) -> _Digests:
+def _digests(tensors: _Tensors, rank: int, *, in_place: bool = False) -> _Digests:
     """This rank's digests. ``in_place`` (rank 0): parameters are not digested, because rank 0
     compares its own shards with its source slices directly (bitwise, in int64 words: one read
     of each at memory speed, no arithmetic), which halves its checksum work on two ranks."""
-    buffers = list(model.named_buffers())
+    buffers = list(tensors.buffers.items())
     params = []
-    for name, param in model.named_parameters():
+    for name, param in tensors.params.items():
         placements = getattr(param, "placements", None)
         local = param.to_local() if placements is not None else param
         params.append((name, local, tuple(str(p) for p in placements) if placements else None))
@@ -182,13 +238,13 @@ class _Expected:
 
 
 def _expect(
-    model: nn.Module, source: Mapping[str, torch.Tensor], ranks: Sequence[int], root: int
+    tensors: _Tensors, source: Mapping[str, torch.Tensor], ranks: Sequence[int], root: int
 ) -> _Expected:
     """Rank 0: the digest of every buffer and of every rank's slice of every parameter (its own
     shards compared in place), in threaded batches."""
     batches = _Batches()
     shapes: dict[Any, tuple[int, ...]] = {}
-    for name, buf in model.named_buffers():
+    for name, buf in tensors.buffers.items():
         want = source[name] if name in source else buf
         converted = want.to(buf.dtype)
         batches.add(("buffer", name), converted, converted is not want)
@@ -196,7 +252,7 @@ def _expect(
     problems: dict[tuple[str, int], str] = {}
     in_place: list[tuple[str, nn.Parameter, torch.Tensor]] = []
     coordinates: dict = {}
-    for name, param in model.named_parameters():
+    for name, param in tensors.params.items():
         full = source.get(name)
         if full is None:
             continue
@@ -229,7 +285,7 @@ def _expect(
 
 
 def _judge(
-    model: nn.Module,
+    tensors: _Tensors,
     source: Mapping[str, torch.Tensor],
     gathered: Sequence[_Digests],
     root: int,
@@ -237,8 +293,8 @@ def _judge(
 ) -> VerifyResult:
     """Rank 0: compare every rank's digests with what that rank must hold."""
     found: dict[tuple[str, str, str], list[int]] = defaultdict(list)
-    own_buffers = dict(model.named_buffers())
-    own_params = dict(model.named_parameters())
+    own_buffers = tensors.buffers
+    own_params = tensors.params
 
     for name in own_buffers:
         if name in source:  # persistent: the source is the truth, rank 0 included

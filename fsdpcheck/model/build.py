@@ -104,14 +104,19 @@ def _load_config(resolved: ResolvedModel, *, text_only: bool, trust_remote_code:
     else:
         from transformers import AutoConfig
 
+        try:  # huggingface_hub 1.x validates config values against their declared types
+            from huggingface_hub.errors import StrictDataclassError as InvalidValue
+        except ImportError:
+            InvalidValue = ValueError  # noqa: N806
         try:
             config = AutoConfig.from_pretrained(
                 str(resolved.path), trust_remote_code=trust_remote_code
             )
-        except ValueError as exc:
+        except (ValueError, InvalidValue) as exc:
             raise InputError(
-                f"{resolved.path}/config.json could not be used: {exc}. If the model needs its "
-                "own code, review it and pass --trust-remote-code."
+                f"{resolved.path}/config.json could not be used: {' '.join(str(exc).split())}. "
+                "Correct config.json where that points; if the model needs its own code, review "
+                "it and pass --trust-remote-code."
             ) from None
     if text_only and hasattr(config, "get_text_config"):
         config = config.get_text_config()

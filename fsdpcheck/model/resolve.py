@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -10,9 +11,14 @@ from pathlib import Path
 
 from fsdpcheck.errors import InputError
 from fsdpcheck.model.presets import PRESETS, Preset
+from fsdpcheck.text import name_list
+
+log = logging.getLogger(__name__)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Shard indexes, the weights' own first: a pickle index only counts where no safetensors are.
+_INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
 
 
 @dataclass(frozen=True)
@@ -99,13 +105,15 @@ def _local(
             "(config.json plus optional *.safetensors weights)."
         )
     try:
-        json.loads(config.read_text())
+        raw = json.loads(config.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(
             f"rank {rank}: {config} is not readable JSON ({exc}); the file is corrupt or "
             "truncated. Re-download or re-save the model."
         ) from None
+    _check_config_values(config, raw, rank=rank)
     files = sorted(os.listdir(path))
+    _check_shards(path, files, rank=rank)
     safetensors = tuple(f for f in files if f.endswith(".safetensors"))
     pickles = tuple(f for f in files if f.endswith(_PICKLE_SUFFIXES))
     if safetensors:
@@ -119,3 +127,68 @@ def _local(
     return ResolvedModel(
         spec, kind, name, path=path, weight_files=pickles, pickle_weights=bool(pickles)
     )
+
+
+def _check_shards(path: Path, files: list[str], *, rank: int) -> None:
+    """A shard index whose shards are not all there is an incomplete download or copy: refused,
+    rather than audited as a model without weights (filled deterministically) or half of one."""
+    for suffix in _INDEX_SUFFIXES:
+        indexes = [f for f in files if f.endswith(suffix)]
+        if indexes:
+            break
+        if suffix == _INDEX_SUFFIXES[0] and any(f.endswith(".safetensors") for f in files):
+            return  # unindexed safetensors: the weights; a pickle index beside them is unused
+    for index in indexes:
+        try:
+            weight_map = json.loads((path / index).read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        # Unreadable, not JSON (a ValueError), or JSON without a weight map of file names.
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise InputError(
+                f"rank {rank}: {path / index} is not a readable shard index "
+                f"({type(exc).__name__}: {exc}); the file is corrupt or truncated. Re-download "
+                "or re-save the model."
+            ) from None
+        missing = [shard for shard in shards if not (path / shard).is_file()]
+        if missing:
+            raise InputError(
+                f"rank {rank}: {path} has {index}, which maps the weights to {len(shards)} shard "
+                f"file(s), but {len(missing)} of them are not in the directory "
+                f"({name_list(missing)}): the download or copy is incomplete, and fsdpcheck will "
+                "not audit a model whose weights it cannot load. Download the missing shards "
+                "(`hf download <repo id>`, or --download for a hub id) or copy the whole "
+                f"directory again; to audit the config alone, remove {index}."
+            )
+
+
+def _check_config_values(config: Path, raw: object, *, rank: int) -> None:
+    """A value of the wrong type in config.json (``"hidden_size": "big"``) is the user's to fix:
+    named here, before the model's construction fails on it somewhere deep. Checked against the
+    defaults of the model type's config class, as its ``__init__`` declares them (an instance
+    may have turned a declared ``"auto"`` into a number), where transformers knows the type.
+    Only what cannot be right: text where the default is a number (a whole number given as a
+    fraction, or a list for a number, may be meant)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        return
+    try:
+        import inspect
+
+        from transformers import CONFIG_MAPPING
+
+        config_class = CONFIG_MAPPING[raw["model_type"]]
+        declared = inspect.signature(config_class.__init__).parameters
+    except Exception:  # remote code, an unknown model type
+        log.debug("no defaults to check %s against", config, exc_info=True)
+        return
+    wrong = []
+    for key, value in raw.items():
+        default = declared[key].default if key in declared else None
+        number = isinstance(default, int | float) and not isinstance(default, bool)
+        if number and isinstance(value, str):
+            owner = config_class.__name__
+            wrong.append(f"{key!r} is {value!r}, not a number ({owner}'s default: {default!r})")
+    if wrong:
+        raise InputError(
+            f"rank {rank}: {config} has a value of the wrong type: {'; '.join(wrong)}. Fix the "
+            "value in config.json, or re-download or re-save the model."
+        )
