@@ -3,20 +3,20 @@ load → verify, then rank 0 assembles the report once. Library code: returns da
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.distributed.environment import env_record, torch_threads
 from fsdpcheck.errors import FsdpcheckError
-from fsdpcheck.faults import maybe_inject
-from fsdpcheck.model.rank_state import with_state
 from fsdpcheck.options import AuditOptions
+from fsdpcheck.pipeline import Stages, build_from
 from fsdpcheck.records import (
     EnvRecord,
     Gathered,
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from fsdpcheck.checks.hash_seed import ProbeResult
     from fsdpcheck.model.build import BuiltModel
 
-T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 __all__ = ["AuditOptions", "AuditResult", "check_model", "run_audit"]
 
@@ -56,43 +56,17 @@ class _RankState:
     ctx: distributed.DistContext
     progress: Callable[[str], None] | None = None  # rank 0's console, told each stage
     publish: Callable[[Report], None] | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    error: RankError | None = None
-    current: str = Stage.LAUNCH  # the stage this rank entered last
     model_info: ModelInfo | None = None
     wrap_plan: WrapPlan | None = None
     env: EnvRecord | None = None
+    # Each stage is marked for liveness (what a peer's diagnosis reads) and shown on progress.
+    stages: Stages = field(init=False)
 
-    def enter(self, stage: Stage) -> None:
-        self.current = stage
-        liveness.mark_stage(self.ctx, stage)
+    def __post_init__(self) -> None:
+        hooks = [partial(liveness.mark_stage, self.ctx)]
         if self.progress is not None:
-            self.progress(stage)
-
-    @contextmanager
-    def timed(self, stage: Stage) -> Iterator[None]:
-        """Mark ``stage`` for liveness and progress, inject a test fault, record its time."""
-        self.enter(stage)
-        start = time.perf_counter()
-        try:
-            maybe_inject(self.ctx.rank, stage)
-            yield
-        finally:
-            self.timings[stage] = round(time.perf_counter() - start, 4)
-
-    def stage(self, name: Stage, fn: Callable[[], T]) -> T | None:
-        """Run one stage unless an earlier one failed; record its time or its error."""
-        if self.error is not None:
-            return None
-        rank = self.ctx.rank
-        try:
-            with self.timed(name):
-                return fn()
-        except FsdpcheckError as exc:
-            self.error = RankError(rank, name, str(exc), exc.kind)
-        except Exception as exc:  # any failure must reach the gather, not strand the others
-            self.error = RankError(rank, name, f"{type(exc).__name__}: {exc}", ErrorKind.RUNTIME)
-        return None
+            hooks.append(self.progress)
+        self.stages = Stages(self.ctx.rank, hooks=tuple(hooks))
 
 
 def run_audit(
@@ -145,6 +119,7 @@ def _preflight(
         code = ExitCode.BAD_INPUT if problem else ExitCode.CONSISTENT
         code, problem = broadcast_decision(code, problem, ctx.side_channel)
     except Exception:  # a dead peer: the gather names it, with the heartbeats
+        log.debug("rank %d: the preflight decision did not arrive", ctx.rank, exc_info=True)
         return None
     if not code:
         return None
@@ -166,8 +141,7 @@ def check_model(model: Any, *, timeout: float = 60.0, end_on_abort: bool = True)
     ``end_on_abort``: a rank the others gave up on (slower than ``timeout``) is ended with exit
     3 rather than left to go on alone; False (a hook's "warn" mode) returns the same error
     result on it instead, once its own wait runs out."""
-    from fsdpcheck.model.fingerprint import fingerprint
-    from fsdpcheck.model.state import buffer_problems, buffer_reference, shard_key, tie_record
+    from fsdpcheck.model.rank_state import model_record
 
     ctx = distributed.init("auto", timeout)
     try:
@@ -176,35 +150,21 @@ def check_model(model: Any, *, timeout: float = 60.0, end_on_abort: bool = True)
                 watch.disarm()
             state = _RankState(ctx)
             env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
-            wrapped = any(hasattr(p, "placements") for p in model.parameters())
-            snapshot = Snapshot.POST_WRAP if wrapped else Snapshot.PRE_WRAP
-
-            def look() -> tuple:
-                fp = fingerprint(model, snapshot, param_values=True)
-                problems = buffer_problems(model, snapshot, buffer_reference(model))
-                return fp, tie_record(model, snapshot), problems, shard_key(model)
-
-            fp, ties, problems, key = state.stage(Stage.FINGERPRINT, look) or (None, None, (), None)
-            record = RankRecord(
-                env=env,
-                pre_wrap=None if wrapped else fp,
-                post_wrap=fp if wrapped else None,
-                error=state.error,
-                ties=(ties,) if ties is not None else (),
-                uninitialized=problems,
-                shard_key=key,
+            record = state.stages.run(
+                Stage.FINGERPRINT, lambda: model_record(model, env, param_values=True)
             )
-            record = with_state(record, model, getattr(model, "config", None))
+            if record is None:
+                record = RankRecord(env=env, error=state.stages.error)
             return _conclude(None, state, record, watch, built=None)
     finally:
         distributed.shutdown(ctx)
 
 
 def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch) -> AuditResult:
-    from fsdpcheck.model import build, fingerprint, resolve, wrap
-    from fsdpcheck.model.state import shard_key, tie_record
+    from fsdpcheck.model import build, wrap
+    from fsdpcheck.model.rank_state import look, rank_record
 
-    ctx = state.ctx
+    ctx, stages = state.ctx, state.stages
     env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     state.env = env
     # Parameters' values are compared only where every rank holds its own (--init all).
@@ -212,62 +172,39 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
     if options.download:
         _download_on_rank0(options, state)
-    resolved = state.stage(
-        Stage.RESOLVE,
-        lambda: resolve.resolve(options.model, rank=ctx.rank, allow_pickle=options.allow_pickle),
-    )
-    built = state.stage(
-        Stage.BUILD,
-        lambda: build.build(
-            resolved,
-            rank=ctx.rank,
-            init=options.init,
-            dtype=options.dtype,
-            seed=options.seed,
-            text_only=options.text_only,
-            trust_remote_code=options.trust_remote_code,
-        ),
-    )
-    pre = state.stage(
+    built, _ = build_from(options, ctx.rank, stages)
+    # Buffers are checked against the config after the load (state-after-load), not here.
+    pre = stages.run(
         Stage.FINGERPRINT_PRE,
-        lambda: (
-            fingerprint.fingerprint(built.model, Snapshot.PRE_WRAP, param_values=values),
-            tie_record(built.model, Snapshot.PRE_WRAP),
-        ),
+        lambda: look(built.model, Snapshot.PRE_WRAP, param_values=values, buffers=False),
     )
-    targets = state.stage(
+    targets = stages.run(
         Stage.WRAP_PLAN,
         lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
     )
     # FSDP2 copies each real parameter's shard out of it: on rank 0 alone with --init rank0.
     threads = build.materialising_threads(options.init) if built and built.materialised else 1
     with torch_threads(threads):
-        state.stage(
+        stages.run(
             Stage.WRAP,
             lambda: wrap.apply(targets.modules, ctx.mesh, cpu_offload=options.cpu_offload),
         )
-    post = state.stage(
+    post = stages.run(
         Stage.FINGERPRINT_POST,
-        lambda: (
-            fingerprint.fingerprint(built.model, Snapshot.POST_WRAP, param_values=values),
-            tie_record(built.model, Snapshot.POST_WRAP),
-            shard_key(built.model),
-        ),
+        lambda: look(built.model, Snapshot.POST_WRAP, param_values=values, buffers=False),
     )
     if built is not None:
         state.model_info = built.info
     if targets is not None:
         state.wrap_plan = targets.plan
-    record = RankRecord(
-        env=env,
-        pre_wrap=pre[0] if pre else None,
-        post_wrap=post[0] if post else None,
-        error=state.error,
-        ties=tuple(t for t in (pre and pre[1], post and post[1]) if t),
-        shard_key=post[2] if post else None,
+    record = rank_record(
+        env,
+        pre,
+        post,
+        error=stages.error,
+        model=built.model if built is not None else None,
+        config=built.config if built is not None else None,
     )
-    if built is not None:
-        record = with_state(record, built.model, built.config)
     return _conclude(options, state, record, watch, built, probing)
 
 
@@ -287,15 +224,15 @@ def _conclude(
     from fsdpcheck.distributed.gather import gather_records
     from fsdpcheck.distributed.wire import broadcast_decision
 
-    ctx = state.ctx
+    ctx, stages = state.ctx, state.stages
     try:
-        with state.timed(Stage.GATHER):
+        with stages.timed(Stage.GATHER):
             gathered = gather_records(
                 record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size
             )
         outcome = None
         if gathered is not None:
-            outcome = AuditOutcome(gathered, state.model_info, state.wrap_plan, state.timings)
+            outcome = AuditOutcome(gathered, state.model_info, state.wrap_plan, stages.timings)
         if options is not None:  # every rank knows, so every rank takes the same branch
             load, verified, after = _load_stage(options, state, built, gathered)
             if outcome is not None:
@@ -308,19 +245,20 @@ def _conclude(
             if state.publish is not None:
                 state.publish(report)
         code, headline = broadcast_decision(code, headline, ctx.side_channel)
-        return AuditResult(ctx.rank, code, report, state.error, headline)
+        return AuditResult(ctx.rank, code, report, stages.error, headline)
     except Exception as exc:  # a peer died or timed out: name it from heartbeats and marks
+        log.debug("rank %d: gave up in %s", ctx.rank, stages.current, exc_info=True)
         watch.disarm()
-        own = state.error
+        own = stages.error
         if own is None and not liveness.is_collective_failure(exc):  # this rank's own failure
             message = f"{type(exc).__name__}: {exc}"
-            own = RankError(ctx.rank, state.current, message, ErrorKind.RUNTIME)
+            own = RankError(ctx.rank, stages.current, message, ErrorKind.RUNTIME)
         errors = liveness.diagnose_peers(ctx, exc, own=own)
         liveness.signal_abort(ctx, errors)
         report = error_report(errors, ctx.world_size, options) if ctx.rank == 0 else None
         if report is not None and state.publish is not None:
             state.publish(report)
-        own = state.error or RankError(
+        own = stages.error or RankError(
             ctx.rank, Stage.GATHER, f"gave up: {errors[0].message}", ErrorKind.RUNTIME
         )
         return AuditResult(ctx.rank, ExitCode.RUNTIME, report, own, errors[0].message)
@@ -375,18 +313,19 @@ def _download_on_rank0(options: AuditOptions, state: _RankState) -> None:
 
     from fsdpcheck.model.resolve import download
 
-    ctx = state.ctx
+    ctx, stages = state.ctx, state.stages
     if ctx.rank == 0:
-        state.stage(
+        stages.run(
             Stage.DOWNLOAD,
             lambda: download(options.model, rank=0, allow_pickle=options.allow_pickle),
         )
     try:
         dist.barrier(group=ctx.side_channel)
     except Exception as exc:  # a dead peer: the gather will name it
-        if state.error is None:
+        log.debug("rank %d: the download barrier failed", ctx.rank, exc_info=True)
+        if stages.error is None:
             cause = liveness.collective_cause(exc)
-            state.error = RankError(ctx.rank, Stage.DOWNLOAD, cause, ErrorKind.RUNTIME)
+            stages.error = RankError(ctx.rank, Stage.DOWNLOAD, cause, ErrorKind.RUNTIME)
 
 
 class _ProbeThread:
@@ -416,6 +355,7 @@ class _ProbeThread:
                 timeout=self._budget,
             )
         except BaseException as exc:  # reported in the audit's warnings, never fatal
+            log.debug("the probe failed", exc_info=True)
             self._error = exc
 
     def result(self, deadline: float) -> tuple[ProbeResult | None, str | None]:
@@ -475,15 +415,16 @@ def _load_and_verify(
     from fsdpcheck.loader.load import load_full_state_dict
     from fsdpcheck.loader.verify import verify_load
 
-    ctx = state.ctx
+    ctx, stages = state.ctx, state.stages
     full = built.full_state_dict if ctx.rank == 0 else None
     # The gloo channel on every backend: the bucketed path stages CUDA shards through host
     # memory, and the audit's collectives stay bounded by --timeout, whatever NCCL's state.
     try:
-        with state.timed(Stage.LOAD):
+        with stages.timed(Stage.LOAD):
             result = load_full_state_dict(built.model, full or {}, group=ctx.side_channel)
     except FsdpcheckError as exc:  # raised on every rank alike
-        seconds = state.timings[Stage.LOAD]
+        log.debug("rank %d: the load failed", ctx.rank, exc_info=True)
+        seconds = stages.timings[Stage.LOAD]
         # Failed mid-transfer (partly loaded), or refused before anything moved.
         status = LoadStatus.FAILED if isinstance(exc, LoadFailedError) else LoadStatus.REFUSED
         return LoadOutcome(True, status, str(exc), seconds=seconds), None
@@ -493,13 +434,13 @@ def _load_and_verify(
         params_loaded=result.params_loaded,
         buffers_broadcast=result.buffers_broadcast,
         collectives=result.collectives,
-        seconds=state.timings[Stage.LOAD],
+        seconds=stages.timings[Stage.LOAD],
         method=result.method,
         fallback_reason=result.fallback_reason,
         state_messages=result.state_messages,
         state_bytes=result.state_bytes,
     )
-    with state.timed(Stage.VERIFY):
+    with stages.timed(Stage.VERIFY):
         verified = verify_load(built.model, full, group=ctx.side_channel)
     return load, verified
 
@@ -511,7 +452,7 @@ def _state_after_load(state: _RankState, built: BuiltModel) -> Gathered | None:
     from fsdpcheck.model.state import buffer_problems, buffer_reference, tie_record
 
     ctx = state.ctx
-    with state.timed(Stage.STATE_AFTER_LOAD):
+    with state.stages.timed(Stage.STATE_AFTER_LOAD):
         try:
             model = built.model
             record = RankRecord(
@@ -520,6 +461,7 @@ def _state_after_load(state: _RankState, built: BuiltModel) -> Gathered | None:
                 uninitialized=buffer_problems(model, Snapshot.LOAD, buffer_reference(model)),
             )
         except Exception as exc:  # this rank still joins the gather, with its failure
+            log.debug("rank %d: state after the load", ctx.rank, exc_info=True)
             message = f"{type(exc).__name__}: {exc}"
             error = RankError(ctx.rank, Stage.STATE_AFTER_LOAD, message, ErrorKind.RUNTIME)
             record = RankRecord(env=state.env, error=error)

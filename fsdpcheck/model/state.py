@@ -8,13 +8,15 @@ in :mod:`fsdpcheck.checks` (pure functions over those records).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from fsdpcheck.model.fill import parameters_on_meta
 from fsdpcheck.model.fingerprint import head_values, non_persistent_buffers
+from fsdpcheck.model.wrap import model_class
 from fsdpcheck.records import BufferProblem, TieRecord, short_digest
 
 # ---------------------------------------------------------------- ties
@@ -127,40 +129,6 @@ def shard_key(model: nn.Module) -> str | None:
 # ---------------------------------------------------------------- buffers
 
 
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Build with parameters on meta and buffers computed for real on CPU (as accelerate's
-    ``init_empty_weights(include_buffers=False)``): the buffers' values at a small cost."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            cls = type(module._parameters[name])
-            kwargs = dict(module._parameters[name].__dict__)
-            kwargs["requires_grad"] = param.requires_grad
-            module._parameters[name] = cls(module._parameters[name].to("meta"), **kwargs)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        with torch.device("cpu"):
-            yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def model_class(model: nn.Module) -> type:
-    """The model's own class (``fully_shard`` swaps in a subclass named ``FSDP<class>``)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import FSDPModule
-    for cls in type(model).__mro__:
-        if not issubclass(cls, FSDPModule):
-            return cls
-    return type(model)
-
-
 def _recomputable(model: nn.Module) -> bool:
     """Only classes whose constructor is ``cls(config)`` with no other effect: transformers
     models and fsdpcheck's own fixture. Anything else gets the garbage test only."""
@@ -193,7 +161,8 @@ class BufferReference:
         dtype = dtype or self._dtype
         if dtype not in self._built:
             previous = torch.get_default_dtype()
-            with torch.random.fork_rng(devices=[]), parameters_on_meta():
+            # Buffers computed for real on CPU, parameters on meta: their values at small cost.
+            with torch.random.fork_rng(devices=[]), torch.device("cpu"), parameters_on_meta():
                 torch.set_default_dtype(dtype)
                 try:
                     reference = self._cls(self._config)

@@ -16,12 +16,14 @@ from fsdpcheck.options import DEFAULT_MIN_PARAMS
 from fsdpcheck.records import WrapPlan
 
 
-def fully_shard_fn() -> Any:
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch < 2.6 kept FSDP2 private
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
+def model_class(model: nn.Module) -> type:
+    """The model's own class: ``fully_shard`` swaps in a subclass named ``FSDP<class>``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for cls in type(model).__mro__:
+        if not issubclass(cls, FSDPModule):
+            return cls
+    return type(model)
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,10 @@ def _size_based(model: nn.Module, min_params: int) -> list[tuple[str, nn.Module]
 
 
 def apply(targets: list[tuple[str, nn.Module]], mesh: Any, *, cpu_offload: bool = False) -> None:
-    fully_shard = fully_shard_fn()
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
     kwargs: dict[str, Any] = {}
     if cpu_offload:
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
         # Pinned host memory needs CUDA; a CPU mesh offloads to plain memory.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for _, module in targets:

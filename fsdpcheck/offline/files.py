@@ -26,7 +26,6 @@ from fsdpcheck.records import (
     from_dict,
     to_dict,
 )
-from fsdpcheck.vocab import Snapshot
 
 FINGERPRINT_SCHEMA = "fsdpcheck.fingerprint/2"
 SCHEMA_PREFIX = "fsdpcheck.fingerprint/"
@@ -115,27 +114,15 @@ def env_record(identity: Identity) -> EnvRecord:
     )
 
 
-def model_record(model: Any, env: EnvRecord) -> RankRecord:
-    """Fingerprint ``model`` as it is now: ``post-wrap`` when FSDP2 has sharded it; with its
-    FSDP2 plan and config, as ``check_model`` records them."""
-    from fsdpcheck.model.fingerprint import fingerprint
-    from fsdpcheck.model.rank_state import with_state
-
-    wrapped = any(hasattr(p, "placements") for p in model.parameters())
-    fp = fingerprint(model, Snapshot.POST_WRAP if wrapped else Snapshot.PRE_WRAP)
-    record = RankRecord(
-        env=env, pre_wrap=None if wrapped else fp, post_wrap=fp if wrapped else None
-    )
-    return with_state(record, model, getattr(model, "config", None))
-
-
 def describe_model(model: Any) -> ModelInfo:
     """What a training script's model is, from the model alone."""
+    from fsdpcheck.model.wrap import model_class
+
     config = getattr(model, "config", None)
     tensors = [*model.parameters(), *model.buffers()]
     dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
     on_meta = any(t.device.type == "meta" for t in tensors)
-    architecture = _model_class(model).__name__
+    architecture = model_class(model).__name__
     name = getattr(config, "name_or_path", None) or architecture
     return ModelInfo(
         spec=architecture,
@@ -149,18 +136,6 @@ def describe_model(model: Any) -> ModelInfo:
     )
 
 
-def _model_class(model: Any) -> type:
-    """The model's own class: fully_shard swaps in a subclass named ``FSDP<name>``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return type(model)
-    for cls in type(model).__mro__:
-        if not issubclass(cls, FSDPModule):
-            return cls
-    return type(model)
-
-
 def save_fingerprint(
     model: Any, path: str | os.PathLike = DEFAULT_PATH, *, rank: int | None = None
 ) -> Path:
@@ -172,6 +147,8 @@ def save_fingerprint(
     ``{rank}``, ``{local_rank}``, ``{world_size}`` and ``{host}``. Returns the path written.
     Compare the files with ``fsdpcheck diff DIR``.
     """
+    from fsdpcheck.model.rank_state import model_record
+
     identity = process_identity(rank)
     env = env_record(identity)
     content = FingerprintFile(record=model_record(model, env), model=describe_model(model))

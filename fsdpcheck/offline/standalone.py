@@ -4,20 +4,16 @@ and fingerprint it before and after (the ``fingerprint`` command)."""
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
-from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.model.wrap import DEFAULT_MIN_PARAMS
 from fsdpcheck.offline.files import FingerprintFile, env_record, process_identity
 from fsdpcheck.options import BuildSpec
-from fsdpcheck.records import RankError, RankRecord
-from fsdpcheck.vocab import ErrorKind, Snapshot, Stage
-
-T = TypeVar("T")
+from fsdpcheck.pipeline import Stages, build_from
+from fsdpcheck.vocab import Snapshot, Stage
 
 
 @dataclass(frozen=True)
@@ -28,61 +24,21 @@ class StandaloneOptions(BuildSpec):
     rank: int | None = None  # else the launcher's RANK
 
 
-@dataclass
-class _Stages:
-    """Runs stages until one fails; the failure becomes the record's error, as in the audit."""
-
-    rank: int
-    error: RankError | None = None
-    timings: dict[str, float] | None = None
-
-    def run(self, name: Stage, fn: Callable[[], T]) -> T | None:
-        if self.error is not None:
-            return None
-        start = time.perf_counter()
-        try:
-            return fn()
-        except FsdpcheckError as exc:
-            self.error = RankError(self.rank, name, str(exc), exc.kind)
-        except Exception as exc:  # recorded, so that diff names this rank's failure
-            message = f"{type(exc).__name__}: {exc}"
-            self.error = RankError(self.rank, name, message, ErrorKind.RUNTIME)
-        finally:
-            if self.timings is not None:
-                self.timings[name] = round(time.perf_counter() - start, 4)
-        return None
-
-
 def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
     """Resolve → build → fingerprint → (wrap on a private one-rank group → fingerprint).
 
     The rank (from the launcher's variables, or ``options.rank``) decides what ``--init``
     builds, as in the audit; no peer is contacted. A stage that fails leaves its error in the
-    record instead of raising, so ``diff`` names it."""
-    from fsdpcheck.model import build, fingerprint, resolve, wrap
+    record instead of raising, so ``diff`` names it. The record is the one the audit gathers:
+    each fingerprint with its ties, the post-wrap one with this rank's shard coordinate."""
+    from fsdpcheck.model import wrap
+    from fsdpcheck.model.rank_state import look, rank_record
 
     identity = process_identity(options.rank)
-    stages = _Stages(identity.rank)
-    resolved = stages.run(
-        Stage.RESOLVE,
-        lambda: resolve.resolve(
-            options.model, rank=identity.rank, allow_pickle=options.allow_pickle
-        ),
-    )
-    built = stages.run(
-        Stage.BUILD,
-        lambda: build.build(
-            resolved,
-            rank=identity.rank,
-            init=options.init,
-            dtype=options.dtype,
-            seed=options.seed,
-            text_only=options.text_only,
-            trust_remote_code=options.trust_remote_code,
-        ),
-    )
+    stages = Stages(identity.rank)
+    built, _ = build_from(options, identity.rank, stages)
     pre = stages.run(
-        Stage.FINGERPRINT_PRE, lambda: fingerprint.fingerprint(built.model, Snapshot.PRE_WRAP)
+        Stage.FINGERPRINT_PRE, lambda: look(built.model, Snapshot.PRE_WRAP, buffers=False)
     )
     planned = stages.run(
         Stage.WRAP_PLAN,
@@ -98,20 +54,22 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
         else:
             wrapped = True
 
-            def wrap_and_fingerprint():
-                with private_mesh() as mesh:
+            def wrap_and_look():
+                with private_mesh() as mesh:  # the look needs the group the shards live on
                     wrap.apply(planned.modules, mesh)
-                    return fingerprint.fingerprint(built.model, Snapshot.POST_WRAP)
+                    return look(built.model, Snapshot.POST_WRAP, buffers=False)
 
-            post = stages.run(Stage.WRAP, wrap_and_fingerprint)
+            post = stages.run(Stage.WRAP, wrap_and_look)
     elif not options.wrap:
         notes.append("not wrapped (--no-wrap): pre-wrap fingerprint only")
-    env = env_record(identity)
-    record = RankRecord(env=env, pre_wrap=pre, post_wrap=post, error=stages.error)
-    if built is not None:
-        from fsdpcheck.model.rank_state import with_state
-
-        record = with_state(record, built.model, built.config)
+    record = rank_record(
+        env_record(identity),
+        pre,
+        post,
+        error=stages.error,
+        model=built.model if built is not None else None,
+        config=built.config if built is not None else None,
+    )
     return FingerprintFile(
         record=record,
         model=built.info if built is not None else None,

@@ -24,6 +24,7 @@ LAYERS = {
     "fsdpcheck.distributed": 2,
     "fsdpcheck.checks": 2,
     "fsdpcheck.loader": 3,
+    "fsdpcheck.pipeline": 3,  # one rank's stages, over model/ (resolve, build)
     "fsdpcheck.children": 4,
     "fsdpcheck.report": 5,
     "fsdpcheck.formats": 6,

@@ -437,18 +437,16 @@ def test_fsdp_plan_reads_the_live_policies(one_rank_group):
     import torch
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     from fsdpcheck.model.fingerprint import fingerprint
     from fsdpcheck.model.fsdp_plan import fsdp_plan
-    from fsdpcheck.model.wrap import fully_shard_fn
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 2)))
     model.register_buffer("table", torch.ones(3), persistent=False)
     model[0].weight.requires_grad_(False)
     assert fsdp_plan(model) is None
     mesh = init_device_mesh("cpu", (1,))
-    fully_shard = fully_shard_fn()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     fully_shard(model[1], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))

@@ -6,16 +6,15 @@ import sys
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import fsdpcheck
 from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
-from fsdpcheck.model.wrap import fully_shard_fn
 from fsdpcheck.records import to_dict
 
 dist.init_process_group("gloo")
 model = HazardForCausalLM(HazardConfig())
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-fully_shard = fully_shard_fn()
 for layer in model.model.layers:
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)

@@ -83,13 +83,12 @@ def main() -> int:
             source = {**source, **{k: v.clone() for k, v in extra.items()}}
             if args.tie:
                 source["lm_head.weight"] = source["model.embed_tokens.weight"]
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
         kwargs: dict = {"shard_placement_fn": _shard_fn(args.shard_dim1)}
         if args.cpu_offload:
-            from torch.distributed.fsdp import CPUOffloadPolicy
-
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
         targets = wrap.plan(model).modules
-        fully_shard = wrap.fully_shard_fn()
         for _, module in targets:
             fully_shard(module, mesh=ctx.mesh, **kwargs)
 

@@ -7,17 +7,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import fsdpcheck
 from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
-from fsdpcheck.model.wrap import fully_shard_fn
 
 out = Path(sys.argv[1])
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 model = HazardForCausalLM(HazardConfig())
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-fully_shard = fully_shard_fn()
 
 
 def wait_for(path: Path) -> None:

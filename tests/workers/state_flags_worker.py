@@ -18,7 +18,6 @@ from transformers import AutoModelForCausalLM
 
 import fsdpcheck
 from fsdpcheck.model.presets import PRESETS
-from fsdpcheck.model.wrap import fully_shard_fn
 from fsdpcheck.records import to_dict
 
 FAULTS = ("freeze", "mixed-precision", "config")
@@ -43,14 +42,18 @@ def main() -> int:
     if odd and "freeze" in args.fault:
         model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
 
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     mp = MixedPrecisionPolicy()
     if args.bf16_everywhere or (odd and "mixed-precision" in args.fault):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     offload = CPUOffloadPolicy(pin_memory=False) if args.cpu_offload else OffloadPolicy()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    fully_shard = fully_shard_fn()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)

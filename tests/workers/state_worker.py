@@ -42,13 +42,13 @@ def _build(model_name: str, *, real: bool) -> nn.Module:
 
 def _wrap(model: nn.Module, shape: tuple[int, ...] | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-    from fsdpcheck.model.wrap import fully_shard_fn, plan
+    from fsdpcheck.model.wrap import plan
 
     shape = shape or (dist.get_world_size(),)
     names = ("replicate", "shard") if len(shape) == 2 else None
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    fully_shard = fully_shard_fn()
     for _, module in plan(model).modules:
         fully_shard(module, mesh=mesh)
 

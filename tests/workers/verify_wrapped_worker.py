@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from recorded import run_recorded, worker_parser
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 import fsdpcheck
 from fsdpcheck.distributed import setup as distributed
-from fsdpcheck.model.wrap import fully_shard_fn
 from fsdpcheck.records import to_dict
 
 CASES = ("plain", "checkpointed", "compiled", "checkpointed-compiled", "checkpointed-compiled-dcp")
@@ -72,7 +72,6 @@ def main() -> int:
     out = Path(args.out)
     start = time.monotonic()
     ctx = distributed.init("gloo", args.timeout)
-    fully_shard = fully_shard_fn()
 
     def work(record: dict) -> None:
         for case in CASES:

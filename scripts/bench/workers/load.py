@@ -136,7 +136,6 @@ def main() -> int:
     args = parser.parse_args()
 
     from fsdpcheck.distributed import setup as distributed
-    from fsdpcheck.model import wrap
 
     ctx = distributed.init("gloo", 300.0)
     rank = ctx.rank
@@ -152,7 +151,8 @@ def main() -> int:
         del model, source
         model = source = None
     else:
-        fully_shard = wrap.fully_shard_fn()
+        from torch.distributed.fsdp import fully_shard
+
         for layer in model.layers:
             fully_shard(layer, mesh=ctx.mesh)
         fully_shard(model, mesh=ctx.mesh)

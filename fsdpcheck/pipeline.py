@@ -1,0 +1,101 @@
+"""One rank's stages, run the same way by the audit, ``check_model``, ``fingerprint`` and the
+child jobs: a runner that keeps going until a stage fails and turns that failure into the rank's
+error, and the resolve → build step they all start with."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.faults import maybe_inject
+from fsdpcheck.model.resolve import resolve
+from fsdpcheck.options import BuildSpec
+from fsdpcheck.records import RankError
+from fsdpcheck.vocab import ErrorKind, Stage
+
+if TYPE_CHECKING:
+    from fsdpcheck.model.build import BuiltModel
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class Stages:
+    """Runs one rank's stages in order until one fails; that failure becomes the rank's error
+    (a rank that fails must still reach the gather, so nothing is raised)."""
+
+    rank: int
+    # Told each stage as the rank enters it: the liveness mark, rank 0's console.
+    hooks: Sequence[Callable[[Stage], None]] = ()
+    timings: dict[str, float] = field(default_factory=dict)
+    error: RankError | None = None
+    current: Stage = Stage.LAUNCH  # the stage this rank entered last
+
+    def enter(self, stage: Stage) -> None:
+        self.current = stage
+        for hook in self.hooks:
+            hook(stage)
+
+    @contextmanager
+    def timed(self, stage: Stage) -> Iterator[None]:
+        """Enter ``stage``, inject a test fault, record its time; what it raises goes on up
+        (for the collective stages, whose failures the caller classifies)."""
+        self.enter(stage)
+        start = time.perf_counter()
+        try:
+            maybe_inject(self.rank, stage)
+            yield
+        finally:
+            self.timings[stage] = round(time.perf_counter() - start, 4)
+
+    def run(self, stage: Stage, fn: Callable[[], T]) -> T | None:
+        """``fn()`` as ``stage``, unless an earlier stage failed; None when it did or this one
+        does (its error is then :attr:`error`)."""
+        if self.error is not None:
+            return None
+        try:
+            with self.timed(stage):
+                return fn()
+        except FsdpcheckError as exc:
+            self.error = RankError(self.rank, stage, str(exc), exc.kind)
+        except Exception as exc:  # any failure must reach the gather, not strand the others
+            log.debug("rank %d: stage %s failed", self.rank, stage, exc_info=True)
+            message = f"{type(exc).__name__}: {exc}"
+            self.error = RankError(self.rank, stage, message, ErrorKind.RUNTIME)
+        return None
+
+
+def build_from(
+    spec: BuildSpec, rank: int, stages: Stages | None = None
+) -> tuple[BuiltModel | None, RankError | None]:
+    """Resolve and build ``spec`` on ``rank`` (what ``--init`` builds depends on the rank), as
+    the stages ``resolve`` and ``build`` of ``stages`` (a runner of its own by default).
+
+    Returns the model, or None, and the runner's error (None when every stage so far ran)."""
+    stages = stages if stages is not None else Stages(rank)
+
+    def build_model() -> BuiltModel:
+        from fsdpcheck.model.build import build  # torch: after resolve, so bad input fails fast
+
+        return build(
+            resolved,
+            rank=rank,
+            init=spec.init,
+            dtype=spec.dtype,
+            seed=spec.seed,
+            text_only=spec.text_only,
+            trust_remote_code=spec.trust_remote_code,
+        )
+
+    resolved = stages.run(
+        Stage.RESOLVE, lambda: resolve(spec.model, rank=rank, allow_pickle=spec.allow_pickle)
+    )
+    built = stages.run(Stage.BUILD, build_model)
+    return built, stages.error
