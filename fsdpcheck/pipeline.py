@@ -37,6 +37,9 @@ class Stages:
     timings: dict[str, float] = field(default_factory=dict)
     error: RankError | None = None
     current: Stage = Stage.LAUNCH  # the stage this rank entered last
+    # A child job has no gather to reach: it records the error and lets the exception go on up,
+    # so that its own classifier sees the real exception.
+    raising: bool = False
 
     def enter(self, stage: Stage) -> None:
         self.current = stage
@@ -65,10 +68,14 @@ class Stages:
                 return fn()
         except FsdpcheckError as exc:
             self.error = RankError(self.rank, stage, str(exc), exc.kind)
+            if self.raising:
+                raise
         except Exception as exc:  # any failure must reach the gather, not strand the others
             log.debug("rank %d: stage %s failed", self.rank, stage, exc_info=True)
             message = f"{type(exc).__name__}: {exc}"
             self.error = RankError(self.rank, stage, message, ErrorKind.RUNTIME)
+            if self.raising:
+                raise
         return None
 
 
@@ -99,3 +106,10 @@ def build_from(
     )
     built = stages.run(Stage.BUILD, build_model)
     return built, stages.error
+
+
+def build_or_raise(spec: BuildSpec, rank: int) -> BuiltModel:
+    """:func:`build_from` for a child job: the same stages, but a failure raises."""
+    built, _ = build_from(spec, rank, Stages(rank, raising=True))
+    assert built is not None  # a failed stage raised
+    return built

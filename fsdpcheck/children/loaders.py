@@ -48,20 +48,20 @@ class _Run:
         self.meta_built = False
 
     def build(self, init: str | None = None, seed: int | None = None) -> Any:
-        from fsdpcheck.model.build import build
-        from fsdpcheck.model.resolve import resolve
+        from fsdpcheck.options import BuildSpec
+        from fsdpcheck.pipeline import build_or_raise
 
         a = self.args
-        resolved = resolve(a.model, rank=self.rank, allow_pickle=a.allow_pickle)
-        return build(
-            resolved,
-            rank=self.rank,
+        spec = BuildSpec(
+            a.model,
             init=init or a.init,
             dtype=a.dtype,
             seed=a.seed if seed is None else seed,
             text_only=a.text_only,
             trust_remote_code=a.trust_remote_code,
+            allow_pickle=a.allow_pickle,
         )
+        return build_or_raise(spec, self.rank)
 
     def keep_source(self, state: Mapping[str, Any] | None) -> None:
         if self.rank == 0 and state is not None:

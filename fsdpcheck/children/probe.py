@@ -29,7 +29,7 @@ from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, compare_orders, t
 from fsdpcheck.children.launch import JOB_ENV, emit, run_each
 from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
-from fsdpcheck.vocab import ExitCode, Verdict, errors_exit_code
+from fsdpcheck.vocab import ExitCode, Init, Snapshot, Verdict, errors_exit_code
 
 DEFAULT_SEEDS = 8
 DEFAULT_TIMEOUT = 180.0
@@ -136,21 +136,20 @@ def _child(argv: Sequence[str]) -> int:
     from fsdpcheck.errors import FsdpcheckError
 
     try:
-        from fsdpcheck.model.resolve import resolve
+        from fsdpcheck.options import BuildSpec
+        from fsdpcheck.pipeline import build_or_raise
 
-        resolved = resolve(args.model, rank=0)  # before importing torch: bad input fails fast
-
-        from fsdpcheck.model.build import build
-        from fsdpcheck.model.fingerprint import fingerprint
-
-        built = build(
-            resolved,
-            rank=0,
-            init="meta",
+        spec = BuildSpec(
+            args.model,
+            init=Init.META,
             text_only=args.text_only,
             trust_remote_code=args.trust_remote_code,
         )
-        fp = fingerprint(built.model, "pre-wrap", with_values=False)
+        built = build_or_raise(spec, 0)  # resolves before importing torch: bad input fails fast
+
+        from fsdpcheck.model.fingerprint import fingerprint
+
+        fp = fingerprint(built.model, Snapshot.PRE_WRAP, with_values=False)
     except FsdpcheckError as exc:
         # resolve() speaks to ranks; here there is one process per hash seed.
         emit({"ok": False, "kind": exc.kind, "message": str(exc).removeprefix("rank 0: ")})

@@ -36,7 +36,7 @@ from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.errors import InputError
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
 from fsdpcheck.text import int_ranges
-from fsdpcheck.vocab import ExitCode, ScanVerdict
+from fsdpcheck.vocab import ExitCode, Init, ScanVerdict
 
 DEFAULT_TIMEOUT = 1800.0  # per child (one hash seed, every selected architecture)
 DEFAULT_ARCH_TIMEOUT = 60.0  # per architecture, inside a child
@@ -490,10 +490,10 @@ def build_target(target: ScanTarget) -> dict[str, Any]:
     from fsdpcheck.model.fingerprint import fingerprint
 
     if target.family == "preset":
-        from fsdpcheck.model.build import build
-        from fsdpcheck.model.resolve import resolve
+        from fsdpcheck.options import BuildSpec
+        from fsdpcheck.pipeline import build_or_raise
 
-        built = build(resolve(target.model_type), rank=0, init="meta")
+        built = build_or_raise(BuildSpec(target.model_type, init=Init.META), 0)
         config = getattr(built.model, "config", None)
         types = getattr(config, "layer_types", None) or ()
         fp = fingerprint(built.model, "pre-wrap", with_values=False)
