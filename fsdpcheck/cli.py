@@ -110,8 +110,9 @@ def audit(
     ),
     reproduce: bool = typer.Option(
         False,
-        help="Also run the unsafe named-buffers-order loader in an isolated 2-rank child job "
-        "(bounded by --timeout) to show its real failure.",
+        help="Also run every known loader for real, each once in its own isolated 2-rank gloo "
+        "child job on the audited model (within 3/4 of --timeout in all: give --timeout 120 "
+        "or more), and report what each really did next to its prediction.",
     ),
     mesh: str | None = typer.Option(
         None, help="REPLICATE,SHARD for HSDP (a 2-D mesh whose product is the world size)."
