@@ -50,9 +50,9 @@ class AuditOptions(BuildSpec):
 class Budgets:
     """Seconds each bounded piece of work may take, all from one ``--timeout``.
 
-    Work that rank 0 does while the other ranks wait for its decision (the probe, the
-    real loaders of ``--reproduce``) must finish well inside the collective timeout those ranks wait under:
-    ``extras`` is that share, one deadline for all of them together.
+    Work that rank 0 does while the other ranks wait for its decision (the probe, the real
+    loaders of ``--reproduce``) must finish well inside the collective timeout those ranks wait
+    under: ``extras`` is that share, one deadline for all of them together.
     """
 
     collective: float  # any collective on the side channel
