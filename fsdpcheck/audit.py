@@ -304,6 +304,7 @@ def _observe_loaders(
         seeds = job_seeds([gathered.records[r].env.hash_seed for r in sorted(gathered.records)])
         return observe_loaders(spec, seeds=seeds, budget=budget), None
     except Exception as exc:
+        log.debug("--reproduce: the loader jobs could not run", exc_info=True)
         return {}, f"--reproduce could not run the loaders: {type(exc).__name__}: {exc}"
 
 
