@@ -227,6 +227,7 @@ def launch(
             }
             rank_environ = child_env(os.environ, env or {}, rank_vars)
             ranks.append(_Rank(rank, argv, rank_environ, cwd, on_record))
+        log.info("launched %d rank(s), port %d: python %s", nprocs, port, " ".join(argv))
         deadline = start + timeout
         while True:
             for r in ranks:
@@ -242,6 +243,14 @@ def launch(
         for r in ranks:
             r.kill()
     outcomes = tuple(r.outcome(start) for r in ranks)
+    log.info(
+        "job of %d rank(s) ended after %.1f s: codes %s, stages %s%s",
+        nprocs,
+        time.monotonic() - start,
+        [o.returncode for o in outcomes],
+        [o.stage for o in outcomes],
+        " (deadline or cancelled)" if timed_out else "",
+    )
     return LaunchResult(outcomes, time.monotonic() - start, timed_out)
 
 
