@@ -197,6 +197,7 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         state.model_info = built.info
     if targets is not None:
         state.wrap_plan = targets.plan
+        log.info("wrap plan: %d modules (%s)", len(targets.plan.wrapped), targets.plan.source)
     record = rank_record(
         env,
         pre,
@@ -304,6 +305,7 @@ def _observe_loaders(
         seeds = job_seeds([gathered.records[r].env.hash_seed for r in sorted(gathered.records)])
         return observe_loaders(spec, seeds=seeds, budget=budget), None
     except Exception as exc:
+        log.debug("--reproduce: the loader jobs could not run", exc_info=True)
         return {}, f"--reproduce could not run the loaders: {type(exc).__name__}: {exc}"
 
 
@@ -388,6 +390,7 @@ def _load_stage(
         after = _state_after_load(state, built) if load.outcome == LoadStatus.LOADED else None
         return load, verified, after
     if ctx.rank == 0:
+        log.info("load skipped: %s", skip)
         return LoadOutcome(False, LoadStatus.SKIPPED, skip), None, None
     return None, None, None
 
@@ -427,6 +430,7 @@ def _load_and_verify(
         seconds = stages.timings[Stage.LOAD]
         # Failed mid-transfer (partly loaded), or refused before anything moved.
         status = LoadStatus.FAILED if isinstance(exc, LoadFailedError) else LoadStatus.REFUSED
+        log.info("load %s after %.2f s", status, seconds)
         return LoadOutcome(True, status, str(exc), seconds=seconds), None
     load = LoadOutcome(
         ran=True,
@@ -440,8 +444,12 @@ def _load_and_verify(
         state_messages=result.state_messages,
         state_bytes=result.state_bytes,
     )
+    log.info("loaded by %s in %.2f s", result.method, load.seconds)
     with stages.timed(Stage.VERIFY):
         verified = verify_load(built.model, full, group=ctx.side_channel)
+    log.info(
+        "verify: ran %s, passed %s, %d checked", verified.ran, verified.passed, verified.checked
+    )
     return load, verified
 
 

@@ -4,6 +4,7 @@ what the process does to its own interpreter is :mod:`fsdpcheck.process`, what i
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +15,8 @@ import typer
 from rich.console import Console
 
 from fsdpcheck.vocab import Annotations, Backend, DType, ExitCode, Init
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from fsdpcheck.records import RankError, Report
@@ -177,6 +180,7 @@ def audit(
                 preflight=lambda: outputs.check(distributed=True),
             )
     except FsdpcheckError as exc:  # raised before any gather: bad input, unreachable rendezvous
+        log.debug("rank %d: the audit refused to start", rank, exc_info=True)
         _fail(RankError(rank, Stage.LAUNCH, str(exc), exc.kind), exc.exit_code, outputs, options)
 
     if result.report is None and result.own_error is not None:
@@ -213,6 +217,7 @@ class _Outputs:
         try:
             writer(path)
         except OSError as exc:  # checked up front; a full disk can still say no
+            log.debug("writing %s %s failed", option, path, exc_info=True)
             from fsdpcheck.console import output_failed
 
             self.failed = True
@@ -253,6 +258,7 @@ def _errors_exit(command: str, outputs: _Outputs | None = None) -> Iterator[None
     try:
         yield
     except FsdpcheckError as exc:
+        log.debug("%s failed", command, exc_info=True)
         _exit_with(command, str(exc), exc.exit_code, outputs)
 
 

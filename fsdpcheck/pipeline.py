@@ -104,7 +104,19 @@ def build_from(
     resolved = stages.run(
         Stage.RESOLVE, lambda: resolve(spec.model, rank=rank, allow_pickle=spec.allow_pickle)
     )
+    if resolved is not None:
+        log.info("resolved %r: %s %s", spec.model, resolved.kind, resolved.path or resolved.name)
     built = stages.run(Stage.BUILD, build_model)
+    if built is not None:
+        info = built.info
+        log.info(
+            "built %s: init %s, dtype %s, materialised %s, %.2f s",
+            info.architecture,
+            spec.init,
+            info.dtype,
+            built.materialised,
+            stages.timings[Stage.BUILD],
+        )
     return built, stages.error
 
 

@@ -18,9 +18,12 @@ in set(...)})``). Loops that only read (building a mask dict in ``forward``) are
 from __future__ import annotations
 
 import ast
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 _REGISTER_CALLS = {"register_buffer", "register_parameter", "add_module", "register_module"}
 _TENSOR_CTORS = {"Buffer", "Parameter"}
@@ -53,6 +56,7 @@ def find_sites(source: str, path: str = "<string>") -> tuple[SetOrderSite, ...]:
     try:
         tree = ast.parse(source, filename=path)
     except SyntaxError:
+        log.debug("%s does not parse: no set-order sites", path, exc_info=True)
         return ()
     lines = source.splitlines()
     sites: list[SetOrderSite] = []
@@ -65,6 +69,7 @@ def find_sites_in_file(path: str | Path) -> tuple[SetOrderSite, ...]:
     try:
         source = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
+        log.debug("%s unreadable: no set-order sites", path, exc_info=True)
         return ()
     return find_sites(source, str(path))
 

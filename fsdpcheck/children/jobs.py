@@ -7,6 +7,7 @@ parent can tell a rank killed inside the loader's collectives from one too slow 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from typing import Any
 from fsdpcheck.checks.observed import RankRun
 from fsdpcheck.children.launch import JOB_ENV, last_error, launch
 from fsdpcheck.options import BuildSpec
+
+log = logging.getLogger(__name__)
 
 EXIT_REFUSED = 3  # the loader raised a clear exception
 EXIT_COLLECTIVE = 124  # a collective failed or timed out (the peer is gone or out of step)
@@ -145,6 +148,7 @@ def expected_holdings(
             try:
                 part = expected_shard(full, param, rank) if param is not None else full
             except ValueError:
+                log.debug("rank %d: no expected shard of %s", rank, name, exc_info=True)
                 continue
             dtypes = {dtype_name(part.dtype)}
             if part.is_floating_point():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import re
 import signal
@@ -32,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 MARK = "@fsdpcheck "  # prefix of the JSON lines a child prints (other output is ignored)
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding fsdpcheck/
@@ -224,6 +227,7 @@ def launch(
             }
             rank_environ = child_env(os.environ, env or {}, rank_vars)
             ranks.append(_Rank(rank, argv, rank_environ, cwd, on_record))
+        log.info("launched %d rank(s), port %d: python %s", nprocs, port, " ".join(argv))
         deadline = start + timeout
         while True:
             for r in ranks:
@@ -239,6 +243,14 @@ def launch(
         for r in ranks:
             r.kill()
     outcomes = tuple(r.outcome(start) for r in ranks)
+    log.info(
+        "job of %d rank(s) ended after %.1f s: codes %s, stages %s%s",
+        nprocs,
+        time.monotonic() - start,
+        [o.returncode for o in outcomes],
+        [o.stage for o in outcomes],
+        " (deadline or cancelled)" if timed_out else "",
+    )
     return LaunchResult(outcomes, time.monotonic() - start, timed_out)
 
 
@@ -319,7 +331,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:  # unkillable (D state): nothing more to do from here
-        pass
+        log.warning("pid %d survived SIGKILL for 10 s", proc.pid)
 
 
 # ---------------------------------------------------------------- child side
@@ -346,6 +358,7 @@ def _parse(line: str) -> tuple[str | None, Any]:
     try:
         message = json.loads(line[len(MARK) :])
     except json.JSONDecodeError:  # cut short by a kill mid-write
+        log.debug("a cut-short result line: %.80s", line)
         return None, None
     if not isinstance(message, dict):
         return None, None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -27,6 +28,8 @@ from fsdpcheck.children.jobs import (
 )
 from fsdpcheck.children.launch import emit, mark_stage
 from fsdpcheck.distributed.liveness import is_collective_failure
+
+log = logging.getLogger(__name__)
 
 MODULE = "fsdpcheck.children.loaders"
 
@@ -241,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         record["reference"] = reference_buffers(lambda: run.build(init="all").model)
         record["meta_built"] = run.meta_built
     except Exception as exc:  # every failure is evidence: say which kind, then leave
+        log.debug("rank %d: %s failed in %s", ctx.rank, args.loader, run.current, exc_info=True)
         kind = "collective" if is_collective_failure(exc) else "refused"
         record["error"] = {"kind": kind, "stage": run.current, "message": first_line(exc)}
         code = EXIT_COLLECTIVE if kind == "collective" else EXIT_REFUSED

@@ -20,6 +20,7 @@ and killed when it expires. Library code: returns frozen records, never prints.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,8 @@ from fsdpcheck.children.launch import JOB_ENV, emit, run_each
 from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
 from fsdpcheck.vocab import ExitCode, Init, Snapshot, Verdict, errors_exit_code
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SEEDS = 8
 DEFAULT_TIMEOUT = 180.0
@@ -151,10 +154,12 @@ def _child(argv: Sequence[str]) -> int:
 
         fp = fingerprint(built.model, Snapshot.PRE_WRAP, with_values=False)
     except FsdpcheckError as exc:
+        log.debug("probe of %s refused", args.model, exc_info=True)
         # resolve() speaks to ranks; here there is one process per hash seed.
         emit({"ok": False, "kind": exc.kind, "message": str(exc).removeprefix("rank 0: ")})
         return exc.exit_code
     except Exception as exc:
+        log.debug("probe of %s failed", args.model, exc_info=True)
         first = str(exc).splitlines()[0] if str(exc) else ""
         emit({"ok": False, "kind": "runtime", "message": f"{type(exc).__name__}: {first}"})
         return ExitCode.RUNTIME

@@ -22,6 +22,7 @@ import argparse
 import datetime
 import fnmatch
 import json
+import logging
 import signal
 import sys
 import time
@@ -37,6 +38,8 @@ from fsdpcheck.errors import InputError
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
 from fsdpcheck.text import int_ranges
 from fsdpcheck.vocab import ExitCode, Init, ScanVerdict
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 1800.0  # per child (one hash seed, every selected architecture)
 DEFAULT_ARCH_TIMEOUT = 60.0  # per architecture, inside a child
@@ -327,6 +330,7 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
     try:
         return getattr(obj, key, default)
     except Exception:
+        log.debug("%s.%s raised; using %r", type(obj).__name__, key, default)  # hot: no traceback
         return default
 
 
@@ -366,6 +370,7 @@ def _small_kwargs(defaults: Any) -> dict[str, Any]:
             try:
                 kwargs[key] = type(sub)(**_sub_kwargs(sub))
             except Exception:  # keep the shipped sub-config
+                log.debug("%s: kept the shipped %s", type(defaults).__name__, key, exc_info=True)
                 continue
     return kwargs
 
@@ -513,6 +518,7 @@ def build_target(target: ScanTarget) -> dict[str, Any]:
             with torch.device("meta"):
                 model = model_class._from_config(config)
         except Exception as exc:
+            log.debug("%s: small config %s did not build", target.id, name, exc_info=True)
             first_error = first_error or exc
             attempts += 1
             continue
@@ -563,6 +569,7 @@ def _child(argv: Sequence[str]) -> int:
         except ArchTimeout:
             record.update(ok=False, reason=f"build exceeded {args.arch_timeout:g} s")
         except Exception as exc:
+            log.debug("%s: build failed", target.id, exc_info=True)
             what = str(exc) if isinstance(exc, BuildFailed) else _describe(exc)
             record.update(ok=False, reason=f"build failed: {what}")
         record["seconds"] = round(time.monotonic() - start, 3)

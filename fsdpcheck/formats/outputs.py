@@ -7,10 +7,13 @@ create a file next to the target) and removes what it made.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def output_problem(option: str, path: Path | str) -> str | None:
@@ -37,6 +40,7 @@ def output_problem(option: str, path: Path | str) -> str | None:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
+        log.debug("%s %s is not writable", option, path, exc_info=True)
         return f"{option} {path} cannot be written ({exc.strerror or type(exc).__name__})"
     finally:
         for folder in reversed(made):

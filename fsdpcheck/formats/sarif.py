@@ -287,6 +287,7 @@ def row_sources(row: ScanRow, base: Path | None) -> list[Path]:
         try:
             text = f.read_text(encoding="utf-8")
         except OSError:
+            log.debug("%s unreadable: no sibling modules from it", f, exc_info=True)
             continue
         for package, module in _SIBLING.findall(text):
             sibling = base / "models" / package / f"{module}.py"

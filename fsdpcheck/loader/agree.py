@@ -6,6 +6,7 @@ it first."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from fsdpcheck.distributed.wire import exchange_slots, transport_device
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers
 from fsdpcheck.text import name_list, ranks_label
+
+log = logging.getLogger(__name__)
 
 # (name, shape, dtype): what must agree across ranks before a tensor may be paired by name.
 Layout = tuple[tuple[str, tuple[int, ...], str], ...]
@@ -104,6 +107,7 @@ def local_layout(
             if rank == src:
                 problems.extend(source_problems(rank, state, source))
     except Exception as exc:  # a local failure must reach the others, not strand them
+        log.debug("rank %d could not describe its model", rank, exc_info=True)
         problems.append(f"rank {rank} could not describe its model: {type(exc).__name__}: {exc}")
     return Exchange(rank, buffers, state, tuple(problems), named)
 

@@ -29,6 +29,7 @@ The checks live in :mod:`fsdpcheck.loader.agree`, the bucketed transfer in
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ from fsdpcheck.loader.transfer import Transfer, aligned, bucketed_info, choose_m
 from fsdpcheck.model.fingerprint import non_persistent_buffers
 from fsdpcheck.text import int_ranges
 from fsdpcheck.vocab import LoadMethod
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -150,6 +153,7 @@ def load_full_state_dict(
         try:
             materialised = materialise(model)
         except Exception as exc:  # this rank still takes part in the transfer, then says so
+            log.debug("rank %d: materialising failed", rank, exc_info=True)
             failure = f"rank {rank}: materialising failed: {type(exc).__name__}: {exc}"
         transfer = Transfer(model, fast.specs, ranks, group, int(bucket_bytes))
         moved = transfer.run(source if rank == 0 else None, write=failure is None)
@@ -171,6 +175,7 @@ def load_full_state_dict(
             materialised = materialise(model)
             set_model_state_dict(model, payload, options=options)
         except Exception as exc:  # reported to every rank below instead of stranding them
+            log.debug("rank %d: set_model_state_dict failed", rank, exc_info=True)
             failure = f"rank {rank}: loading failed: {type(exc).__name__}: {exc}"
     raise_if_any_failed(failure, group, ranks)
     collectives += 1
@@ -208,6 +213,7 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
             groups = _by_dtype(mine.named, mine.buffers)
             payload = _inline_payload(groups, capacity) if rank == src else None
         except Exception:  # too big or unpackable here: the separate broadcast moves them
+            log.debug("buffers not packed inline (capacity %d bytes)", capacity, exc_info=True)
             payload = None
     agreed = agree(
         mine, src=src, group=group, ranks=ranks, inline=payload, inline_capacity=capacity
@@ -280,6 +286,7 @@ def _pack_flat(buffers: list[torch.Tensor], device: torch.device) -> torch.Tenso
     try:
         flat = _flatten_dense_tensors(buffers)  # one C++ call, not one per buffer
     except RuntimeError:  # buffers on several devices
+        log.debug("buffers on several devices: packed one by one", exc_info=True)
         flat = torch.cat([b.reshape(-1).to(device) for b in buffers])
     return flat.to(device)
 
@@ -290,6 +297,7 @@ def _unpack_flat(flat: torch.Tensor, buffers: list[torch.Tensor]) -> None:
         return
     except RuntimeError:  # should a torch refuse a mix of devices here: one copy_ each (copies
         pass  # are idempotent, so what the foreach call wrote before failing does no harm)
+        log.debug("foreach copy refused: unpacked one by one", exc_info=True)
     offset = 0
     for buf in buffers:
         count = buf.numel()

@@ -5,6 +5,7 @@ agreed on, so both ends know each message's size before it moves."""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from fsdpcheck.model.fingerprint import dtype_name
 from fsdpcheck.records import short_digest
 from fsdpcheck.text import int_ranges, ranks_label
 from fsdpcheck.vocab import LoadMethod
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 16  # every piece starts at a multiple of this in its bucket, so any dtype can view it
 _DIRECT_BYTES = 2**20  # a shard at least this big travels alone, straight from/into the tensor
@@ -142,6 +145,7 @@ def bucketed_info(
             reason = reasons[0] + more
         return _Bucketed(digest, reason, tuple(specs))
     except Exception as exc:  # the DCP path may still cope; say why this one cannot
+        log.debug("bucketed load: the state dict could not be described", exc_info=True)
         return _Bucketed("", f"could not describe its state dict: {type(exc).__name__}: {exc}")
 
 
@@ -315,6 +319,7 @@ class Transfer:
             try:
                 targets = self._targets()
             except Exception as exc:
+                log.debug("rank %d: finding its local shards failed", self.rank, exc_info=True)
                 self._fail("finding its local shards", exc)
         with torch.no_grad():
             if self.rank == 0:
@@ -401,6 +406,12 @@ class Transfer:
                         try:
                             self._pack(wire, message, dst, source)
                         except Exception as exc:
+                            log.debug(
+                                "rank 0: packing message %d for rank %d failed",
+                                k,
+                                dst,
+                                exc_info=True,
+                            )
                             self._fail("packing a message", exc)
                 pipe.post(dist.isend(wire, dst=dst, group=self.group, tag=k), None, slot)
                 messages += 1
@@ -411,6 +422,7 @@ class Transfer:
                         part = self._source(piece.index, 0, source)[piece.start : piece.stop]
                         targets[piece.index][piece.start : piece.stop].copy_(part)
                 except Exception as exc:
+                    log.debug("rank 0: copying its own shards failed", exc_info=True)
                     self._fail("copying its own shards", exc)
         pipe.drain()
         return messages, sent, biggest
@@ -424,6 +436,7 @@ class Transfer:
             [piece] = message.pieces
             part = self._source(piece.index, dst, source)[piece.start : piece.stop]
         except Exception as exc:
+            log.debug("rank 0: slicing the source for rank %d failed", dst, exc_info=True)
             self._fail("slicing the source", exc)
             return None
         usable = part.dtype == self.specs[piece.index].dtype and part.device == self.device
@@ -472,6 +485,7 @@ class Transfer:
                     part = wire[piece.offset : end].view(dtype)
                     targets[piece.index][piece.start : piece.stop].copy_(part)
             except Exception as exc:
+                log.debug("rank %d: unpacking a message failed", self.rank, exc_info=True)
                 self._fail("unpacking a message", exc)
 
         return unpack

@@ -110,6 +110,7 @@ def verify_load(
             source = _keyed_like(tensors, source)
             expected = _expect(tensors, source, ranks, root)
         except Exception as exc:  # the gather and the verdict broadcast below must still happen
+            log.debug("rank %d: the expected digests failed", rank, exc_info=True)
             failure = exc
     mine = _digests(tensors, rank, in_place=rank == root)
     gathered: list[Any] | None = [None] * len(ranks) if rank == root else None
@@ -125,6 +126,7 @@ def verify_load(
             else:
                 status = torch.tensor([_NOT_RUN, 0, 0])
         except Exception as exc:  # the verdict broadcast below must still happen
+            log.debug("rank %d: judging the digests failed", rank, exc_info=True)
             failure = exc
     # Every rank waits here for rank 0's verdict, including when rank 0 failed to reach one.
     dist.broadcast(status, src=root, group=group)

@@ -8,6 +8,7 @@ rank on meta; ``all``: every rank materialises (the same values on every rank fo
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from fsdpcheck.distributed.environment import all_cores, worker_threads
 from fsdpcheck.errors import InputError
 from fsdpcheck.model.resolve import ResolvedModel
 from fsdpcheck.records import ModelInfo
+
+log = logging.getLogger(__name__)
 
 INIT_MODES = ("rank0", "meta", "all")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -158,6 +161,7 @@ def _from_config(config: Any, trust_remote_code: bool) -> nn.Module:
     try:
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except ValueError:
+        log.debug("no causal-LM class for %s: AutoModel", type(config).__name__, exc_info=True)
         return AutoModel.from_config(config, trust_remote_code=trust_remote_code)
 
 

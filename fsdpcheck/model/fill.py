@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,8 @@ import torch
 from torch import nn
 
 from fsdpcheck.distributed.environment import worker_threads
+
+log = logging.getLogger(__name__)
 
 FILL = "deterministic-fill"  # ModelInfo.init_values when this module made the values
 TRANSFORMERS_INIT = "transformers-init"  # the model's own init ran (the fallback)
@@ -69,6 +72,7 @@ def build_filled(
         with parameters_on_meta():
             model = make()
     except Exception:
+        log.debug("parameters on meta: no build; the ordinary one follows", exc_info=True)
         return None
     if any(b.is_meta for b in model.buffers()):
         return None  # no computed values to keep: the ordinary build must make them

@@ -9,11 +9,14 @@ failing the audit.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
 
 from fsdpcheck.records import FsdpGroupRecord, FsdpPlanRecord
+
+log = logging.getLogger(__name__)
 
 
 def fsdp_plan(model: nn.Module) -> FsdpPlanRecord | None:
@@ -21,6 +24,7 @@ def fsdp_plan(model: nn.Module) -> FsdpPlanRecord | None:
     try:
         states = _fsdp_states(model)
     except Exception as exc:  # private API: a changed torch must not fail the audit
+        log.debug("no FSDP states readable from this torch", exc_info=True)
         return FsdpPlanRecord(groups=(), unavailable=f"{type(exc).__name__}: {exc}")
     if not states:
         return None
@@ -31,6 +35,7 @@ def fsdp_plan(model: nn.Module) -> FsdpPlanRecord | None:
         try:
             groups.extend(_state_groups(state, module_names))
         except Exception as exc:
+            log.debug("an FSDP state's groups are unreadable", exc_info=True)
             unavailable = f"{type(exc).__name__}: {exc}"
     return FsdpPlanRecord(groups=tuple(groups), unavailable=unavailable)
 

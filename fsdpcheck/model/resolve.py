@@ -72,6 +72,7 @@ def download(spec: str, *, rank: int = 0, allow_pickle: bool = False) -> Path | 
     try:
         return Path(snapshot_download(spec, allow_patterns=patterns))
     except Exception as exc:  # network, auth, offline mode: all the user's to fix
+        log.debug("rank %d: snapshot_download(%r) failed", rank, spec, exc_info=True)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise InputError(
             f"rank {rank}: --download {spec!r} failed ({type(exc).__name__}: {first}). Check "

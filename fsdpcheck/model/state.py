@@ -8,6 +8,7 @@ in :mod:`fsdpcheck.checks` (pure functions over those records).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,8 @@ from fsdpcheck.model.fill import parameters_on_meta
 from fsdpcheck.model.fingerprint import head_values, non_persistent_buffers
 from fsdpcheck.model.wrap import model_class
 from fsdpcheck.records import BufferProblem, TieRecord, short_digest
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- ties
 
@@ -92,6 +95,7 @@ def _embedding_pair(model: nn.Module) -> tuple[str, str] | None:
     try:
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     except Exception:
+        log.debug("%s: no embedding pair to compare", type(model).__name__, exc_info=True)
         return None
     if out is None or inp is None:
         return None
@@ -214,6 +218,7 @@ def buffer_problems(
             try:
                 verdict = reference.matches(name, buf)
             except Exception:  # a class that cannot be rebuilt here: garbage test only
+                log.debug("no reference for buffer %s: garbage test only", name, exc_info=True)
                 reference, verdict = None, None
         if verdict is True:
             continue

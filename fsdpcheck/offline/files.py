@@ -8,6 +8,7 @@ gathers, so ``diff`` runs the audit's own analysis over files.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -26,6 +27,8 @@ from fsdpcheck.records import (
     from_dict,
     to_dict,
 )
+
+log = logging.getLogger(__name__)
 
 FINGERPRINT_SCHEMA = "fsdpcheck.fingerprint/2"
 SCHEMA_PREFIX = "fsdpcheck.fingerprint/"
@@ -298,6 +301,7 @@ def _from_directory(
         try:
             data = json.loads(file.read_text())
         except (OSError, UnicodeDecodeError, ValueError) as exc:
+            log.debug("%s skipped", file, exc_info=True)
             skipped.append(f"{file.name}: not readable JSON ({type(exc).__name__})")
             continue
         schema = data.get("schema") if isinstance(data, dict) else None
