@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -21,6 +22,26 @@ LOG_VARIABLE = "FSDPCHECK_LOG"
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 _HANDLER = "fsdpcheck-stderr"
 _REEXEC_MARK = "FSDPCHECK_HASH_SEED_VARIED"
+
+
+# A log line as this handler writes it: how a child's stderr reader tells it from the real error.
+LOG_LINE = re.compile(r"^\[rank -?\d+\] (fsdpcheck[\w.]*: |\| )")
+
+
+class _RankFormatter(logging.Formatter):
+    """Every line of a record (a traceback's too) carries the rank, so ranks' interleaved
+    stderr stays readable."""
+
+    def __init__(self, rank: int):
+        super().__init__("%(name)s: %(message)s")
+        self._prefix = f"[rank {rank}] "
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        lines = text.splitlines()
+        head = self._prefix + lines[0]
+        # Continuation lines are marked apart from a record's first line (see LOG_LINE).
+        return "\n".join([head, *(f"{self._prefix}| {line}" for line in lines[1:])])
 
 
 def configure_logging(level: str | None = None) -> None:
@@ -35,9 +56,7 @@ def configure_logging(level: str | None = None) -> None:
     if not any(h.get_name() == _HANDLER for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.set_name(_HANDLER)
-        handler.setFormatter(
-            logging.Formatter(f"[rank {rank_hint(os.environ)}] %(name)s: %(message)s")
-        )
+        handler.setFormatter(_RankFormatter(rank_hint(os.environ)))
         logger.addHandler(handler)
         logger.propagate = False  # one line per record, even where the root logs too
     logger.setLevel(_LEVELS.get(wanted, logging.WARNING))

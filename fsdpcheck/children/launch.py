@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpcheck.process import LOG_LINE
+
 log = logging.getLogger(__name__)
 
 MARK = "@fsdpcheck "  # prefix of the JSON lines a child prints (other output is ignored)
@@ -386,6 +388,9 @@ def signal_name(code: int | None) -> str | None:
 
 def last_error(stderr: str, limit: int = 500) -> str:
     """The most telling line of a child's stderr: gloo's enforce message, a traceback's end."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    # fsdpcheck's own log lines (FSDPCHECK_LOG, inherited by children) are never the error.
+    lines = [
+        line.strip() for line in stderr.splitlines() if line.strip() and not LOG_LINE.match(line)
+    ]
     telling = [line for line in lines if _ERROR_LINE.search(line)]
     return (telling or lines or [""])[-1][:limit]

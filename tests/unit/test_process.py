@@ -46,3 +46,24 @@ def test_a_runtime_error_outranks_bad_input() -> None:
     assert errors_exit_code(["input", "input"]) is ExitCode.BAD_INPUT
     assert errors_exit_code([ErrorKind.INPUT, "runtime"]) is ExitCode.RUNTIME
     assert errors_exit_code([]) is ExitCode.RUNTIME
+
+
+def test_every_log_line_carries_the_rank_and_a_child_reader_skips_them() -> None:
+    """A traceback's lines are prefixed too, and ``last_error`` never takes a log line for the
+    child's error (children inherit FSDPCHECK_LOG)."""
+    import logging
+
+    from fsdpcheck.children.launch import last_error
+    from fsdpcheck.process import LOG_LINE, _RankFormatter
+
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord(
+            "fsdpcheck.x", logging.DEBUG, __file__, 1, "tried %s", ("it",), sys.exc_info()
+        )
+    lines = _RankFormatter(3).format(record).splitlines()
+    assert lines[0] == "[rank 3] fsdpcheck.x: tried it"
+    assert len(lines) > 2 and all(LOG_LINE.match(line) for line in lines)
+    stderr = "\n".join(["RuntimeError: the real error", *lines])
+    assert last_error(stderr) == "RuntimeError: the real error"
