@@ -97,6 +97,8 @@ class Owner:
 def fsdp_owners(model: Any) -> dict[int, Owner]:
     """``id(FSDPParamGroup)`` → its module's name and parameters, for every FSDP2 module."""
     owners: dict[int, Owner] = {}
+    # Names from the model: FSDP2 fills in its own (``_param_fqn``) only at its lazy init.
+    names = {id(p): n for n, p in model.named_parameters()}
     for name, module in model.named_modules():
         get_state = getattr(module, "_get_fsdp_state", None)
         if get_state is None:
@@ -107,7 +109,10 @@ def fsdp_owners(model: Any) -> dict[int, Owner]:
             log.debug("no FSDP state on %r", name, exc_info=True)
             continue
         if group is not None:
-            params = tuple(p._param_fqn for p in getattr(group, "fsdp_params", ()))
+            params = tuple(
+                names.get(id(getattr(p, "sharded_param", None))) or str(p._param_fqn)
+                for p in getattr(group, "fsdp_params", ())
+            )
             owners[id(group)] = Owner(name, params)
     return owners
 
