@@ -113,6 +113,12 @@ def audit(
         help="Also run the unsafe named-buffers-order loader in an isolated 2-rank child job "
         "(bounded by --timeout) to show its real failure.",
     ),
+    step: bool = typer.Option(
+        False,
+        help="After the load, run one synthetic training step (seeded tokens, causal-LM loss, "
+        "AdamW) with every collective agreed on by every rank before it is issued; names the "
+        "first that differs, and NaN or Inf after the step.",
+    ),
     mesh: str | None = typer.Option(
         None, help="REPLICATE,SHARD for HSDP (a 2-D mesh whose product is the world size)."
     ),
@@ -155,6 +161,7 @@ def audit(
         reproduce=reproduce,
         probe=probe,
         download=download,
+        step=step,
     )
     rank = rank_hint(os.environ)
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)
