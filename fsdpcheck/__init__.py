@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "run_audit": "fsdpcheck.audit",
     "check_model": "fsdpcheck.audit",
+    "check_step": "fsdpcheck.step.api",
     "AuditOptions": "fsdpcheck.options",
     "AuditResult": "fsdpcheck.audit",
     "load_full_state_dict": "fsdpcheck.loader.load",

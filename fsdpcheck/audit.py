@@ -240,6 +240,10 @@ def _conclude(
                 outcome = replace(outcome, load=load, verify=verified, after_load=after)
                 outcome = _rank0_extras(outcome, options, probing, state.progress)
         report = assemble(outcome, options) if outcome is not None else None
+        if options is not None and options.step:  # collective: one synthetic step, watched
+            from fsdpcheck.step.synthetic import audit_step
+
+            report = audit_step(ctx, state.env, built, load, report, seed=options.seed)
         code, headline = ExitCode.RUNTIME, ""
         if report is not None:
             code, headline = report.exit_code, report_headline(report)

@@ -117,6 +117,12 @@ def audit(
         "child job on the audited model (within 3/4 of --timeout in all: give --timeout 120 "
         "or more), and report what each really did next to its prediction.",
     ),
+    step: bool = typer.Option(
+        False,
+        help="After the load, run one synthetic training step (seeded tokens, causal-LM loss, "
+        "AdamW) with every collective agreed on by every rank before it is issued; names the "
+        "first that differs, and NaN or Inf after the step.",
+    ),
     mesh: str | None = typer.Option(
         None, help="REPLICATE,SHARD for HSDP (a 2-D mesh whose product is the world size)."
     ),
@@ -159,6 +165,7 @@ def audit(
         reproduce=reproduce,
         probe=probe,
         download=download,
+        step=step,
     )
     rank = rank_hint(os.environ)
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)

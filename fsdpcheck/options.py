@@ -35,6 +35,7 @@ class AuditOptions(BuildSpec):
     reproduce: bool = False  # also run every known loader for real, each in a child job
     probe: int = 0  # rank 0 also probes the build under this many hash seeds (0: off)
     download: bool = False  # rank 0 fetches a hub id into the cache first; the others wait
+    step: bool = False  # after the load: one synthetic training step under the collective watch
 
     @property
     def build_spec(self) -> BuildSpec:

@@ -67,6 +67,8 @@ class Stage(Word):
     LOAD = "load"
     VERIFY = "verify"
     STATE_AFTER_LOAD = "state-after-load"  # every rank's ties and buffers, after the load
+    STEP = "step"  # check_step / audit --step: the training step, under the collective watch
+    STEP_REPORT = "step-report"  # every rank's step record, gathered
     ABORT = "abort"
 
 
@@ -81,6 +83,7 @@ class Snapshot(Word):
     LOAD = "load"
     PROBE = "probe"
     REPRODUCE = "reproduce"  # --reproduce: the real loaders' child jobs
+    STEP = "step"  # during or after a training step (check_step, audit --step)
 
 
 class ErrorKind(Word):
@@ -221,6 +224,7 @@ class Cause(_Described):
     ENVIRONMENT = "environment", "the ranks run different software"
     CONFIGURATION = "configuration", "how the audit was asked to run"
     LOADING = "loading", "the loader itself left ranks different"
+    TRAINING = "training", "the training step: each rank's batch or code path took its own way"
     FSDPCHECK = "fsdpcheck", "fsdpcheck's own model of a loader was wrong"
     UNKNOWN = (
         "unknown",
@@ -319,6 +323,16 @@ class FindingKind(_Described):
         "tie",
         "parameters the config ties hold separate storage, or ranks tie different names",
         "tied weights differ",
+    )
+    STEP = (
+        "step",
+        "ranks issued different collectives in a training step (a hang or an abort, unwatched)",
+        "collectives differ in the step",
+    )
+    NON_FINITE = (
+        "non-finite",
+        "a training step left a loss, gradient or parameter NaN or Inf",
+        "non-finite values",
     )
     PREDICTION = (
         "prediction",

@@ -16,10 +16,11 @@ from fsdpcheck.integrations.common import (
     ModelCheckFailed,
     missing_extra,
     run_check,
+    run_step_check,
     validate_on_failure,
 )
 
-__all__ = ["FsdpcheckWarning", "ModelCheckFailed", "check_prepared"]
+__all__ = ["FsdpcheckWarning", "ModelCheckFailed", "check_first_step", "check_prepared"]
 
 
 def check_prepared(
@@ -45,4 +46,27 @@ def check_prepared(
         timeout=timeout,
         json_path=json_path,
         where="after accelerator.prepare",
+    )
+
+
+def check_first_step(
+    accelerator: Any,
+    model: Any,
+    step: Any,
+    *,
+    on_failure: str = "raise",
+    timeout: float = 60.0,
+    json_path: str | Path | None = None,
+) -> Any:
+    """Collective: the first training step, run once by calling ``step()`` (forward,
+    ``accelerator.backward``, ``optimizer.step()``), under :func:`fsdpcheck.check_step`.
+    Returns the AuditResult; a failure raises :class:`ModelCheckFailed` or warns."""
+    validate_on_failure(on_failure)
+    return run_step_check(
+        accelerator.unwrap_model(model),
+        step,
+        on_failure=on_failure,
+        timeout=timeout,
+        json_path=json_path,
+        where="first training step",
     )

@@ -1,4 +1,5 @@
-"""What every framework hook does: run :func:`fsdpcheck.check_model`, then raise or warn."""
+"""What every framework hook does: run :func:`fsdpcheck.check_model` (or ``check_step`` on the
+first training step), then raise or warn."""
 
 from __future__ import annotations
 
@@ -57,11 +58,39 @@ def run_check(
     peers give up on it (a rank slower than ``timeout``): it returns, and warns, like them."""
     from fsdpcheck.audit import check_model
 
+    _check_json_path(json_path, where)
+    result = check_model(model, timeout=timeout, end_on_abort=on_failure == "raise")
+    return act_on(result, on_failure=on_failure, json_path=json_path, where=where)
+
+
+def run_step_check(
+    model: Any,
+    step: Any,
+    *,
+    on_failure: str,
+    timeout: float,
+    json_path: str | Path | None,
+    where: str,
+) -> Any:
+    """Collective: :func:`fsdpcheck.check_step` on the first real training step (``step``, a
+    zero-argument callable that runs it), then raise or warn as :func:`run_check` does. After a
+    divergence the step did not complete: training on from it ("warn") is at the user's risk."""
+    from fsdpcheck.step.api import check_step
+
+    _check_json_path(json_path, where)
+    result = check_step(model, step, timeout=timeout)
+    return act_on(result, on_failure=on_failure, json_path=json_path, where=where)
+
+
+def _check_json_path(json_path: str | Path | None, where: str) -> None:
     if json_path is not None:
         problem = _json_path_problem(Path(json_path))
         if problem:
             raise ModelCheckFailed(f"{where}: {problem}", ExitCode.BAD_INPUT)
-    result = check_model(model, timeout=timeout, end_on_abort=on_failure == "raise")
+
+
+def act_on(result: Any, *, on_failure: str, json_path: str | Path | None, where: str) -> Any:
+    """Write rank 0's report, then return the result, raise or warn, the same on every rank."""
     if json_path is not None and result.report is not None:  # rank 0 holds the report
         from fsdpcheck.output import write_json
 
@@ -72,7 +101,7 @@ def run_check(
     if on_failure == "raise":
         raise ModelCheckFailed(f"{where}: {headline}", result.exit_code, result)
     warnings.warn(
-        f"fsdpcheck ({where}): {headline} (exit {result.exit_code})", FsdpcheckWarning, stacklevel=3
+        f"fsdpcheck ({where}): {headline} (exit {result.exit_code})", FsdpcheckWarning, stacklevel=4
     )
     return result
 

@@ -18,6 +18,7 @@ from fsdpcheck.integrations.common import (
     ModelCheckFailed,
     missing_extra,
     run_check,
+    run_step_check,
     validate_on_failure,
 )
 
@@ -39,6 +40,10 @@ class FsdpcheckCallback(Callback):
     report's headline) on every rank; ``"warn"`` emits :class:`FsdpcheckWarning` and fits on.
     ``attribute``: check ``pl_module.<attribute>`` (e.g. ``"model"``) instead of the whole
     module. ``json_path``: rank 0 writes the full report there. ``result`` holds the last check.
+
+    ``check_first_step=True``: also run the first training step (``optimizer_step``: the
+    closure's forward and backward, then the optimizer) under :func:`fsdpcheck.check_step`;
+    its result is ``step_result`` (``step_json_path``: rank 0's report of it).
     """
 
     def __init__(
@@ -48,12 +53,17 @@ class FsdpcheckCallback(Callback):
         timeout: float = 60.0,
         json_path: str | Path | None = None,
         attribute: str | None = None,
+        check_first_step: bool = False,
+        step_json_path: str | Path | None = None,
     ):
         self.on_failure = validate_on_failure(on_failure)
         self.timeout = timeout
         self.json_path = json_path
         self.attribute = attribute
+        self.check_first_step = check_first_step
+        self.step_json_path = step_json_path
         self.result: Any = None
+        self.step_result: Any = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         model = getattr(pl_module, self.attribute) if self.attribute else pl_module
@@ -64,3 +74,42 @@ class FsdpcheckCallback(Callback):
             json_path=self.json_path,
             where="Lightning on_fit_start",
         )
+        if self.check_first_step:
+            self._watch_first_step(pl_module, model)
+
+    def _watch_first_step(self, pl_module: Any, model: Any) -> None:
+        """Wrap ``pl_module.optimizer_step`` once: its first call runs under check_step."""
+        original = pl_module.optimizer_step
+
+        def first_step(*args: Any, **kwargs: Any) -> Any:
+            pl_module.optimizer_step = original  # later steps run plain
+            returned: list[Any] = []
+            losses: list[Any] = []  # what the closure (training_step + backward) returned
+            args, kwargs = list(args), dict(kwargs)
+            closure = kwargs.get("optimizer_closure", args[3] if len(args) > 3 else None)
+            if callable(closure):
+
+                def watched_closure() -> Any:
+                    losses.append(closure())
+                    return losses[-1]
+
+                if "optimizer_closure" in kwargs:
+                    kwargs["optimizer_closure"] = watched_closure
+                else:
+                    args[3] = watched_closure
+
+            def step() -> Any:
+                returned.append(original(*args, **kwargs))
+                return losses[-1] if losses else returned[-1]
+
+            self.step_result = run_step_check(
+                model,
+                step,
+                on_failure=self.on_failure,
+                timeout=self.timeout,
+                json_path=self.step_json_path,
+                where="Lightning first training step",
+            )
+            return returned[0] if returned else None
+
+        pl_module.optimizer_step = first_step

@@ -57,3 +57,17 @@ def test_hook_fails_only_the_twin_whose_ranks_differ(tmp_path: Path, framework) 
         planted = json.loads((tmp_path / f"planted-{mode}.json").read_text())
         assert planted["verdict"] == "inconsistent"
         assert planted["findings"][0]["kind"] == "buffer-order"
+
+
+def test_lightning_checks_the_first_training_step(tmp_path: Path) -> None:
+    """check_first_step=True: the first optimizer_step (closure and optimizer) under
+    check_step; a NaN loss on rank 1 only is a non-finite finding, on both ranks."""
+    for record in _run("lightning_step_worker.py", tmp_path):
+        labels, ignored = record["labels"], record["ignored"]
+        assert labels["warned"] == [] and labels["returned"]["step_exit"] == 0
+        assert labels["returned"]["global_step"] == 2  # training went on after the check
+        assert ignored["returned"]["step_exit"] == 1
+        assert len(ignored["warned"]) == 1 and "non-finite values on rank 1" in ignored["warned"][0]
+    assert json.loads((tmp_path / "labels-step.json").read_text())["verdict"] == "consistent"
+    report = json.loads((tmp_path / "ignored-step.json").read_text())
+    assert [f["kind"] for f in report["findings"]] == ["non-finite"]

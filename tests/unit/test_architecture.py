@@ -30,6 +30,7 @@ LAYERS = {
     "fsdpcheck.formats": 6,
     "fsdpcheck.offline": 6,
     "fsdpcheck.audit": 6,
+    "fsdpcheck.step": 6,  # check_step and audit --step: the collective watch
     "fsdpcheck.console": 6,
     "fsdpcheck.integrations": 7,
     "fsdpcheck.cli": 8,

@@ -14,6 +14,7 @@ from bench.rows.init import row_init
 from bench.rows.load import row_load
 from bench.rows.probe import row_probe
 from bench.rows.scale import row_scale
+from bench.rows.step import row_step
 from bench.rows.trainer import row_trainer
 from bench.rows.verdict import row_verdict
 from bench.settings import Settings
@@ -30,5 +31,6 @@ RUNNERS: dict[str, Callable[[Settings], Row]] = {
     "digests": row_digests,
     "probe": row_probe,
     "verdict": row_verdict,
+    "step": row_step,
 }
 ROWS = tuple(RUNNERS)

@@ -1,0 +1,61 @@
+"""``check_step``: a training script's first step, run once under the collective watch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fsdpcheck.audit import AuditResult
+from fsdpcheck.distributed import liveness
+from fsdpcheck.distributed import setup as distributed
+from fsdpcheck.distributed.environment import env_record
+from fsdpcheck.report import error_report, report_headline
+from fsdpcheck.step.session import (
+    channel_failure,
+    conclude_step,
+    step_report,
+    watched_step,
+)
+from fsdpcheck.step.watch import ChannelLost
+from fsdpcheck.vocab import ExitCode
+
+__all__ = ["check_step"]
+
+
+def check_step(model: Any, step: Callable[[], Any], *, timeout: float = 60.0) -> AuditResult:
+    """Run ``step`` (this rank's zero-argument forward, backward and optimizer step; it may
+    return the loss) once, while every collective it issues is first agreed on by every rank.
+
+    Every rank calls it, each with its own step. Where the ranks' next collectives differ (an
+    extra micro-batch, a module only one rank runs) no rank issues it: the step unwinds on
+    every rank and the report names the first such collective in the model's terms (finding
+    kind ``step``). After a step every rank finished: a NaN or Inf loss, gradient or parameter
+    is ``non-finite``; HSDP replicas that differ are ``value``. ``exit_code`` is the same on
+    every rank; the report is on rank 0.
+
+    The step runs once, for real: after a clean step the model is what the step left. After a
+    divergence the step did not complete (FSDP2 modules may be left unsharded): do not train
+    on from it. Reuses the script's process group; the watch's exchanges go over a gloo side
+    channel bounded by ``timeout``."""
+    from fsdpcheck.distributed.wire import broadcast_decision
+
+    ctx = distributed.init("auto", timeout)
+    try:
+        with liveness.AbortWatch(ctx) as watch:
+            env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
+            try:
+                record, seconds = watched_step(ctx, model, step)
+                outcome = conclude_step(ctx, model, env, record, seconds)
+                report = step_report(outcome, ctx.world_size) if outcome is not None else None
+                code, line = ExitCode.RUNTIME, ""
+                if report is not None:
+                    code, line = report.exit_code, report_headline(report)
+                code, line = broadcast_decision(code, line, ctx.side_channel)
+                return AuditResult(ctx.rank, code, report, None, line)
+            except (ChannelLost, Exception) as exc:  # a peer stopped answering: name it
+                watch.disarm()
+                errors = channel_failure(ctx, exc, own=None)
+                report = error_report(errors, ctx.world_size, None) if ctx.rank == 0 else None
+                return AuditResult(ctx.rank, ExitCode.RUNTIME, report, errors[0], errors[0].message)
+    finally:
+        distributed.shutdown(ctx)

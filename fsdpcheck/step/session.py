@@ -1,0 +1,264 @@
+"""One watched step, collective from end to end: run it under the collective watch, look at
+what it left, bring every rank's record to rank 0 and judge it there.
+
+Used by :func:`fsdpcheck.check_step` (the script's own step) and ``audit --step`` (a synthetic
+one). Every rank calls :func:`watched_step` and then :func:`conclude_step`; both are bounded by
+the side channel's timeout, and every rank that can still run takes the same branch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdpcheck.checks.layout import group_ranks, headline, verdict
+from fsdpcheck.checks.step import (
+    NonFinite,
+    StepRecord,
+    divergence_finding,
+    loss_word,
+    non_finite_finding,
+    raised_errors,
+)
+from fsdpcheck.distributed import liveness
+from fsdpcheck.distributed.setup import DistContext
+from fsdpcheck.distributed.wire import exchange_slots
+from fsdpcheck.records import (
+    EnvRecord,
+    Finding,
+    Gathered,
+    RankError,
+    RankRecord,
+    Report,
+    from_dict,
+    to_dict,
+)
+from fsdpcheck.report import ranks_by_host, state_findings
+from fsdpcheck.step.watch import ChannelLost, CollectiveWatch, StepDiverged, fsdp_owners
+from fsdpcheck.vocab import Cause, ErrorKind, Snapshot, Stage
+
+log = logging.getLogger(__name__)
+
+_LISTED = 3
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What rank 0 learned from one watched step (``None`` fields elsewhere)."""
+
+    findings: tuple[Finding, ...]
+    errors: tuple[RankError, ...]
+    gathered: Gathered | None  # every rank's state after the step
+    seconds: float  # the step itself, watch included, on this rank
+    watch_seconds: float  # the watch's share
+
+
+def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple[StepRecord, float]:
+    """Collective: run ``step`` once under the watch; this rank's record and the seconds the
+    step took, watch included.
+
+    Raises :class:`ChannelLost` when a peer stopped answering (the caller names it)."""
+    liveness.mark_stage(ctx, Stage.STEP)
+    watch = CollectiveWatch(ctx.side_channel, ctx.world_size, fsdp_owners(model))
+    returned, message = None, ""
+    start = time.perf_counter()
+    try:
+        with watch:
+            returned = step()
+    except StepDiverged:
+        log.debug("step unwound at collective #%s", watch.at)
+    except ChannelLost:
+        raise
+    except Exception as exc:  # the script's own failure: reported, never left to strand a peer
+        log.debug("the step raised", exc_info=True)
+        message = f"{type(exc).__name__}: {exc}"
+    watch.finish(raised=bool(message))
+    seconds = time.perf_counter() - start
+    outcome = "diverged" if watch.diverged else ("raised" if message else "finished")
+    loss = _loss(returned)
+    non_finite = _non_finite(model, loss) if outcome == "finished" else NonFinite()
+    record = StepRecord(
+        outcome=outcome,
+        collectives=len(watch.calls),
+        at=watch.at,
+        doing=watch.doing,
+        state=watch.state,
+        before=watch.context(),
+        message=message,
+        loss=loss if loss is None or math.isfinite(loss) else None,
+        non_finite=non_finite,
+        exchanges=watch.exchanges,
+        channel_bytes=watch.channel_bytes,
+        watch_seconds=round(watch.seconds, 6),
+    )
+    log.info("step %s after %d collectives in %.3f s", outcome, len(watch.calls), seconds)
+    return record, seconds
+
+
+def conclude_step(
+    ctx: DistContext, model: Any, env: EnvRecord, record: StepRecord, seconds: float
+) -> StepOutcome | None:
+    """Collective: every rank's state after the step and its step record, judged on rank 0
+    (``None`` elsewhere). Replicas (HSDP) are compared only after a step every rank finished."""
+    from fsdpcheck.distributed.gather import gather_records
+
+    liveness.mark_stage(ctx, Stage.STEP_REPORT)
+    state = RankRecord(env=env)
+    if record.outcome == "finished" and _has_replicas(model):
+        from fsdpcheck.model.fingerprint import fingerprint
+        from fsdpcheck.model.state import shard_key
+
+        state = RankRecord(
+            env=env,
+            post_wrap=fingerprint(model, Snapshot.POST_WRAP, param_values=True),
+            shard_key=shard_key(model),
+        )
+    gathered = gather_records(state, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size)
+    records = gather_step_records(record, ctx.side_channel, rank=ctx.rank, world=ctx.world_size)
+    if records is None:
+        return None
+    findings = [f for f in (divergence_finding(records), non_finite_finding(records)) if f]
+    if gathered is not None and gathered.values is not None:
+        groups = group_ranks(gathered.digests, gathered.hosts)
+        findings += [
+            replace(f, stage=Snapshot.STEP, cause=Cause.TRAINING)
+            for f in state_findings(groups, gathered)
+        ]
+    errors = tuple(
+        RankError(r, Stage.STEP, f"rank {r}'s step raised: {message}", ErrorKind.RUNTIME)
+        for r, message in raised_errors(records).items()
+    )
+    return StepOutcome(tuple(findings), errors, gathered, seconds, record.watch_seconds)
+
+
+def merged(report: Report, outcome: StepOutcome) -> Report:
+    """``report`` with the step's findings and errors, and one verdict over all of them."""
+    findings = (*report.findings, *outcome.findings)
+    errors = tuple(sorted((*report.errors, *outcome.errors), key=lambda e: e.rank))
+    name, code = verdict(findings, errors)
+    timings = {**report.timings, "step": round(outcome.seconds, 4)}
+    timings["step-watch"] = round(outcome.watch_seconds, 4)
+    return replace(
+        report, verdict=name, exit_code=code, findings=findings, errors=errors, timings=timings
+    )
+
+
+def step_report(outcome: StepOutcome, world_size: int) -> Report:
+    """check_step's own report: the step's findings, every rank's group and environment."""
+    gathered = outcome.gathered
+    groups = group_ranks(gathered.digests, gathered.hosts) if gathered else []
+    name, code = verdict(outcome.findings, outcome.errors)
+    empty = Report(
+        verdict=name,
+        exit_code=code,
+        world_size=world_size,
+        model=None,
+        wrap=None,
+        groups=tuple(groups),
+        findings=(),
+        errors=(),
+        hosts=ranks_by_host(gathered.hosts) if gathered else {},
+        environment=tuple(gathered.records[g.representative].env for g in groups)
+        if gathered
+        else (),
+    )
+    return merged(empty, outcome)
+
+
+def step_headline(report: Report) -> str:
+    return headline(report.findings, report.errors, report.world_size)
+
+
+def gather_step_records(
+    record: StepRecord, group: Any, *, rank: int, world: int
+) -> dict[int, StepRecord] | None:
+    """Collective: every rank's step record on rank 0 (``None`` elsewhere). Digest-first, as
+    the audit's gather: one fixed slot each, then one full record per distinct digest."""
+    payload = json.dumps(to_dict(record), sort_keys=True).encode()
+    digest = hashlib.blake2b(payload, digest_size=16).digest()
+    slots, _ = exchange_slots(digest, group, size=world)
+    first: dict[bytes, int] = {}
+    for r, slot in enumerate(slots):
+        first.setdefault(slot, r)
+    senders = sorted(set(first.values()) - {0})
+    if rank != 0:
+        if rank in senders:
+            size = torch.tensor([len(payload)], dtype=torch.int64)
+            dist.send(size, dst=0, group=group)
+            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0, group=group)
+        return None
+    by_sender = {0: record}
+    for sender in senders:
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src=sender, group=group)
+        raw = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(raw, src=sender, group=group)
+        by_sender[sender] = from_dict(StepRecord, json.loads(raw.numpy().tobytes()))
+    return {r: by_sender[first[slot]] for r, slot in enumerate(slots)}
+
+
+def _loss(returned: Any) -> float | None:
+    """The loss a step returned: a scalar tensor, a number, or an output with ``.loss``."""
+    value = getattr(returned, "loss", returned)
+    if isinstance(value, dict):
+        value = value.get("loss")
+    try:
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return float(value.detach().float().cpu())
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    except Exception:  # a loss we cannot read is no finding
+        log.debug("could not read the step's loss", exc_info=True)
+    return None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _non_finite(model: Any, loss: float | None) -> NonFinite:
+    """NaN or Inf in the loss, this rank's gradients and its parameters (local shards)."""
+    params, grads = [], []
+    for name, param in model.named_parameters():
+        params.append((name, _local(param.detach())))
+        if param.grad is not None:
+            grads.append((name, _local(param.grad.detach())))
+
+    def bad(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+        floats = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+        if not floats:
+            return []
+        # One flag per tensor, read back in one transfer.
+        flags = torch.stack([torch.isfinite(t).all() for _, t in floats]).cpu().tolist()
+        return [n for (n, _), ok in zip(floats, flags, strict=True) if not ok]
+
+    bad_grads, bad_params = bad(grads), bad(params)
+    return NonFinite(
+        loss=loss_word(loss),
+        grads=tuple(bad_grads[:_LISTED]),
+        grad_count=len(bad_grads),
+        params=tuple(bad_params[:_LISTED]),
+        param_count=len(bad_params),
+    )
+
+
+def _has_replicas(model: Any) -> bool:
+    """A parameter on a 2-D mesh (HSDP): its replicas must agree after the step."""
+    return any(getattr(getattr(p, "device_mesh", None), "ndim", 1) >= 2 for p in model.parameters())
+
+
+def channel_failure(ctx: DistContext, exc: BaseException, own: RankError | None) -> list[RankError]:
+    """A peer stopped answering: name it from heartbeats and marks, and end the others."""
+    cause = exc.cause if isinstance(exc, ChannelLost) else exc
+    errors = liveness.diagnose_peers(ctx, cause, own=own)
+    liveness.signal_abort(ctx, errors)
+    return errors

@@ -1,0 +1,106 @@
+"""One rank of the step benchmark: a Gemma3-shaped model (``--quick``: a small one), FSDP2 on
+every decoder layer and the root, AdamW, the same token batch on every run. Times plain steps
+and the same step under ``fsdpcheck.check_step``, alternating, in this process; under
+TORCH_DISTRIBUTED_DEBUG=DETAIL (set by the caller for the whole job) only plain steps run. Also
+one step under the bare watch, for its counts (collectives, exchanges, side-channel bytes).
+Prints one line ``@bench {json}`` per rank; run by scripts/bench (the step row)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+MARK = "@bench "
+SMALL = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "vocab_size": 8192}
+
+
+def build(quick: bool):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from shapes import GEMMA3_1B
+
+    shape = {k: v for k, v in GEMMA3_1B.items() if k not in ("architectures", "model_type")}
+    shape.pop("torch_dtype")
+    if quick:
+        shape.update(SMALL)
+    config = Gemma3TextConfig(**shape)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).to(torch.bfloat16)
+    return model, config
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    import fsdpcheck
+    from fsdpcheck.model.wrap import fully_shard_fn
+    from fsdpcheck.step.session import watched_step
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, config = build(args.quick)
+    fully_shard = fully_shard_fn()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    generator = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, config.vocab_size, (1, args.tokens), generator=generator)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
+    step()  # warm-up: FSDP2's lazy init, AdamW's state
+    seconds = {"plain": [], "check_step": []}
+    for _ in range(args.repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        seconds["plain"].append(time.perf_counter() - start)
+        if detail:
+            continue
+        dist.barrier()
+        start = time.perf_counter()
+        result = fsdpcheck.check_step(model, step, timeout=300)
+        seconds["check_step"].append(time.perf_counter() - start)
+        assert result.exit_code == 0, result.headline
+    counts = {}
+    if not detail:
+        from fsdpcheck.distributed import setup
+
+        ctx = setup.init("auto", 300)
+        record, _ = watched_step(ctx, model, step)
+        counts = {
+            "collectives": record.collectives,
+            "exchanges": record.exchanges,
+            "channel_bytes": record.channel_bytes,
+            "watch_seconds": record.watch_seconds,
+        }
+    params = sum(p.numel() for p in model.parameters())
+    out = {"rank": rank, "detail": detail, "seconds": seconds, "params": params, **counts}
+    print(MARK + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""check_step on 2 real gloo ranks (tests/workers/step_worker.py): each first-step failure of
+issue 20 and its clean twin, in one launch. Each asserts the kind, the module named, that the
+check ended within its bound, and the exit code on every rank."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_worker_ranks
+
+TIMEOUT = 20.0
+BOUND = TIMEOUT + 10.0  # a divergence is reported within the timeout plus a small bound
+CASES = ["equal", "extra-rank1", "extra-rank0", "tower-rank1", "tower-all", "labels-ignored"]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("step")
+    result, records = run_worker_ranks(
+        "step_worker.py", out, ["--timeout", str(TIMEOUT), *CASES], timeout=300
+    )
+    assert result.codes == [0, 0], result.output(0)[-3000:] + result.output(1)[-3000:]
+    return records
+
+
+def _case(records: list[dict], case: str) -> tuple[list[dict], dict]:
+    per_rank = [r[case] for r in records]
+    for rank in per_rank:
+        assert rank["seconds"] < BOUND, rank
+    assert per_rank[1]["report"] is None  # rank 0 renders
+    return per_rank, per_rank[0]["report"]
+
+
+def _only(report: dict, kind: str) -> dict:
+    assert [f["kind"] for f in report["findings"]] == [kind], report["findings"]
+    return report["findings"][0]
+
+
+@pytest.mark.parametrize("case", ["equal", "tower-all"])
+def test_the_clean_twins_are_consistent_and_the_step_ran(ran, case):
+    per_rank, report = _case(ran, case)
+    assert [r["exit_code"] for r in per_rank] == [0, 0]
+    assert report["verdict"] == "consistent" and report["findings"] == []
+    assert all(r["params_changed"] for r in per_rank)  # the real step, not a copy
+
+
+@pytest.mark.parametrize(("case", "extra"), [("extra-rank1", 1), ("extra-rank0", 0)])
+def test_an_extra_micro_batch_is_named_before_anyone_waits(ran, case, extra):
+    per_rank, report = _case(ran, case)
+    assert [r["exit_code"] for r in per_rank] == [1, 1]
+    found = _only(report, "step")
+    assert found["ranks"] == [extra]
+    details = found["details"]
+    assert details["issued_by"] == [extra] and details["not_issued_by"] == [1 - extra]
+    assert details["modules"] == [""]  # the next micro-batch starts with the root's all-gather
+    assert "had finished its step" in found["summary"]
+    assert "all-gather of the root module" in found["summary"]
+    assert "collectives differ in the step" in per_rank[1]["headline"]
+
+
+def test_a_tower_only_one_rank_runs_is_named_before_gloo_aborts(ran):
+    per_rank, report = _case(ran, "tower-rank1")
+    assert [r["exit_code"] for r in per_rank] == [1, 1]
+    found = _only(report, "step")
+    assert found["ranks"] == [1]
+    assert found["details"]["modules"] == ["llama.model.layers.0", "tower"]
+    assert "`tower`" in found["summary"] and "sizes differ" in found["summary"]
+    assert "tower.0.weight" in found["tensors"]
+
+
+def test_a_batch_with_no_label_that_counts_is_non_finite(ran):
+    per_rank, report = _case(ran, "labels-ignored")
+    assert [r["exit_code"] for r in per_rank] == [1, 1]
+    found = _only(report, "non-finite")
+    assert found["ranks"] == [1] and found["details"]["loss"] == {"1": "nan"}
+    assert "loss nan on rank 1" in found["summary"]

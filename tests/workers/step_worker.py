@@ -1,0 +1,135 @@
+"""A training script's first step under check_step, on 2 real gloo ranks: a tiny Llama with
+FSDP2 on every decoder layer, a vision-like tower and the root, AdamW, each rank its own batch.
+
+Runs each case named on the command line (a fresh model each) and writes, per rank,
+``rank<N>.json``: per case, the exit code, the headline, the seconds it took and (rank 0) the
+report."""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import fsdpcheck
+from fsdpcheck.model.wrap import fully_shard_fn
+from fsdpcheck.records import to_dict
+
+VOCAB = 64
+HIDDEN = 16
+
+
+class WithTower(nn.Module):
+    """A text model with an FSDP-wrapped tower that only a batch with an "image" runs."""
+
+    def __init__(self):
+        super().__init__()
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+        self.llama = LlamaForCausalLM(config)
+        self.tower = nn.Sequential(nn.Linear(HIDDEN, 64), nn.Linear(64, HIDDEN))
+
+    def forward(self, ids, labels, image=None):
+        embeds = self.llama.model.embed_tokens(ids)
+        if image is not None:
+            embeds = embeds + self.tower(image).unsqueeze(1)
+        return self.llama(inputs_embeds=embeds, labels=labels).loss
+
+
+def build(mesh) -> tuple[WithTower, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = WithTower()
+    fully_shard = fully_shard_fn()
+    fully_shard(model.tower, mesh=mesh)
+    for layer in model.llama.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def batch(rank: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * seed + rank)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=generator)
+    return ids, ids.clone()
+
+
+def case_step(case: str, rank: int, model: WithTower, optimizer):
+    """The zero-argument step each case hands check_step on this rank."""
+    micro = 1
+    if case == "extra-rank1" and rank == 1 or case == "extra-rank0" and rank == 0:
+        micro = 2
+    image = None
+    if case == "tower-all" or case == "tower-rank1" and rank == 1:
+        image = torch.ones(2, HIDDEN)
+    ignored = case == "labels-ignored" and rank == 1
+
+    def step():
+        total = 0.0
+        for m in range(micro):
+            ids, labels = batch(rank, m)
+            if ignored:
+                labels = torch.full_like(labels, -100)
+            loss = model(ids, labels, image) / micro
+            loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad()
+        return total
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--timeout", type=float, default=20)
+    parser.add_argument("cases", nargs="+")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    record = {}
+    for case in args.cases:
+        model, optimizer = build(mesh)
+        before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        start = time.monotonic()
+        result = fsdpcheck.check_step(
+            model, case_step(case, rank, model, optimizer), timeout=args.timeout
+        )
+        seconds = time.monotonic() - start
+        # After a divergence FSDP2 may leave modules unsharded: plain parameters, not DTensors.
+        changed = any(
+            not hasattr(p, "to_local") or not torch.equal(before[n], p.to_local())
+            for n, p in model.named_parameters()
+        )
+        record[case] = {
+            "exit_code": int(result.exit_code),
+            "headline": result.headline,
+            "seconds": seconds,
+            "params_changed": changed,
+            "report": to_dict(result.report) if result.report is not None else None,
+        }
+        if result.exit_code == 3:  # a peer is gone: nothing more can run
+            break
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(record))
+    print(f"rank {rank} done", flush=True)
+    if any(r["exit_code"] == 3 for r in record.values()):
+        os._exit(3)
+    dist.destroy_process_group()
+
+
+main()
