@@ -81,6 +81,7 @@ class Snapshot(Word):
     LOAD = "load"
     PROBE = "probe"
     REPRODUCE = "reproduce"  # --reproduce: the real loaders' child jobs
+    TRACE = "trace"  # explain: the Flight Recorder dumps of a job that already ran
 
 
 class ErrorKind(Word):
@@ -216,6 +217,11 @@ class Cause(_Described):
         "unknown",
         "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
     )
+    DIVERGENT = (
+        "divergent",
+        "the ranks' code or data issued different collectives; no fingerprint shows a model "
+        "difference behind it",
+    )
 
 
 class FindingKind(_Described):
@@ -309,6 +315,11 @@ class FindingKind(_Described):
         "tie",
         "parameters the config ties hold separate storage, or ranks tie different names",
         "tied weights differ",
+    )
+    COLLECTIVE = (
+        "collective",
+        "ranks issued different collectives (from Flight Recorder dumps)",
+        "ranks issued different collectives",
     )
     PREDICTION = (
         "prediction",
