@@ -1,6 +1,7 @@
 """One rank of a job that goes wrong in its collectives, recorded by torch's Flight Recorder: each
-rank writes its fingerprint (``<out>/fp/rank<N>.json``) and its Flight Recorder JSON dump
-(``<out>/fr/rank<N>.json``), then the job ends as it would have ended (an abort, a hang cut short).
+rank writes its fingerprint (``<out>/fp/rank<N>.json``) and its Flight Recorder dump (JSON in
+``<out>/fr/rank<N>.json``, pickle in ``<out>/fr-pickle/``), then the job ends as it would have
+ended (an abort, a hang cut short).
 
 Cases (``--case``):
 - ``buffers``: every rank broadcasts its ``named_buffers()`` from rank 0, one broadcast per buffer,
@@ -32,12 +33,17 @@ from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
 
 
 def dump(out: Path, rank: int) -> Path:
-    from torch._C._distributed_c10d import _dump_fr_trace_json
+    """The JSON dump, and the pickle one torch's dump-on-timeout writes (``<prefix><rank>``)."""
+    from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
 
-    path = out / "fr" / f"rank{rank}.json"
+    write(out / "fr-pickle" / f"nccl_trace_rank_{rank}", _dump_fr_trace())
+    return write(out / "fr" / f"rank{rank}.json", _dump_fr_trace_json())
+
+
+def write(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(_dump_fr_trace_json())
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
     tmp.replace(path)  # a reader never sees half a dump
     return path
 
