@@ -638,18 +638,18 @@ def diff(
 EXPLAIN_EPILOG = """
 [bold]Examples[/]
 
-  fsdpcheck explain fr/                       [dim](one Flight Recorder dump per rank)[/]
+  fsdpcheck explain fr/          [dim](one dump per rank)[/]
 
-  fsdpcheck explain fr/ --fingerprint fp/ --json explain.json   [dim](names the tensors)[/]
+  fsdpcheck explain fr/ --fingerprint fp/ --json out.json
 
   fsdpcheck explain /tmp/nccl_trace_rank_0 /tmp/nccl_trace_rank_1 --allow-pickle
 
-Record the dumps with TORCH_FR_BUFFER_SIZE set before the process group starts, then
-torch._C._distributed_c10d._dump_fr_trace_json() on every rank (or torch's dump on timeout,
-TORCH_FR_DUMP_TEMP_FILE, which writes pickle). The file name ends in the rank.
+Dumps: set TORCH_FR_BUFFER_SIZE before the process group starts; on every
+rank write torch._C._distributed_c10d._dump_fr_trace_json() to a file whose
+name ends in the rank (torch's dump on timeout writes pickle).
 
-[bold]Exit codes[/]: 0 the ranks issued the same collectives · 1 they diverged · 2 bad input (no
-dumps, one rank only, unreadable or foreign files, pickle without --allow-pickle).
+[bold]Exit codes[/]: 0 same collectives · 1 diverged · 2 bad input (no dumps,
+one rank only, unreadable or foreign files, pickle without --allow-pickle).
 """
 
 
