@@ -649,5 +649,66 @@ def diff(
     raise typer.Exit(outputs.exit_code(report.exit_code))
 
 
+EXPLAIN_EPILOG = """
+[bold]Examples[/]
+
+  fsdpcheck explain fr/          [dim](one dump per rank)[/]
+
+  fsdpcheck explain fr/ --fingerprint fp/ --json out.json
+
+  fsdpcheck explain /tmp/nccl_trace_rank_0 /tmp/nccl_trace_rank_1 --allow-pickle
+
+Dumps: set TORCH_FR_BUFFER_SIZE before the process group starts; on every
+rank write torch._C._distributed_c10d._dump_fr_trace_json() to a file whose
+name ends in the rank (torch's dump on timeout writes pickle).
+
+[bold]Exit codes[/]: 0 same collectives · 1 diverged · 2 bad input (no dumps,
+one rank only, unreadable or foreign files, pickle without --allow-pickle).
+"""
+
+
+@app.command(epilog=EXPLAIN_EPILOG)
+def explain(
+    paths: list[Path] = typer.Argument(
+        ...,
+        help="Flight Recorder dumps, one per rank, or the directory that holds them.",
+        show_default=False,
+    ),
+    fingerprint: list[Path] = typer.Option(
+        [],
+        "--fingerprint",
+        help="The job's fingerprints (files or a directory; one per rank), to name the "
+        "tensors each collective carried (repeatable).",
+    ),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="Write the machine-readable report here (the audit's schema)."
+    ),
+    junit_path: Path | None = typer.Option(
+        None, "--junit", help="Write a JUnit XML file here: a test case per check."
+    ),
+    allow_pickle: bool = typer.Option(
+        False,
+        help="Read pickle dumps (torch's dump-on-timeout format) too; only a pickle of plain "
+        "values is loaded. Off: JSON only.",
+    ),
+    annotations: Annotations = typer.Option(Annotations.AUTO, help=ANNOTATIONS_HELP),
+) -> None:
+    """Name the first collective where the ranks of a hung or aborted job diverged, from their
+    Flight Recorder dumps, and (with fingerprints) the tensors behind it."""
+    from fsdpcheck.console import render, trace_inputs
+    from fsdpcheck.offline.explain import explain as explain_dumps
+
+    outputs = _Outputs(annotations, json=json_path, junit=junit_path)
+    _refuse_outputs("explain", outputs)
+    with _errors_exit("explain", outputs):
+        report = explain_dumps(paths, fingerprints=fingerprint, allow_pickle=allow_pickle)
+    console = _stdout()
+    for line in trace_inputs(report):
+        console.print(line, highlight=False)
+    render(report, console, title="fsdpcheck explain")
+    outputs.publish_report(report, suite="fsdpcheck.explain")
+    raise typer.Exit(outputs.exit_code(report.exit_code))
+
+
 def main() -> None:
     app()

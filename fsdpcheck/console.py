@@ -251,6 +251,23 @@ def diff_inputs(report: Report) -> list[str]:
     return lines
 
 
+def trace_inputs(report: Report) -> list[str]:
+    """One dim line per dump ``explain`` read (rank, file, collectives), then per fingerprint."""
+    lines = []
+    for item in report.options.get("inputs", ()):
+        wrapped = " · buffer wrapped" if item["truncated"] else ""
+        lines.append(
+            f"[dim]rank {item['rank']} ← {escape(item['path'])} · {item['format']} · "
+            f"{item['collectives']} collectives{wrapped}[/]"
+        )
+    for item in report.options.get("fingerprints", ()):
+        lines.append(
+            f"[dim]rank {item['rank']} fingerprint ← {escape(item['path'])} · "
+            f"{escape(item['host'])}[/]"
+        )
+    return lines
+
+
 # ---------------------------------------------------------------- probe
 
 

@@ -84,6 +84,7 @@ class Snapshot(Word):
     PROBE = "probe"
     REPRODUCE = "reproduce"  # --reproduce: the real loaders' child jobs
     STEP = "step"  # during or after a training step (check_step, audit --step)
+    TRACE = "trace"  # explain: the Flight Recorder dumps of a job that already ran
 
 
 class ErrorKind(Word):
@@ -224,7 +225,11 @@ class Cause(_Described):
     ENVIRONMENT = "environment", "the ranks run different software"
     CONFIGURATION = "configuration", "how the audit was asked to run"
     LOADING = "loading", "the loader itself left ranks different"
-    TRAINING = "training", "the training step: each rank's batch or code path took its own way"
+    DIVERGENT = (
+        "divergent",
+        "the ranks' code or data took different paths (a batch, a branch, a flag) and issued "
+        "different collectives; no fingerprint shows a model difference behind it",
+    )
     FSDPCHECK = "fsdpcheck", "fsdpcheck's own model of a loader was wrong"
     UNKNOWN = (
         "unknown",
@@ -333,6 +338,10 @@ class FindingKind(_Described):
         "non-finite",
         "a training step left a loss, gradient or parameter NaN or Inf",
         "non-finite values",
+    COLLECTIVE = (
+        "collective",
+        "ranks issued different collectives (from Flight Recorder dumps)",
+        "ranks issued different collectives",
     )
     PREDICTION = (
         "prediction",

@@ -146,7 +146,7 @@ def divergence_finding(records: Mapping[int, StepRecord]) -> Finding | None:
         ranks=tuple(others),
         reference_rank=reference[0],
         stage=Snapshot.STEP,
-        cause=Cause.TRAINING,
+        cause=Cause.DIVERGENT,
         summary=summary,
         tensors=tensors[:64],
         details=details,
@@ -229,7 +229,7 @@ def non_finite_finding(records: Mapping[int, StepRecord]) -> Finding | None:
         ranks=tuple(bad),
         reference_rank=min(set(records) - set(bad), default=min(bad)),
         stage=Snapshot.STEP,
-        cause=Cause.TRAINING,
+        cause=Cause.DIVERGENT,
         summary=summary,
         tensors=tensors[:64],
         details={

@@ -130,7 +130,7 @@ def conclude_step(
     if gathered is not None and gathered.values is not None:
         groups = group_ranks(gathered.digests, gathered.hosts)
         findings += [
-            replace(f, stage=Snapshot.STEP, cause=Cause.TRAINING)
+            replace(f, stage=Snapshot.STEP, cause=Cause.DIVERGENT)
             for f in state_findings(groups, gathered)
         ]
     errors = tuple(
