@@ -336,8 +336,9 @@ class FindingKind(_Described):
     )
     NON_FINITE = (
         "non-finite",
-        "a training step left a loss, gradient or parameter NaN or Inf",
+        "a loss, gradient, parameter or buffer holds NaN or Inf (after a load or a step)",
         "non-finite values",
+    )
     COLLECTIVE = (
         "collective",
         "ranks issued different collectives (from Flight Recorder dumps)",

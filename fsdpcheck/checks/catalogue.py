@@ -14,6 +14,7 @@ from functools import cached_property
 from itertools import groupby
 from typing import Any
 
+from fsdpcheck.checks.collectives import RankTrace, collective_findings
 from fsdpcheck.checks.config import config_findings
 from fsdpcheck.checks.env import env_findings
 from fsdpcheck.checks.flags import device_findings
@@ -22,6 +23,7 @@ from fsdpcheck.checks.hash_seed import ProbeResult, probe_finding
 from fsdpcheck.checks.layout import LAYOUT_KINDS, layout_findings
 from fsdpcheck.checks.loaded import load_findings, verify_findings
 from fsdpcheck.checks.observed import Observation, with_observations
+from fsdpcheck.checks.step import StepRecord, divergence_finding, non_finite_finding
 from fsdpcheck.checks.ties import tie_findings
 from fsdpcheck.checks.uninitialized import uninitialized_findings
 from fsdpcheck.checks.value import value_findings
@@ -50,6 +52,8 @@ class Need(Word):
     AFTER_LOAD = "after-load"  # --load: every rank's ties and buffers, gathered again
     PROBE = "probe"  # --probe K: the model built under other hash seeds
     OBSERVED = "observed"  # --reproduce: what the real loaders did
+    STEP = "step"  # check_step, audit --step: every rank's record of its watched step
+    TRACES = "traces"  # explain: every rank's Flight Recorder trace of a job that already ran
 
 
 _SNAPSHOTS = frozenset({Need.PRE_WRAP, Need.POST_WRAP})
@@ -66,6 +70,8 @@ class Evidence:
     probe: ProbeResult | None = None
     loaders: Sequence[LoaderPrediction] = ()  # the predictions the observations are held to
     observed: Mapping[str, Observation] | None = None
+    step: Mapping[int, StepRecord] | None = None  # by rank
+    traces: Mapping[int, RankTrace] | None = None  # by rank; the records are fingerprints
 
     @cached_property
     def groups(self) -> list[Group]:
@@ -79,6 +85,8 @@ class Evidence:
             Need.AFTER_LOAD: self.after_load is not None,
             Need.PROBE: self.probe is not None,
             Need.OBSERVED: bool(self.observed),
+            Need.STEP: self.step is not None,
+            Need.TRACES: self.traces is not None,
         }
         return need in _SNAPSHOTS or present[need]
 
@@ -160,6 +168,20 @@ def _prediction(e: Evidence) -> list[Finding]:
     return list(with_observations(e.loaders, e.observed)[1])
 
 
+def _step(e: Evidence) -> list[Finding]:
+    found = divergence_finding(e.step)
+    return [] if found is None else [found]
+
+
+def _non_finite_in_step(e: Evidence) -> list[Finding]:
+    found = non_finite_finding(e.step)
+    return [] if found is None else [found]
+
+
+def _collectives(e: Evidence) -> list[Finding]:
+    return collective_findings(e.traces, e.gathered.records)
+
+
 K, N = FindingKind, Need
 
 CHECKS: tuple[Check, ...] = _checks(
@@ -179,7 +201,22 @@ CHECKS: tuple[Check, ...] = _checks(
     ("value-after-load", (K.VALUE,), {N.AFTER_LOAD, N.VALUES}, _values, ""),
     ("hash-seed", (K.HASH_SEED,), {N.PROBE}, _probe, ""),
     ("prediction", (K.PREDICTION,), {N.OBSERVED}, _prediction, ""),
+    ("step", (K.STEP,), {N.STEP}, _step, ""),
+    ("non-finite-in-step", (K.NON_FINITE,), {N.STEP}, _non_finite_in_step, ""),
+    ("collective", (K.COLLECTIVE,), {N.TRACES}, _collectives, ""),
 )
+
+# What a gather of every rank's state says on its own (after a training step, say).
+STATE_CHECKS = ("tie", "uninitialized", "value")
+STEP_CHECKS = ("step", "non-finite-in-step")
+
+
+def checks_named(*names: str) -> tuple[Check, ...]:
+    """The catalogue's checks of these names, in catalogue order."""
+    unknown = set(names) - {c.name for c in CHECKS}
+    if unknown:
+        raise ValueError(f"no such check: {sorted(unknown)}")
+    return tuple(c for c in CHECKS if c.name in names)
 
 
 def run_checks(evidence: Evidence, checks: Sequence[Check] = CHECKS) -> list[Finding]:

@@ -12,11 +12,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from fsdpcheck.checks.collectives import RankTrace, collective_findings
+from fsdpcheck.checks.catalogue import Evidence, checks_named, run_checks
+from fsdpcheck.checks.collectives import RankTrace
 from fsdpcheck.errors import InputError
 from fsdpcheck.offline.files import FINGERPRINT_SCHEMA, FingerprintFile
 from fsdpcheck.offline.traces import TraceInputs, read_traces
-from fsdpcheck.records import RankRecord, Report, from_dict
+from fsdpcheck.records import Gathered, RankRecord, Report, from_dict
 from fsdpcheck.text import int_ranges, ranks_label
 
 
@@ -40,7 +41,8 @@ def explain_traces(
 
     traces = {f.trace.rank: f.trace for f in inputs.files}
     records = {content.record.env.rank: content.record for _, content in fingerprints}
-    findings = collective_findings(traces, records)
+    evidence = Evidence(Gathered({}, {}, records, 0), traces=traces)
+    findings = run_checks(evidence, checks_named("collective"))
     name, code = verdict(findings, [])
     notes = _warnings(inputs, traces, records)
     if not findings and not records and _broadcasts(traces):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,8 @@ from fsdpcheck.step.session import (
 )
 from fsdpcheck.step.watch import ChannelLost
 from fsdpcheck.vocab import ExitCode
+
+log = logging.getLogger(__name__)
 
 __all__ = ["check_step"]
 
@@ -53,6 +56,7 @@ def check_step(model: Any, step: Callable[[], Any], *, timeout: float = 60.0) ->
                 code, line = broadcast_decision(code, line, ctx.side_channel)
                 return AuditResult(ctx.rank, code, report, None, line)
             except (ChannelLost, Exception) as exc:  # a peer stopped answering: name it
+                log.debug("rank %d: check_step gave up", ctx.rank, exc_info=True)
                 watch.disarm()
                 errors = channel_failure(ctx, exc, own=None)
                 report = error_report(errors, ctx.world_size, None) if ctx.rank == 0 else None

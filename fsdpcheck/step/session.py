@@ -20,13 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdpcheck.checks.layout import group_ranks, headline, verdict
+from fsdpcheck.checks.catalogue import STATE_CHECKS, STEP_CHECKS, Evidence, checks_named, run_checks
+from fsdpcheck.checks.groups import group_ranks
 from fsdpcheck.checks.step import (
     NonFinite,
     StepRecord,
-    divergence_finding,
     loss_word,
-    non_finite_finding,
     raised_errors,
 )
 from fsdpcheck.distributed import liveness
@@ -42,7 +41,7 @@ from fsdpcheck.records import (
     from_dict,
     to_dict,
 )
-from fsdpcheck.report import ranks_by_host, state_findings
+from fsdpcheck.report import headline, ranks_by_host, verdict
 from fsdpcheck.step.watch import ChannelLost, CollectiveWatch, StepDiverged, fsdp_owners
 from fsdpcheck.vocab import Cause, ErrorKind, Snapshot, Stage
 
@@ -126,12 +125,11 @@ def conclude_step(
     records = gather_step_records(record, ctx.side_channel, rank=ctx.rank, world=ctx.world_size)
     if records is None:
         return None
-    findings = [f for f in (divergence_finding(records), non_finite_finding(records)) if f]
+    findings = run_checks(Evidence(gathered, step=records), checks_named(*STEP_CHECKS))
     if gathered is not None and gathered.values is not None:
-        groups = group_ranks(gathered.digests, gathered.hosts)
         findings += [
             replace(f, stage=Snapshot.STEP, cause=Cause.DIVERGENT)
-            for f in state_findings(groups, gathered)
+            for f in run_checks(Evidence(gathered), checks_named(*STATE_CHECKS))
         ]
     errors = tuple(
         RankError(r, Stage.STEP, f"rank {r}'s step raised: {message}", ErrorKind.RUNTIME)

@@ -195,6 +195,7 @@ class CollectiveWatch(TorchDispatchMode):
         try:
             slots, _ = exchange_slots(mine, self._channel, size=self._world)
         except Exception as exc:  # bounded by the side channel's timeout
+            log.debug("collective #%d: the side channel failed", seq, exc_info=True)
             raise ChannelLost(exc) from exc
         finally:
             self.exchanges += 1
