@@ -36,6 +36,25 @@ from fsdpcheck.vocab import (
 
 SCHEMA = "fsdpcheck.report/2"
 
+# The per-rank record's fields that may differ between ranks that agree, as "Class.field": who
+# and where a rank is, and hints. Every other field of RankRecord and the records it holds is
+# compared: it is in the group digest, or, for values and devices, in the value digests (see
+# fsdpcheck.checks.value.value_digests). tests/unit/test_invariant.py mutates each field in turn.
+INFORMATIONAL = frozenset(
+    {
+        "EnvRecord.rank",  # who the rank is in its job
+        "EnvRecord.local_rank",
+        "EnvRecord.world_size",
+        "EnvRecord.host",
+        "EnvRecord.hash_seed",  # order under other seeds is the probe's question (hash-seed)
+        "TensorRecord.local_shape",  # uneven shards: the last rank may hold fewer rows
+        "TensorRecord.head",  # the first values, a hint: the digest carries the values
+        "BufferProblem.got",  # garbage differs per rank; the problem itself is compared
+        "BufferProblem.expected",
+        "RankRecord.shard_key",  # which ranks are replicas: who is compared, not what they hold
+    }
+)
+
 T = TypeVar("T")
 
 
@@ -150,6 +169,7 @@ class Fingerprint:
             repr([t.layout() for t in self.params]),
             repr(self.state_dict_keys),
             repr([t.requires_grad for t in self.params]),
+            repr(self.aliases),
         )
 
 
@@ -281,11 +301,13 @@ class RankRecord:
     shard_key: str | None = None  # equal on HSDP replicas: the same shard coordinate(s)
 
     def group_digest(self) -> str:
-        """Equal for ranks that must be treated alike: same layouts, same versions, same state
-        flags, wrap plan, config, ties and buffer problems, no error. Values stay out (see
-        :func:`value_digest`)."""
+        """Equal for ranks that must be treated alike: every field but the values, devices and
+        those in :data:`INFORMATIONAL` (same layouts, versions, state flags, wrap plan, config,
+        ties and buffer problems, no error). Values and devices are the value digests' (see
+        :func:`fsdpcheck.checks.value.value_digests`): ranks on meta hold none."""
         if self.error is not None:
-            return short_digest("error", str(self.env.rank), self.error.stage, self.error.message)
+            error = self.error
+            return short_digest("error", str(self.env.rank), error.stage, error.message, error.kind)
         parts = [
             self.env._digest_part(),
             self.pre_wrap.layout_digest() if self.pre_wrap else "-",
@@ -296,7 +318,8 @@ class RankRecord:
         if self.fsdp_plan is not None:
             parts.append("fsdp:" + self.fsdp_plan.digest())
         if self.config is not None:
-            parts.append("config:" + self.config.digest)
+            canonical = json.dumps(to_dict(self.config.canonical), sort_keys=True, default=repr)
+            parts.append("config:" + self.config.digest + short_digest(canonical))
         if self.misplaced:
             parts.append("misplaced:" + repr(self.misplaced))
         return short_digest(*parts)

@@ -67,6 +67,7 @@ class Stage(Word):
     LOAD = "load"
     VERIFY = "verify"
     STATE_AFTER_LOAD = "state-after-load"  # every rank's ties and buffers, after the load
+    PROBE = "probe"  # rank 0's --probe K: the model built under K hash seeds
     ABORT = "abort"
 
 
@@ -278,6 +279,11 @@ class FindingKind(_Described):
         "the same state-dict keys, walked in a different order",
         "state-dict order differs",
     )
+    STATE_DICT_KEYS = (
+        "state-dict-keys",
+        "state-dict keys present on one side only, with the same buffers and parameters",
+        "state-dict keys differ",
+    )
     REQUIRES_GRAD = (
         "requires-grad",
         "a parameter is trainable on one side and frozen on the other",
@@ -324,6 +330,11 @@ class FindingKind(_Described):
         "prediction",
         "a real loader did not do what fsdpcheck predicted (a bug in fsdpcheck)",
         "a loader prediction was wrong",
+    )
+    UNEXPLAINED = (
+        "unexplained",
+        "the ranks' records differ in a field no other check explains (the last resort)",
+        "records differ",
     )
 
     @property

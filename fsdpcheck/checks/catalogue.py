@@ -17,12 +17,20 @@ from typing import Any
 from fsdpcheck.checks.config import config_findings
 from fsdpcheck.checks.env import env_findings
 from fsdpcheck.checks.flags import device_findings
-from fsdpcheck.checks.groups import Pair, group_ranks, pairs, reference_group, usable_groups
+from fsdpcheck.checks.groups import (
+    Pair,
+    group_ranks,
+    pairs,
+    reference_group,
+    speakers,
+    usable_groups,
+)
 from fsdpcheck.checks.hash_seed import ProbeResult, probe_finding
 from fsdpcheck.checks.layout import LAYOUT_KINDS, layout_findings
 from fsdpcheck.checks.loaded import load_findings, verify_findings
 from fsdpcheck.checks.observed import Observation, with_observations
 from fsdpcheck.checks.ties import tie_findings
+from fsdpcheck.checks.unexplained import unexplained_findings
 from fsdpcheck.checks.uninitialized import uninitialized_findings
 from fsdpcheck.checks.value import value_findings
 from fsdpcheck.checks.wrap_plan import wrap_plan_findings
@@ -34,7 +42,7 @@ from fsdpcheck.records import (
     LoadOutcome,
     VerifyResult,
 )
-from fsdpcheck.vocab import FindingKind, Word
+from fsdpcheck.vocab import FindingKind, Snapshot, Word
 
 
 class Need(Word):
@@ -50,9 +58,10 @@ class Need(Word):
     AFTER_LOAD = "after-load"  # --load: every rank's ties and buffers, gathered again
     PROBE = "probe"  # --probe K: the model built under other hash seeds
     OBSERVED = "observed"  # --reproduce: what the real loaders did
+    FINDINGS = "findings"  # every finding of the checks before it (always there)
 
 
-_SNAPSHOTS = frozenset({Need.PRE_WRAP, Need.POST_WRAP})
+_ALWAYS = frozenset({Need.PRE_WRAP, Need.POST_WRAP, Need.FINDINGS})
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,7 @@ class Evidence:
     probe: ProbeResult | None = None
     loaders: Sequence[LoaderPrediction] = ()  # the predictions the observations are held to
     observed: Mapping[str, Observation] | None = None
+    findings: Sequence[Finding] = ()  # for a check that needs Need.FINDINGS: those before it
 
     @cached_property
     def groups(self) -> list[Group]:
@@ -80,7 +90,7 @@ class Evidence:
             Need.PROBE: self.probe is not None,
             Need.OBSERVED: bool(self.observed),
         }
-        return need in _SNAPSHOTS or present[need]
+        return need in _ALWAYS or present[need]
 
 
 @dataclass(frozen=True)
@@ -125,7 +135,9 @@ def _devices(e: Evidence) -> list[Finding]:
         return []
     usable = usable_groups(e.groups, records)
     return device_findings(
-        reference.representative, [(g.ranks, records[g.representative]) for g in usable]
+        reference.representative,
+        [(g.ranks, records[g.representative]) for g in usable],
+        speakers(e.gathered, reference),
     )
 
 
@@ -156,6 +168,14 @@ def _probe(e: Evidence) -> list[Finding]:
     return [] if found is None else [found]
 
 
+def _unexplained(e: Evidence) -> list[Finding]:
+    return unexplained_findings(e.gathered, e.groups, e.findings)
+
+
+def _unexplained_after_load(e: Evidence) -> list[Finding]:
+    return unexplained_findings(e.gathered, e.groups, e.findings, Snapshot.LOAD)
+
+
 def _prediction(e: Evidence) -> list[Finding]:
     return list(with_observations(e.loaders, e.observed)[1])
 
@@ -179,6 +199,15 @@ CHECKS: tuple[Check, ...] = _checks(
     ("value-after-load", (K.VALUE,), {N.AFTER_LOAD, N.VALUES}, _values, ""),
     ("hash-seed", (K.HASH_SEED,), {N.PROBE}, _probe, ""),
     ("prediction", (K.PREDICTION,), {N.OBSERVED}, _prediction, ""),
+    # The last resort: a record that differs where no finding above names its ranks.
+    ("unexplained", (K.UNEXPLAINED,), {N.FINDINGS}, _unexplained, ""),
+    (
+        "unexplained-after-load",
+        (K.UNEXPLAINED,),
+        {N.AFTER_LOAD, N.FINDINGS},
+        _unexplained_after_load,
+        "",
+    ),
 )
 
 
@@ -194,6 +223,8 @@ def run_checks(evidence: Evidence, checks: Sequence[Check] = CHECKS) -> list[Fin
             continue
         for check in block:
             view = _read_by(check, evidence)
+            if view is not None and Need.FINDINGS in check.needs:
+                view = replace(view, findings=tuple(findings))
             if view is not None and check.ready(view):
                 findings.extend(check.run(view))
     return findings

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from fsdpcheck.records import Group, RankRecord
+from fsdpcheck.records import Gathered, Group, RankRecord
 
 
 def group_ranks(digests: Mapping[int, str], hosts: Mapping[int, str] | None = None) -> list[Group]:
@@ -68,3 +68,26 @@ def pairs(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> Iterato
 def _has_record(group: Group, records: Mapping[int, RankRecord]) -> bool:
     record = records.get(group.representative)
     return record is not None and record.error is None
+
+
+def speakers(gathered: Gathered, reference: Group) -> list[tuple[tuple[int, ...], RankRecord]]:
+    """Every record rank 0 holds but the reference's, each with the ranks it speaks for: the
+    ranks with its group digest and its value digests (values and devices). Group
+    representatives and the value senders of :class:`Gathered` ``extra``; errors left out."""
+
+    def key(rank: int) -> tuple:
+        values = gathered.values or {}
+        return gathered.digests.get(rank), values.get(rank)
+
+    held = {**gathered.records, **(gathered.extra or {})}
+    ref_key = key(reference.representative)
+    seen = {ref_key}
+    out = []
+    for rank in sorted(held):
+        record = held[rank]
+        if record.error is not None or key(rank) in seen:
+            continue
+        seen.add(key(rank))
+        ranks = tuple(r for r in sorted(gathered.digests) if key(r) == key(rank))
+        out.append((ranks, record))
+    return out

@@ -81,8 +81,11 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
             trust_remote_code=options.trust_remote_code,
         ),
     )
+    # As the audit: parameters' values are compared only where every rank holds its own.
+    values = options.init == "all"
     pre = stages.run(
-        Stage.FINGERPRINT_PRE, lambda: fingerprint.fingerprint(built.model, Snapshot.PRE_WRAP)
+        Stage.FINGERPRINT_PRE,
+        lambda: fingerprint.fingerprint(built.model, Snapshot.PRE_WRAP, param_values=values),
     )
     planned = stages.run(
         Stage.WRAP_PLAN,
@@ -101,7 +104,9 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
             def wrap_and_fingerprint():
                 with private_mesh() as mesh:
                     wrap.apply(planned.modules, mesh)
-                    return fingerprint.fingerprint(built.model, Snapshot.POST_WRAP)
+                    return fingerprint.fingerprint(
+                        built.model, Snapshot.POST_WRAP, param_values=values
+                    )
 
             post = stages.run(Stage.WRAP, wrap_and_fingerprint)
     elif not options.wrap:
