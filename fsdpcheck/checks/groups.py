@@ -71,23 +71,29 @@ def _has_record(group: Group, records: Mapping[int, RankRecord]) -> bool:
 
 
 def speakers(gathered: Gathered, reference: Group) -> list[tuple[tuple[int, ...], RankRecord]]:
-    """Every record rank 0 holds but the reference's, each with the ranks it speaks for: the
-    ranks with its group digest and its value digests (values and devices). Group
-    representatives and the value senders of :class:`Gathered` ``extra``; errors left out."""
+    """Every record rank 0 holds but the reference's, each with the ranks it speaks for.
 
-    def key(rank: int) -> tuple:
-        values = gathered.values or {}
-        return gathered.digests.get(rank), values.get(rank)
+    A group's representative speaks for the ranks of its group with its value digest (values
+    and devices of what must agree everywhere); a value sender (:class:`Gathered` ``extra``), for
+    the ranks that also hold its local shards' digest. Records with an error are left out."""
+    values, replicas = gathered.values or {}, gathered.replicas or {}
+    extra = gathered.extra or {}
 
-    held = {**gathered.records, **(gathered.extra or {})}
-    ref_key = key(reference.representative)
-    seen = {ref_key}
+    def key(rank: int, fine: bool) -> tuple:
+        coarse = (gathered.digests.get(rank), values.get(rank))
+        return (*coarse, replicas.get(rank)) if fine else coarse
+
+    held = {**gathered.records, **extra}
+    seen = set()
     out = []
     for rank in sorted(held):
-        record = held[rank]
-        if record.error is not None or key(rank) in seen:
+        fine = rank in extra
+        mine = key(rank, fine)
+        if held[rank].error is not None or mine in seen:
             continue
-        seen.add(key(rank))
-        ranks = tuple(r for r in sorted(gathered.digests) if key(r) == key(rank))
-        out.append((ranks, record))
+        seen.add(mine)
+        if mine == key(reference.representative, fine):
+            continue
+        ranks = tuple(r for r in sorted(gathered.digests) if key(r, fine) == mine)
+        out.append((ranks, held[rank]))
     return out
