@@ -290,7 +290,7 @@ def _rank0_extras(
         if progress is not None:
             progress("probe")
         result, note = probing.result(deadline)
-        outcome = replace(outcome, probe=result, notes=(*outcome.notes, *filter(None, [note])))
+        outcome = replace(outcome, probe=result, probe_failure=note)
     return outcome
 
 

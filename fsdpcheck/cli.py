@@ -303,10 +303,16 @@ def _build_fields(
 def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
     if not text:
         return None
+    from fsdpcheck.options import mesh_problem
+
     try:
-        return tuple(int(part) for part in text.replace("x", ",").split(","))
+        mesh = tuple(int(part) for part in text.replace("x", ",").split(","))
     except ValueError:
         raise typer.BadParameter(f"{text!r}: expected REPLICATE,SHARD, e.g. 2,4") from None
+    problem = mesh_problem(mesh)
+    if problem:
+        raise typer.BadParameter(problem)
+    return mesh
 
 
 def _stdout() -> Console:

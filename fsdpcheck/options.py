@@ -74,3 +74,31 @@ class Budgets:
 def child_collective_timeout(job_timeout: float) -> float:
     """One collective inside a child job: it gives up (and says so) before the job is killed."""
     return max(2.0, 0.5 * job_timeout)
+
+
+def mesh_problem(mesh: tuple[int, ...], world_size: int | None = None) -> str:
+    """What is wrong with ``--mesh`` (one paragraph), or "" when it is a mesh fsdpcheck builds:
+    one size (FSDP over every rank) or REPLICATE,SHARD (HSDP), positive, and, once the world
+    size is known, covering exactly every rank."""
+    given = ",".join(map(str, mesh))
+    example = "pass REPLICATE,SHARD whose product is the world size (e.g. --mesh 2,4 on 8 ranks)"
+    if not 1 <= len(mesh) <= 2:
+        return (
+            f"--mesh {given}: {len(mesh)} sizes, but fsdpcheck builds a mesh of one dim (FSDP) or "
+            f"two (HSDP: replicate, shard); {example}, or omit --mesh."
+        )
+    bad = [d for d in mesh if d < 1]
+    if bad:
+        return (
+            f"--mesh {given}: every size must be a positive number of ranks, not "
+            f"{', '.join(map(str, bad))}; {example}, or omit --mesh."
+        )
+    product = 1
+    for d in mesh:
+        product *= d
+    if world_size is not None and product != world_size:
+        return (
+            f"--mesh {given} covers {product} ranks but WORLD_SIZE is {world_size}; {example}, "
+            "or omit --mesh."
+        )
+    return ""

@@ -36,6 +36,25 @@ from fsdpcheck.vocab import (
 
 SCHEMA = "fsdpcheck.report/2"
 
+# The per-rank record's fields that may differ between ranks that agree, as "Class.field": who
+# and where a rank is, and hints. Every other field of RankRecord and the records it holds is
+# compared: it is in the group digest, or, for values and devices, in the value digests (see
+# fsdpcheck.checks.value.value_digests). tests/unit/test_invariant.py mutates each field in turn.
+INFORMATIONAL = frozenset(
+    {
+        "EnvRecord.rank",  # who the rank is in its job
+        "EnvRecord.local_rank",
+        "EnvRecord.world_size",
+        "EnvRecord.host",
+        "EnvRecord.hash_seed",  # order under other seeds is the probe's question (hash-seed)
+        "TensorRecord.local_shape",  # uneven shards: the last rank may hold fewer rows
+        "TensorRecord.head",  # the first values, a hint: the digest carries the values
+        "BufferProblem.got",  # garbage differs per rank; the problem itself is compared
+        "BufferProblem.expected",
+        "RankRecord.shard_key",  # which ranks are replicas: who is compared, not what they hold
+    }
+)
+
 T = TypeVar("T")
 
 
@@ -97,6 +116,36 @@ def _is_word(hint: Any) -> bool:
     return isinstance(hint, type) and issubclass(hint, Enum)
 
 
+# Compared, but through the value digests (fsdpcheck.checks.value.value_digests), where both ranks
+# hold values: on meta a tensor has neither, and ranks > 0 of --init rank0 must not split off.
+IN_VALUE_DIGEST = frozenset({"TensorRecord.digest", "TensorRecord.device"})
+
+
+def compared(record: Any) -> Any:
+    """:func:`to_dict` of ``record`` without the fields the group digest leaves out:
+    :data:`INFORMATIONAL`, :data:`IN_VALUE_DIGEST` and a rank's error (an error is its own
+    digest)."""
+    if isinstance(record, Enum):
+        return record.value
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
+        name = type(record).__name__
+        return {
+            f.name: compared(getattr(record, f.name))
+            for f in dataclasses.fields(record)
+            if f"{name}.{f.name}" not in INFORMATIONAL | IN_VALUE_DIGEST
+            and f"{name}.{f.name}" != "RankRecord.error"
+        }
+    if isinstance(record, (list, tuple)):
+        return [compared(item) for item in record]
+    if isinstance(record, Mapping):
+        return {str(key): compared(value) for key, value in record.items()}
+    return record
+
+
+def _canonical(view: Any) -> str:
+    return json.dumps(view, sort_keys=True, separators=(",", ":"), default=repr)
+
+
 def short_digest(*parts: str, size: int = 16) -> str:
     h = hashlib.blake2b(digest_size=size)
     for part in parts:
@@ -150,6 +199,7 @@ class Fingerprint:
             repr([t.layout() for t in self.params]),
             repr(self.state_dict_keys),
             repr([t.requires_grad for t in self.params]),
+            repr(self.aliases),
         )
 
 
@@ -242,10 +292,6 @@ class TieRecord:
     shared: tuple[tuple[str, ...], ...] = ()  # groups of two or more names on one storage
     expected: tuple[tuple[str, str], ...] = ()  # (tied name, its source)
 
-    def digest_part(self) -> str:
-        # str(): the value, as a plain string, whether the field holds the member or not.
-        return repr((str(self.stage), self.shared, self.expected))
-
 
 @dataclass(frozen=True)
 class BufferProblem:
@@ -256,10 +302,6 @@ class BufferProblem:
     reason: BufferReason
     got: tuple[str, ...] = ()  # first values on this rank ("%.6g")
     expected: tuple[str, ...] = ()  # first values of the reference, for "differs"
-
-    def digest_part(self) -> str:
-        # Values stay out: garbage differs per rank, and must not split ranks into groups.
-        return repr((self.name, str(self.stage), str(self.reason)))
 
 
 @dataclass(frozen=True)
@@ -281,25 +323,17 @@ class RankRecord:
     shard_key: str | None = None  # equal on HSDP replicas: the same shard coordinate(s)
 
     def group_digest(self) -> str:
-        """Equal for ranks that must be treated alike: same layouts, same versions, same state
-        flags, wrap plan, config, ties and buffer problems, no error. Values stay out (see
-        :func:`value_digest`)."""
+        """Equal for ranks that must be treated alike: every field but the values, devices and
+        those in :data:`INFORMATIONAL` (same layouts, versions, state flags, wrap plan, config,
+        ties and buffer problems, no error). Values and devices are the value digests' (see
+        :func:`fsdpcheck.checks.value.value_digests`): ranks on meta hold none."""
         if self.error is not None:
-            return short_digest("error", str(self.env.rank), self.error.stage, self.error.message)
-        parts = [
-            self.env._digest_part(),
-            self.pre_wrap.layout_digest() if self.pre_wrap else "-",
-            self.post_wrap.layout_digest() if self.post_wrap else "-",
-        ]
-        parts.append(repr([t.digest_part() for t in self.ties]))
-        parts.append(repr(sorted(p.digest_part() for p in self.uninitialized)))
-        if self.fsdp_plan is not None:
-            parts.append("fsdp:" + self.fsdp_plan.digest())
-        if self.config is not None:
-            parts.append("config:" + self.config.digest)
-        if self.misplaced:
-            parts.append("misplaced:" + repr(self.misplaced))
-        return short_digest(*parts)
+            error = self.error
+            return short_digest("error", str(self.env.rank), error.stage, error.message, error.kind)
+        view = compared(self)
+        # Buffer problems come in whatever order each rank found them; what counts is which.
+        view["uninitialized"] = sorted(view["uninitialized"], key=_canonical)
+        return short_digest(_canonical(view))
 
     def fingerprints(self) -> tuple[Fingerprint, ...]:
         return tuple(fp for fp in (self.pre_wrap, self.post_wrap) if fp is not None)

@@ -69,6 +69,7 @@ class Stage(Word):
     STATE_AFTER_LOAD = "state-after-load"  # every rank's ties and buffers, after the load
     STEP = "step"  # check_step / audit --step: the training step, under the collective watch
     STEP_REPORT = "step-report"  # every rank's step record, gathered
+    PROBE = "probe"  # rank 0's --probe K: the model built under K hash seeds
     ABORT = "abort"
 
 
@@ -287,6 +288,11 @@ class FindingKind(_Described):
         "the same state-dict keys, walked in a different order",
         "state-dict order differs",
     )
+    STATE_DICT_KEYS = (
+        "state-dict-keys",
+        "state-dict keys present on one side only, with the same buffers and parameters",
+        "state-dict keys differ",
+    )
     REQUIRES_GRAD = (
         "requires-grad",
         "a parameter is trainable on one side and frozen on the other",
@@ -348,6 +354,11 @@ class FindingKind(_Described):
         "prediction",
         "a real loader did not do what fsdpcheck predicted (a bug in fsdpcheck)",
         "a loader prediction was wrong",
+    )
+    UNEXPLAINED = (
+        "unexplained",
+        "the ranks' records differ in a field no other check explains (the last resort)",
+        "records differ",
     )
 
     @property

@@ -18,13 +18,21 @@ from fsdpcheck.checks.collectives import RankTrace, collective_findings
 from fsdpcheck.checks.config import config_findings
 from fsdpcheck.checks.env import env_findings
 from fsdpcheck.checks.flags import device_findings
-from fsdpcheck.checks.groups import Pair, group_ranks, pairs, reference_group, usable_groups
+from fsdpcheck.checks.groups import (
+    Pair,
+    group_ranks,
+    pairs,
+    reference_group,
+    speakers,
+    usable_groups,
+)
 from fsdpcheck.checks.hash_seed import ProbeResult, probe_finding
 from fsdpcheck.checks.layout import LAYOUT_KINDS, layout_findings
 from fsdpcheck.checks.loaded import load_findings, verify_findings
 from fsdpcheck.checks.observed import Observation, with_observations
 from fsdpcheck.checks.step import StepRecord, divergence_finding, non_finite_finding
 from fsdpcheck.checks.ties import tie_findings
+from fsdpcheck.checks.unexplained import unexplained_findings
 from fsdpcheck.checks.uninitialized import uninitialized_findings
 from fsdpcheck.checks.value import value_findings
 from fsdpcheck.checks.wrap_plan import wrap_plan_findings
@@ -36,7 +44,7 @@ from fsdpcheck.records import (
     LoadOutcome,
     VerifyResult,
 )
-from fsdpcheck.vocab import FindingKind, Word
+from fsdpcheck.vocab import FindingKind, Snapshot, Word
 
 
 class Need(Word):
@@ -54,9 +62,10 @@ class Need(Word):
     OBSERVED = "observed"  # --reproduce: what the real loaders did
     STEP = "step"  # check_step, audit --step: every rank's record of its watched step
     TRACES = "traces"  # explain: every rank's Flight Recorder trace of a job that already ran
+    FINDINGS = "findings"  # every finding of the checks before it (always there)
 
 
-_SNAPSHOTS = frozenset({Need.PRE_WRAP, Need.POST_WRAP})
+_ALWAYS = frozenset({Need.PRE_WRAP, Need.POST_WRAP, Need.FINDINGS})
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class Evidence:
     observed: Mapping[str, Observation] | None = None
     step: Mapping[int, StepRecord] | None = None  # by rank
     traces: Mapping[int, RankTrace] | None = None  # by rank; the records are fingerprints
+    findings: Sequence[Finding] = ()  # for a check that needs Need.FINDINGS: those before it
 
     @cached_property
     def groups(self) -> list[Group]:
@@ -88,7 +98,7 @@ class Evidence:
             Need.STEP: self.step is not None,
             Need.TRACES: self.traces is not None,
         }
-        return need in _SNAPSHOTS or present[need]
+        return need in _ALWAYS or present[need]
 
 
 @dataclass(frozen=True)
@@ -133,7 +143,9 @@ def _devices(e: Evidence) -> list[Finding]:
         return []
     usable = usable_groups(e.groups, records)
     return device_findings(
-        reference.representative, [(g.ranks, records[g.representative]) for g in usable]
+        reference.representative,
+        [(g.ranks, records[g.representative]) for g in usable],
+        speakers(e.gathered, reference),
     )
 
 
@@ -162,6 +174,14 @@ def _verify(e: Evidence) -> list[Finding]:
 def _probe(e: Evidence) -> list[Finding]:
     found = probe_finding(e.probe)
     return [] if found is None else [found]
+
+
+def _unexplained(e: Evidence) -> list[Finding]:
+    return unexplained_findings(e.gathered, e.groups, e.findings)
+
+
+def _unexplained_after_load(e: Evidence) -> list[Finding]:
+    return unexplained_findings(e.gathered, e.groups, e.findings, Snapshot.LOAD)
 
 
 def _prediction(e: Evidence) -> list[Finding]:
@@ -204,6 +224,15 @@ CHECKS: tuple[Check, ...] = _checks(
     ("step", (K.STEP,), {N.STEP}, _step, ""),
     ("non-finite-in-step", (K.NON_FINITE,), {N.STEP}, _non_finite_in_step, ""),
     ("collective", (K.COLLECTIVE,), {N.TRACES}, _collectives, ""),
+    # The last resort: a record that differs where no finding above names its ranks.
+    ("unexplained", (K.UNEXPLAINED,), {N.FINDINGS}, _unexplained, ""),
+    (
+        "unexplained-after-load",
+        (K.UNEXPLAINED,),
+        {N.AFTER_LOAD, N.FINDINGS},
+        _unexplained_after_load,
+        "",
+    ),
 )
 
 # What a gather of every rank's state says on its own (after a training step, say).
@@ -231,6 +260,8 @@ def run_checks(evidence: Evidence, checks: Sequence[Check] = CHECKS) -> list[Fin
             continue
         for check in block:
             view = _read_by(check, evidence)
+            if view is not None and Need.FINDINGS in check.needs:
+                view = replace(view, findings=tuple(findings))
             if view is not None and check.ready(view):
                 findings.extend(check.run(view))
     return findings

@@ -25,9 +25,14 @@ _MISSING = object()
 def config_findings(
     ref_rank: int, ref: ConfigRecord | None, ranks: Sequence[int], other: ConfigRecord | None
 ) -> list[Finding]:
-    """At most one finding naming every key path whose value differs. Nothing when either side
-    has no config (a model without one) or the digests agree."""
-    if ref is None or other is None or ref.digest == other.digest:
+    """At most one finding naming every key path whose value differs, or the side that recorded
+    no config while the other did (its config had no dict form, or could not be read). Nothing
+    when neither side has one (a model without a config) or the digests agree."""
+    if ref is None and other is None:
+        return []
+    if ref is None or other is None:
+        return [_unrecorded(ref_rank, ranks, reference_missing=ref is None)]
+    if ref.digest == other.digest:
         return []
     diffs = config_differences(ref.canonical, other.canonical)
     if not diffs:  # equal content, different digests: nothing a person could act on
@@ -50,6 +55,22 @@ def config_findings(
             details={"differences": diffs[:_MAX_PATHS], "count": len(diffs)},
         )
     ]
+
+
+def _unrecorded(ref_rank: int, ranks: Sequence[int], *, reference_missing: bool) -> Finding:
+    without, holder = f"rank {ref_rank}", ranks_label(ranks)
+    if not reference_missing:
+        without, holder = holder, without
+    return Finding(
+        kind=FindingKind.CONFIG,
+        ranks=tuple(ranks),
+        reference_rank=ref_rank,
+        stage="pre-wrap",
+        cause="construction-time",
+        summary=f"{FindingKind.CONFIG.phrase}: {without} recorded no config (none, or it could "
+        f"not be read there) while {holder} did, so the configs could not be compared",
+        details={"unrecorded": "reference" if reference_missing else "other"},
+    )
 
 
 def config_differences(a: Any, b: Any, path: str = "") -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from fsdpcheck.records import (
     RankRecord,
 )
 from fsdpcheck.text import ranks_label
-from fsdpcheck.vocab import FindingKind
+from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 _LISTED = 3
 # Backends whose collectives only take accelerator tensors. A mixed backend string such as
@@ -107,10 +107,13 @@ def misplaced(record: RankRecord) -> tuple[str, ...]:
 
 
 def device_findings(
-    ref_rank: int, groups: Sequence[tuple[Sequence[int], RankRecord]]
+    ref_rank: int,
+    groups: Sequence[tuple[Sequence[int], RankRecord]],
+    others: Sequence[tuple[Sequence[int], RankRecord]] = (),
 ) -> list[Finding]:
     """One finding per group (the reference group included) whose tensors are on a device its
-    job cannot use; then, after wrapping, names whose device type differs from the reference."""
+    job cannot use; then one per record of ``others`` (every other record rank 0 holds, with the
+    ranks it speaks for) whose tensors sit on other device types than the reference's."""
     findings = []
     for ranks, record in groups:
         wrong = device_exceptions(record)
@@ -119,12 +122,11 @@ def device_findings(
             after = "wrapping" if record.pre_wrap is not None else "unknown"
             findings.append(_exceptions_finding(ref_rank, ranks, wrong, after))
     ref = next((rec for ranks, rec in groups if ref_rank in ranks), None)
-    if ref is not None and ref.post_wrap is not None:
-        for ranks, record in groups:
-            if ref_rank not in ranks and record.post_wrap is not None:
-                finding = _cross_rank(ref_rank, ref.post_wrap, ranks, record.post_wrap)
-                if finding is not None:
-                    findings.append(finding)
+    if ref is not None:
+        for ranks, record in others:
+            finding = _cross_rank(ref_rank, ref, ranks, record)
+            if finding is not None:
+                findings.append(finding)
     return findings
 
 
@@ -187,30 +189,46 @@ def _exceptions_finding(
 
 
 def _cross_rank(
-    ref_rank: int, a: Fingerprint, ranks: Sequence[int], b: Fingerprint
+    ref_rank: int, ref: RankRecord, ranks: Sequence[int], other: RankRecord
 ) -> Finding | None:
+    """Names whose device type differs from the reference's, at the first stage both recorded
+    where any does (tensors on ``meta`` hold nothing yet and are never compared)."""
+    theirs = {fp.stage: fp for fp in other.fingerprints()}
+    stages = [fp.stage for fp in ref.fingerprints() if fp.stage in theirs]
+    for fp in ref.fingerprints():
+        if fp.stage not in theirs:
+            continue
+        diffs = _device_differences(fp, theirs[fp.stage])
+        if not diffs:
+            continue
+        if fp.stage == Snapshot.PRE_WRAP:
+            cause = Cause.CONSTRUCTION_TIME
+        else:  # the pre-wrap devices agreed, or there were none to tell
+            cause = Cause.WRAPPING if Snapshot.PRE_WRAP in stages else Cause.UNKNOWN
+        text = "; ".join(
+            f"{d['name']} is on {d['reference']} on rank {ref_rank} but on {d['other']} on "
+            f"{ranks_label(ranks)}"
+            for d in diffs[:_LISTED]
+        )
+        if len(diffs) > _LISTED:
+            text += f"; and {len(diffs) - _LISTED} more"
+        return Finding(
+            kind=FindingKind.DEVICE,
+            ranks=tuple(ranks),
+            reference_rank=ref_rank,
+            stage=fp.stage,
+            cause=cause,
+            summary=f"{FindingKind.DEVICE.phrase}: {text}",
+            tensors=tuple(d["name"] for d in diffs),
+            details={"differences": diffs},
+        )
+    return None
+
+
+def _device_differences(a: Fingerprint, b: Fingerprint) -> list[dict[str, Any]]:
     devices: Mapping[str, str] = {t.name: t.device for _, t in _tensors(a) if t.device != "meta"}
-    diffs = [
+    return [
         {"name": t.name, "reference": devices[t.name], "other": t.device}
         for _, t in _tensors(b)
         if t.device != "meta" and t.name in devices and devices[t.name] != t.device
     ]
-    if not diffs:
-        return None
-    text = "; ".join(
-        f"{d['name']} is on {d['reference']} on rank {ref_rank} but on {d['other']} on "
-        f"{ranks_label(ranks)}"
-        for d in diffs[:_LISTED]
-    )
-    if len(diffs) > _LISTED:
-        text += f"; and {len(diffs) - _LISTED} more"
-    return Finding(
-        kind=FindingKind.DEVICE,
-        ranks=tuple(ranks),
-        reference_rank=ref_rank,
-        stage="post-wrap",
-        cause="unknown",
-        summary=f"{FindingKind.DEVICE.phrase}: {text}",
-        tensors=tuple(d["name"] for d in diffs),
-        details={"differences": diffs},
-    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from fsdpcheck.records import Group, RankRecord
+from fsdpcheck.records import Gathered, Group, RankRecord
 
 
 def group_ranks(digests: Mapping[int, str], hosts: Mapping[int, str] | None = None) -> list[Group]:
@@ -68,3 +68,32 @@ def pairs(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> Iterato
 def _has_record(group: Group, records: Mapping[int, RankRecord]) -> bool:
     record = records.get(group.representative)
     return record is not None and record.error is None
+
+
+def speakers(gathered: Gathered, reference: Group) -> list[tuple[tuple[int, ...], RankRecord]]:
+    """Every record rank 0 holds but the reference's, each with the ranks it speaks for.
+
+    A group's representative speaks for the ranks of its group with its value digest (values
+    and devices of what must agree everywhere); a value sender (:class:`Gathered` ``extra``), for
+    the ranks that also hold its local shards' digest. Records with an error are left out."""
+    values, replicas = gathered.values or {}, gathered.replicas or {}
+    extra = gathered.extra or {}
+
+    def key(rank: int, fine: bool) -> tuple:
+        coarse = (gathered.digests.get(rank), values.get(rank))
+        return (*coarse, replicas.get(rank)) if fine else coarse
+
+    held = {**gathered.records, **extra}
+    seen = set()
+    out = []
+    for rank in sorted(held):
+        fine = rank in extra
+        mine = key(rank, fine)
+        if held[rank].error is not None or mine in seen:
+            continue
+        seen.add(mine)
+        if mine == key(reference.representative, fine):
+            continue
+        ranks = tuple(r for r in sorted(gathered.digests) if key(r, fine) == mine)
+        out.append((ranks, held[rank]))
+    return out

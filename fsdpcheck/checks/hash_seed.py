@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from fsdpcheck.records import Finding, Fingerprint, TensorRecord
+from fsdpcheck.records import Finding, Fingerprint, RankError, TensorRecord
 from fsdpcheck.text import int_ranges
-from fsdpcheck.vocab import Cause, FindingKind, LoaderVerdict, Snapshot
+from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoaderVerdict, Snapshot, Stage, Verdict
 
 
 @dataclass(frozen=True)
@@ -172,3 +172,23 @@ def probe_finding(result: ProbeResult) -> Finding | None:
             "sizes_differ": result.sizes_differ,
         },
     )
+
+
+def probe_error(seeds: int, result: ProbeResult | None, why: str | None = None) -> RankError | None:
+    """``--probe`` was asked for but did not answer: rank 0's error (the verdict ``error``, exit
+    3), never a silent ``consistent``. ``why``: why there is no result at all (its deadline
+    passed, it raised). A probe that found reorders answered, whatever else failed."""
+    if result is None:
+        message = f"--probe {seeds} did not run: {why or 'no result'}"
+    elif result.verdict == Verdict.ERROR:
+        first = result.errors[0]
+        lines = first.message.strip().splitlines()
+        failed = f"{len(result.errors)} of {len(result.seeds)} hash seeds did not build"
+        message = (
+            f"--probe {seeds}: {failed} (seed {first.seed}, {first.kind}: "
+            f"{lines[0] if lines else ''}), so the tensor order under other hash seeds was not "
+            "checked"
+        )
+    else:
+        return None
+    return RankError(0, Stage.PROBE, message, ErrorKind.RUNTIME)

@@ -32,6 +32,7 @@ LAYOUT_KINDS = (
     FindingKind.PARAM_DTYPE,
     FindingKind.PARAM_PLACEMENT,
     FindingKind.STATE_DICT_ORDER,
+    FindingKind.STATE_DICT_KEYS,
     FindingKind.REQUIRES_GRAD,
 )
 
@@ -183,6 +184,9 @@ def _stage_differences(a: Fingerprint, b: Fingerprint, stage: Snapshot, sides: _
     sd = _state_dict_order(a.state_dict_keys, b.state_dict_keys, sides)
     if sd is not None:
         out[FindingKind.STATE_DICT_ORDER] = sd
+    keys = _state_dict_keys(a, b, sides)
+    if keys is not None:
+        out[FindingKind.STATE_DICT_KEYS] = keys
     grads = requires_grad_difference(a, b, sides.ref, sides.other)
     if grads is not None:
         out[FindingKind.REQUIRES_GRAD] = grads
@@ -332,3 +336,37 @@ def _state_dict_order(ref_keys: Sequence[str], other_keys: Sequence[str], sides:
         f"{sides.verb('walks', 'walk')} {other_keys[i]}"
     )
     return moved, details, summary
+
+
+def _state_dict_keys(a: Fingerprint, b: Fingerprint, sides: _Sides) -> tuple | None:
+    """State-dict keys on one side only that no buffer or parameter explains: a module's
+    ``get_extra_state`` (``..._extra_state``), a state-dict hook, a renamed key. A key that is a
+    tensor's name on either side is the set, persistence or tie finding's to tell."""
+    tensors = {
+        name
+        for fp in (a, b)
+        for name in (*(t.name for t in (*fp.buffers, *fp.params)), *(n for n, _ in fp.aliases))
+    }
+    ref_keys, other_keys = set(a.state_dict_keys), set(b.state_dict_keys)
+    only_ref = [k for k in a.state_dict_keys if k not in other_keys and k not in tensors]
+    only_other = [k for k in b.state_dict_keys if k not in ref_keys and k not in tensors]
+    if not only_ref and not only_other:
+        return None
+    parts = [
+        f"only {who} {_names(keys)}"
+        for keys, who in ((only_ref, f"{sides.ref} has"), (only_other, sides.verb("has", "have")))
+        if keys
+    ]
+    details = {"only_reference": only_ref, "only_other": only_other}
+    summary = (
+        f"{FindingKind.STATE_DICT_KEYS.phrase}: {'; '.join(parts)} (not a buffer or parameter: "
+        "get_extra_state, a state-dict hook or a renamed key)"
+    )
+    return [*only_ref, *only_other], details, summary
+
+
+def _names(names: Sequence[str]) -> str:
+    text = ", ".join(names[:_LISTED])
+    if len(names) > _LISTED:
+        text += f" and {len(names) - _LISTED} more"
+    return text

@@ -36,16 +36,19 @@ def is_sharded(t: TensorRecord) -> bool:
 
 def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
     """(digest of what must agree on every rank, digest of this rank's local shards); ``None``
-    where the rank holds no values to compare (on meta, or nothing gathered)."""
+    where the rank holds no values to compare (on meta, or nothing gathered). Each tensor that
+    holds values counts with its device: a buffer on ``cuda`` on one rank and ``cpu`` on another
+    makes them differ even with equal values (the ``device`` check names it)."""
     shared: list[tuple[str, ...]] = []
     replica: list[tuple[str, ...]] = []
     for fp in record.fingerprints():
         for t in fp.buffers:
             if t.digest is not None:
-                shared.append((fp.stage, "buffer", t.name, t.digest))
+                shared.append((fp.stage, "buffer", t.name, t.device, t.digest))
         for t in fp.params:
             if t.digest is not None:
-                (replica if is_sharded(t) else shared).append((fp.stage, "param", t.name, t.digest))
+                entry = (fp.stage, "param", t.name, t.device, t.digest)
+                (replica if is_sharded(t) else shared).append(entry)
     return (
         short_digest(repr(shared)) if shared else None,
         short_digest(repr(replica)) if replica else None,

@@ -35,7 +35,7 @@ def wrap_plan_findings(
     ref_rank: int, ref: FsdpPlanRecord | None, ranks: Sequence[int], other: FsdpPlanRecord | None
 ) -> list[Finding]:
     """At most one finding: everything in ``other``'s plan that differs from the reference's.
-    Nothing when neither side is wrapped, or either side's plan could not be read."""
+    Nothing when neither side is wrapped, or neither side's plan could be read."""
     if ref is None and other is None:
         return []
     ref_label, other_label = f"rank {ref_rank}", ranks_label(ranks)
@@ -44,8 +44,18 @@ def wrap_plan_findings(
         summary = f"{FindingKind.WRAP_PLAN.phrase}: {unwrapped} did not apply fully_shard at all"
         details = {"unwrapped": "reference" if ref is None else "other"}
         return [_finding(ref_rank, ranks, summary, details, ())]
+    if ref.unavailable and other.unavailable:
+        return []  # nothing to compare on either side (the unexplained check sees other reasons)
     if ref.unavailable or other.unavailable:
-        return []
+        which, why = (
+            (ref_label, ref.unavailable) if ref.unavailable else (other_label, other.unavailable)
+        )
+        summary = (
+            f"{FindingKind.WRAP_PLAN.phrase}: the FSDP2 plan could not be read on {which} "
+            f"({why}), so the plans could not be compared"
+        )
+        details = {"unavailable": "reference" if ref.unavailable else "other", "why": why}
+        return [_finding(ref_rank, ranks, summary, details, ())]
     parts: list[str] = []
     details: dict[str, Any] = {}
     tensors: list[str] = []

@@ -104,7 +104,9 @@ def probe(
     if reorders:
         verdict, code = Verdict.LATENT, ExitCode.FINDINGS
     elif errors:
-        verdict, code = Verdict.ERROR, errors_exit_code(e.kind for e in errors)
+        # A seed that ran out of time is a runtime failure (SeedError.kind "timeout").
+        kinds = ("runtime" if e.kind == "timeout" else e.kind for e in errors)
+        verdict, code = Verdict.ERROR, errors_exit_code(kinds)
     else:
         verdict, code = Verdict.CONSISTENT, ExitCode.CONSISTENT
     return ProbeResult(

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from fsdpcheck.distributed import launcher
 from fsdpcheck.errors import InputError
+from fsdpcheck.options import mesh_problem
 from fsdpcheck.vocab import Backend
 
 log = logging.getLogger(__name__)
@@ -125,15 +126,9 @@ def init(
 def _mesh_shape(requested: tuple[int, ...] | None, world_size: int, rank: int) -> tuple[int, ...]:
     if not requested:
         return (world_size,)
-    product = 1
-    for d in requested:
-        product *= d
-    if len(requested) > 2 or product != world_size or min(requested) < 1:
-        raise InputError(
-            f"rank {rank}: --mesh {','.join(map(str, requested))} needs "
-            f"{product} ranks but WORLD_SIZE is {world_size}; pass REPLICATE,SHARD whose "
-            "product is the world size (e.g. --mesh 2,4 on 8 ranks), or omit --mesh."
-        )
+    problem = mesh_problem(tuple(requested), world_size)
+    if problem:
+        raise InputError(f"rank {rank}: {problem}")
     return tuple(requested)
 
 

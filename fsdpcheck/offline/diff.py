@@ -10,9 +10,10 @@ import os
 from collections.abc import Sequence
 from dataclasses import replace
 
+from fsdpcheck.checks.gather_view import gathered_from
 from fsdpcheck.errors import InputError
 from fsdpcheck.offline.files import FingerprintFile, Inputs, Loaded, need_two, read_inputs
-from fsdpcheck.records import Gathered, RankRecord, Report
+from fsdpcheck.records import RankRecord, Report
 
 
 def diff_fingerprints(paths: Sequence[str | os.PathLike]) -> Report:
@@ -41,7 +42,7 @@ def diff_records(inputs: Inputs | Sequence[Loaded]) -> Report:
     else:
         ranked = sorted(zip(recorded, files, strict=True), key=lambda pair: pair[0])
     records = {rank: _as_rank(f.content.record, rank) for rank, f in ranked}
-    gathered = _gathered(records)
+    gathered = gathered_from(records)
     first = ranked[0][1].content
     report = assemble(AuditOutcome(gathered, model=first.model, wrap_plan=first.wrap), None)
     warnings = list(report.warnings)
@@ -77,17 +78,6 @@ def _as_rank(record: RankRecord, rank: int) -> RankRecord:
     return replace(record, env=replace(record.env, rank=rank), error=error)
 
 
-def _gathered(records: dict[int, RankRecord]) -> Gathered:
-    """What the gather would hold had these ranks run together (group digests from records)."""
-    return Gathered(
-        digests={rank: r.group_digest() for rank, r in records.items()},
-        hosts={rank: r.env.host for rank, r in records.items()},
-        records=dict(records),
-        bytes_sent=0,
-        meta_ranks=tuple(rank for rank, r in records.items() if _built_on_meta(r)),
-    )
-
-
 def _positional_note(ranked: list[tuple[int, Loaded]]) -> str:
     mapping = ", ".join(
         f"{f.path} (recorded rank {f.content.record.env.rank}) → rank {rank}" for rank, f in ranked
@@ -107,9 +97,3 @@ def _model_notes(contents: list[FingerprintFile]) -> list[str]:
         f"{name} ({arch}, {dtype}, init {init})" for name, arch, dtype, init in sorted(described)
     )
     return [f"the files describe different model builds: {listed}"]
-
-
-def _built_on_meta(record: RankRecord) -> bool:
-    """As the gather flags it: some tensor was on ``meta`` before wrapping."""
-    fp = record.pre_wrap
-    return fp is not None and any(t.device == "meta" for t in (*fp.buffers, *fp.params))

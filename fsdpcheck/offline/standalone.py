@@ -13,7 +13,7 @@ from fsdpcheck.model.wrap import DEFAULT_MIN_PARAMS
 from fsdpcheck.offline.files import FingerprintFile, env_record, process_identity
 from fsdpcheck.options import BuildSpec
 from fsdpcheck.pipeline import Stages, build_from
-from fsdpcheck.vocab import Snapshot, Stage
+from fsdpcheck.vocab import Init, Snapshot, Stage
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,11 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
     identity = process_identity(options.rank)
     stages = Stages(identity.rank)
     built, _ = build_from(options, identity.rank, stages)
+    # As the audit: parameters' values are compared only where every rank holds its own.
+    values = options.init == Init.ALL
     pre = stages.run(
-        Stage.FINGERPRINT_PRE, lambda: look(built.model, Snapshot.PRE_WRAP, buffers=False)
+        Stage.FINGERPRINT_PRE,
+        lambda: look(built.model, Snapshot.PRE_WRAP, param_values=values, buffers=False),
     )
     planned = stages.run(
         Stage.WRAP_PLAN,
@@ -57,7 +60,7 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
             def wrap_and_look():
                 with private_mesh() as mesh:  # the look needs the group the shards live on
                     wrap.apply(planned.modules, mesh)
-                    return look(built.model, Snapshot.POST_WRAP, buffers=False)
+                    return look(built.model, Snapshot.POST_WRAP, param_values=values, buffers=False)
 
             post = stages.run(Stage.WRAP, wrap_and_look)
     elif not options.wrap:

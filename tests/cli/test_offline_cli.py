@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import run_ranks
+from conftest import run_cli, run_ranks
 from typer.testing import CliRunner
 
 from fsdpcheck.cli import app
@@ -77,3 +77,27 @@ def test_inside_a_job_the_fingerprint_leaves_the_jobs_group_alone() -> None:
     assert content.record.pre_wrap is not None and content.record.post_wrap is None
     assert content.record.error is None and content.wrap is None
     assert any("already belongs to a process group" in note for note in content.notes)
+
+
+def _fingerprint(tmp_path: Path, seed: int, rank: int) -> Path:
+    out = tmp_path / f"seed{seed}-rank{rank}.json"
+    args = ["fingerprint", "--model", "hazard", "--init", "all", "--seed", str(seed)]
+    done = run_cli([*args, "--rank", str(rank), "--out", str(out)], env={"PYTHONHASHSEED": "0"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def test_diff_of_two_seeds_compares_values_as_the_audit_does(tmp_path: Path) -> None:
+    """Two `fingerprint --init all` processes with different --seed: every rank built its own
+    random weights, so the parameters differ (a `value` finding); the same seed is consistent."""
+    first, other = _fingerprint(tmp_path, 1, 0), _fingerprint(tmp_path, 2, 1)
+    record = json.loads(first.read_text())["record"]
+    assert all(p["digest"] for p in record["pre_wrap"]["params"])  # --init all: values recorded
+    done = run_cli(["diff", str(first), str(other), "--json", str(tmp_path / "diff.json")])
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads((tmp_path / "diff.json").read_text())
+    assert [(f["kind"], f["ranks"], f["stage"]) for f in report["findings"]] == [
+        ("value", [1], "pre-wrap")
+    ]
+    same = run_cli(["diff", str(first), str(_fingerprint(tmp_path, 1, 1))])
+    assert same.returncode == 0 and "verdict: consistent" in same.stdout, same.stdout

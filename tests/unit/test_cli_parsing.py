@@ -37,6 +37,13 @@ def test_a_malformed_mesh_is_bad_usage() -> None:
     assert "REPLICATE,SHARD" in result.output
 
 
+def test_a_mesh_fsdpcheck_cannot_build_is_bad_usage_that_says_why() -> None:
+    for mesh, why in (("2,2,2", "3 sizes"), ("-1,-2", "positive number of ranks, not -1, -2")):
+        result = runner.invoke(app, ["audit", "--model", "hazard", "--mesh", mesh])
+        assert result.exit_code == 2, result.output
+        assert why in " ".join(result.output.replace("│", " ").split()), result.output
+
+
 def test_an_unknown_choice_is_bad_usage() -> None:
     for args in (["audit", "--init", "sometimes"], ["audit", "--backend", "mpi"]):
         result = runner.invoke(app, args)

@@ -205,7 +205,11 @@ def test_a_rank_that_did_not_wrap_and_unreadable_plans():
     )
     unreadable = FsdpPlanRecord(groups=(), unavailable="AttributeError: private API moved")
     _, findings = run({0: record(0, fsdp_plan=plan()), 1: record(1, fsdp_plan=unreadable)})
-    assert findings == []  # never a finding from what could not be read
+    # Unreadable on one side only: the plans were not compared, and the report says so.
+    assert kinds(findings) == ["wrap-plan"] and findings[0].details["unavailable"] == "other"
+    assert "could not be read on rank 1 (AttributeError: private API moved)" in findings[0].summary
+    _, findings = run({r: record(r, fsdp_plan=unreadable) for r in (0, 1)})
+    assert findings == []  # unreadable everywhere: nothing to compare, nothing different
 
 
 def test_identical_plans_are_one_group_and_round_trip():
