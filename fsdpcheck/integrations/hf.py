@@ -87,7 +87,9 @@ class FirstStepWatch:
         # An instance attribute of the user's own (a wrapper of theirs) is put back as it was.
         self._own = trainer.__dict__.get("training_step")
 
-    def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+    def __call__(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        """``training_step(model, inputs, num_items_in_batch=None)``, passed on as called (a
+        Trainer without ``num_items_in_batch`` gets none)."""
         trainer = self.trainer
         if self._own is None:
             del trainer.training_step  # later steps: the class's training_step, plain
@@ -96,7 +98,7 @@ class FirstStepWatch:
         losses: list[Any] = []
 
         def step() -> Any:
-            losses.append(trainer.training_step(model, inputs, num_items_in_batch))
+            losses.append(trainer.training_step(model, *args, **kwargs))
             return losses[-1]
 
         self.result = run_step_check(

@@ -93,7 +93,7 @@ def test_hf_trainer_checks_the_first_training_step(tmp_path_factory) -> None:
     for record in records:
         clean, extra = record["step-clean"], record["step-extra"]
         assert clean["raised"] is None and clean["warned"] == [], clean
-        assert clean["returned"] == {"global_step": 2, "step_exit": 0}
+        assert clean["returned"] == {"global_step": 2, "step_exit": 0, "plain_after": True}
         assert extra["returned"] is None and extra["warned"] == []
         assert extra["raised"]["exit_code"] == 1
         assert (

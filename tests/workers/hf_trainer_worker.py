@@ -69,7 +69,8 @@ def first_step(variant: str) -> dict:
 
     def run():
         steps = trainer.train().global_step
-        return {"global_step": steps, "step_exit": watch.result.exit_code}
+        plain = "training_step" not in vars(trainer)  # the watch took itself off
+        return {"global_step": steps, "step_exit": watch.result.exit_code, "plain_after": plain}
 
     return outcome(run)
 
