@@ -18,7 +18,15 @@ from rich.text import Text
 from fsdpcheck.records import LoadOutcome, RankError, RankRecord, Report
 from fsdpcheck.report import report_headline
 from fsdpcheck.text import int_ranges, ranks_label
-from fsdpcheck.vocab import LoaderVerdict, LoadMethod, LoadStatus, ScanVerdict
+from fsdpcheck.vocab import (
+    FindingKind,
+    LoaderVerdict,
+    LoadMethod,
+    LoadStatus,
+    ScanVerdict,
+    Snapshot,
+    Stage,
+)
 
 if TYPE_CHECKING:
     from fsdpcheck.checks.hash_seed import ProbeResult
@@ -94,6 +102,7 @@ def render(report: Report, console: Console, *, title: str = "fsdpcheck audit") 
         )
     _render_loaders(report, console)
     _render_load(report, console)
+    _render_step(report, console)
 
     for warning in report.warnings:
         console.print(f"[yellow]! {escape(warning)}[/]", highlight=False)
@@ -166,6 +175,28 @@ def _render_load(report: Report, console: Console) -> None:
         console.print(f"[yellow]sorted loader refused[/] (no rank hung): {escape(load.message)}")
     elif load is not None and load.outcome == LoadStatus.SKIPPED and not report.errors:
         console.print(f"sorted loader not run: {escape(load.message)}", style="dim")
+
+
+def _render_step(report: Report, console: Console) -> None:
+    """``audit --step``: one line saying how the step went; its findings are listed above."""
+    if "step" not in report.timings:
+        return
+    found = [f for f in report.findings if f.stage == Snapshot.STEP]
+    raised = sorted(e.rank for e in report.errors if e.stage in (Stage.STEP, Stage.STEP_REPORT))
+    diverged = [f for f in found if f.kind == FindingKind.STEP]
+    if diverged:
+        what = f"stopped at collective #{diverged[0].details.get('seq', '?')}: the ranks differ"
+    elif raised:
+        what = f"failed on {ranks_label(raised)}"
+    elif found:
+        what = f"finished; {', '.join(sorted({str(f.kind) for f in found}))} after it"
+    else:
+        what = "finished; every collective the same on every rank"
+    verdict = "inconsistent" if found else "error" if raised else "consistent"
+    seconds = f"{report.timings['step']:.3f} s"
+    if "step-watch" in report.timings:
+        seconds += f", watch {report.timings['step-watch']:.3f} s"
+    console.print(f"step: {verdict} · {what} ({seconds})", style="dim", highlight=False)
 
 
 def _load_method(load: LoadOutcome) -> str:

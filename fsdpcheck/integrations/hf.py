@@ -4,7 +4,13 @@
     trainer = Trainer(..., callbacks=[FsdpcheckCallback()])
 
 ``on_train_begin`` runs after the Trainer has wrapped the model and loaded any checkpoint it
-resumes from, and before the first step. Needs ``pip install 'fsdpcheck[hf]'``.
+resumes from, and before the first step. The first training step itself (opt-in)::
+
+    trainer = Trainer(...)
+    first = watch_first_step(trainer)      # its first training_step runs under check_step
+    trainer.train()                        # first.result: that step's AuditResult
+
+Needs ``pip install 'fsdpcheck[hf]'``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from fsdpcheck.integrations.common import (
     ModelCheckFailed,
     missing_extra,
     run_check,
+    run_step_check,
     validate_on_failure,
 )
 
@@ -25,7 +32,13 @@ try:
 except ImportError as exc:  # the extra is optional
     raise missing_extra("transformers", "hf", exc) from exc
 
-__all__ = ["FsdpcheckCallback", "FsdpcheckWarning", "ModelCheckFailed"]
+__all__ = [
+    "FirstStepWatch",
+    "FsdpcheckCallback",
+    "FsdpcheckWarning",
+    "ModelCheckFailed",
+    "watch_first_step",
+]
 
 
 class FsdpcheckCallback(TrainerCallback):
@@ -59,3 +72,71 @@ class FsdpcheckCallback(TrainerCallback):
             where="Trainer on_train_begin",
         )
         return control
+
+
+class FirstStepWatch:
+    """Stands in for ``trainer.training_step`` until its first call, which it runs under
+    :func:`fsdpcheck.check_step` (see :func:`watch_first_step`); ``result`` holds that check."""
+
+    def __init__(self, trainer: Any, *, on_failure: str, timeout: float, json_path: Any):
+        self.trainer = trainer
+        self.on_failure = validate_on_failure(on_failure)
+        self.timeout = timeout
+        self.json_path = json_path
+        self.result: Any = None
+        # An instance attribute of the user's own (a wrapper of theirs) is put back as it was.
+        self._own = trainer.__dict__.get("training_step")
+
+    def __call__(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        """``training_step(model, inputs, num_items_in_batch=None)``, passed on as called (a
+        Trainer without ``num_items_in_batch`` gets none)."""
+        trainer = self.trainer
+        if self._own is None:
+            del trainer.training_step  # later steps: the class's training_step, plain
+        else:
+            trainer.training_step = self._own
+        losses: list[Any] = []
+
+        def step() -> Any:
+            losses.append(trainer.training_step(model, *args, **kwargs))
+            return losses[-1]
+
+        self.result = run_step_check(
+            trainer.accelerator.unwrap_model(model),
+            step,
+            on_failure=self.on_failure,
+            timeout=self.timeout,
+            json_path=self.json_path,
+            where="Trainer first training_step",
+        )
+        if losses:
+            return losses[0]
+        # "warn" after a step that did not finish: the Trainer wants a loss tensor; a NaN one is
+        # what its nan filter (``logging_nan_inf_filter``) already leaves out of the logged loss.
+        import torch
+
+        return torch.tensor(float("nan"), device=trainer.args.device)
+
+
+def watch_first_step(
+    trainer: Any,
+    *,
+    on_failure: str = "raise",
+    timeout: float = 60.0,
+    json_path: str | Path | None = None,
+) -> FirstStepWatch:
+    """Run the Trainer's first ``training_step`` (the first micro-batch's forward and backward;
+    the optimizer step is the Trainer's own, after it) under :func:`fsdpcheck.check_step`, on
+    every rank; later steps run plain. Call it on every rank before ``trainer.train()``.
+
+    ``on_failure``, ``timeout`` and ``json_path`` work as for :class:`FsdpcheckCallback`: a
+    step whose ranks issued different collectives, or that left a NaN on some rank, raises
+    :class:`ModelCheckFailed` out of ``trainer.train()`` on every rank, or warns. With "warn"
+    after a divergence the step did not complete (the returned loss is NaN): training on from
+    it is at your risk. Returns the watch; its ``result`` is the step's AuditResult once run.
+
+    It sets ``trainer.training_step`` on the instance (so a Trainer subclass's own
+    ``training_step`` is the one watched) and removes itself on the first call."""
+    watch = FirstStepWatch(trainer, on_failure=on_failure, timeout=timeout, json_path=json_path)
+    trainer.training_step = watch
+    return watch

@@ -58,3 +58,19 @@ def test_make_demo_shows_the_divergence() -> None:
     assert "buffer-order" in result.stdout
     assert "model.rotary_emb.full_attention_inv_freq" in result.stdout
     assert "exit code 1" in result.stdout
+
+
+def test_torchrun_audit_step_runs_the_step_and_says_so(tmp_path: Path) -> None:
+    """``audit --step`` as a user runs it: the synthetic step ran under the watch on both ranks
+    (torchrun exits 0 only when every rank does), the report times it, the console says so."""
+    out = tmp_path / "report.json"
+    args = ("audit", "--model", "tiny-llama", "--step", "--json", str(out))
+    result = _run(torchrun_fsdpcheck(2, *args), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = read_report(out)
+    assert report["world_size"] == 2
+    assert report["verdict"] == "consistent" and report["exit_code"] == 0
+    assert report["findings"] == [] and report["errors"] == []
+    assert report["timings"]["step"] > 0 and "step-watch" in report["timings"]
+    assert "step: consistent · finished; every collective the same on every rank" in result.stdout
+    assert result.stdout.count("verdict:") == 1

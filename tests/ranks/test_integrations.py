@@ -21,6 +21,17 @@ WORKERS = {
 HEADLINE = "buffer order differs on rank 1 (construction-time)"
 
 
+_LAUNCHED: dict[str, tuple[list[dict], Path]] = {}
+
+
+def _run_once(worker: str, tmp_path_factory) -> tuple[list[dict], Path]:
+    """One launch of ``worker`` for every test that reads it (the HF worker serves two)."""
+    if worker not in _LAUNCHED:
+        out = tmp_path_factory.mktemp(worker.removesuffix(".py"))
+        _LAUNCHED[worker] = _run(worker, out), out
+    return _LAUNCHED[worker]
+
+
 def _run(worker: str, out: Path) -> list[dict]:
     result = launch(
         [str(REPO / "tests" / "workers" / worker), str(out)],
@@ -35,9 +46,10 @@ def _run(worker: str, out: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("framework", list(WORKERS))
-def test_hook_fails_only_the_twin_whose_ranks_differ(tmp_path: Path, framework) -> None:
+def test_hook_fails_only_the_twin_whose_ranks_differ(tmp_path_factory, framework) -> None:
     worker, where = WORKERS[framework]
-    for record in _run(worker, tmp_path):
+    records, tmp_path = _run_once(worker, tmp_path_factory)
+    for record in records:
         # The clean twin: no warning, no exception, training ran, in both modes.
         for mode in ("warn", "raise"):
             clean = record["clean"][mode]
@@ -71,3 +83,27 @@ def test_lightning_checks_the_first_training_step(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "labels-step.json").read_text())["verdict"] == "consistent"
     report = json.loads((tmp_path / "ignored-step.json").read_text())
     assert [f["kind"] for f in report["findings"]] == ["non-finite"]
+
+
+def test_hf_trainer_checks_the_first_training_step(tmp_path_factory) -> None:
+    """watch_first_step: the Trainer's first training_step under check_step. Rank 1's extra
+    all_reduce in its first compute_loss is a step finding, raised on both ranks before any
+    rank issued it; the clean twin trains on (its second step runs plain)."""
+    records, out = _run_once("hf_trainer_worker.py", tmp_path_factory)
+    for record in records:
+        clean, extra = record["step-clean"], record["step-extra"]
+        assert clean["raised"] is None and clean["warned"] == [], clean
+        assert clean["returned"] == {"global_step": 2, "step_exit": 0, "plain_after": True}
+        assert extra["returned"] is None and extra["warned"] == []
+        assert extra["raised"]["exit_code"] == 1
+        assert (
+            "Trainer first training_step: collectives differ in the step on rank 1"
+            in (extra["raised"]["message"])
+        )
+    assert json.loads((out / "step-clean.json").read_text())["verdict"] == "consistent"
+    report = json.loads((out / "step-extra.json").read_text())
+    [finding] = report["findings"]
+    assert finding["kind"] == "step" and finding["ranks"] == [1]
+    assert finding["details"]["ranks"]["rank 1"]["op"] == "all_reduce"
+    assert finding["details"]["ranks"]["rank 0"]["op"] == "broadcast"  # DDP's buffer sync
+    assert finding["details"]["caught"].startswith("before the collective was issued")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from fsdpcheck.console import render
-from fsdpcheck.records import LoadOutcome, Report, VerifyResult, from_dict, to_dict
+from fsdpcheck.records import Finding, LoadOutcome, Report, VerifyResult, from_dict, to_dict
 
 
 def _printed(load: LoadOutcome) -> str:
@@ -50,3 +50,36 @@ def test_a_dcp_fallback_is_said_with_its_reason() -> None:
     )
     text = _printed(load)
     assert f"11 state-dict entries via DCP (fell back: {reason})" in text
+
+
+def _step_printed(findings: tuple[Finding, ...], timings: dict[str, float]) -> str:
+    report = Report(
+        verdict="inconsistent" if findings else "consistent",
+        exit_code=1 if findings else 0,
+        world_size=2,
+        model=None,
+        wrap=None,
+        groups=(),
+        findings=findings,
+        errors=(),
+        timings=timings,
+    )
+    console = Console(record=True, width=200, color_system=None)
+    render(report, console)
+    return console.export_text()
+
+
+def _step_finding(kind: str, **details) -> Finding:
+    return Finding(kind, (1,), 0, "step", "divergent", "…", details=details)
+
+
+def test_audit_step_says_in_one_line_how_the_step_went() -> None:
+    timings = {"step": 0.4123, "step-watch": 0.0211}
+    clean = _step_printed((), timings)
+    assert "step: consistent · finished; every collective the same on every rank" in clean
+    assert "(0.412 s, watch 0.021 s)" in clean
+    diverged = _step_printed((_step_finding("step", seq=3),), timings)
+    assert "step: inconsistent · stopped at collective #3: the ranks differ" in diverged
+    nan = _step_printed((_step_finding("non-finite"),), timings)
+    assert "step: inconsistent · finished; non-finite after it" in nan
+    assert "step:" not in _step_printed((), {})  # no --step, no line

@@ -1,21 +1,25 @@
-"""A real HF Trainer on 2 CPU ranks (DDP over gloo) with FsdpcheckCallback: for the clean and
-the planted tiny Llama, one step with ``on_failure="warn"``, then a Trainer with "raise"."""
+"""A real HF Trainer on 2 CPU ranks (DDP over gloo). ``FsdpcheckCallback``: for the clean and
+the planted tiny Llama, one step with ``on_failure="warn"``, then a Trainer with "raise".
+``watch_first_step``: two steps of the clean Llama ("warn": the first watched, the second
+plain), then one where rank 1's first ``compute_loss`` issues an extra ``all_reduce`` ("raise")."""
 
 import sys
 from pathlib import Path
 
-from hooked import Tokens, run_twins, tiny_llama
+import torch
+import torch.distributed as dist
+from hooked import Tokens, outcome, rank, run_twins, tiny_llama
 from transformers import Trainer, TrainingArguments
 
-from fsdpcheck.integrations.hf import FsdpcheckCallback
+from fsdpcheck.integrations.hf import FsdpcheckCallback, watch_first_step
 
 out = Path(sys.argv[1])
 
 
-def train(model, on_failure: str, json_path: Path):
-    args = TrainingArguments(
+def arguments(max_steps: int = 1) -> TrainingArguments:
+    return TrainingArguments(
         output_dir=str(out / "trainer"),
-        max_steps=1,
+        max_steps=max_steps,
         per_device_train_batch_size=2,
         use_cpu=True,
         ddp_backend="gloo",
@@ -25,8 +29,11 @@ def train(model, on_failure: str, json_path: Path):
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+
+
+def train(model, on_failure: str, json_path: Path):
     callback = FsdpcheckCallback(on_failure=on_failure, timeout=30, json_path=json_path)
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
+    trainer = Trainer(model=model, args=arguments(), train_dataset=Tokens(), callbacks=[callback])
     return lambda: trainer.train().global_step
 
 
@@ -35,4 +42,38 @@ def hooked(planted: bool):
     return lambda mode, json_path: train(model, mode, json_path)
 
 
-run_twins(out, hooked)
+class ExtraCollective(Trainer):
+    """Rank 1's first loss is all-reduced (a metric only one rank syncs): a collective rank 0
+    never issues."""
+
+    extra = True
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if self.extra and rank() == 1:
+            self.extra = False
+            dist.all_reduce(torch.ones(1))
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def first_step(variant: str) -> dict:
+    trainer_class, max_steps, mode = {
+        "step-clean": (Trainer, 2, "warn"),
+        "step-extra": (ExtraCollective, 1, "raise"),
+    }[variant]
+    trainer = trainer_class(
+        model=tiny_llama(planted=False), args=arguments(max_steps), train_dataset=Tokens()
+    )
+    watch = watch_first_step(
+        trainer, on_failure=mode, timeout=30, json_path=out / f"{variant}.json"
+    )
+
+    def run():
+        steps = trainer.train().global_step
+        plain = "training_step" not in vars(trainer)  # the watch took itself off
+        return {"global_step": steps, "step_exit": watch.result.exit_code, "plain_after": plain}
+
+    return outcome(run)
+
+
+record = {variant: first_step(variant) for variant in ("step-clean", "step-extra")}
+run_twins(out, hooked, record)
