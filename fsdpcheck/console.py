@@ -89,7 +89,7 @@ def render(report: Report, console: Console, *, title: str = "fsdpcheck audit") 
             else "on rank 0's host, across hash seeds"
         )
         console.print(
-            f"[bold red]✗ {finding.kind}[/] {who} · {finding.stage} · [italic]{finding.cause}[/]"
+            f"[bold red]✗ {finding.kind}[/] {who} · {finding.snapshot} · [italic]{finding.cause}[/]"
         )
         console.print(f"  {escape(finding.summary)}", highlight=False)
 
@@ -181,7 +181,7 @@ def _render_step(report: Report, console: Console) -> None:
     """``audit --step``: one line saying how the step went; its findings are listed above."""
     if "step" not in report.timings:
         return
-    found = [f for f in report.findings if f.stage == Snapshot.STEP]
+    found = [f for f in report.findings if f.snapshot == Snapshot.STEP]
     raised = sorted(e.rank for e in report.errors if e.stage in (Stage.STEP, Stage.STEP_REPORT))
     diverged = [f for f in found if f.kind == FindingKind.STEP]
     if diverged:
@@ -251,7 +251,7 @@ def presets_table(presets: Iterable[Preset]) -> Table:
 
 def fingerprint_written(record: RankRecord, path: Path) -> str:
     stages = [
-        f"{fp.stage} {len(fp.buffers)} buffers, {len(fp.params)} params"
+        f"{fp.snapshot} {len(fp.buffers)} buffers, {len(fp.params)} params"
         for fp in record.fingerprints()
     ]
     return (

@@ -185,7 +185,7 @@ class TensorRecord:
 class Fingerprint:
     """A rank's tensors at one stage of the audit (``pre-wrap`` or ``post-wrap``)."""
 
-    stage: Snapshot  # PRE_WRAP or POST_WRAP
+    snapshot: Snapshot  # PRE_WRAP or POST_WRAP
     buffers: tuple[TensorRecord, ...]
     params: tuple[TensorRecord, ...]
     state_dict_keys: tuple[str, ...] = ()  # ``model.state_dict()`` order, as loaders walk it
@@ -194,7 +194,7 @@ class Fingerprint:
 
     def layout_digest(self) -> str:
         return short_digest(
-            self.stage,
+            self.snapshot,
             repr([t.layout() for t in self.buffers]),
             repr([t.layout() for t in self.params]),
             repr(self.state_dict_keys),
@@ -288,7 +288,7 @@ class TieRecord:
     """Which parameter names share storage on one rank at one stage, and which ties the model's
     config asks for (``tie_word_embeddings``, ``_tied_weights_keys``). Names sorted."""
 
-    stage: Snapshot  # PRE_WRAP, POST_WRAP or LOAD
+    snapshot: Snapshot  # PRE_WRAP, POST_WRAP or LOAD
     shared: tuple[tuple[str, ...], ...] = ()  # groups of two or more names on one storage
     expected: tuple[tuple[str, str], ...] = ()  # (tied name, its source)
 
@@ -298,7 +298,7 @@ class BufferProblem:
     """A buffer whose value is not what its module computes, or is garbage (NaN, Inf, denormal)."""
 
     name: str
-    stage: Snapshot  # PRE_WRAP, POST_WRAP or LOAD
+    snapshot: Snapshot  # PRE_WRAP, POST_WRAP or LOAD
     reason: BufferReason
     got: tuple[str, ...] = ()  # first values on this rank ("%.6g")
     expected: tuple[str, ...] = ()  # first values of the reference, for "differs"
@@ -381,7 +381,7 @@ class Finding:
     kind: FindingKind
     ranks: tuple[int, ...]
     reference_rank: int
-    stage: Snapshot
+    snapshot: Snapshot
     cause: Cause
     summary: str
     tensors: tuple[str, ...] = ()

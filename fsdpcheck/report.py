@@ -157,7 +157,7 @@ def headline(findings: Sequence[Finding], errors: Sequence[RankError], world_siz
 
 
 def _headline_key(f: Finding) -> tuple:
-    stage = _STAGES.index(f.stage) if f.stage in _STAGES else len(_STAGES)
+    stage = _STAGES.index(f.snapshot) if f.snapshot in _STAGES else len(_STAGES)
     return kind_order(f.kind), stage, min(f.ranks, default=0)
 
 

@@ -371,7 +371,7 @@ def _finding(
         kind=FindingKind.COLLECTIVE,
         ranks=ranks,
         reference_rank=reference,
-        stage=Snapshot.TRACE,
+        snapshot=Snapshot.TRACE,
         cause=_cause(records),
         summary=_summary(d, names, reference),
         tensors=tensors,

@@ -49,7 +49,7 @@ def config_findings(
             kind=FindingKind.CONFIG,
             ranks=tuple(ranks),
             reference_rank=ref_rank,
-            stage="pre-wrap",
+            snapshot="pre-wrap",
             cause="construction-time",
             summary=f"{FindingKind.CONFIG.phrase}: {text}",
             details={"differences": diffs[:_MAX_PATHS], "count": len(diffs)},
@@ -65,7 +65,7 @@ def _unrecorded(ref_rank: int, ranks: Sequence[int], *, reference_missing: bool)
         kind=FindingKind.CONFIG,
         ranks=tuple(ranks),
         reference_rank=ref_rank,
-        stage="pre-wrap",
+        snapshot="pre-wrap",
         cause="construction-time",
         summary=f"{FindingKind.CONFIG.phrase}: {without} recorded no config (none, or it could "
         f"not be read there) while {holder} did, so the configs could not be compared",

@@ -29,7 +29,7 @@ def env_findings(pair: Pair) -> list[Finding]:
             kind=FindingKind.ENV,
             ranks=tuple(pair.group.ranks),
             reference_rank=pair.ref_rank,
-            stage=Snapshot.PRE_WRAP,
+            snapshot=Snapshot.PRE_WRAP,
             cause=Cause.ENVIRONMENT,
             summary=f"{FindingKind.ENV.phrase}: {text}",
             tensors=(),

@@ -180,7 +180,7 @@ def _exceptions_finding(
         kind=FindingKind.DEVICE,
         ranks=tuple(ranks),
         reference_rank=ref_rank,
-        stage="post-wrap",
+        snapshot="post-wrap",
         cause=cause,
         summary=summary,
         tensors=tuple(e["name"] for e in shown),
@@ -193,15 +193,15 @@ def _cross_rank(
 ) -> Finding | None:
     """Names whose device type differs from the reference's, at the first stage both recorded
     where any does (tensors on ``meta`` hold nothing yet and are never compared)."""
-    theirs = {fp.stage: fp for fp in other.fingerprints()}
-    stages = [fp.stage for fp in ref.fingerprints() if fp.stage in theirs]
+    theirs = {fp.snapshot: fp for fp in other.fingerprints()}
+    stages = [fp.snapshot for fp in ref.fingerprints() if fp.snapshot in theirs]
     for fp in ref.fingerprints():
-        if fp.stage not in theirs:
+        if fp.snapshot not in theirs:
             continue
-        diffs = _device_differences(fp, theirs[fp.stage])
+        diffs = _device_differences(fp, theirs[fp.snapshot])
         if not diffs:
             continue
-        if fp.stage == Snapshot.PRE_WRAP:
+        if fp.snapshot == Snapshot.PRE_WRAP:
             cause = Cause.CONSTRUCTION_TIME
         else:  # the pre-wrap devices agreed, or there were none to tell
             cause = Cause.WRAPPING if Snapshot.PRE_WRAP in stages else Cause.UNKNOWN
@@ -216,7 +216,7 @@ def _cross_rank(
             kind=FindingKind.DEVICE,
             ranks=tuple(ranks),
             reference_rank=ref_rank,
-            stage=fp.stage,
+            snapshot=fp.snapshot,
             cause=cause,
             summary=f"{FindingKind.DEVICE.phrase}: {text}",
             tensors=tuple(d["name"] for d in diffs),

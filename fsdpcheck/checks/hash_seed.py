@@ -152,7 +152,7 @@ def probe_finding(result: ProbeResult) -> Finding | None:
         kind=FindingKind.HASH_SEED,
         ranks=(),
         reference_rank=-1,
-        stage=Snapshot.PROBE,
+        snapshot=Snapshot.PROBE,
         cause=Cause.CONSTRUCTION_TIME,
         summary=summary,
         tensors=result.tensors,

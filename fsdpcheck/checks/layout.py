@@ -105,7 +105,7 @@ def layout_findings(pair: Pair) -> list[Finding]:
             findings.append(
                 _finding(kind, sides, Snapshot.POST_WRAP, cause, summary, details, tensors)
             )
-    findings.sort(key=lambda f: (FindingKind(f.kind).order, STAGES.index(f.stage)))
+    findings.sort(key=lambda f: (FindingKind(f.kind).order, STAGES.index(f.snapshot)))
     return findings
 
 
@@ -144,7 +144,7 @@ def _finding(
         kind=kind,
         ranks=tuple(sides.ranks),
         reference_rank=sides.ref_rank,
-        stage=stage,
+        snapshot=stage,
         cause=cause,
         summary=summary + _STAGE_NOTE.get(cause, ""),
         tensors=tuple(tensors),

@@ -20,7 +20,7 @@ def load_findings(load: LoadOutcome, world_size: int) -> list[Finding]:
             kind=FindingKind.VERIFY,
             ranks=tuple(range(world_size)),
             reference_rank=0,
-            stage=Snapshot.LOAD,
+            snapshot=Snapshot.LOAD,
             cause=Cause.LOADING,
             summary="the sorted loader refused to load (nothing moved): "
             + (lines[0] if lines else "no reason given"),
@@ -51,7 +51,7 @@ def verify_findings(verified: VerifyResult) -> list[Finding]:
                 kind=FindingKind.VERIFY,
                 ranks=ranks,
                 reference_rank=0,
-                stage=Snapshot.LOAD,
+                snapshot=Snapshot.LOAD,
                 cause=Cause.LOADING,
                 summary=f"after the sorted loader, {mismatch.get('kind', 'tensor')} "
                 f"{mismatch.get('name')} differs from rank 0's source on "

@@ -253,7 +253,7 @@ def with_observations(
                     kind=FindingKind.PREDICTION,
                     ranks=(),
                     reference_rank=0,
-                    stage=Snapshot.REPRODUCE,
+                    snapshot=Snapshot.REPRODUCE,
                     cause=Cause.FSDPCHECK,
                     summary=f"fsdpcheck predicted {p.name} → {expected} on gloo, but the real "
                     f"loader was {seen.verdict}: {seen.detail.get('summary', '')} (a bug in "

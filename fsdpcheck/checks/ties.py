@@ -22,7 +22,7 @@ _CAUSE = {
 
 
 def _cause(stage: str, ties: Sequence[TieRecord]) -> Cause:
-    if stage == Snapshot.POST_WRAP and not any(t.stage == Snapshot.PRE_WRAP for t in ties):
+    if stage == Snapshot.POST_WRAP and not any(t.snapshot == Snapshot.PRE_WRAP for t in ties):
         return Cause.UNKNOWN  # no pre-wrap record to tell construction (or a loader) from wrapping
     return _CAUSE.get(stage, Cause.UNKNOWN)
 
@@ -39,7 +39,7 @@ def tie_findings(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> 
     reference = reference_group(groups, records)
     if reference is None:
         return []
-    ref = {t.stage: t for t in records[reference.representative].ties}
+    ref = {t.snapshot: t for t in records[reference.representative].ties}
     findings = []
     for group in usable_groups(groups, records):
         ties = records[group.representative].ties
@@ -62,9 +62,9 @@ def _missing(group: Group, ties: Sequence[TieRecord]) -> Finding | None:
                 kind=FindingKind.TIE,
                 ranks=tuple(group.ranks),
                 reference_rank=group.representative,
-                stage=tie.stage,
-                cause=_cause(tie.stage, ties),
-                summary=f"tied weights differ from the config on {who} ({tie.stage}): {pairs}"
+                snapshot=tie.snapshot,
+                cause=_cause(tie.snapshot, ties),
+                summary=f"tied weights differ from the config on {who} ({tie.snapshot}): {pairs}"
                 f"{more} are separate tensors, but the config ties them (tie_word_embeddings / "
                 "_tied_weights_keys): they drift apart from the first optimizer step",
                 tensors=tuple(dict.fromkeys(n for pair in missing for n in pair)),
@@ -81,7 +81,7 @@ def _different(
     group: Group, ties: Sequence[TieRecord], ref: Mapping[str, TieRecord], ref_rank: int
 ) -> Finding | None:
     for tie in ties:
-        theirs = ref.get(tie.stage)
+        theirs = ref.get(tie.snapshot)
         if theirs is None or set(theirs.shared) == set(tie.shared):
             continue
         only_ref = sorted(set(theirs.shared) - set(tie.shared))
@@ -96,9 +96,9 @@ def _different(
             kind=FindingKind.TIE,
             ranks=tuple(group.ranks),
             reference_rank=ref_rank,
-            stage=tie.stage,
-            cause=_cause(tie.stage, ties),
-            summary=f"tied weights differ on {who} from rank {ref_rank}'s ({tie.stage}): "
+            snapshot=tie.snapshot,
+            cause=_cause(tie.snapshot, ties),
+            summary=f"tied weights differ on {who} from rank {ref_rank}'s ({tie.snapshot}): "
             + "; ".join(parts),
             tensors=tuple(dict.fromkeys(n for s in (*only_ref, *only_other) for n in s)),
             details={

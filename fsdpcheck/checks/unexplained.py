@@ -140,7 +140,7 @@ def _finding(ref_rank: int, ranks: Sequence[int], fields: list[str], stage: Snap
         kind=FindingKind.UNEXPLAINED,
         ranks=tuple(ranks),
         reference_rank=ref_rank,
-        stage=Snapshot.POST_WRAP if fields[0].startswith("post_wrap") else stage,
+        snapshot=Snapshot.POST_WRAP if fields[0].startswith("post_wrap") else stage,
         cause=Cause.UNKNOWN,
         summary=f"{FindingKind.UNEXPLAINED.phrase}: {who} and rank {ref_rank} differ in "
         f"{shown}, which no other check explains (please report it to fsdpcheck)",

@@ -45,7 +45,7 @@ def _finding(group: Group, problems: Sequence[BufferProblem]) -> Finding:
         kind=FindingKind.UNINITIALIZED,
         ranks=tuple(group.ranks),
         reference_rank=group.representative,
-        stage=first.stage,
+        snapshot=first.snapshot,
         cause=Cause.LOADING,
         summary=f"buffers are not initialised on {who}: {shown}",
         tensors=tuple(p.name for p in problems),
@@ -53,7 +53,7 @@ def _finding(group: Group, problems: Sequence[BufferProblem]) -> Finding:
             "problems": [
                 {
                     "name": p.name,
-                    "stage": p.stage,
+                    "snapshot": p.snapshot,
                     "reason": p.reason,
                     "got": list(p.got),
                     "expected": list(p.expected),

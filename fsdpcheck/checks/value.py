@@ -44,10 +44,10 @@ def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
     for fp in record.fingerprints():
         for t in fp.buffers:
             if t.digest is not None:
-                shared.append((fp.stage, "buffer", t.name, t.device, t.digest))
+                shared.append((fp.snapshot, "buffer", t.name, t.device, t.digest))
         for t in fp.params:
             if t.digest is not None:
-                entry = (fp.stage, "param", t.name, t.device, t.digest)
+                entry = (fp.snapshot, "param", t.name, t.device, t.digest)
                 (replica if is_sharded(t) else shared).append(entry)
     return (
         short_digest(repr(shared)) if shared else None,
@@ -141,7 +141,7 @@ def _finding(
             kind=FindingKind.VALUE,
             ranks=tuple(ranks),
             reference_rank=ref_rank,
-            stage=Snapshot.POST_WRAP if sharded else Snapshot.PRE_WRAP,
+            snapshot=Snapshot.POST_WRAP if sharded else Snapshot.PRE_WRAP,
             cause=Cause.UNKNOWN,
             summary=f"{what} on {who} from rank {ref_rank}'s (not examined: more than "
             f"{SENDER_LIMIT} distinct values)",
@@ -154,20 +154,22 @@ def _finding(
     if not diffs:  # only meta-vs-real or buffers already reported as uninitialized
         return None
     first = diffs[0]
-    stages = {fp.stage for fp in ref.fingerprints()} & {fp.stage for fp in other.fingerprints()}
-    cause = _CAUSE.get(first["stage"], Cause.UNKNOWN)
+    stages = {fp.snapshot for fp in ref.fingerprints()} & {
+        fp.snapshot for fp in other.fingerprints()
+    }
+    cause = _CAUSE.get(first["snapshot"], Cause.UNKNOWN)
     if cause == Cause.WRAPPING and Snapshot.PRE_WRAP not in stages:
         cause = Cause.UNKNOWN  # no pre-wrap values to tell construction from wrapping
     shown = "; ".join(_describe(d, ref_rank, who) for d in diffs[:_LISTED])
     more = f"; and {len(diffs) - _LISTED} more" if len(diffs) > _LISTED else ""
     where = {"pre-wrap": " (before wrapping)", "post-wrap": " (after wrapping)"}.get(
-        first["stage"], ""
+        first["snapshot"], ""
     )
     return Finding(
         kind=FindingKind.VALUE,
         ranks=tuple(ranks),
         reference_rank=ref_rank,
-        stage=first["stage"],
+        snapshot=first["snapshot"],
         cause=cause,
         summary=f"{what} on {who} from rank {ref_rank}'s{where}: {shown}{more}",
         tensors=tuple(dict.fromkeys(d["name"] for d in diffs)),
@@ -184,10 +186,10 @@ def compare_values(ref: RankRecord, other: RankRecord, *, sharded: bool) -> list
     """Tensors whose digests differ, stage by stage, by name; both sides must hold values.
     Buffers either side reports as uninitialized are left to that finding."""
     explained = {p.name for r in (ref, other) for p in r.uninitialized}
-    theirs = {fp.stage: fp for fp in other.fingerprints()}
+    theirs = {fp.snapshot: fp for fp in other.fingerprints()}
     diffs = []
     for fp in ref.fingerprints():
-        match = theirs.get(fp.stage)
+        match = theirs.get(fp.snapshot)
         if match is None:
             continue
         for kind, a, b in _pairs(fp, match, sharded):
@@ -196,7 +198,7 @@ def compare_values(ref: RankRecord, other: RankRecord, *, sharded: bool) -> list
             if a.digest != b.digest:
                 diffs.append(
                     {
-                        "stage": fp.stage,
+                        "snapshot": fp.snapshot,
                         "kind": kind,
                         "name": a.name,
                         "reference": list(a.head or ()),

@@ -178,7 +178,7 @@ def _finding(ref_rank, ranks, summary, details, tensors) -> Finding:
         kind=FindingKind.WRAP_PLAN,
         ranks=tuple(ranks),
         reference_rank=ref_rank,
-        stage="post-wrap",
+        snapshot="post-wrap",
         cause="wrapping",
         summary=summary,
         tensors=tuple(tensors),

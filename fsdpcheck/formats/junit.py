@@ -193,7 +193,7 @@ def _check_time(kind: str, timings: Mapping[str, float]) -> float:
 
 
 def _finding_text(finding: Finding) -> str:
-    lines = [finding.summary, f"stage: {finding.stage}", f"cause: {finding.cause}"]
+    lines = [finding.summary, f"stage: {finding.snapshot}", f"cause: {finding.cause}"]
     if finding.ranks:
         lines.append(f"ranks: {_ranks(finding.ranks)} (reference rank {finding.reference_rank})")
     if finding.tensors:

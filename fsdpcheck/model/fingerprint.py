@@ -80,7 +80,7 @@ def fingerprint(
     )
     keys = tuple(model.state_dict(keep_vars=True).keys())
     return Fingerprint(
-        stage=stage, buffers=buffers, params=params, state_dict_keys=keys, aliases=aliases(model)
+        snapshot=stage, buffers=buffers, params=params, state_dict_keys=keys, aliases=aliases(model)
     )
 
 

@@ -70,7 +70,7 @@ def rank_record(
     """The record of what ``looks`` saw (at most one per snapshot; None: a look that failed),
     with ``model``'s state beyond its tensors (:func:`with_state`) when it is given."""
     seen = [found for found in looks if found is not None]
-    fingerprints = {found.fingerprint.stage: found.fingerprint for found in seen}
+    fingerprints = {found.fingerprint.snapshot: found.fingerprint for found in seen}
     record = RankRecord(
         env=env,
         pre_wrap=fingerprints.get(Snapshot.PRE_WRAP),

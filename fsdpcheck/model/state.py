@@ -107,7 +107,7 @@ def _embedding_pair(model: nn.Module) -> tuple[str, str] | None:
 
 
 def tie_record(model: nn.Module, stage: str) -> TieRecord:
-    return TieRecord(stage=stage, shared=shared_parameters(model), expected=expected_ties(model))
+    return TieRecord(snapshot=stage, shared=shared_parameters(model), expected=expected_ties(model))
 
 
 # ---------------------------------------------------------------- HSDP replicas

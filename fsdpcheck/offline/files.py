@@ -30,7 +30,7 @@ from fsdpcheck.records import (
 
 log = logging.getLogger(__name__)
 
-FINGERPRINT_SCHEMA = "fsdpcheck.fingerprint/2"
+FINGERPRINT_SCHEMA = "fsdpcheck.fingerprint/3"
 SCHEMA_PREFIX = "fsdpcheck.fingerprint/"
 DEFAULT_PATH = "fsdpcheck-fingerprints/rank{rank}.json"
 

@@ -128,7 +128,7 @@ def conclude_step(
     findings = run_checks(Evidence(gathered, step=records), checks_named(*STEP_CHECKS))
     if gathered is not None and gathered.values is not None:
         findings += [
-            replace(f, stage=Snapshot.STEP, cause=Cause.DIVERGENT)
+            replace(f, snapshot=Snapshot.STEP, cause=Cause.DIVERGENT)
             for f in run_checks(Evidence(gathered), checks_named(*STATE_CHECKS))
         ]
     errors = tuple(

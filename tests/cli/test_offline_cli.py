@@ -53,7 +53,7 @@ def test_fingerprint_under_a_launcher_needs_no_process_group(tmp_path: Path) -> 
     report = diff_fingerprints([tmp_path / "fp"])
     assert report.verdict == "inconsistent"
     finding = report.findings[0]
-    assert (finding.kind, finding.ranks, finding.stage) == ("buffer-order", (1,), "pre-wrap")
+    assert (finding.kind, finding.ranks, finding.snapshot) == ("buffer-order", (1,), "pre-wrap")
     assert [env.hash_seed for env in report.environment] == ["0", "1"]
 
 
@@ -96,7 +96,7 @@ def test_diff_of_two_seeds_compares_values_as_the_audit_does(tmp_path: Path) -> 
     done = run_cli(["diff", str(first), str(other), "--json", str(tmp_path / "diff.json")])
     assert done.returncode == 1, done.stdout + done.stderr
     report = json.loads((tmp_path / "diff.json").read_text())
-    assert [(f["kind"], f["ranks"], f["stage"]) for f in report["findings"]] == [
+    assert [(f["kind"], f["ranks"], f["snapshot"]) for f in report["findings"]] == [
         ("value", [1], "pre-wrap")
     ]
     same = run_cli(["diff", str(first), str(_fingerprint(tmp_path, 1, 1))])

@@ -104,7 +104,7 @@ def test_probe_finding_folds_into_an_audit_report(hazard: ProbeResult) -> None:
     assert FindingKind("hash-seed") is FindingKind.HASH_SEED
     finding = probe_finding(hazard)
     assert finding is not None
-    assert (finding.kind, finding.stage) == ("hash-seed", "probe")
+    assert (finding.kind, finding.snapshot) == ("hash-seed", "probe")
     assert finding.cause == "construction-time"
     assert finding.ranks == () and set(finding.tensors) == {FULL, SLIDING}
     assert finding.details["modules"] == ["model.rotary_emb"]

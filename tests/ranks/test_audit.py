@@ -204,7 +204,7 @@ def test_check_model_from_a_training_script(tmp_path: Path) -> None:
     assert result.codes == [1, 1], result.output(0) + result.output(1)
     report = read_report(out)
     assert [f["kind"] for f in report["findings"]] == ["buffer-order"]
-    assert report["findings"][0]["stage"] == "post-wrap"
+    assert report["findings"][0]["snapshot"] == "post-wrap"
     loaders = {p["name"]: p["verdict"] for p in report["loaders"]}
     assert loaders["named-buffers-order"] == "hang"
 
@@ -240,7 +240,7 @@ def test_audit_probe_reports_latent_when_ranks_agree_today(tmp_path: Path) -> No
     report = read_report(out)
     assert report["verdict"] == "latent" and report["exit_code"] == 1
     [finding] = report["findings"]
-    assert finding["kind"] == "hash-seed" and finding["stage"] == "probe"
+    assert finding["kind"] == "hash-seed" and finding["snapshot"] == "probe"
     assert finding["details"]["modules"] == ["model.rotary_emb"]
     assert set(finding["tensors"]) == {
         "model.rotary_emb.full_attention_inv_freq",

@@ -35,4 +35,4 @@ def test_save_fingerprint_on_real_ranks_without_a_collective(tmp_path: Path, see
         )
         # Saved after wrapping only: no pre-wrap print to tell construction from wrapping.
         assert (post.findings[0].kind, post.findings[0].cause) == ("buffer-order", "unknown")
-        assert post.findings[0].stage == "post-wrap"
+        assert post.findings[0].snapshot == "post-wrap"

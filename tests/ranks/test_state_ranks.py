@@ -75,7 +75,7 @@ def test_hsdp_replicas_whose_local_shards_drift_apart_are_a_value_finding(tmp_pa
     codes, report = _worker(tmp_path, "replica-drift", "--model", "hazard")
     assert codes == [1, 1]
     (finding,) = report["findings"]
-    assert (finding["kind"], finding["ranks"], finding["stage"]) == ("value", [1], "post-wrap")
+    assert (finding["kind"], finding["ranks"], finding["snapshot"]) == ("value", [1], "post-wrap")
     assert finding["tensors"] == ["model.norm.weight"]
     assert finding["summary"].startswith("values differ between HSDP replicas on rank 1")
     (diff,) = finding["details"]["differences"]
@@ -90,7 +90,7 @@ def test_per_rank_seeds_with_init_all_are_value_findings(tmp_path: Path) -> None
     report = reports[0]["report"]
     assert codes == [1, 1] and report["verdict"] == "inconsistent"
     (finding,) = report["findings"]
-    assert (finding["kind"], finding["ranks"], finding["stage"]) == ("value", [1], "pre-wrap")
+    assert (finding["kind"], finding["ranks"], finding["snapshot"]) == ("value", [1], "pre-wrap")
     assert finding["cause"] == "construction-time"
     assert "model.embed_tokens.weight" in finding["tensors"]
     assert finding["details"]["differences"][0]["max_abs_diff_first_values"] > 0

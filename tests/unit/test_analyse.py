@@ -44,7 +44,7 @@ def fingerprint(stage, bufs=None, prms=None, keys=None):
     prms = params(wrapped=stage == "post-wrap") if prms is None else prms
     if keys is None:
         keys = tuple(p.name for p in prms) + tuple(b.name for b in bufs if b.persistent)
-    return Fingerprint(stage=stage, buffers=bufs, params=prms, state_dict_keys=tuple(keys))
+    return Fingerprint(snapshot=stage, buffers=bufs, params=prms, state_dict_keys=tuple(keys))
 
 
 def env(rank, torch="2.13.0+cpu", host="node0"):
@@ -113,7 +113,7 @@ def test_buffer_order_swap_with_different_sizes_is_construction_time():
     findings = run({0: record(0), 1: swapped(1)})
     assert [f.kind for f in findings] == ["buffer-order"]  # non-persistent: state dict unchanged
     f = findings[0]
-    assert (f.ranks, f.reference_rank, f.stage, f.cause) == (
+    assert (f.ranks, f.reference_rank, f.snapshot, f.cause) == (
         (1,),
         0,
         "pre-wrap",
@@ -133,21 +133,21 @@ def test_buffer_order_swap_with_different_sizes_is_construction_time():
 def test_difference_only_after_wrapping_is_blamed_on_wrapping():
     findings = run({0: record(0), 1: swapped(1, before=False)})
     f = only(findings, "buffer-order")
-    assert (f.stage, f.cause) == ("post-wrap", "wrapping")
+    assert (f.snapshot, f.cause) == ("post-wrap", "wrapping")
     assert "persists_after_wrap" not in f.details
 
 
 def test_difference_gone_after_wrapping_is_reported_once():
     findings = run({0: record(0), 1: swapped(1, after=False)})
     f = only(findings, "buffer-order")
-    assert (f.stage, f.cause) == ("pre-wrap", "construction-time")
+    assert (f.snapshot, f.cause) == ("pre-wrap", "construction-time")
     assert f.details["persists_after_wrap"] is False
 
 
 def test_without_pre_wrap_fingerprints_the_cause_is_unknown():
     findings = run({0: record(0, pre=None), 1: swapped(1, before=None)})
     f = only(findings, "buffer-order")
-    assert (f.stage, f.cause) == ("post-wrap", "unknown")
+    assert (f.snapshot, f.cause) == ("post-wrap", "unknown")
     assert Cause("unknown") is Cause.UNKNOWN
 
 
@@ -194,7 +194,7 @@ def test_buffer_attribute_differences(field, value, kind, text):
     other = list(value) if field == "shape" else value
     assert f.details["differences"] == [{"name": FULL, "reference": reference, "other": other}]
     assert text in f.summary
-    assert (f.stage, f.cause) == ("pre-wrap", "construction-time")
+    assert (f.snapshot, f.cause) == ("pre-wrap", "construction-time")
 
 
 # ---------------------------------------------------------------- parameters and state dict
@@ -246,7 +246,7 @@ def test_param_placement_differs_after_wrapping():
     )
     theirs = record(1, post=fingerprint("post-wrap", prms=prms))
     f = only(run({0: record(0), 1: theirs}), "param-placement")
-    assert (f.stage, f.cause) == ("post-wrap", "wrapping")
+    assert (f.snapshot, f.cause) == ("post-wrap", "wrapping")
     assert f.details["differences"] == [
         {"name": EMBED, "reference": ["Shard(dim=0)"], "other": ["Replicate()"]}
     ]
@@ -264,7 +264,7 @@ def test_env_version_skew():
     }
     f = only(run(per_rank), "env")
     assert f.ranks == (2, 3)
-    assert (f.stage, f.cause) == ("pre-wrap", "environment")
+    assert (f.snapshot, f.cause) == ("pre-wrap", "environment")
     assert f.details == {
         "differences": [{"field": "torch", "reference": "2.13.0+cpu", "other": "2.12.0"}]
     }

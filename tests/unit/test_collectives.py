@@ -53,7 +53,7 @@ def test_per_buffer_broadcasts_in_each_ranks_order_are_named():
     }
     records = {0: buffers_record(0, *HAZARD_0), 1: buffers_record(1, *HAZARD_1)}
     (finding,) = collective_findings(traces, records)
-    assert finding.kind == "collective" and finding.stage == "trace"
+    assert finding.kind == "collective" and finding.snapshot == "trace"
     assert (finding.ranks, finding.reference_rank) == ((1,), 0)
     assert finding.cause == "construction-time"
     assert finding.details["reason"] == "size" and finding.details["seq"] == 2

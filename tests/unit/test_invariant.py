@@ -50,7 +50,7 @@ def _base(rank: int) -> RankRecord:
     def fp(stage: Snapshot, wrapped: bool) -> Fingerprint:
         sharded = dict(placements=("S(0)",), local_shape=(2, 2)) if wrapped else {}
         return Fingerprint(
-            stage=stage,
+            snapshot=stage,
             buffers=(tensor("rope.inv_freq", persistent=False, requires_grad=False),),
             params=(
                 tensor("embed.weight", requires_grad=True, **sharded),

@@ -46,7 +46,7 @@ def _fingerprint(stage: str, order=ROTARY) -> Fingerprint:
     shapes = {EMBED: (32, 8), Q_PROJ: (8, 8), K_PROJ: (8, 8)}
     params = tuple(tensor(n, s, placements=placements) for n, s in shapes.items())
     keys = (*shapes, SCALE)
-    return Fingerprint(stage=stage, buffers=buffers, params=params, state_dict_keys=keys)
+    return Fingerprint(snapshot=stage, buffers=buffers, params=params, state_dict_keys=keys)
 
 
 def _record(rank: int, order=ROTARY, torch="2.13.0+cpu", host="node0", error=None) -> RankRecord:
@@ -158,7 +158,7 @@ def test_bad_inputs_are_one_paragraph_naming_the_file_and_fix(tmp_path: Path) ->
     report.write_text(json.dumps({"schema": "fsdpcheck.report/1", "verdict": "consistent"}))
     newer = tmp_path / "newer.json"
     newer.write_text(
-        json.dumps({**json.loads(good.read_text()), "schema": "fsdpcheck.fingerprint/3"})
+        json.dumps({**json.loads(good.read_text()), "schema": "fsdpcheck.fingerprint/4"})
     )
     older = tmp_path / "older.json"  # /1: value digests of the checksum before the grid one
     older.write_text(
@@ -179,7 +179,7 @@ def test_bad_inputs_are_one_paragraph_naming_the_file_and_fix(tmp_path: Path) ->
     )
     mixed = _bad_input([good, newer])
     assert "mix schema versions" in mixed and "newer.json" in mixed
-    assert "fsdpcheck.fingerprint/3" in _bad_input([newer, newer.with_name("newer.json")])
+    assert "fsdpcheck.fingerprint/4" in _bad_input([newer, newer.with_name("newer.json")])
     assert "re-create the fingerprints" in _bad_input([older, older])
     assert "broken.json has the fingerprint schema marker but its record is malformed" in (
         _bad_input([good, broken])

@@ -77,8 +77,8 @@ def test_a_live_models_record_holds_its_ties_buffers_and_state() -> None:
     buffer.fill_(float("nan"))
     record = model_record(model, env_record(process_identity(0)))
     assert record.pre_wrap is not None and record.post_wrap is None
-    assert [t.stage for t in record.ties] == [Snapshot.PRE_WRAP]
-    assert [(p.name, p.stage, p.reason) for p in record.uninitialized] == [
+    assert [t.snapshot for t in record.ties] == [Snapshot.PRE_WRAP]
+    assert [(p.name, p.snapshot, p.reason) for p in record.uninitialized] == [
         (name, Snapshot.PRE_WRAP, "nan")
     ]
     assert record.shard_key is None  # not sharded

@@ -49,7 +49,7 @@ def params(order=(EMBED, Q_PROJ, K_PROJ), device="cpu"):
 def fingerprint(stage, bufs, prms, keys=None):
     if keys is None:
         keys = tuple(p.name for p in prms) + tuple(b.name for b in bufs if b.persistent)
-    return Fingerprint(stage=stage, buffers=bufs, params=prms, state_dict_keys=keys)
+    return Fingerprint(snapshot=stage, buffers=bufs, params=prms, state_dict_keys=keys)
 
 
 def record(rank, bufs=None, prms=None, keys=None, meta=False, error=None):

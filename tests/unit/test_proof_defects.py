@@ -53,7 +53,7 @@ def test_a_buffer_on_another_device_on_one_rank_is_a_device_finding() -> None:
     before = _report(
         {r: _record(r, rope_device="cuda" if r else "cpu", stage="pre-wrap") for r in (0, 1)}
     )
-    assert [(f.kind, f.stage, f.cause) for f in before.findings] == [
+    assert [(f.kind, f.snapshot, f.cause) for f in before.findings] == [
         ("device", "pre-wrap", "construction-time")
     ]
 

@@ -86,7 +86,7 @@ def test_per_rank_initial_values_name_ranks_tensors_and_first_values():
     assert value_senders(values, replicas, {}) == {0, 1}
     (finding,) = value_findings(records, values, replicas, {})
     assert (finding.kind, finding.ranks, finding.reference_rank) == ("value", (1,), 0)
-    assert (finding.stage, finding.cause, finding.tensors) == (
+    assert (finding.snapshot, finding.cause, finding.tensors) == (
         "pre-wrap",
         "construction-time",
         (EMBED,),
@@ -120,7 +120,7 @@ def test_hsdp_replicas_compare_local_shards_only_with_their_own_replicas():
     assert set(values.values()) == {None}  # sharded parameters never enter the all-rank digest
     assert value_senders(values, replicas, keys) == {1, 3}
     (finding,) = value_findings(records, values, replicas, keys)
-    assert (finding.ranks, finding.reference_rank, finding.stage) == ((3,), 1, "post-wrap")
+    assert (finding.ranks, finding.reference_rank, finding.snapshot) == ((3,), 1, "post-wrap")
     assert finding.summary.startswith("values differ between HSDP replicas on rank 3")
     assert finding.details["replicas"] == [1, 3]
 
@@ -149,7 +149,7 @@ def test_replica_difference_already_seen_before_wrapping_is_reported_once():
     values, replicas = _digests(records)
     keys = {0: "k0", 1: "k0"}
     (finding,) = value_findings(records, values, replicas, keys)
-    assert finding.stage == "pre-wrap"
+    assert finding.snapshot == "pre-wrap"
 
 
 def test_value_senders_are_bounded_however_many_ranks_differ():
@@ -181,7 +181,7 @@ def test_uninitialized_values_do_not_split_ranks_with_the_same_problem():
     groups = _groups(records)
     assert [g.ranks for g in groups] == [(0,), (1, 2)]
     (finding,) = uninitialized_findings(groups, records)
-    assert (finding.kind, finding.ranks, finding.stage, finding.cause) == (
+    assert (finding.kind, finding.ranks, finding.snapshot, finding.cause) == (
         "uninitialized",
         (1, 2),
         "load",
@@ -202,7 +202,7 @@ def test_a_configured_tie_held_as_separate_tensors_is_a_finding_on_every_rank():
     assert missing_ties(UNTIED) == [(LM_HEAD, EMBED)] and missing_ties(TIED) == []
     records = {r: state_record(r, ties=[UNTIED]) for r in (0, 1)}
     (finding,) = tie_findings(_groups(records), records)
-    assert (finding.kind, finding.ranks, finding.stage) == ("tie", (0, 1), "post-wrap")
+    assert (finding.kind, finding.ranks, finding.snapshot) == ("tie", (0, 1), "post-wrap")
     assert finding.cause == "unknown"  # no pre-wrap record to tell a loader from wrapping
     assert f"{LM_HEAD} and {EMBED} are separate tensors" in finding.summary
 
@@ -211,7 +211,11 @@ def test_ranks_that_tie_different_names_are_a_finding():
     extra = TieRecord("pre-wrap", shared=(("a.weight", "b.weight"),))
     records = {0: state_record(0, ties=[TieRecord("pre-wrap")]), 1: state_record(1, ties=[extra])}
     (finding,) = tie_findings(_groups(records), records)
-    assert (finding.ranks, finding.stage, finding.cause) == ((1,), "pre-wrap", "construction-time")
+    assert (finding.ranks, finding.snapshot, finding.cause) == (
+        (1,),
+        "pre-wrap",
+        "construction-time",
+    )
     assert "only rank 1 tie a.weight, b.weight" in finding.summary
 
 
@@ -247,7 +251,7 @@ def test_records_with_state_round_trip_through_json():
 def test_a_refused_load_is_never_consistent():
     load = LoadOutcome(True, "refused", "ranks disagree on the state dict:\n  - x")
     (finding,) = load_findings(load, 2)
-    assert (finding.kind, finding.stage, finding.ranks) == ("verify", "load", (0, 1))
+    assert (finding.kind, finding.snapshot, finding.ranks) == ("verify", "load", (0, 1))
     assert "refused to load" in finding.summary
     records = {r: state_record(r) for r in (0, 1)}
     gathered = Gathered({0: "d", 1: "d"}, {0: "h", 1: "h"}, {0: records[0]}, 81)

@@ -57,7 +57,7 @@ def fp(stage, *, device="cpu", frozen=(), buffer_devices=None, param_devices=Non
         )
         for n in (EMBED, Q_PROJ, K_PROJ)
     )
-    return Fingerprint(stage=stage, buffers=bufs, params=prms)
+    return Fingerprint(snapshot=stage, buffers=bufs, params=prms)
 
 
 def plan(device="cpu", param_dtype=None, offload="OffloadPolicy", layer_params=(Q_PROJ, K_PROJ)):
@@ -111,7 +111,7 @@ def test_one_frozen_parameter_is_a_requires_grad_finding():
     assert len(groups) == 2
     assert kinds(findings) == ["requires-grad"]
     f = findings[0]
-    assert (f.ranks, f.stage, f.cause, f.tensors) == (
+    assert (f.ranks, f.snapshot, f.cause, f.tensors) == (
         (1,),
         "pre-wrap",
         "construction-time",
@@ -151,7 +151,7 @@ def test_mixed_precision_on_one_rank_is_a_wrap_plan_finding():
     groups, findings = run(records)
     assert len(groups) == 2 and kinds(findings) == ["wrap-plan"]
     f = findings[0]
-    assert f.stage == "post-wrap" and f.ranks == (1,)
+    assert f.snapshot == "post-wrap" and f.ranks == (1,)
     assert (
         "param_dtype unset on rank 0 but bfloat16 on rank 1 (groups <root>, model.layers.0)"
         in f.summary
