@@ -315,6 +315,11 @@ class FindingKind(_Described):
         "a buffer is not what its module computes (garbage after to_empty, NaN, Inf)",
         "buffers are not initialised",
     )
+    NON_FINITE = (
+        "non-finite",
+        "a rank's parameter or buffer holds NaN or Inf (after a load, or as check_model saw it)",
+        "tensors hold NaN or Inf",
+    )
     TIE = (
         "tie",
         "parameters the config ties hold separate storage, or ranks tie different names",

@@ -109,4 +109,5 @@ def test_a_check_runs_only_when_what_it_needs_is_there():
         "device",
         "tie",
         "uninitialized",
+        "non-finite",
     ]
