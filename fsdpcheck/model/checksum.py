@@ -32,7 +32,8 @@ pseudo-random even weight per column, m_q a hashed odd multiplier per block. Wha
   source and another rank digesting its CUDA shard get the same number for the same bytes.
 Non-finite values are counted in the same pass, while each block is in cache: a float sum of the
 block's elements is finite unless one of them is NaN or ±Inf (or the sum overflows, which only
-costs an exact recount), so a clean tensor costs one more reduction per block, not another read.
+costs an exact recount; float16 reads its exponent bits instead), so a clean tensor costs one
+more reduction per block, not another read.
 
 Verify does not face an adversary crafting collisions (the bytes come from the user's own
 checkpoint and loader), only bugs, and bugs do not aim at weight tables.
@@ -136,12 +137,24 @@ def _floats(tensor: torch.Tensor) -> torch.Tensor | None:
     return flat if flat.is_contiguous() else flat.contiguous()
 
 
+# float16's NaN and ±Inf: every exponent bit set, so (bits & 0x7FFF) >= 0x7C00.
+_FP16_EXPONENT = 0x7C00
+
+
 def _probe(part: torch.Tensor) -> torch.Tensor:
-    """A sum that is NaN or ±Inf where ``part`` holds NaN or ±Inf (and, rarely, on overflow)."""
-    return part.sum(dtype=torch.float32 if part.dtype.itemsize < 4 else part.dtype)
+    """True (a 0-dim tensor) where ``part`` may hold NaN or ±Inf: a sum is not finite unless
+    every element is (or it overflowed: float16's past 65504, where the exact count, from the
+    exponent bits, says 0)."""
+    if part.dtype.itemsize == 1:  # float8: no kernels of its own
+        part = part.float()
+    return ~part.sum().isfinite()
 
 
 def _count_non_finite(values: torch.Tensor) -> int:
+    if values.numel() == 0:
+        return 0
+    if values.dtype == torch.float16:  # isfinite is slow on 16-bit floats; the bits are not
+        return int(((values.view(torch.int16) & 0x7FFF) >= _FP16_EXPONENT).sum())
     if values.dtype.itemsize == 1:  # float8: torch has no isfinite for it
         values = values.float()
     return values.numel() - int(torch.isfinite(values).sum())
@@ -223,7 +236,7 @@ def _span(
     bad = None
     if values is not None:
         bad = 0
-        if probes and not bool(torch.stack(probes).isfinite().all()):
+        if probes and bool(torch.stack(probes).any()):
             first, last = first_row * _COLS, last_row * _COLS
             bad = _count_non_finite(_elements(values, first, last))
     return result[0], result[1], bad
@@ -318,7 +331,7 @@ def non_finite_counts(
     def run(job: tuple[int, int, int]) -> tuple[int, int]:
         i, first, last = job
         part = floats[i][first:last]
-        return i, 0 if bool(_probe(part).isfinite()) else _count_non_finite(part)
+        return i, _count_non_finite(part) if bool(_probe(part)) else 0
 
     workers = threads if threads is not None else worker_threads()
     if workers > 1 and len(jobs) > 1:
