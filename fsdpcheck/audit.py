@@ -458,10 +458,15 @@ def _load_and_verify(
 
 
 def _state_after_load(state: _RankState, built: BuiltModel) -> Gathered | None:
-    """Collective: every rank's ties and buffer problems after the load, gathered on rank 0
-    (``None`` elsewhere). Values are the verification's business."""
+    """Collective: every rank's ties, buffer problems and NaN/Inf after the load, gathered on
+    rank 0 (``None`` elsewhere). Values are the verification's business."""
     from fsdpcheck.distributed.gather import gather_records
-    from fsdpcheck.model.state import buffer_problems, buffer_reference, tie_record
+    from fsdpcheck.model.state import (
+        buffer_problems,
+        buffer_reference,
+        non_finite_tensors,
+        tie_record,
+    )
 
     ctx = state.ctx
     with state.stages.timed(Stage.STATE_AFTER_LOAD):
@@ -471,6 +476,7 @@ def _state_after_load(state: _RankState, built: BuiltModel) -> Gathered | None:
                 env=state.env,
                 ties=(tie_record(model, Snapshot.LOAD),),
                 uninitialized=buffer_problems(model, Snapshot.LOAD, buffer_reference(model)),
+                non_finite=non_finite_tensors(model, Snapshot.LOAD),
             )
         except Exception as exc:  # this rank still joins the gather, with its failure
             log.debug("rank %d: state after the load", ctx.rank, exc_info=True)

@@ -52,6 +52,14 @@ INFORMATIONAL = frozenset(
         "BufferProblem.got",  # garbage differs per rank; the problem itself is compared
         "BufferProblem.expected",
         "RankRecord.shard_key",  # which ranks are replicas: who is compared, not what they hold
+        "RankRecord.peer_key",  # ... for unsharded tensors: the same set of meshes
+        "RankRecord.meshes",  # where this rank's DTensors live (expert groups differ by design)
+        "TensorRecord.mesh",
+        "MeshRecord.id",
+        "MeshRecord.shape",
+        "MeshRecord.ranks",
+        "MeshRecord.coordinate",
+        "MeshRecord.dim_names",
     }
 )
 
@@ -168,6 +176,10 @@ class TensorRecord:
     local_shape: tuple[int, ...] | None = None  # this rank's shard, after wrapping
     head: tuple[str, ...] | None = None  # first values ("%.6g"), when materialised: a hint only
     requires_grad: bool | None = None  # parameters only
+    mesh: str | None = None  # DTensors: the id of the MeshRecord their mesh is (RankRecord.meshes)
+    # NaN and ±Inf elements among the values digested (the local shard, for DTensors); None
+    # where they were not read. A buffer of only 0 and ±inf (an attention mask) counts 0.
+    non_finite: int | None = None
 
     @property
     def numel(self) -> int:
@@ -234,6 +246,32 @@ class EnvRecord:
 
     def _digest_part(self) -> str:
         return repr(self.versions())
+
+
+@dataclass(frozen=True)
+class MeshRecord:
+    """A DeviceMesh this rank's DTensors live on: its global ranks and this rank's place on it.
+    ``id`` is equal on every rank of the same mesh (same shape, same ranks) and on no other."""
+
+    id: str
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]  # ``mesh.mesh`` flattened, row-major: the global ranks
+    coordinate: tuple[int, ...] | None = None  # this rank's place (None: not on this mesh)
+    dim_names: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """A tensor holding NaN or ±Inf, counted outside a fingerprint (after the audit's load)."""
+
+    name: str
+    snapshot: Snapshot
+    count: int  # NaN and ±Inf elements in this rank's values (its local shard for a DTensor)
+    buffer: bool = False
+
+    def digest_part(self) -> str:
+        # The count stays out, as buffer problems' values do: which tensors, not how many.
+        return repr((self.name, str(self.snapshot), self.buffer))
 
 
 @dataclass(frozen=True)
@@ -320,7 +358,26 @@ class RankRecord:
     misplaced: tuple[str, ...] = ()
     ties: tuple[TieRecord, ...] = ()  # per stage: which names share storage
     uninitialized: tuple[BufferProblem, ...] = ()  # buffers that are not what the module computes
-    shard_key: str | None = None  # equal on HSDP replicas: the same shard coordinate(s)
+    # Equal on ranks that must hold the same local shards: the same device mesh (its ranks) and
+    # the same place on its non-Replicate dims, for every sharded parameter (see checks/value.py).
+    shard_key: str | None = None
+    # Equal on ranks whose unsharded tensors must agree: the same set of device meshes (None:
+    # no DTensor, so every such rank).
+    peer_key: str | None = None
+    meshes: tuple[MeshRecord, ...] = ()  # the meshes this rank's DTensors live on
+    non_finite: tuple[NonFinite, ...] = ()  # NaN/Inf counted after the audit's load
+
+    def non_finite_tensors(self) -> tuple[NonFinite, ...]:
+        """Every tensor this rank holds NaN or Inf in: its fingerprints' counts, then those
+        counted after the audit's load."""
+        found = [
+            NonFinite(t.name, fp.snapshot, t.non_finite, buffer=is_buffer)
+            for fp in self.fingerprints()
+            for is_buffer, tensors in ((True, fp.buffers), (False, fp.params))
+            for t in tensors
+            if t.non_finite
+        ]
+        return (*found, *self.non_finite)
 
     def group_digest(self) -> str:
         """Equal for ranks that must be treated alike: every field but the values, devices and
@@ -354,6 +411,8 @@ class Gathered:
     replicas: dict[int, str | None] | None = None
     shard_keys: dict[int, str | None] | None = None
     extra: dict[int, RankRecord] | None = None  # records of value senders that are no group's
+    # Per rank, RankRecord.peer_key: unsharded values are compared among equal keys only.
+    peer_keys: dict[int, str | None] | None = None
 
     @property
     def errors(self) -> tuple[RankError, ...]:

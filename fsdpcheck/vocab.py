@@ -330,6 +330,12 @@ class FindingKind(_Described):
         "a buffer is not what its module computes (garbage after to_empty, NaN, Inf)",
         "buffers are not initialised",
     )
+    NON_FINITE = (
+        "non-finite",
+        "a loss, gradient, parameter or buffer holds NaN or Inf (after a load, as check_model "
+        "saw it, or after a step)",
+        "tensors hold NaN or Inf",
+    )
     TIE = (
         "tie",
         "parameters the config ties hold separate storage, or ranks tie different names",
@@ -339,11 +345,6 @@ class FindingKind(_Described):
         "step",
         "ranks issued different collectives in a training step (a hang or an abort, unwatched)",
         "collectives differ in the step",
-    )
-    NON_FINITE = (
-        "non-finite",
-        "a loss, gradient, parameter or buffer holds NaN or Inf (after a load or a step)",
-        "non-finite values",
     )
     COLLECTIVE = (
         "collective",

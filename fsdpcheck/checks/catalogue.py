@@ -29,6 +29,7 @@ from fsdpcheck.checks.groups import (
 from fsdpcheck.checks.hash_seed import ProbeResult, probe_finding
 from fsdpcheck.checks.layout import LAYOUT_KINDS, layout_findings
 from fsdpcheck.checks.loaded import load_findings, verify_findings
+from fsdpcheck.checks.non_finite import non_finite_findings
 from fsdpcheck.checks.observed import Observation, with_observations
 from fsdpcheck.checks.step import StepRecord, divergence_finding, non_finite_finding
 from fsdpcheck.checks.ties import tie_findings
@@ -157,10 +158,14 @@ def _uninitialized(e: Evidence) -> list[Finding]:
     return uninitialized_findings(e.groups, e.gathered.records)
 
 
+def _non_finite(e: Evidence) -> list[Finding]:
+    return non_finite_findings(e.groups, e.gathered.records)
+
+
 def _values(e: Evidence) -> list[Finding]:
     g = e.gathered
     everyone = {**g.records, **(g.extra or {})}  # value senders that are no group's too
-    return value_findings(everyone, g.values, g.replicas or {}, g.shard_keys or {})
+    return value_findings(everyone, g.values, g.replicas or {}, g.shard_keys or {}, g.peer_keys)
 
 
 def _load(e: Evidence) -> list[Finding]:
@@ -213,11 +218,13 @@ CHECKS: tuple[Check, ...] = _checks(
     ("device", (K.DEVICE,), {N.PRE_WRAP, N.POST_WRAP}, _devices, ""),
     ("tie", (K.TIE,), {N.PRE_WRAP, N.POST_WRAP}, _ties, ""),
     ("uninitialized", (K.UNINITIALIZED,), (), _uninitialized, ""),
+    ("non-finite", (K.NON_FINITE,), (), _non_finite, ""),
     ("value", (K.VALUE,), {N.VALUES}, _values, ""),
     ("load", (K.VERIFY,), {N.LOAD}, _load, ""),
     ("verify", (K.VERIFY,), {N.VERIFY}, _verify, ""),
     ("tie-after-load", (K.TIE,), {N.AFTER_LOAD}, _ties, ""),
     ("uninitialized-after-load", (K.UNINITIALIZED,), {N.AFTER_LOAD}, _uninitialized, ""),
+    ("non-finite-after-load", (K.NON_FINITE,), {N.AFTER_LOAD}, _non_finite, ""),
     ("value-after-load", (K.VALUE,), {N.AFTER_LOAD, N.VALUES}, _values, ""),
     ("hash-seed", (K.HASH_SEED,), {N.PROBE}, _probe, ""),
     ("prediction", (K.PREDICTION,), {N.OBSERVED}, _prediction, ""),

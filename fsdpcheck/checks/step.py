@@ -56,7 +56,7 @@ class CollectiveCall:
 
 
 @dataclass(frozen=True)
-class NonFinite:
+class StepNonFinite:
     """What was NaN or Inf on one rank after its step (names capped; counts exact)."""
 
     loss: str | None = None  # "nan", "inf", "-inf"; None when finite or not returned
@@ -84,7 +84,7 @@ class StepRecord:
     before: tuple[CollectiveCall, ...] = ()  # the last few agreed collectives, for context
     message: str = ""  # ``raised``: the exception
     loss: float | None = None
-    non_finite: NonFinite = field(default_factory=NonFinite)
+    non_finite: StepNonFinite = field(default_factory=StepNonFinite)
     # The watch's own cost on this rank: exchanges, bytes each sent on the side channel, seconds.
     exchanges: int = 0
     channel_bytes: int = 0
@@ -239,7 +239,7 @@ def non_finite_finding(records: Mapping[int, StepRecord]) -> Finding | None:
     )
 
 
-def _nf_details(nf: NonFinite) -> dict[str, Any]:
+def _nf_details(nf: StepNonFinite) -> dict[str, Any]:
     return {
         "loss": nf.loss,
         "gradients": nf.grad_count,

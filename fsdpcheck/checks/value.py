@@ -1,9 +1,18 @@
 """``value``: tensors that must be identical across ranks but are not, compared by name.
 
-What must agree on every rank: every buffer (FSDP2 replicates them), every parameter before
-wrapping, and unsharded parameters after it. What must agree among HSDP replicas only: the local
-shards of sharded parameters, on ranks that hold the same shard coordinate. Tensors on ``meta``
-have no values and are never compared.
+Which ranks must agree comes from the device meshes the ranks' DTensors live on (their global
+ranks, :class:`MeshRecord`) and the DTensors' placements, never from shapes alone:
+
+- Local shards of a sharded parameter (any placement but Replicate) must agree among ranks that
+  hold it on the same mesh (the same global ranks) at the same place along every non-Replicate
+  dim: HSDP replicas. Tensor-parallel shards, FSDP shards and expert groups differ by design.
+- Every other tensor (buffers, unsharded and fully Replicate parameters, everything before
+  wrapping) must agree among ranks whose DTensors live on the same set of meshes: every rank
+  for FSDP2 over all ranks or one HSDP mesh, each group's ranks where each group of ranks runs
+  FSDP2 over its own sub-mesh (expert or pipeline groups), every rank where none holds a DTensor.
+
+The keys that say so (:func:`replica_keys`) travel in each rank's gather slot. Tensors on
+``meta`` have no values and are never compared.
 
 Digest-first: each rank puts two digests in its gather slot (:func:`value_digests`); only the
 lowest rank of each distinct digest sends its full record (:func:`value_senders`), at most
@@ -16,7 +25,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdpcheck.records import Finding, Fingerprint, RankRecord, TensorRecord, short_digest
+from fsdpcheck.records import (
+    Finding,
+    Fingerprint,
+    MeshRecord,
+    RankRecord,
+    TensorRecord,
+    short_digest,
+)
 from fsdpcheck.text import ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
@@ -29,9 +45,36 @@ _CAUSE = {
 }
 
 
+_REPLICATE = ("R", "Replicate()")
+
+
 def is_sharded(t: TensorRecord) -> bool:
     """Any placement but Replicate: ``S(0)``, ``_S(0, 2)``, ``Shard(dim=0)``, ``P(sum)``..."""
-    return t.placements is not None and any(p not in ("R", "Replicate()") for p in t.placements)
+    return t.placements is not None and any(p not in _REPLICATE for p in t.placements)
+
+
+def replica_keys(
+    params: tuple[TensorRecord, ...], meshes: tuple[MeshRecord, ...]
+) -> tuple[str | None, str | None]:
+    """(shard key, peer key) of a rank whose parameters are ``params`` (its latest look) on
+    ``meshes``. Ranks with equal shard keys hold the same local shards: for every sharded
+    parameter the same mesh (global ranks) and the same coordinate along its non-Replicate
+    dims. Ranks with equal peer keys hold DTensors on the same set of meshes, so their unsharded
+    tensors must agree. None: no such parameter (no DTensor at all, for the peer key)."""
+    by_id = {m.id: m for m in meshes}
+    on: set[str] = set()
+    places: set[tuple] = set()
+    for t in params:
+        mesh = by_id.get(t.mesh) if t.mesh is not None else None
+        if mesh is None or t.placements is None:
+            continue
+        on.add(mesh.id)
+        dims = tuple(i for i, p in enumerate(t.placements) if p not in _REPLICATE)
+        if dims and mesh.coordinate is not None:
+            places.add((mesh.id, dims, tuple(mesh.coordinate[i] for i in dims)))
+    shard = short_digest(repr(sorted(places))) if places else None
+    peers = short_digest(repr(sorted(on))) if on else None
+    return shard, peers
 
 
 def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
@@ -73,18 +116,44 @@ def _replica_sets(shard_keys: Mapping[int, str | None]) -> list[list[int]]:
     return [ranks for ranks in sets.values() if len(ranks) > 1]
 
 
+def peer_sets(ranks: Sequence[int], peer_keys: Mapping[int, str | None] | None) -> list[list[int]]:
+    """The sets of ranks whose unsharded values are compared with each other: ranks with equal
+    peer keys (a rank without one: with the others without one). One set of every rank when
+    no peer keys were gathered."""
+    sets: dict[str | None, list[int]] = {}
+    for rank in sorted(ranks):
+        sets.setdefault((peer_keys or {}).get(rank), []).append(rank)
+    return list(sets.values())
+
+
+def comparisons(
+    ranks: Sequence[int],
+    shard_keys: Mapping[int, str | None],
+    peer_keys: Mapping[int, str | None] | None = None,
+) -> dict[str, list[list[int]]]:
+    """Which ranks' values were compared with which: ``unsharded`` (buffers, unsharded
+    parameters) and ``shards`` (local shards, among replicas), each a list of rank sets."""
+    return {
+        "unsharded": [s for s in peer_sets(ranks, peer_keys) if len(s) > 1],
+        "shards": _replica_sets({r: shard_keys.get(r) for r in ranks}),
+    }
+
+
 def value_senders(
     values: Mapping[int, str | None],
     replicas: Mapping[int, str | None],
     shard_keys: Mapping[int, str | None],
+    peer_keys: Mapping[int, str | None] | None = None,
 ) -> set[int]:
     """Ranks whose full record rank 0 needs to name differing tensors; every rank computes the
     same set from the slots. Empty when every rank agrees."""
     senders: set[int] = set()
-    groups = _by_digest(values, list(values))
-    if len(groups) > 1:
-        senders.update(ranks[0] for ranks in list(groups.values())[:SENDER_LIMIT])
     differing = 0
+    for members in peer_sets(list(values), peer_keys):
+        groups = _by_digest(values, members)
+        if len(groups) > 1 and differing < SENDER_LIMIT:
+            differing += 1
+            senders.update(ranks[0] for ranks in list(groups.values())[:SENDER_LIMIT])
     for members in _replica_sets(shard_keys):
         groups = _by_digest(replicas, members)
         if len(groups) > 1 and differing < SENDER_LIMIT:
@@ -105,21 +174,22 @@ def value_findings(
     values: Mapping[int, str | None],
     replicas: Mapping[int, str | None],
     shard_keys: Mapping[int, str | None],
+    peer_keys: Mapping[int, str | None] | None = None,
 ) -> list[Finding]:
-    """One finding per group of ranks whose must-agree values differ from the reference's, and
-    one per HSDP replica set whose local shards differ."""
+    """One finding per group of ranks whose must-agree values differ from their peers'
+    reference (the lowest rank of the peer set), and one per replica set whose local shards
+    differ. ``peer_keys`` None: every rank is every rank's peer."""
     findings: list[Finding] = []
-    groups = list(_by_digest(values, list(values)).values())
-    if len(groups) > 1:
-        reference = groups[0]
+    for members in peer_sets(list(values), peer_keys):
+        groups = list(_by_digest(values, members).values())
         for ranks in groups[1:]:
-            finding = _finding(records, reference[0], ranks, sharded=False)
+            finding = _finding(records, groups[0][0], ranks, sharded=False, compared=members)
             if finding is not None:
                 findings.append(finding)
     for members in _replica_sets(shard_keys):
         groups = list(_by_digest(replicas, members).values())
         for ranks in groups[1:]:
-            finding = _finding(records, groups[0][0], ranks, sharded=True, replicas=members)
+            finding = _finding(records, groups[0][0], ranks, sharded=True, compared=members)
             if finding is not None:
                 findings.append(finding)
     return findings
@@ -131,8 +201,11 @@ def _finding(
     ranks: Sequence[int],
     *,
     sharded: bool,
-    replicas: Sequence[int] = (),
+    compared: Sequence[int] = (),
 ) -> Finding | None:
+    """``compared``: the ranks whose values were compared with each other, the reference among
+    them (the replica set, for local shards)."""
+    replicas = list(compared) if sharded else []
     ref, other = records.get(ref_rank), records.get(ranks[0])
     who = ranks_label(ranks)
     what = "values differ between HSDP replicas" if sharded else "values differ"
@@ -145,7 +218,7 @@ def _finding(
             cause=Cause.UNKNOWN,
             summary=f"{what} on {who} from rank {ref_rank}'s (not examined: more than "
             f"{SENDER_LIMIT} distinct values)",
-            details={"examined": False, "replicas": list(replicas)},
+            details={"examined": False, "replicas": replicas, "compared": list(compared)},
         )
     diffs = compare_values(ref, other, sharded=sharded)
     if sharded:  # shards of parameters that already differed whole, before wrapping, are told
@@ -177,7 +250,8 @@ def _finding(
             "examined": True,
             "count": len(diffs),
             "differences": diffs[:16],
-            "replicas": list(replicas),
+            "replicas": replicas,
+            "compared": list(compared),
         },
     )
 

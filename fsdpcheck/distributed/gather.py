@@ -23,8 +23,9 @@ _DIGEST_BYTES = 16
 _HOST_BYTES = 64
 _KEY_BYTES = 8
 _FLAG_META = 1  # this rank built (some of) the model on meta
-# flags, group digest, host; then the value digest, shard key and replica digest (zeros: none).
-SLOT_BYTES = 1 + _DIGEST_BYTES + _HOST_BYTES + _DIGEST_BYTES + _KEY_BYTES + _DIGEST_BYTES
+# flags, group digest, host; then the value digest, shard key, replica digest and peer key
+# (zeros: none).
+SLOT_BYTES = 1 + _DIGEST_BYTES + _HOST_BYTES + _DIGEST_BYTES + 2 * _KEY_BYTES + _DIGEST_BYTES
 
 
 def _fixed(digest: str | None, size: int) -> bytes:
@@ -38,6 +39,7 @@ def _pack_slot(
     value: str | None = None,
     shard_key: str | None = None,
     replica: str | None = None,
+    peers: str | None = None,
 ) -> bytes:
     raw = bytes([flags]) + _fixed(digest, _DIGEST_BYTES)
     raw += host.encode()[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
@@ -46,6 +48,7 @@ def _pack_slot(
         + _fixed(value, _DIGEST_BYTES)
         + _fixed(shard_key, _KEY_BYTES)
         + _fixed(replica, _DIGEST_BYTES)
+        + _fixed(peers, _KEY_BYTES)
     )
 
 
@@ -53,14 +56,17 @@ def _unfixed(raw: bytes) -> str | None:
     return raw.hex() if any(raw) else None
 
 
-def _unpack_slot(raw: bytes) -> tuple[int, str, str, str | None, str | None, str | None]:
+def _unpack_slot(
+    raw: bytes,
+) -> tuple[int, str, str, str | None, str | None, str | None, str | None]:
     fields, offset = [], 1
-    for size in (_DIGEST_BYTES, _HOST_BYTES, _DIGEST_BYTES, _KEY_BYTES, _DIGEST_BYTES):
+    for size in (_DIGEST_BYTES, _HOST_BYTES, _DIGEST_BYTES, _KEY_BYTES, _DIGEST_BYTES, _KEY_BYTES):
         fields.append(raw[offset : offset + size])
         offset += size
-    digest, host, value, key, replica = fields
+    digest, host, value, key, replica, peers = fields
     host_name = host.rstrip(b"\0").decode(errors="replace")
-    return raw[0], digest.hex(), host_name, _unfixed(value), _unfixed(key), _unfixed(replica)
+    unfixed = (_unfixed(value), _unfixed(key), _unfixed(replica), _unfixed(peers))
+    return raw[0], digest.hex(), host_name, *unfixed
 
 
 def _built_on_meta(record: RankRecord) -> bool:
@@ -87,7 +93,9 @@ def gather_records(
     digest = record.group_digest()
     value, replica = value_digests(record)
     flags = _FLAG_META if _built_on_meta(record) else 0
-    mine = _pack_slot(digest, record.env.host, flags, value, record.shard_key, replica)
+    mine = _pack_slot(
+        digest, record.env.host, flags, value, record.shard_key, replica, record.peer_key
+    )
     slots = _gather_slots(mine, group, rank=rank, world_size=world_size)
     sent = SLOT_BYTES
     if rank != 0:
@@ -96,14 +104,14 @@ def gather_records(
         log.debug("digest %s: sent %d bytes", digest[:12], sent)
         return None
     digests, hosts, meta_ranks = {}, {}, []
-    values, keys, replicas = {}, {}, {}
+    values, keys, replicas, peers = {}, {}, {}, {}
     for r, slot in enumerate(slots):
-        flags, digests[r], hosts[r], values[r], keys[r], replicas[r] = _unpack_slot(slot)
+        flags, digests[r], hosts[r], values[r], keys[r], replicas[r], peers[r] = _unpack_slot(slot)
         if flags & _FLAG_META:
             meta_ranks.append(r)
     reps = set(representatives(digests).values())
     # Ranks whose values differ send too (no group's representative, no more than a few).
-    extra_senders = value_senders(values, replicas, keys) - reps
+    extra_senders = value_senders(values, replicas, keys, peers) - reps
     senders = sorted((reps | extra_senders) - {0})
     _broadcast_ranks(senders, group)
     log.info("%d ranks, %d digests; full records from ranks %s", world_size, len(reps), senders)
@@ -111,7 +119,9 @@ def gather_records(
     extra: dict[int, RankRecord] = {}
     for sender in senders:
         (extra if sender in extra_senders else records)[sender] = _recv_record(sender, group)
-    return Gathered(digests, hosts, records, sent, tuple(meta_ranks), values, replicas, keys, extra)
+    return Gathered(
+        digests, hosts, records, sent, tuple(meta_ranks), values, replicas, keys, extra, peers
+    )
 
 
 def _gather_slots(mine: bytes, group: object, *, rank: int, world_size: int) -> list[bytes]:

@@ -30,6 +30,11 @@ pseudo-random even weight per column, m_q a hashed odd multiplier per block. Wha
   number of threads, the device or the memory alignment of the tensor: blocks are the same
   1 MiB everywhere (CUDA only reduces many per kernel), so rank 0 digesting a slice of its CPU
   source and another rank digesting its CUDA shard get the same number for the same bytes.
+Non-finite values are counted in the same pass, while each block is in cache: a float sum of the
+block's elements is finite unless one of them is NaN or ±Inf (or the sum overflows, which only
+costs an exact recount; float16 reads its exponent bits instead), so a clean tensor costs one
+more reduction per block, not another read.
+
 Verify does not face an adversary crafting collisions (the bytes come from the user's own
 checkpoint and loader), only bugs, and bugs do not aim at weight tables.
 """
@@ -121,8 +126,50 @@ def _chunk_blocks(device: torch.device) -> int:
     return _GPU_CHUNK_BLOCKS if device.type == "cuda" else 1
 
 
-def _span(raw: torch.Tensor, first_block: int, last_block: int) -> tuple[int, int]:
-    """The two sums over blocks ``first_block:last_block`` of the grid of ``raw``'s words."""
+def _floats(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s values as a flat real float tensor over the same bytes (complex as its real
+    and imaginary parts); None for dtypes that hold no NaN or Inf."""
+    flat = tensor.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if not flat.dtype.is_floating_point or flat.dtype.itemsize > 8:
+        return None
+    return flat if flat.is_contiguous() else flat.contiguous()
+
+
+# float16's NaN and ±Inf: every exponent bit set, so (bits & 0x7FFF) >= 0x7C00.
+_FP16_EXPONENT = 0x7C00
+
+
+def _probe(part: torch.Tensor) -> torch.Tensor:
+    """True (a 0-dim tensor) where ``part`` may hold NaN or ±Inf: a sum is not finite unless
+    every element is (or it overflowed: float16's past 65504, where the exact count, from the
+    exponent bits, says 0)."""
+    if part.dtype.itemsize == 1:  # float8: no kernels of its own
+        part = part.float()
+    return ~part.sum().isfinite()
+
+
+def _count_non_finite(values: torch.Tensor) -> int:
+    if values.numel() == 0:
+        return 0
+    if values.dtype == torch.float16:  # isfinite is slow on 16-bit floats; the bits are not
+        return int(((values.view(torch.int16) & 0x7FFF) >= _FP16_EXPONENT).sum())
+    if values.dtype.itemsize == 1:  # float8: torch has no isfinite for it
+        values = values.float()
+    return values.numel() - int(torch.isfinite(values).sum())
+
+
+def _elements(values: torch.Tensor, first_word: int, last_word: int) -> torch.Tensor:
+    size = values.dtype.itemsize  # 1, 2, 4 or 8: a word holds whole elements
+    return values[first_word * 8 // size : min(last_word * 8 // size, values.numel())]
+
+
+def _span(
+    raw: torch.Tensor, first_block: int, last_block: int, values: torch.Tensor | None = None
+) -> tuple[int, int, int | None]:
+    """The two sums over blocks ``first_block:last_block`` of the grid of ``raw``'s words, and
+    how many NaN and ±Inf ``values`` (``raw`` as floats, None: not counted) hold there."""
     device = raw.device
     step = _chunk_blocks(device)
     rows = -(-_word_count(raw) // _COLS)  # the last one may be short
@@ -138,6 +185,7 @@ def _span(raw: torch.Tensor, first_block: int, last_block: int) -> tuple[int, in
     shifted = torch.empty(min(step * _BLOCK_ROWS, count), _COLS, dtype=torch.int64, device=device)
     weights = [_column_weights(k, device) for k in (0, 1)]
     done = pending = 0  # blocks weighted so far; blocks waiting in column_sums
+    probes: list[torch.Tensor] = []
 
     def weigh() -> None:
         for k in (0, 1):
@@ -151,6 +199,8 @@ def _span(raw: torch.Tensor, first_block: int, last_block: int) -> tuple[int, in
         start = block * _BLOCK_ROWS
         stop = min(start + step * _BLOCK_ROWS, last_row)
         words = _words(raw, start * _COLS, min(stop * _COLS, _word_count(raw)))
+        if values is not None:  # these bytes are in cache now
+            probes.append(_probe(_elements(values, start * _COLS, stop * _COLS)))
         full, tail = divmod(words.numel(), _COLS)
         whole = full // _BLOCK_ROWS  # complete blocks among the full rows
         used = whole + (1 if full > whole * _BLOCK_ROWS or tail or not whole else 0)
@@ -183,7 +233,13 @@ def _span(raw: torch.Tensor, first_block: int, last_block: int) -> tuple[int, in
         multipliers = _odd_hashes(_BLOCK_SEEDS[k], first_block, blocks, device)
         total = weighted_rows.sum() + (block_totals[k] * multipliers).sum()
         result.append(int(total.item()) & _MASK64)
-    return result[0], result[1]
+    bad = None
+    if values is not None:
+        bad = 0
+        if probes and bool(torch.stack(probes).any()):
+            first, last = first_row * _COLS, last_row * _COLS
+            bad = _count_non_finite(_elements(values, first, last))
+    return result[0], result[1], bad
 
 
 def _format(sums: tuple[int, int], nbytes: int) -> str:
@@ -199,21 +255,44 @@ def checksums(tensors: Sequence[torch.Tensor], *, threads: int | None = None) ->
     """Checksums of many tensors: CPU work split into spans of blocks across ``threads``
     (default :func:`worker_threads`; torch releases the GIL inside its kernels), CUDA tensors
     digested on their device."""
+    return [digest for digest, _ in _digest(tensors, threads, count=False)]
+
+
+def checksums_and_non_finite(
+    tensors: Sequence[torch.Tensor], *, threads: int | None = None
+) -> list[tuple[str | None, int | None]]:
+    """(checksum, NaN and ±Inf elements) of each tensor, in one pass over its bytes; both None
+    on meta, the count 0 for dtypes that hold no NaN (integers, bool)."""
+    return _digest(tensors, threads, count=True)
+
+
+def _spans(raw: torch.Tensor) -> list[tuple[int, int]]:
+    """(first block, last block) of each job: 64 MiB on CPU, the whole tensor on a device."""
+    rows = max(1, -(-_word_count(raw) // _COLS))
+    blocks = -(-rows // _BLOCK_ROWS)
+    step = blocks if raw.device.type != "cpu" else _SPAN_BLOCKS
+    return [(b, min(b + step, blocks)) for b in range(0, blocks, step)]
+
+
+def _digest(
+    tensors: Sequence[torch.Tensor], threads: int | None, *, count: bool
+) -> list[tuple[str | None, int | None]]:
     raws = [None if t.device.type == "meta" else _bytes_of(t) for t in tensors]
+    floats = [
+        _floats(t) if count and raw is not None else None
+        for t, raw in zip(tensors, raws, strict=True)
+    ]
     jobs: list[tuple[int, int, int]] = []  # (tensor index, first block, last block)
     for i, raw in enumerate(raws):
-        if raw is None:
-            continue
-        rows = max(1, -(-_word_count(raw) // _COLS))
-        blocks = -(-rows // _BLOCK_ROWS)
-        step = blocks if raw.device.type != "cpu" else _SPAN_BLOCKS
-        jobs.extend((i, b, min(b + step, blocks)) for b in range(0, blocks, step))
+        if raw is not None:
+            jobs.extend((i, first, last) for first, last in _spans(raw))
     workers = threads if threads is not None else worker_threads()
     totals = [[0, 0] for _ in raws]
+    bad = [0 if count and raw is not None else None for raw in raws]
 
-    def run(job: tuple[int, int, int]) -> tuple[int, tuple[int, int]]:
+    def run(job: tuple[int, int, int]) -> tuple[int, tuple[int, int, int | None]]:
         i, first, last = job
-        return i, _span(raws[i], first, last)
+        return i, _span(raws[i], first, last, floats[i])
 
     # CUDA tensors one after another (their kernels share a stream, and each holds scratch of
     # up to 256 MiB); CPU spans across the threads.
@@ -224,10 +303,43 @@ def checksums(tensors: Sequence[torch.Tensor], *, threads: int | None = None) ->
             results += pool.map(run, on_host)
     else:
         results += [run(job) for job in on_host]
-    for i, (a, b) in results:
+    for i, (a, b, n) in results:
         totals[i][0] = (totals[i][0] + a) & _MASK64
         totals[i][1] = (totals[i][1] + b) & _MASK64
+        if n:
+            bad[i] += n
     return [
-        None if raw is None else _format((totals[i][0], totals[i][1]), raw.numel())
+        (None if raw is None else _format((totals[i][0], totals[i][1]), raw.numel()), bad[i])
         for i, raw in enumerate(raws)
     ]
+
+
+def non_finite_counts(
+    tensors: Sequence[torch.Tensor], *, threads: int | None = None
+) -> list[int | None]:
+    """NaN and ±Inf elements of each tensor, without a checksum (None on meta): one float sum
+    per 64 MiB span, and an exact count only where that sum is not finite."""
+    floats = [None if t.device.type == "meta" else _floats(t) for t in tensors]
+    span = _SPAN_BLOCKS * _BLOCK_ROWS * _COLS * 8  # bytes
+    jobs = [
+        (i, start, start + span // values.dtype.itemsize)
+        for i, values in enumerate(floats)
+        if values is not None
+        for start in range(0, values.numel(), span // values.dtype.itemsize)
+    ]
+
+    def run(job: tuple[int, int, int]) -> tuple[int, int]:
+        i, first, last = job
+        part = floats[i][first:last]
+        return i, _count_non_finite(part) if bool(_probe(part)) else 0
+
+    workers = threads if threads is not None else worker_threads()
+    if workers > 1 and len(jobs) > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="fsdpcheck-finite") as pool:
+            results = list(pool.map(run, jobs))
+    else:
+        results = [run(job) for job in jobs]
+    counts = [None if t.device.type == "meta" else 0 for t in tensors]
+    for i, n in results:
+        counts[i] += n
+    return counts

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdpcheck.model.checksum import checksum, checksums
-from fsdpcheck.records import Fingerprint, TensorRecord
+from fsdpcheck.model.checksum import checksum, checksums_and_non_finite
+from fsdpcheck.records import Fingerprint, MeshRecord, TensorRecord, short_digest
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -54,28 +54,27 @@ def fingerprint(
 ) -> Fingerprint:
     """``with_values``: buffer digests and first values; ``param_values``: parameters' too (of
     the local shard, for DTensors), for comparing them across ranks. Digests are taken in one
-    batch, so the checksum spreads over this rank's cores."""
+    batch, so the checksum spreads over this rank's cores; NaN and Inf are counted in the same
+    pass (``TensorRecord.non_finite``)."""
     non_persistent = non_persistent_buffers(model)
     named_buffers = list(model.named_buffers())
     named_params = [(name, p, _local(p)) for name, p in model.named_parameters()]
     to_digest = [buf for _, buf in named_buffers] if with_values else []
     if param_values:
         to_digest += [local for _, _, local in named_params]
-    digests = iter(checksums(to_digest))
+    digests = iter(checksums_and_non_finite(to_digest))
+    none = (None, None)
     buffers = tuple(
-        TensorRecord(
-            name=name,
-            shape=tuple(buf.shape),
-            dtype=dtype_name(buf.dtype),
-            device=buf.device.type,
-            persistent=name not in non_persistent,
-            digest=next(digests) if with_values else None,
-            head=head_values(buf) if with_values else None,
+        _buffer_record(
+            name, buf, name not in non_persistent, next(digests) if with_values else none
         )
         for name, buf in named_buffers
     )
+    mesh_ids: dict[int, str] = {}  # id(DeviceMesh) → its record's id: one per mesh, not param
     params = tuple(
-        _param_record(name, p, local, next(digests) if param_values else None, param_values)
+        _param_record(
+            name, p, local, next(digests) if param_values else none, param_values, mesh_ids
+        )
         for name, p, local in named_params
     )
     keys = tuple(model.state_dict(keep_vars=True).keys())
@@ -100,14 +99,74 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if getattr(param, "placements", None) is not None else param
 
 
-def _param_record(
-    name: str, param: torch.Tensor, local: torch.Tensor, digest: str | None, with_values: bool
+def _buffer_record(
+    name: str, buf: torch.Tensor, persistent: bool, digested: tuple[str | None, int | None]
 ) -> TensorRecord:
+    digest, non_finite = digested
+    if non_finite and is_mask(buf):
+        non_finite = 0
+    return TensorRecord(
+        name=name,
+        shape=tuple(buf.shape),
+        dtype=dtype_name(buf.dtype),
+        device=buf.device.type,
+        persistent=persistent,
+        digest=digest,
+        head=head_values(buf) if digest is not None else None,
+        non_finite=non_finite,
+    )
+
+
+def is_mask(tensor: torch.Tensor) -> bool:
+    """Only 0 and ±inf (no NaN): an additive attention mask, whose infinities are meant."""
+    values = tensor.detach()
+    if values.is_complex() or not values.dtype.is_floating_point:
+        return False
+    values = values.float() if values.dtype.itemsize < 4 else values
+    if bool(values.isnan().any()):
+        return False
+    return not bool((values[values.isfinite()] != 0).any())
+
+
+def mesh_record(mesh: object) -> MeshRecord:
+    """A DeviceMesh as a record: its global ranks, shape and this rank's coordinate."""
+    ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+    shape = tuple(mesh.mesh.shape)
+    coordinate = mesh.get_coordinate()
+    names = getattr(mesh, "mesh_dim_names", None)
+    return MeshRecord(
+        id=mesh_id(shape, ranks),
+        shape=shape,
+        ranks=ranks,
+        coordinate=tuple(coordinate) if coordinate is not None else None,
+        dim_names=tuple(names) if names else None,
+    )
+
+
+def mesh_id(shape: tuple[int, ...], ranks: tuple[int, ...]) -> str:
+    """Equal for one mesh on every rank of it (same shape, same global ranks), short: every
+    DTensor's record names it."""
+    return short_digest(repr(shape), repr(ranks), size=6)
+
+
+def _param_record(
+    name: str,
+    param: torch.Tensor,
+    local: torch.Tensor,
+    digested: tuple[str | None, int | None],
+    with_values: bool,
+    mesh_ids: dict[int, str],
+) -> TensorRecord:
+    digest, non_finite = digested
     placements = getattr(param, "placements", None)
-    local_shape = None
+    local_shape = mesh = None
     if placements is not None:
         local_shape = tuple(local.shape)
         placements = tuple(str(p) for p in placements)
+        device_mesh = getattr(param, "device_mesh", None)
+        if device_mesh is not None:
+            mesh = mesh_ids.get(id(device_mesh)) or mesh_record(device_mesh).id
+            mesh_ids[id(device_mesh)] = mesh
     return TensorRecord(
         name=name,
         shape=tuple(param.shape),
@@ -118,4 +177,6 @@ def _param_record(
         digest=digest,
         head=head_values(local) if with_values else None,
         requires_grad=bool(param.requires_grad),
+        mesh=mesh,
+        non_finite=non_finite,
     )

@@ -1,5 +1,5 @@
 """A rank's record from its live model: one look (its fingerprint, ties, buffer problems and
-shard coordinate) and its state beyond its tensors (the live FSDP2 plan, the canonical config,
+device meshes) and its state beyond its tensors (the live FSDP2 plan, the canonical config,
 the tensors it holds on a device its job cannot use). Used by the audit, ``check_model``,
 ``save_fingerprint`` and ``fingerprint``, on the rank itself, so each writes the same record."""
 
@@ -12,14 +12,16 @@ from typing import Any
 from torch import nn
 
 from fsdpcheck.checks.flags import misplaced
+from fsdpcheck.checks.value import replica_keys
 from fsdpcheck.model.config_record import config_record
 from fsdpcheck.model.fingerprint import fingerprint
 from fsdpcheck.model.fsdp_plan import fsdp_plan
-from fsdpcheck.model.state import buffer_problems, buffer_reference, shard_key, tie_record
+from fsdpcheck.model.state import buffer_problems, buffer_reference, mesh_records, tie_record
 from fsdpcheck.records import (
     BufferProblem,
     EnvRecord,
     Fingerprint,
+    MeshRecord,
     RankError,
     RankRecord,
     TieRecord,
@@ -36,7 +38,7 @@ class Look:
     fingerprint: Fingerprint
     ties: TieRecord
     uninitialized: tuple[BufferProblem, ...] = ()
-    shard_key: str | None = None  # None until FSDP2 has sharded it
+    meshes: tuple[MeshRecord, ...] = ()  # () until FSDP2 (or TP) has made DTensors
 
 
 def snapshot_now(model: nn.Module) -> Snapshot:
@@ -56,7 +58,7 @@ def look(
         fingerprint=fingerprint(model, snapshot, param_values=param_values),
         ties=tie_record(model, snapshot),
         uninitialized=problems,
-        shard_key=shard_key(model),
+        meshes=mesh_records(model),
     )
 
 
@@ -71,6 +73,11 @@ def rank_record(
     with ``model``'s state beyond its tensors (:func:`with_state`) when it is given."""
     seen = [found for found in looks if found is not None]
     fingerprints = {found.fingerprint.snapshot: found.fingerprint for found in seen}
+    # Which ranks must agree: from the latest look that holds DTensors.
+    latest = next((found for found in reversed(seen) if found.meshes), None)
+    shard_key, peer_key = (
+        replica_keys(latest.fingerprint.params, latest.meshes) if latest else (None, None)
+    )
     record = RankRecord(
         env=env,
         pre_wrap=fingerprints.get(Snapshot.PRE_WRAP),
@@ -78,7 +85,9 @@ def rank_record(
         error=error,
         ties=tuple(found.ties for found in seen),
         uninitialized=tuple(p for found in seen for p in found.uninitialized),
-        shard_key=next((k for k in (found.shard_key for found in reversed(seen)) if k), None),
+        shard_key=shard_key,
+        peer_key=peer_key,
+        meshes=latest.meshes if latest else (),
     )
     return record if model is None else with_state(record, model, config)
 

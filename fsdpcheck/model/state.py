@@ -1,5 +1,6 @@
 """What one rank's live model holds beyond its layout: which parameters share storage, which
-shard coordinate it holds, and whether its buffers are what its modules compute.
+device meshes its DTensors live on, whether it holds NaN or Inf, and whether its buffers are
+what its modules compute.
 
 Collectors only: they look at the local model and return records; the cross-rank analysis is
 in :mod:`fsdpcheck.checks` (pure functions over those records).
@@ -15,10 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdpcheck.model.checksum import non_finite_counts
 from fsdpcheck.model.fill import parameters_on_meta
-from fsdpcheck.model.fingerprint import head_values, non_persistent_buffers
+from fsdpcheck.model.fingerprint import head_values, is_mask, mesh_record, non_persistent_buffers
 from fsdpcheck.model.wrap import model_class
-from fsdpcheck.records import BufferProblem, TieRecord, short_digest
+from fsdpcheck.records import BufferProblem, MeshRecord, NonFinite, TieRecord
+from fsdpcheck.vocab import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -110,24 +113,42 @@ def tie_record(model: nn.Module, stage: str) -> TieRecord:
     return TieRecord(snapshot=stage, shared=shared_parameters(model), expected=expected_ties(model))
 
 
-# ---------------------------------------------------------------- HSDP replicas
+# ---------------------------------------------------------------- meshes
 
 
-def shard_key(model: nn.Module) -> str | None:
-    """Equal on ranks that must hold the same local shards (HSDP replicas): each sharded
-    parameter's mesh shape and this rank's coordinate on the mesh dims it is sharded over."""
-    parts = set()
+def mesh_records(model: nn.Module) -> tuple[MeshRecord, ...]:
+    """The device meshes ``model``'s DTensor parameters live on, one record each, in the order
+    first met: which ranks must hold equal values follows from them (checks/value.py)."""
+    found: dict[str, MeshRecord] = {}
+    seen: set[int] = set()
     for param in model.parameters():
-        placements = getattr(param, "placements", None)
         mesh = getattr(param, "device_mesh", None)
-        if placements is None or mesh is None:
+        if getattr(param, "placements", None) is None or mesh is None or id(mesh) in seen:
             continue
-        coordinate = mesh.get_coordinate()
-        dims = [i for i, p in enumerate(placements) if p.is_shard()]
-        if coordinate is None or not dims:
-            continue
-        parts.add((tuple(mesh.mesh.shape), tuple(coordinate[i] for i in dims)))
-    return short_digest(repr(sorted(parts))) if parts else None
+        seen.add(id(mesh))
+        record = mesh_record(mesh)
+        found.setdefault(record.id, record)
+    return tuple(found.values())
+
+
+# ---------------------------------------------------------------- non-finite values
+
+
+def non_finite_tensors(model: nn.Module, stage: Snapshot) -> tuple[NonFinite, ...]:
+    """Parameters (this rank's local shards) and buffers holding NaN or ±Inf, in one pass over
+    their values; a buffer of only 0 and ±inf (an attention mask) is not one of them."""
+    named = [(n, _local(p), False) for n, p in model.named_parameters()]
+    named += [(n, b, True) for n, b in model.named_buffers()]
+    counts = non_finite_counts([tensor for _, tensor, _ in named])
+    return tuple(
+        NonFinite(name, stage, count, buffer=is_buffer)
+        for (name, tensor, is_buffer), count in zip(named, counts, strict=True)
+        if count and not (is_buffer and is_mask(tensor))
+    )
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if getattr(param, "placements", None) is not None else param
 
 
 # ---------------------------------------------------------------- buffers
@@ -198,6 +219,8 @@ def buffer_reference(model: nn.Module) -> BufferReference | None:
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     a = a.detach().cpu()
+    if a.is_complex() and b.is_complex():  # RoPE's freqs_cis: compare the parts
+        a, b = torch.view_as_real(a), torch.view_as_real(b.detach().cpu())
     if a.dtype.is_floating_point:
         return bool(((a == b) | (a.isnan() & b.isnan())).all())
     return torch.equal(a, b)
@@ -233,8 +256,11 @@ def buffer_problems(
 
 
 def garbage(tensor: torch.Tensor) -> str | None:
-    """``"nan"``, ``"inf"`` or ``"denormal"`` when a float buffer holds what uninitialised memory
-    does; an all-(0, ±inf) tensor is a mask, not garbage."""
+    """``"nan"``, ``"inf"`` or ``"denormal"`` when a float or complex buffer holds what
+    uninitialised memory does (a complex one in its real or imaginary parts); an all-(0, ±inf)
+    tensor is a mask, not garbage."""
+    if tensor.is_complex():  # torchtitan's freqs_cis (complex64): judge the parts
+        tensor = torch.view_as_real(tensor.detach())
     if not tensor.dtype.is_floating_point or tensor.numel() == 0:
         return None
     values = tensor.detach().cpu().float() if tensor.dtype.itemsize < 4 else tensor.detach().cpu()

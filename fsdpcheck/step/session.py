@@ -23,7 +23,7 @@ import torch.distributed as dist
 from fsdpcheck.checks.catalogue import STATE_CHECKS, STEP_CHECKS, Evidence, checks_named, run_checks
 from fsdpcheck.checks.groups import group_ranks
 from fsdpcheck.checks.step import (
-    NonFinite,
+    StepNonFinite,
     StepRecord,
     loss_word,
     raised_errors,
@@ -84,7 +84,7 @@ def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple
     seconds = time.perf_counter() - start
     outcome = "diverged" if watch.diverged else ("raised" if message else "finished")
     loss = _loss(returned)
-    non_finite = _non_finite(model, loss) if outcome == "finished" else NonFinite()
+    non_finite = _non_finite(model, loss) if outcome == "finished" else StepNonFinite()
     record = StepRecord(
         outcome=outcome,
         collectives=len(watch.calls),
@@ -223,7 +223,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _non_finite(model: Any, loss: float | None) -> NonFinite:
+def _non_finite(model: Any, loss: float | None) -> StepNonFinite:
     """NaN or Inf in the loss, this rank's gradients and its parameters (local shards)."""
     params, grads = [], []
     for name, param in model.named_parameters():
@@ -240,7 +240,7 @@ def _non_finite(model: Any, loss: float | None) -> NonFinite:
         return [n for (n, _), ok in zip(floats, flags, strict=True) if not ok]
 
     bad_grads, bad_params = bad(grads), bad(params)
-    return NonFinite(
+    return StepNonFinite(
         loss=loss_word(loss),
         grads=tuple(bad_grads[:_LISTED]),
         grad_count=len(bad_grads),

@@ -109,5 +109,6 @@ def test_a_check_runs_only_when_what_it_needs_is_there():
         "device",
         "tie",
         "uninitialized",
+        "non-finite",
         "unexplained",
     ]

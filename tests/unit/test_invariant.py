@@ -27,6 +27,8 @@ from fsdpcheck.records import (
     Fingerprint,
     FsdpGroupRecord,
     FsdpPlanRecord,
+    MeshRecord,
+    NonFinite,
     RankError,
     RankRecord,
     TensorRecord,
@@ -92,6 +94,8 @@ def _base(rank: int) -> RankRecord:
         config=ConfigRecord(digest="c0", canonical={"hidden_size": 8, "rope": {"theta": 1e4}}),
         ties=ties,
         shard_key="k",
+        peer_key="p",
+        meshes=(MeshRecord("m", (3,), RANKS, (rank,), ("dp",)),),
     )
 
 
@@ -236,6 +240,8 @@ def test_the_sweep_reaches_every_field_of_the_schema() -> None:
     # problem is a finding by itself, so its fields are swept on records that already have one.
     elsewhere = {f"RankError.{f.name}" for f in dataclasses.fields(RankError)}
     elsewhere |= {f"BufferProblem.{f.name}" for f in dataclasses.fields(BufferProblem)}
+    # Likewise a tensor counted non-finite after the load (its fingerprint's count is swept).
+    elsewhere |= {f"NonFinite.{f.name}" for f in dataclasses.fields(NonFinite)}
     assert schema_fields() - elsewhere <= reached, schema_fields() - elsewhere - reached
 
 

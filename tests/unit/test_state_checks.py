@@ -164,9 +164,9 @@ def test_value_senders_are_bounded_however_many_ranks_differ():
 
 
 def test_slot_carries_value_fields_and_none_round_trips():
-    raw = _pack_slot("ab" * 16, "node-7", 1, "cd" * 16, None, "ef" * 16)
+    raw = _pack_slot("ab" * 16, "node-7", 1, "cd" * 16, None, "ef" * 16, "12" * 8)
     assert len(raw) == SLOT_BYTES
-    assert _unpack_slot(raw) == (1, "ab" * 16, "node-7", "cd" * 16, None, "ef" * 16)
+    assert _unpack_slot(raw) == (1, "ab" * 16, "node-7", "cd" * 16, None, "ef" * 16, "12" * 8)
 
 
 # ---------------------------------------------------------------- uninitialized

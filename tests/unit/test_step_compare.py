@@ -6,7 +6,7 @@ from fsdpcheck.checks.step import (
     FINISHED,
     RAISED,
     CollectiveCall,
-    NonFinite,
+    StepNonFinite,
     StepRecord,
     divergence_finding,
     loss_word,
@@ -79,10 +79,12 @@ def test_raised_steps_are_errors():
 
 
 def test_non_finite_says_where_it_went_first():
-    spread = NonFinite(grads=("w",), grad_count=4, params=("w",), param_count=4)
+    spread = StepNonFinite(grads=("w",), grad_count=4, params=("w",), param_count=4)
     records = {
         0: StepRecord("finished", 6, non_finite=spread),
-        1: StepRecord("finished", 6, non_finite=NonFinite(loss="nan", grads=("w",), grad_count=4)),
+        1: StepRecord(
+            "finished", 6, non_finite=StepNonFinite(loss="nan", grads=("w",), grad_count=4)
+        ),
     }
     found = non_finite_finding(records)
     assert found.kind == "non-finite" and found.ranks == (0, 1)

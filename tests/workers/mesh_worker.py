@@ -1,0 +1,135 @@
+"""One rank of a mesh test: a training script's own layout on its own meshes, then check_model.
+
+Cases (``--case``, repeatable, run in turn in one process group), each writing rank 0's report
+into ``--out`` as ``{case: report}``:
+
+- ``ep`` (4 ranks): world mesh (ep=2, dp=2); each EP group's weights seeded by its EP index;
+  FSDP2 over the group's own ``dp`` sub-mesh for the experts, the router left a plain tensor.
+- ``ep-drift``: the same, then rank 3's router holds other values than its dp peer's (rank 2).
+- ``hsdp`` (4 ranks): FSDP2 on a (replicate=2, shard=2) mesh, every rank seeded alike.
+- ``hsdp-drift``: the same, then rank 3's local shard of one weight differs from rank 1's.
+- ``tp`` (any ranks): tensor parallel on its own: a Colwise-sharded linear, a Replicate norm.
+- ``tp-drift``: the same, then rank 1's Replicate norm differs.
+- ``nan`` (any ranks): FSDP2 over every rank, then rank 1's loader leaves NaN in its local
+  shard of one weight. ``finite``: the same without the NaN (the clean twin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import fsdpcheck
+from fsdpcheck.records import to_dict
+
+
+class Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16, bias=False)
+        self.down = nn.Linear(16, 8, bias=False)
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4, bias=False)
+        self.experts = Experts()
+        self.norm = nn.LayerNorm(8)
+        self.register_buffer("scale", torch.tensor([0.5, 2.0]), persistent=False)
+
+
+def _tiny(seed: int) -> Tiny:
+    torch.manual_seed(seed)
+    return Tiny()
+
+
+def _ep(drift: bool) -> nn.Module:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp"))
+    ep_index = dist.get_rank() // 2
+    model = _tiny(seed=ep_index)  # each EP group holds its own experts
+    fully_shard(model.experts, mesh=mesh["dp"])
+    if drift and dist.get_rank() == 3:
+        with torch.no_grad():
+            model.router.weight.add_(1.0)
+    return model
+
+
+def _hsdp(drift: bool) -> nn.Module:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _tiny(seed=0)
+    fully_shard(model.experts, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if drift and dist.get_rank() == 3:  # rank 1 holds the same shard
+        with torch.no_grad():
+            model.experts.up.weight.to_local().add_(1.0)
+    return model
+
+
+def _tp(drift: bool) -> nn.Module:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    model = _tiny(seed=0)
+    parallelize_module(model.experts, mesh, {"up": ColwiseParallel()})
+    weight = distribute_tensor(model.norm.weight.detach(), mesh, [Replicate()])
+    model.norm.weight = nn.Parameter(weight)
+    if drift and dist.get_rank() == 1:
+        with torch.no_grad():
+            model.norm.weight.to_local().add_(1.0)
+    return model
+
+
+def _nan(leave_nan: bool) -> nn.Module:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _tiny(seed=0)
+    fully_shard(model.experts, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if leave_nan and dist.get_rank() == 1:  # an empty_like placeholder the loader never filled
+        with torch.no_grad():
+            model.experts.down.weight.to_local()[0, :3] = float("nan")
+    return model
+
+
+CASES = {
+    "ep": lambda: _ep(False),
+    "ep-drift": lambda: _ep(True),
+    "hsdp": lambda: _hsdp(False),
+    "hsdp-drift": lambda: _hsdp(True),
+    "tp": lambda: _tp(False),
+    "tp-drift": lambda: _tp(True),
+    "nan": lambda: _nan(True),
+    "finite": lambda: _nan(False),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", action="append", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    reports, code = {}, 0
+    for case in args.case:
+        result = fsdpcheck.check_model(CASES[case](), timeout=60)
+        if result.exit_code == 3:
+            code = 3
+        if result.report is not None:
+            reports[case] = to_dict(result.report)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(reports))
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
