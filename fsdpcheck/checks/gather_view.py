@@ -40,5 +40,6 @@ def gathered_from(records: Mapping[int, RankRecord]) -> Gathered:
         values=values,
         replicas=replicas,
         shard_keys=keys,
+        peer_keys={rank: records[rank].peer_key for rank in digests},
         extra={rank: records[rank] for rank in sorted(extra_senders)},
     )
