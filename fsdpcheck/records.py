@@ -12,7 +12,7 @@ import hashlib
 import json
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal, TypeVar
@@ -128,6 +128,11 @@ def _is_word(hint: Any) -> bool:
 # hold values: on meta a tensor has neither, and ranks > 0 of --init rank0 must not split off.
 IN_VALUE_DIGEST = frozenset({"TensorRecord.digest", "TensorRecord.device"})
 
+# Fields compared by what they say rather than their raw value: a non-finite count of None (the
+# values were not read, e.g. on meta) and of 0 both say "no NaN or Inf seen", and how many NaN
+# a rank holds is the finding's detail, not a second difference.
+COMPARED_AS: Mapping[str, Callable[[Any], Any]] = {"TensorRecord.non_finite": bool}
+
 
 def compared(record: Any) -> Any:
     """:func:`to_dict` of ``record`` without the fields the group digest leaves out:
@@ -138,7 +143,7 @@ def compared(record: Any) -> Any:
     if dataclasses.is_dataclass(record) and not isinstance(record, type):
         name = type(record).__name__
         return {
-            f.name: compared(getattr(record, f.name))
+            f.name: compared(COMPARED_AS.get(f"{name}.{f.name}", _same)(getattr(record, f.name)))
             for f in dataclasses.fields(record)
             if f"{name}.{f.name}" not in INFORMATIONAL | IN_VALUE_DIGEST
             and f"{name}.{f.name}" != "RankRecord.error"
@@ -148,6 +153,10 @@ def compared(record: Any) -> Any:
     if isinstance(record, Mapping):
         return {str(key): compared(value) for key, value in record.items()}
     return record
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _canonical(view: Any) -> str:

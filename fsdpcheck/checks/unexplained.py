@@ -16,6 +16,7 @@ from typing import Any
 from fsdpcheck.checks.groups import reference_group, speakers
 from fsdpcheck.checks.value import is_sharded
 from fsdpcheck.records import (
+    COMPARED_AS,
     INFORMATIONAL,
     Finding,
     Gathered,
@@ -101,6 +102,9 @@ def _fields(a: Any, b: Any, path: str, out: list[str], replicas: bool) -> None:
 def _tensor(a: TensorRecord, b: TensorRecord, path: str, out: list[str], replicas: bool) -> None:
     for f in _compared(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
+        normalise = COMPARED_AS.get(f"TensorRecord.{f.name}")
+        if normalise is not None:
+            x, y = normalise(x), normalise(y)
         if f.name == "device" and "meta" in (x, y):
             continue  # on meta: nothing there yet, wherever it will go
         if f.name == "digest":

@@ -290,3 +290,19 @@ def test_an_unexplained_difference_names_the_field_and_the_ranks() -> None:
     assert finding.details["fields"] == ["pre_wrap.aliases"]
     assert "rank 1 and rank 0 differ in pre_wrap.aliases" in finding.summary
     assert report.verdict == Verdict.INCONSISTENT
+
+
+def test_values_not_read_and_no_nan_seen_are_the_same_record() -> None:
+    """A rank on meta (non_finite None: not read) and one with values (0 NaN) agree; a rank
+    that holds NaN does not (its own group, a ``non-finite`` finding)."""
+
+    def counted(record: RankRecord, count: int | None) -> RankRecord:
+        fp = record.pre_wrap
+        buffers = tuple(replace(t, non_finite=count) for t in fp.buffers)
+        return replace(record, pre_wrap=replace(fp, buffers=buffers))
+
+    read = {rank: counted(BASE[rank], 0 if rank == 0 else None) for rank in RANKS}
+    assert _verdict(read) == (Verdict.CONSISTENT, [])
+    poisoned = {**read, MUTATED: counted(BASE[MUTATED], 2)}
+    verdict, summaries = _verdict(poisoned)
+    assert verdict != Verdict.CONSISTENT and any("NaN" in s or "Inf" in s for s in summaries)
