@@ -78,18 +78,27 @@ def script(out: Path, rank: int, extra_rank: int | None) -> None:
     model = HazardForCausalLM(HazardConfig())
     order = sorted(model.named_buffers())  # the fixed loader: the same order everywhere
     fsdpcheck.save_fingerprint(model, out / "fp" / "rank{rank}.json")
+    once = threading.Lock()
+
+    def dump_and_end() -> None:
+        if once.acquire(blocking=False):  # the watchdog or the main thread, whichever is first
+            dump(out, rank)
+            end(0)
+
     # A watchdog: whatever the main thread is waiting in, the trace is written and the job ends.
-    watchdog = threading.Timer(4.0, lambda: (dump(out, rank), end(0)))
+    watchdog = threading.Timer(4.0, dump_and_end)
     watchdog.daemon = True
     watchdog.start()
     dist.all_reduce(torch.ones(4))
     for _, buf in order:
         dist.broadcast(buf, src=0)
     if extra_rank is None:
-        dump(out, rank)
-        end(0)
+        dump_and_end()
     if rank == extra_rank:
-        dist.all_reduce(torch.tensor([1.5]))  # nobody else joins: waits until the watchdog
+        try:
+            dist.all_reduce(torch.tensor([1.5]))  # nobody else joins: waits until the watchdog
+        except RuntimeError:  # the others' watchdog ended them first: the trace still holds it
+            dump_and_end()
     threading.Event().wait()  # the others have moved on (their next step); the watchdog ends it
 
 
