@@ -11,10 +11,10 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import fsdpcheck
 from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
-from fsdpcheck.model.wrap import fully_shard_fn
 from fsdpcheck.records import to_dict
 
 parser = argparse.ArgumentParser()
@@ -37,7 +37,6 @@ if args.where == "all" or dist.get_rank() == 1:
 
     mlp.__class__ = WithExtraState
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-fully_shard = fully_shard_fn()
 for layer in model.model.layers:
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)

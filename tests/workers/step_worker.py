@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fsdpcheck
-from fsdpcheck.model.wrap import fully_shard_fn
 from fsdpcheck.records import to_dict
 
 VOCAB = 64
@@ -52,7 +52,6 @@ class WithTower(nn.Module):
 def build(mesh) -> tuple[WithTower, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = WithTower()
-    fully_shard = fully_shard_fn()
     fully_shard(model.tower, mesh=mesh)
     for layer in model.llama.model.layers:
         fully_shard(layer, mesh=mesh)

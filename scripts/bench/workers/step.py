@@ -43,8 +43,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
 
+    from torch.distributed.fsdp import fully_shard
+
     import fsdpcheck
-    from fsdpcheck.model.wrap import fully_shard_fn
     from fsdpcheck.step.session import watched_step
 
     dist.init_process_group("gloo")
@@ -53,7 +54,6 @@ def main() -> int:
 
     mesh = init_device_mesh("cpu", (world,))
     model, config = build(args.quick)
-    fully_shard = fully_shard_fn()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
