@@ -52,32 +52,35 @@ def unexplained_findings(
         if named & set(ranks):
             continue
         replicas = record.shard_key is not None and record.shard_key == ref.shard_key
-        fields = record_differences(ref, record, replicas=replicas)
+        peers = record.peer_key == ref.peer_key  # unsharded values: on the same meshes only
+        fields = record_differences(ref, record, replicas=replicas, peers=peers)
         if fields:
             out.append(_finding(ref_rank, ranks, fields, stage))
     return out
 
 
-def record_differences(a: RankRecord, b: RankRecord, *, replicas: bool = False) -> list[str]:
+def record_differences(
+    a: RankRecord, b: RankRecord, *, replicas: bool = False, peers: bool = True
+) -> list[str]:
     """The paths (``post_wrap.buffers[model.rope.inv_freq].device``) of every compared field
     that differs. Values and devices count only where both ranks hold values (not on ``meta``);
     local shards only between HSDP replicas (``replicas``)."""
     out: list[str] = []
-    _walk(a, b, "", out, replicas)
+    _walk(a, b, "", out, replicas, peers)
     return out
 
 
-def _walk(a: Any, b: Any, path: str, out: list[str], replicas: bool) -> None:
+def _walk(a: Any, b: Any, path: str, out: list[str], replicas: bool, peers: bool) -> None:
     if a is None or b is None:
         if (a is None) != (b is None):
             out.append(path)
         return
     if isinstance(a, TensorRecord) and isinstance(b, TensorRecord):
-        _tensor(a, b, path, out, replicas)
+        _tensor(a, b, path, out, replicas, peers)
     elif dataclasses.is_dataclass(a) and type(a) is type(b):
-        _fields(a, b, path, out, replicas)
+        _fields(a, b, path, out, replicas, peers)
     elif isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        _sequence(a, b, path, out, replicas)
+        _sequence(a, b, path, out, replicas, peers)
     elif isinstance(a, Mapping) or isinstance(b, Mapping):
         if to_dict(a) != to_dict(b):  # the config check names key paths
             out.append(path)
@@ -94,12 +97,14 @@ def _compared(record: Any) -> list[dataclasses.Field]:
     ]
 
 
-def _fields(a: Any, b: Any, path: str, out: list[str], replicas: bool) -> None:
+def _fields(a: Any, b: Any, path: str, out: list[str], replicas: bool, peers: bool) -> None:
     for f in _compared(a):
-        _walk(getattr(a, f.name), getattr(b, f.name), _join(path, f.name), out, replicas)
+        _walk(getattr(a, f.name), getattr(b, f.name), _join(path, f.name), out, replicas, peers)
 
 
-def _tensor(a: TensorRecord, b: TensorRecord, path: str, out: list[str], replicas: bool) -> None:
+def _tensor(
+    a: TensorRecord, b: TensorRecord, path: str, out: list[str], replicas: bool, peers: bool
+) -> None:
     for f in _compared(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
         normalise = COMPARED_AS.get(f"TensorRecord.{f.name}")
@@ -109,26 +114,28 @@ def _tensor(a: TensorRecord, b: TensorRecord, path: str, out: list[str], replica
             continue  # on meta: nothing there yet, wherever it will go
         if f.name == "digest":
             sharded = is_sharded(a) or is_sharded(b)
-            if x is None or y is None or (sharded and not replicas):
+            if x is None or y is None or (sharded and not replicas) or not (sharded or peers):
                 continue  # no values on one side, or shards that are not the same shard
-        _walk(x, y, _join(path, f.name), out, replicas)
+        _walk(x, y, _join(path, f.name), out, replicas, peers)
 
 
-def _sequence(a: Sequence, b: Sequence, path: str, out: list[str], replicas: bool) -> None:
+def _sequence(
+    a: Sequence, b: Sequence, path: str, out: list[str], replicas: bool, peers: bool
+) -> None:
     if all(isinstance(t, TensorRecord) for t in (*a, *b)) and (a or b):
         ours, theirs = {t.name: t for t in a}, {t.name: t for t in b}
         if [t.name for t in a] != [t.name for t in b]:
             out.append(f"{path} (names or order)")
         for name, t in ours.items():
             if name in theirs:
-                _walk(t, theirs[name], f"{path}[{name}]", out, replicas)
+                _walk(t, theirs[name], f"{path}[{name}]", out, replicas, peers)
         return
     if len(a) != len(b) or not all(dataclasses.is_dataclass(x) for x in (*a, *b)):
         if to_dict(a) != to_dict(b):
             out.append(path)
         return
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        _walk(x, y, f"{path}[{i}]", out, replicas)
+        _walk(x, y, f"{path}[{i}]", out, replicas, peers)
 
 
 def _join(path: str, name: str) -> str:
