@@ -25,6 +25,7 @@ from fsdpcheck.records import (
     RankError,
     RankRecord,
     Report,
+    SourceRecord,
     VerifyResult,
     WrapPlan,
 )
@@ -205,6 +206,7 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         error=stages.error,
         model=built.model if built is not None else None,
         config=built.config if built is not None else None,
+        source=SourceRecord(options.model, built.info.path, built.info.dtype) if built else None,
     )
     return _conclude(options, state, record, watch, built, probing)
 
@@ -285,7 +287,7 @@ def _rank0_extras(
             progress("reproduce")
         left = min(options.budgets.reproduce, deadline - time.monotonic())
         observed, note = _observe_loaders(options, outcome.gathered, left)
-        outcome = replace(outcome, observed=observed, notes=(*outcome.notes, *filter(None, [note])))
+        outcome = replace(outcome, observed=observed, reproduce_failure=note)
     if probing is not None:
         if progress is not None:
             progress("probe")
@@ -301,13 +303,13 @@ def _observe_loaders(
     seconds in all: ``({loader: Observation}, a note if it could not run)``."""
     try:  # an extra: its failure, even to import, must not end the audit
         from fsdpcheck.children.jobs import ChildSpec
-        from fsdpcheck.children.observe import job_seeds, observe_loaders
+        from fsdpcheck.children.observe import observe_loaders, stand_ins_for
 
         if budget < 2.0:
             return {}, f"--reproduce: no time left to run the loaders ({budget:.1f} s)"
         spec = ChildSpec(**vars(options.build_spec))
-        seeds = job_seeds([gathered.records[r].env.hash_seed for r in sorted(gathered.records)])
-        return observe_loaders(spec, seeds=seeds, budget=budget), None
+        stand_ins = stand_ins_for(gathered.records)
+        return observe_loaders(spec, stand_ins=stand_ins, budget=budget), None
     except Exception as exc:
         log.debug("--reproduce: the loader jobs could not run", exc_info=True)
         return {}, f"--reproduce could not run the loaders: {type(exc).__name__}: {exc}"

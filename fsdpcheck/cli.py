@@ -153,6 +153,12 @@ def audit(
     from fsdpcheck.records import RankError
     from fsdpcheck.vocab import Stage
 
+    if reproduce and init == Init.META:
+        raise typer.BadParameter(
+            "--reproduce with --init meta: rank 0 then holds no weights, so no loader has "
+            "anything to load; use --init rank0 (the default) or --init all, or drop --reproduce.",
+            param_hint="'--reproduce'",
+        )
     options = AuditOptions(
         **_build_fields(model, init, dtype, seed, text_only, trust_remote_code, allow_pickle),
         backend=backend,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.faults import maybe_inject
@@ -80,10 +80,16 @@ class Stages:
 
 
 def build_from(
-    spec: BuildSpec, rank: int, stages: Stages | None = None
+    spec: BuildSpec,
+    rank: int,
+    stages: Stages | None = None,
+    *,
+    config_changes: Mapping[str, Any] | None = None,
 ) -> tuple[BuiltModel | None, RankError | None]:
     """Resolve and build ``spec`` on ``rank`` (what ``--init`` builds depends on the rank), as
     the stages ``resolve`` and ``build`` of ``stages`` (a runner of its own by default).
+    ``config_changes``: top-level config keys set after reading it (a child rank standing for
+    a rank whose config differs).
 
     Returns the model, or None, and the runner's error (None when every stage so far ran)."""
     stages = stages if stages is not None else Stages(rank)
@@ -99,6 +105,7 @@ def build_from(
             seed=spec.seed,
             text_only=spec.text_only,
             trust_remote_code=spec.trust_remote_code,
+            config_changes=config_changes,
         )
 
     resolved = stages.run(
@@ -120,8 +127,10 @@ def build_from(
     return built, stages.error
 
 
-def build_or_raise(spec: BuildSpec, rank: int) -> BuiltModel:
+def build_or_raise(
+    spec: BuildSpec, rank: int, *, config_changes: Mapping[str, Any] | None = None
+) -> BuiltModel:
     """:func:`build_from` for a child job: the same stages, but a failure raises."""
-    built, _ = build_from(spec, rank, Stages(rank, raising=True))
+    built, _ = build_from(spec, rank, Stages(rank, raising=True), config_changes=config_changes)
     assert built is not None  # a failed stage raised
     return built

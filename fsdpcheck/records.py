@@ -60,6 +60,11 @@ INFORMATIONAL = frozenset(
         "MeshRecord.ranks",
         "MeshRecord.coordinate",
         "MeshRecord.dim_names",
+        # Where a rank built from: a child job standing for the rank builds the same; per-node
+        # paths differ by design, and what the files hold is compared (config, tensors).
+        "SourceRecord.model",
+        "SourceRecord.path",
+        "SourceRecord.dtype",
     }
 )
 
@@ -352,6 +357,16 @@ class BufferProblem:
 
 
 @dataclass(frozen=True)
+class SourceRecord:
+    """What a rank built its model from, as it resolved it: what a child job that stands for
+    the rank (``--reproduce``) builds in turn."""
+
+    model: str  # --model as given on the rank
+    path: str | None = None  # the directory it resolved to on the rank's host (None: a preset)
+    dtype: str | None = None  # the dtype it built in
+
+
+@dataclass(frozen=True)
 class RankRecord:
     """Everything one rank contributes to the gather."""
 
@@ -375,6 +390,7 @@ class RankRecord:
     peer_key: str | None = None
     meshes: tuple[MeshRecord, ...] = ()  # the meshes this rank's DTensors live on
     non_finite: tuple[NonFinite, ...] = ()  # NaN/Inf counted after the audit's load
+    source: SourceRecord | None = None  # the audit's build (None: a training script's model)
 
     def non_finite_tensors(self) -> tuple[NonFinite, ...]:
         """Every tensor this rank holds NaN or Inf in: its fingerprints' counts, then those

@@ -11,7 +11,7 @@ from fsdpcheck.checks.catalogue import Evidence, run_checks
 from fsdpcheck.checks.groups import group_ranks
 from fsdpcheck.checks.hash_seed import probe_error
 from fsdpcheck.checks.loaded import load_errors
-from fsdpcheck.checks.observed import Observation, with_observations
+from fsdpcheck.checks.observed import Observation, reproduce_error, with_observations
 from fsdpcheck.checks.predict import predict_loaders
 from fsdpcheck.checks.value import not_compared
 from fsdpcheck.records import (
@@ -59,6 +59,7 @@ class AuditOutcome:
     notes: tuple[str, ...] = ()  # warnings from optional extras that did not finish
     after_load: Gathered | None = None  # every rank's ties and buffer problems after the load
     probe_failure: str | None = None  # why --probe K gave no result (its deadline, an exception)
+    reproduce_failure: str | None = None  # why --reproduce ran no job at all
 
 
 def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
@@ -84,6 +85,9 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         errors = _by_rank(*errors, *outcome.after_load.errors)
     if options is not None and options.probe:  # a check the user asked for is never skipped quietly
         unanswered = probe_error(options.probe, outcome.probe, outcome.probe_failure)
+        errors = _by_rank(*errors, *filter(None, [unanswered]))
+    if options is not None and options.reproduce:  # likewise
+        unanswered = reproduce_error(outcome.observed, outcome.reproduce_failure)
         errors = _by_rank(*errors, *filter(None, [unanswered]))
     if outcome.observed:
         loaders, _ = with_observations(loaders, outcome.observed)  # the findings: run_checks

@@ -70,6 +70,7 @@ class Stage(Word):
     STEP = "step"  # check_step / audit --step: the training step, under the collective watch
     STEP_REPORT = "step-report"  # every rank's step record, gathered
     PROBE = "probe"  # rank 0's --probe K: the model built under K hash seeds
+    REPRODUCE = "reproduce"  # rank 0's --reproduce: every known loader in its own child job
     ABORT = "abort"
 
 

@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fsdpcheck.records import Finding, LoaderPrediction
-from fsdpcheck.vocab import Cause, FindingKind, LoaderVerdict, Snapshot
+from fsdpcheck.records import Finding, LoaderPrediction, RankError
+from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoaderVerdict, Snapshot, Stage
 
 # Stages a child marks; "loading" is the only one inside the loader's own collectives.
 LOADING = "loading"
@@ -43,6 +43,7 @@ class RankRun:
     last_error: str  # the most telling stderr line
     record: Mapping[str, Any] | None = field(default=None)  # what it emitted, if it got so far
     hash_seed: int | None = None  # its PYTHONHASHSEED
+    stands_for: int | None = None  # the audit rank whose build it repeated
 
 
 @dataclass(frozen=True)
@@ -226,10 +227,26 @@ def _rank_detail(run: RankRun) -> dict[str, Any]:
     return {
         "rank": run.rank,
         "hash_seed": run.hash_seed,
+        "stands_for": run.stands_for,
         "exit": exit_text,
         "stage": run.stage,
         "error": error.get("message") or (run.last_error if run.returncode != 0 else None),
     }
+
+
+def reproduce_error(
+    observed: Mapping[str, Observation] | None, why: str | None = None
+) -> RankError | None:
+    """``--reproduce`` was asked for but no loader ran for real: rank 0's error (the verdict
+    ``error``, exit 3), never a silent ``consistent``. ``why``: why no job ran at all. One
+    loader observed is an answer: the rows of the others say why they were not."""
+    if observed and any(o.verdict is not None for o in observed.values()):
+        return None
+    if observed:
+        first = next(iter(observed.values()))
+        why = f"{first.loader}: {first.detail.get('summary') or 'not run'}"
+    message = f"--reproduce ran no loader for real ({why or 'no result'})"
+    return RankError(0, Stage.REPRODUCE, message, ErrorKind.RUNTIME)
 
 
 # ---------------------------------------------------------------- folding into the report

@@ -7,10 +7,12 @@ parent can tell a rank killed inside the loader's collectives from one too slow 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fsdpcheck.checks.observed import RankRun
@@ -23,6 +25,7 @@ EXIT_REFUSED = 3  # the loader raised a clear exception
 EXIT_COLLECTIVE = 124  # a collective failed or timed out (the peer is gone or out of step)
 COMMON_DTYPES = ("float32", "bfloat16", "float16")
 VALUES_SHOWN = 64  # buffers up to this many elements carry their values in the record
+STANDS_FOR = "FSDPCHECK_STANDS_FOR"  # a child rank's environment: its StandIn, as JSON
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,29 @@ class ChildSpec(BuildSpec):
         return args
 
 
+@dataclass(frozen=True)
+class StandIn:
+    """The audit rank one child rank stands for, and what that rank built: its hash seed, its
+    own model directory (where this host has it), its dtype, and the config keys it read
+    otherwise than rank 0 (a stale node's ``config.json``). Empty fields: as the audit's spec."""
+
+    rank: int  # the audit rank
+    hash_seed: int
+    model: str | None = None
+    dtype: str | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)  # top-level keys to set
+
+    def env(self) -> dict[str, str]:
+        built = {"rank": self.rank, "model": self.model, "dtype": self.dtype, "config": self.config}
+        return {"PYTHONHASHSEED": str(self.hash_seed), STANDS_FOR: json.dumps(built)}
+
+
+def stand_in_here() -> dict[str, Any]:
+    """In a child rank: what its parent rank built (``{}`` when started without one)."""
+    text = os.environ.get(STANDS_FOR)
+    return json.loads(text) if text else {}
+
+
 # ---------------------------------------------------------------- parent side
 
 
@@ -51,18 +77,18 @@ def run_job(
     loader: str,
     spec: ChildSpec,
     *,
-    seeds: Sequence[int],
+    stand_ins: Sequence[StandIn],
     deadline: float,
     collective_timeout: float,
 ) -> tuple[tuple[RankRun, ...], float]:
-    """Run ``python -m module --loader loader`` as len(seeds) ranks on gloo, killed at
+    """Run ``python -m module --loader loader`` as one rank per stand-in on gloo, killed at
     ``deadline`` seconds with every process they started; returns each rank and the elapsed time."""
     argv = ["-m", module, "--loader", loader, "--timeout", f"{collective_timeout:g}", *spec.argv()]
     result = launch(
         argv,
-        len(seeds),
+        len(stand_ins),
         env=JOB_ENV,
-        rank_env=lambda r: {"PYTHONHASHSEED": str(seeds[r])},
+        rank_env=lambda r: stand_ins[r].env(),
         timeout=deadline,
     )
     runs = tuple(
@@ -73,7 +99,8 @@ def run_job(
             stage=r.stage,
             last_error=last_error(r.stderr, 300),
             record=r.result,
-            hash_seed=seeds[r.rank],
+            hash_seed=stand_ins[r.rank].hash_seed,
+            stands_for=stand_ins[r.rank].rank,
         )
         for r in result.ranks
     )

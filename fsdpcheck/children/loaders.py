@@ -24,6 +24,7 @@ from fsdpcheck.children.jobs import (
     expected_holdings,
     first_line,
     reference_buffers,
+    stand_in_here,
     tensors_held,
 )
 from fsdpcheck.children.launch import emit, mark_stage
@@ -49,22 +50,23 @@ class _Run:
         self.current = "start"
         self.source: dict[str, Any] | None = None  # rank 0's full state dict, untouched
         self.meta_built = False
+        self.stands_for = stand_in_here()  # what the audit rank this rank stands for built
 
     def build(self, init: str | None = None, seed: int | None = None) -> Any:
         from fsdpcheck.options import BuildSpec
         from fsdpcheck.pipeline import build_or_raise
 
-        a = self.args
+        a, parent = self.args, self.stands_for
         spec = BuildSpec(
-            a.model,
+            parent.get("model") or a.model,
             init=init or a.init,
-            dtype=a.dtype,
+            dtype=parent.get("dtype") or a.dtype,
             seed=a.seed if seed is None else seed,
             text_only=a.text_only,
             trust_remote_code=a.trust_remote_code,
             allow_pickle=a.allow_pickle,
         )
-        return build_or_raise(spec, self.rank)
+        return build_or_raise(spec, self.rank, config_changes=parent.get("config"))
 
     def keep_source(self, state: Mapping[str, Any] | None) -> None:
         if self.rank == 0 and state is not None:

@@ -8,8 +8,9 @@ rank on meta; ``all``: every rank materialises (the same values on every rank fo
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,11 +47,14 @@ def build(
     seed: int = 0,
     text_only: bool = False,
     trust_remote_code: bool = False,
+    config_changes: Mapping[str, Any] | None = None,
 ) -> BuiltModel:
     if init not in INIT_MODES:
         raise InputError(f"--init {init!r}: choose one of {', '.join(INIT_MODES)}.")
     materialise = init == "all" or (init == "rank0" and rank == 0)
     config = _load_config(resolved, text_only=text_only, trust_remote_code=trust_remote_code)
+    if config_changes:
+        config = _changed(config, config_changes)
     torch_dtype = _resolve_dtype(dtype, config)
     use_checkpoint = materialise and resolved.has_checkpoint and not text_only
     init_values = None
@@ -124,6 +128,18 @@ def _load_config(resolved: ResolvedModel, *, text_only: bool, trust_remote_code:
     if text_only and hasattr(config, "get_text_config"):
         config = config.get_text_config()
     return config
+
+
+def _changed(config: Any, changes: Mapping[str, Any]) -> Any:
+    """``config`` with ``changes`` (top-level keys, as another rank read them) set, through
+    the config class's own ``from_dict``, so nested configs are rebuilt as they are read (a
+    config class without one, such as the presets' own, gets them as attributes)."""
+    if hasattr(config, "from_dict") and hasattr(config, "to_dict"):
+        return type(config).from_dict({**config.to_dict(), **changes})
+    changed = copy.copy(config)
+    for key, value in changes.items():
+        setattr(changed, key, value)
+    return changed
 
 
 def _resolve_dtype(dtype: str | None, config: Any) -> torch.dtype:

@@ -24,6 +24,7 @@ from fsdpcheck.records import (
     MeshRecord,
     RankError,
     RankRecord,
+    SourceRecord,
     TieRecord,
 )
 from fsdpcheck.vocab import Snapshot
@@ -68,9 +69,11 @@ def rank_record(
     error: RankError | None = None,
     model: nn.Module | None = None,
     config: Any = None,
+    source: SourceRecord | None = None,
 ) -> RankRecord:
     """The record of what ``looks`` saw (at most one per snapshot; None: a look that failed),
-    with ``model``'s state beyond its tensors (:func:`with_state`) when it is given."""
+    with ``model``'s state beyond its tensors (:func:`with_state`) when it is given, and what
+    the rank built it from (``source``)."""
     seen = [found for found in looks if found is not None]
     fingerprints = {found.fingerprint.snapshot: found.fingerprint for found in seen}
     # Which ranks must agree: from the latest look that holds DTensors.
@@ -88,6 +91,7 @@ def rank_record(
         shard_key=shard_key,
         peer_key=peer_key,
         meshes=latest.meshes if latest else (),
+        source=source,
     )
     return record if model is None else with_state(record, model, config)
 

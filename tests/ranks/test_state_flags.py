@@ -67,31 +67,37 @@ def test_clean_twin_with_mixed_precision_and_cpu_offload_everywhere(tmp_path: Pa
     assert report["verdict"] == "consistent" and len(report["groups"]) == 1
 
 
-def _per_rank_homes(tmp_path: Path, hf_home: Path, rope_theta: float | None) -> list[Path]:
-    """Two nodes' caches of acme/tiny-llama; node 1's config.json gets ``rope_theta``."""
+def _per_rank_homes(
+    tmp_path: Path, hf_home: Path, rope_theta: float | None, **stale: object
+) -> list[Path]:
+    """Two nodes' caches of acme/tiny-llama; node 1's config.json gets ``rope_theta`` and the
+    ``stale`` top-level keys."""
     homes = []
     for rank in range(2):
         home = tmp_path / f"node{rank}"
         shutil.copytree(hf_home, home, symlinks=True)
         homes.append(home)
-    if rope_theta is not None:
+    if rope_theta is not None or stale:
         config = next((homes[1] / "hub").glob("models--acme--tiny-llama/snapshots/*/config.json"))
         data = json.loads(config.read_text())
-        data["rope_parameters"]["rope_theta"] = rope_theta
-        config.write_text(json.dumps(data))
+        if rope_theta is not None:
+            data["rope_parameters"]["rope_theta"] = rope_theta
+        config.write_text(json.dumps({**data, **stale}))
     return homes
 
 
-def _audit_per_node(tmp_path: Path, homes: list[Path], *args: str):
+def _audit_per_node(
+    tmp_path: Path, homes: list[Path], *args: str, init: str = "all", timeout: float = 180
+):
     out = tmp_path / "report.json"
     result = launch(
-        ["-m", "fsdpcheck", "audit", "--model", "acme/tiny-llama", "--init", "all"]
+        ["-m", "fsdpcheck", "audit", "--model", "acme/tiny-llama", "--init", init]
         + ["--json", str(out), *args],
         2,
         env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
         rank_env=lambda r: {"HF_HOME": str(homes[r])},
         cwd=str(REPO),
-        timeout=180,
+        timeout=timeout,
     )
     assert out.is_file(), result.output(0) + result.output(1)
     return result.codes, read_report(out)
@@ -107,6 +113,25 @@ def test_audit_names_the_stale_config_key_on_one_node(tmp_path: Path, hf_home: P
         "rope_parameters.rope_theta: 10000.0 on rank 0, 500000.0 on rank 1"
         in (config[0]["summary"])
     )
+
+
+def test_reproduce_builds_each_rank_from_its_own_node(tmp_path: Path, hf_home: Path) -> None:
+    # A stale node: rank 1's config.json has another intermediate_size, so its MLP weights have
+    # other shapes. Each loader job's rank 1 must build what audit rank 1 built (its own
+    # directory and config), so that what is observed is what was predicted.
+    homes = _per_rank_homes(tmp_path, hf_home, rope_theta=None, intermediate_size=96)
+    args = ("--reproduce", "--timeout", "300")
+    codes, report = _audit_per_node(tmp_path, homes, *args, init="rank0", timeout=420)
+    assert codes == [1, 1]
+    config = next(f for f in report["findings"] if f["kind"] == "config")
+    assert config["details"]["differences"][0]["path"] == "intermediate_size"
+    rows = {row["name"]: row for row in report["loaders"]}
+    assert rows["sorted-names"]["verdict"] == "refused"
+    for row in report["loaders"]:
+        assert row["observed"] is not None, row["observed_detail"]
+        assert row["observed"] == (row["on_gloo"] or row["verdict"]), row
+        assert [r["stands_for"] for r in row["observed_detail"]["ranks"]] == [0, 1]
+    assert not [f for f in report["findings"] if f["kind"] == "prediction"]
 
 
 def test_audit_per_node_caches_hsdp_cpu_offload_clean_twin(tmp_path: Path, hf_home: Path) -> None:

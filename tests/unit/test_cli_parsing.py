@@ -31,6 +31,12 @@ def test_presets_lists_the_built_in_models() -> None:
         assert name in result.output
 
 
+def test_reproduce_with_nothing_to_load_is_bad_usage() -> None:
+    result = runner.invoke(app, ["audit", "--init", "meta", "--reproduce"])
+    assert result.exit_code == 2
+    assert "--init meta" in result.output and "no loader has anything to load" in result.output
+
+
 def test_a_malformed_mesh_is_bad_usage() -> None:
     result = runner.invoke(app, ["audit", "--mesh", "two,four"])
     assert result.exit_code == 2

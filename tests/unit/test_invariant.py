@@ -31,6 +31,7 @@ from fsdpcheck.records import (
     NonFinite,
     RankError,
     RankRecord,
+    SourceRecord,
     TensorRecord,
     TieRecord,
 )
@@ -96,6 +97,7 @@ def _base(rank: int) -> RankRecord:
         shard_key="k",
         peer_key="p",
         meshes=(MeshRecord("m", (3,), RANKS, (rank,), ("dp",)),),
+        source=SourceRecord("acme/tiny", f"/node-{rank}/snapshot", "float32"),
     )
 
 

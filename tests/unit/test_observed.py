@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from fsdpcheck.checks.observed import LOADING, Observation, RankRun, classify, with_observations
 from fsdpcheck.records import LoaderPrediction
 
@@ -179,3 +181,48 @@ def test_a_wrong_prediction_is_in_the_headline_but_not_the_verdict():
     text = console.export_text()
     assert "observed (gloo)" in text and "refused" in text
     assert "dcp-broadcast for real (child job): refused — rank 1 raised" in text
+
+
+# ---------------------------------------------------------------- who the job's ranks stand for
+
+
+def _audited(rank, hash_seed, canonical, path=None):
+    from dataclasses import replace
+
+    from synthetic import state_record
+
+    from fsdpcheck.model.config_record import config_record
+    from fsdpcheck.records import SourceRecord
+
+    record = state_record(rank)
+    return replace(
+        record,
+        env=replace(record.env, hash_seed=hash_seed),
+        config=config_record(canonical),
+        source=SourceRecord("acme/tiny", path, "bfloat16"),
+    )
+
+
+def test_the_other_rank_stands_in_with_its_own_seed_directory_dtype_and_config(tmp_path):
+    from fsdpcheck.children.observe import stand_ins_for
+
+    node1 = tmp_path / "node1"
+    node1.mkdir()
+    (node1 / "config.json").write_text("{}")
+    base = {"hidden_size": 8, "intermediate_size": 32, "rope": {"theta": 1e4}}
+    stale = {**base, "intermediate_size": 48}
+    records = {0: _audited(0, "3", base, "/elsewhere"), 2: _audited(2, "5", stale, str(node1))}
+    first, other = stand_ins_for(records)
+    assert (first.rank, first.hash_seed, first.model, first.config) == (0, 3, None, {})
+    assert (other.rank, other.hash_seed, other.model) == (2, 5, str(node1))
+    assert other.config == {"intermediate_size": 48} and other.dtype == "bfloat16"
+    assert json.loads(other.env()["FSDPCHECK_STANDS_FOR"])["config"] == {"intermediate_size": 48}
+
+
+def test_ranks_that_agree_stand_in_alike():
+    from fsdpcheck.children.observe import stand_ins_for
+
+    base = {"hidden_size": 8}
+    first, other = stand_ins_for({0: _audited(0, "random", base)})
+    assert (first.hash_seed, other.hash_seed) == (0, 0)
+    assert other.config == {} and other.model is None

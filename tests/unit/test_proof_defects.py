@@ -144,6 +144,41 @@ def test_the_clean_twin_a_probe_that_answered_or_was_not_asked_for() -> None:
     assert _report(records, AuditOptions(model="hazard")).verdict == "consistent"
 
 
+# ---------------------------------------------------------------- --reproduce never silent
+
+
+def test_a_reproduce_that_ran_no_loader_is_an_error_and_the_console_says_so() -> None:
+    from fsdpcheck.checks.observed import Observation
+    from fsdpcheck.console import render
+
+    records = {r: _record(r) for r in (0, 1)}
+    options = AuditOptions(model="hazard", reproduce=True)
+    why = "not run for real: rank 0 did not get through the loader (stage init)"
+    none_ran = {n: Observation(n, None, {"summary": why}) for n in ("dcp-broadcast", "ddp-sync")}
+    report = _report(records, options, observed=none_ran)
+    assert (report.verdict, report.exit_code) == ("error", 3)
+    [error] = report.errors
+    assert (error.rank, error.stage) == (0, "reproduce")
+    assert f"--reproduce ran no loader for real (dcp-broadcast: {why})" == error.message
+    out = io.StringIO()
+    render(report, Console(file=out, width=200))
+    assert "--reproduce ran no loader for real" in out.getvalue()
+
+    failed = _report(records, options, observed={}, reproduce_failure="no time left (1.0 s)")
+    assert "--reproduce ran no loader for real (no time left (1.0 s))" in failed.errors[0].message
+
+
+def test_the_clean_twin_a_reproduce_that_observed_a_loader_or_was_not_asked_for() -> None:
+    from fsdpcheck.checks.observed import Observation
+
+    records = {r: _record(r) for r in (0, 1)}
+    options = AuditOptions(model="hazard", reproduce=True)
+    skipped = Observation("state-dict-order", None, {"summary": "accelerate is not installed"})
+    seen = {"dcp-broadcast": Observation("dcp-broadcast", "ok"), "state-dict-order": skipped}
+    assert _report(records, options, observed=seen).verdict == "consistent"
+    assert _report(records, AuditOptions(model="hazard")).verdict == "consistent"
+
+
 # ---------------------------------------------------------------- --mesh
 
 
