@@ -5,9 +5,10 @@ named-buffers-order row's detail shows which buffers got whose values).
 Rank 1 of each job stands for the first group of ranks that differs from rank 0's: it builds
 what that group's representative built (its hash seed, its own model directory where this host
 has it, its dtype, its config where it differs from rank 0's), the rest as the audit built it
-(the same ``--init``, ``--text-only``, trust and pickle settings). The jobs run one after another within ``budget``
-seconds in all; whatever is left is shared by the jobs still to run, so a fast loader leaves more
-time to the next, and no job outlives the budget (the launcher kills each job's process groups).
+(the same ``--init``, ``--text-only``, trust and pickle settings). The jobs run one after
+another within ``budget`` seconds in all; whatever is left is shared by the jobs still to run,
+so a fast loader leaves more time to the next, and no job outlives the budget (the launcher
+kills each job's process groups).
 """
 
 from __future__ import annotations
