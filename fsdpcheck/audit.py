@@ -225,7 +225,6 @@ def _conclude(
     ``options`` None: :func:`check_model`, which only checks (the script loads its own weights).
     """
     from fsdpcheck.distributed.gather import gather_records
-    from fsdpcheck.distributed.wire import broadcast_decision
 
     ctx, stages = state.ctx, state.stages
     try:
@@ -246,13 +245,7 @@ def _conclude(
             from fsdpcheck.step.synthetic import audit_step
 
             report = audit_step(ctx, state.env, built, load, report, seed=options.seed)
-        code, headline = ExitCode.RUNTIME, ""
-        if report is not None:
-            code, headline = report.exit_code, report_headline(report)
-            if state.publish is not None:
-                state.publish(report)
-        code, headline = broadcast_decision(code, headline, ctx.side_channel)
-        return AuditResult(ctx.rank, code, report, stages.error, headline)
+        return decide(ctx, report, state.publish, own_error=stages.error)
     except Exception as exc:  # a peer died or timed out: name it from heartbeats and marks
         log.debug("rank %d: gave up in %s", ctx.rank, stages.current, exc_info=True)
         watch.disarm()
@@ -260,15 +253,48 @@ def _conclude(
         if own is None and not liveness.is_collective_failure(exc):  # this rank's own failure
             message = f"{type(exc).__name__}: {exc}"
             own = RankError(ctx.rank, stages.current, message, ErrorKind.RUNTIME)
-        errors = liveness.diagnose_peers(ctx, exc, own=own)
-        liveness.signal_abort(ctx, errors)
-        report = error_report(errors, ctx.world_size, options) if ctx.rank == 0 else None
-        if report is not None and state.publish is not None:
-            state.publish(report)
-        own = stages.error or RankError(
-            ctx.rank, Stage.GATHER, f"gave up: {errors[0].message}", ErrorKind.RUNTIME
-        )
-        return AuditResult(ctx.rank, ExitCode.RUNTIME, report, own, errors[0].message)
+        return give_up(ctx, exc, own, options, state.publish)
+
+
+def decide(
+    ctx: distributed.DistContext,
+    report: Report | None,
+    publish: Callable[[Report], None] | None = None,
+    *,
+    own_error: RankError | None = None,
+) -> AuditResult:
+    """Collective: rank 0's report published, then its exit code and headline on every rank
+    (exit 3 where rank 0 has no report)."""
+    from fsdpcheck.distributed.wire import broadcast_decision
+
+    code, headline = ExitCode.RUNTIME, ""
+    if report is not None:
+        code, headline = report.exit_code, report_headline(report)
+        if publish is not None:
+            publish(report)
+    code, headline = broadcast_decision(code, headline, ctx.side_channel)
+    return AuditResult(ctx.rank, code, report, own_error, headline)
+
+
+def give_up(
+    ctx: distributed.DistContext,
+    exc: BaseException,
+    own: RankError | None,
+    options: AuditOptions | None = None,
+    publish: Callable[[Report], None] | None = None,
+    *,
+    stage: Stage = Stage.GATHER,
+) -> AuditResult:
+    """A peer died or stopped answering: name it from heartbeats and stage marks, end the
+    others, and give rank 0 an error report (exit 3 everywhere). ``own``: this rank's own
+    failure, if it had one; else it gave up waiting in ``stage``."""
+    errors = liveness.diagnose_peers(ctx, exc, own=own)
+    liveness.signal_abort(ctx, errors)
+    report = error_report(errors, ctx.world_size, options) if ctx.rank == 0 else None
+    if report is not None and publish is not None:
+        publish(report)
+    own = own or RankError(ctx.rank, stage, f"gave up: {errors[0].message}", ErrorKind.RUNTIME)
+    return AuditResult(ctx.rank, ExitCode.RUNTIME, report, own, errors[0].message)
 
 
 def _rank0_extras(

@@ -6,19 +6,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fsdpcheck.audit import AuditResult
+from fsdpcheck.audit import AuditResult, decide, give_up
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.distributed.environment import env_record
-from fsdpcheck.report import error_report, report_headline
-from fsdpcheck.step.session import (
-    channel_failure,
-    conclude_step,
-    step_report,
-    watched_step,
-)
+from fsdpcheck.step.session import conclude_step, step_report, watched_step
 from fsdpcheck.step.watch import ChannelLost
-from fsdpcheck.vocab import ExitCode
+from fsdpcheck.vocab import Stage
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +34,6 @@ def check_step(model: Any, step: Callable[[], Any], *, timeout: float = 60.0) ->
     divergence the step did not complete (FSDP2 modules may be left unsharded): do not train
     on from it. Reuses the script's process group; the watch's exchanges go over a gloo side
     channel bounded by ``timeout``."""
-    from fsdpcheck.distributed.wire import broadcast_decision
-
     ctx = distributed.init("auto", timeout)
     try:
         with liveness.AbortWatch(ctx) as watch:
@@ -50,16 +42,11 @@ def check_step(model: Any, step: Callable[[], Any], *, timeout: float = 60.0) ->
                 record, seconds = watched_step(ctx, model, step)
                 outcome = conclude_step(ctx, model, env, record, seconds)
                 report = step_report(outcome, ctx.world_size) if outcome is not None else None
-                code, line = ExitCode.RUNTIME, ""
-                if report is not None:
-                    code, line = report.exit_code, report_headline(report)
-                code, line = broadcast_decision(code, line, ctx.side_channel)
-                return AuditResult(ctx.rank, code, report, None, line)
-            except (ChannelLost, Exception) as exc:  # a peer stopped answering: name it
+                return decide(ctx, report)
+            except Exception as exc:  # a peer stopped answering: name it
                 log.debug("rank %d: check_step gave up", ctx.rank, exc_info=True)
                 watch.disarm()
-                errors = channel_failure(ctx, exc, own=None)
-                report = error_report(errors, ctx.world_size, None) if ctx.rank == 0 else None
-                return AuditResult(ctx.rank, ExitCode.RUNTIME, report, errors[0], errors[0].message)
+                cause = exc.cause if isinstance(exc, ChannelLost) else exc
+                return give_up(ctx, cause, None, stage=Stage.STEP)
     finally:
         distributed.shutdown(ctx)

@@ -113,14 +113,11 @@ def conclude_step(
     liveness.mark_stage(ctx, Stage.STEP_REPORT)
     state = RankRecord(env=env)
     if record.outcome == "finished" and _has_replicas(model):
-        from fsdpcheck.model.fingerprint import fingerprint
-        from fsdpcheck.model.state import shard_key
+        from fsdpcheck.model.rank_state import look, rank_record
 
-        state = RankRecord(
-            env=env,
-            post_wrap=fingerprint(model, Snapshot.POST_WRAP, param_values=True),
-            shard_key=shard_key(model),
-        )
+        # As the audit records a rank: the values, and which ranks the meshes make replicas.
+        after = look(model, Snapshot.POST_WRAP, param_values=True, buffers=False)
+        state = rank_record(env, after)
     gathered = gather_records(state, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size)
     records = gather_step_records(record, ctx.side_channel, rank=ctx.rank, world=ctx.world_size)
     if records is None:
@@ -252,11 +249,3 @@ def _non_finite(model: Any, loss: float | None) -> StepNonFinite:
 def _has_replicas(model: Any) -> bool:
     """A parameter on a 2-D mesh (HSDP): its replicas must agree after the step."""
     return any(getattr(getattr(p, "device_mesh", None), "ndim", 1) >= 2 for p in model.parameters())
-
-
-def channel_failure(ctx: DistContext, exc: BaseException, own: RankError | None) -> list[RankError]:
-    """A peer stopped answering: name it from heartbeats and marks, and end the others."""
-    cause = exc.cause if isinstance(exc, ChannelLost) else exc
-    errors = liveness.diagnose_peers(ctx, cause, own=own)
-    liveness.signal_abort(ctx, errors)
-    return errors

@@ -9,7 +9,16 @@ from conftest import run_worker_ranks
 
 TIMEOUT = 20.0
 BOUND = TIMEOUT + 10.0  # a divergence is reported within the timeout plus a small bound
-CASES = ["equal", "extra-rank1", "extra-rank0", "tower-rank1", "tower-all", "labels-ignored"]
+CASES = [
+    "equal",
+    "extra-rank1",
+    "extra-rank0",
+    "tower-rank1",
+    "tower-all",
+    "labels-ignored",
+    "hsdp",
+    "hsdp-lr-rank1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +44,7 @@ def _only(report: dict, kind: str) -> dict:
     return report["findings"][0]
 
 
-@pytest.mark.parametrize("case", ["equal", "tower-all"])
+@pytest.mark.parametrize("case", ["equal", "tower-all", "hsdp"])
 def test_the_clean_twins_are_consistent_and_the_step_ran(ran, case):
     per_rank, report = _case(ran, case)
     assert [r["exit_code"] for r in per_rank] == [0, 0]
@@ -73,3 +82,13 @@ def test_a_batch_with_no_label_that_counts_is_non_finite(ran):
     found = _only(report, "non-finite")
     assert found["ranks"] == [1] and found["details"]["loss"] == {"1": "nan"}
     assert "loss nan on rank 1" in found["summary"]
+
+
+def test_hsdp_replicas_that_differ_after_the_step_are_a_value_finding(ran):
+    # Each rank its own batch, gradients all-reduced over the replicate dim: the replicas agree
+    # after the step (the "hsdp" twin) unless a rank's own optimizer steps differently.
+    per_rank, report = _case(ran, "hsdp-lr-rank1")
+    assert [r["exit_code"] for r in per_rank] == [1, 1]
+    found = _only(report, "value")
+    assert found["ranks"] == [1] and found["snapshot"] == "step"
+    assert "llama.model.embed_tokens.weight" in found["tensors"]

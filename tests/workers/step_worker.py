@@ -49,14 +49,14 @@ class WithTower(nn.Module):
         return self.llama(inputs_embeds=embeds, labels=labels).loss
 
 
-def build(mesh) -> tuple[WithTower, torch.optim.Optimizer]:
+def build(mesh, lr: float = 1e-3) -> tuple[WithTower, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = WithTower()
     fully_shard(model.tower, mesh=mesh)
     for layer in model.llama.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
 def batch(rank: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,10 +99,15 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    # HSDP: every rank a replica of the others (one shard each), as a 2-D job's replicate dim.
+    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     record = {}
     for case in args.cases:
-        model, optimizer = build(mesh)
+        # "hsdp-lr-rank1": rank 1's optimizer was built with another learning rate.
+        lr = 1e-2 if case == "hsdp-lr-rank1" and rank == 1 else 1e-3
+        model, optimizer = build(hsdp if case.startswith("hsdp") else mesh, lr)
         before = {n: p.to_local().clone() for n, p in model.named_parameters()}
         start = time.monotonic()
         result = fsdpcheck.check_step(
