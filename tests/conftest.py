@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdpcheck.children.launch import LaunchResult, free_port, launch
+from fsdpcheck.children.launch import LaunchResult, free_port, kill_group, launch
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
@@ -51,16 +51,25 @@ def run_ranks(
 def run_plain(
     argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess:
-    """``argv`` as one process in the repository, with no launcher variables set."""
+    """``argv`` as one process in the repository, with no launcher variables set; then (also
+    past ``timeout``, which raises) its whole process group is killed: what it started, such as
+    torchrun's workers, does not outlive it."""
     clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    return subprocess.run(
+    proc = subprocess.Popen(
         argv,
         cwd=REPO,
         env={**clean, **(env or {})},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
         text=True,
-        timeout=timeout,
+        start_new_session=True,  # its own process group, for the kill
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
 def run_cli(
@@ -100,21 +109,17 @@ def run_worker_ranks(
     return result, records
 
 
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """``torchrun --nproc-per-node N --master-port <free> ARGS`` (a script or ``-m module``,
+    then its arguments), with the torchrun next to this interpreter."""
+    launcher = str(Path(sys.executable).with_name("torchrun"))
+    return [launcher, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
+
+
 def torchrun_fsdpcheck(nproc: int, *args: str) -> list[str]:
     """``torchrun --nproc-per-node N --master-port <free> -m fsdpcheck ARGS``, as the README
-    runs it, with the torchrun next to this interpreter."""
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    port = str(free_port())
-    return [
-        torchrun,
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        port,
-        "-m",
-        "fsdpcheck",
-        *args,
-    ]
+    runs it."""
+    return torchrun(nproc, "-m", "fsdpcheck", *args)
 
 
 def read_report(path: Path) -> dict:

@@ -181,7 +181,7 @@ class _Rank:
         """Kill its whole process group, whatever is left of it, and reap it."""
         if self.proc.poll() is None:
             self.killed = True
-        _kill_group(self.proc)
+        kill_group(self.proc)
         _LIVE.discard(self.proc)
 
     def outcome(self, start: float) -> RankOutcome:
@@ -318,14 +318,15 @@ class _LiveProcesses:
         with self._lock:
             procs = list(self._procs)
         for proc in procs:
-            _kill_group(proc)
+            kill_group(proc)
 
 
 _LIVE = _LiveProcesses()
 atexit.register(_LIVE.kill_all)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (started with ``start_new_session``) and reap it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # also after the leader exited: what it left behind
     except (ProcessLookupError, PermissionError):

@@ -7,7 +7,7 @@ calling the HF Trainer hook as the Trainer does (``on_train_begin``) on a tiny L
   write makes it): the check runs and rank 0 writes the report;
 - ``slow-peer``: rank 1 takes ``--delay`` seconds, past the others' ``--timeout``, to describe
   its model; with ``on_failure="warn"`` every rank must warn and return the same result, and
-  none be ended by the check;
+  none be ended by the check (``--delay 0``: not run);
 - ``fast-peer``: its clean twin, no delay.
 
 After each case the ranks meet in a barrier, as training would; rank ``<N>.json`` says what the
@@ -76,9 +76,10 @@ def main() -> None:
     path = out / "made-by-the-write" / "report.json"
     record["new-folder"] = timed(hook(model, "raise", path, args.timeout))
     record["fast-peer"] = timed(hook(model, "warn", None, args.timeout))
-    if rank() == 1:
-        SlowToDescribe(model, args.delay)
-    record["slow-peer"] = timed(hook(model, "warn", None, args.timeout))
+    if args.delay:
+        if rank() == 1:
+            SlowToDescribe(model, args.delay)
+        record["slow-peer"] = timed(hook(model, "warn", None, args.timeout))
     write(out, record)
     print(f"rank {rank()} done")
     dist.destroy_process_group()
