@@ -28,6 +28,7 @@ from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoaderVerdict, Snapsh
 
 # Stages a child marks; "loading" is the only one inside the loader's own collectives.
 LOADING = "loading"
+_BEFORE = ("start", "init", "build")  # the stages a child passes before its loader
 _LISTED = 8  # differing tensors kept in the detail
 _GARBAGE = "holds uninitialised memory (built on meta, never loaded)"
 
@@ -64,6 +65,13 @@ def classify(loader: str, runs: Sequence[RankRun], elapsed: float = 0.0) -> Obse
     def done(verdict: str | None, summary: str) -> Observation:
         return Observation(loader, verdict, {**detail, "summary": summary})
 
+    # A rank that failed before its loader leaves the others alone in it: that says nothing
+    # about the loader (a stand-in rank whose own files do not build, say).
+    before = [r for r in runs if ((r.record or {}).get("error") or {}).get("stage") in _BEFORE]
+    if before:
+        r = before[0]
+        message = r.record["error"]["message"]
+        return done(None, f"rank {r.rank} did not get to the loader (stage {r.stage}): {message}")
     aborted = [r for r in runs if r.signal is not None and r.stage == LOADING]
     if aborted:
         r = aborted[0]

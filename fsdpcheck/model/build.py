@@ -56,7 +56,9 @@ def build(
     if config_changes:
         config = _changed(config, config_changes)
     torch_dtype = _resolve_dtype(dtype, config)
+    # A checkpoint fits the config it was saved with: one with changed keys fills instead.
     use_checkpoint = materialise and resolved.has_checkpoint and not text_only
+    use_checkpoint = use_checkpoint and not config_changes
     init_values = None
     if use_checkpoint:
         model = _from_checkpoint(resolved, torch_dtype, rank, trust_remote_code)

@@ -3,8 +3,8 @@ variables the rest of the suite launches with (``run_ranks``). torchrun's worker
 variables (``TORCHELASTIC_*``, its agent store), and every child job, device mesh, side channel
 and report write must work with them: once, ``--reproduce`` ran no loader under torchrun and no
 test noticed. The CI suite is at its time limit, so each launch combines many features; each
-has its env:// counterpart elsewhere (tests/ranks/test_audit.py, test_state_flags.py,
-test_ci_outputs.py, test_hooks_paths.py)."""
+has its env:// counterpart elsewhere (tests/ranks/test_audit.py, test_state_flags.py (whose
+``--reproduce`` stands in for each node's own build), test_ci_outputs.py, test_hooks_paths.py)."""
 
 from __future__ import annotations
 
@@ -40,10 +40,16 @@ def test_reproduce_probe_hsdp_json_and_junit_under_torchrun(tmp_path: Path) -> N
     for row in report["loaders"]:
         assert row["observed"] is not None, row
         assert row["observed"] == (row["on_gloo"] or row["verdict"]), row
+        assert row["products"]
+    assert not [f for f in report["findings"] if f["kind"] == "prediction"]
+    assert "reproduction" not in report  # each loader ran once: the evidence is in its row
     unsafe = loaders["named-buffers-order"]["observed_detail"]
     assert [r["hash_seed"] for r in unsafe["ranks"]] == [0, 1]
+    assert [r["stands_for"] for r in unsafe["ranks"]] == [0, 1]
     [swapped, *_] = unsafe["differing"]
     assert swapped["rank"] == 1 and f"holds {ROTARY}" in swapped["state"]
+    [rank1_swap, *_] = unsafe["buffers"][1]["swapped"]  # which buffer got whose values
+    assert rank1_swap["holds"].startswith(ROTARY)
     assert "not run for real" not in output and "PREDICTION WRONG" not in output
 
     # The probe answered: both seeds built, the two orders found.

@@ -61,31 +61,6 @@ def test_hazard_with_equal_hash_seeds_is_consistent(tmp_path: Path) -> None:
     assert report["verify"] == {"ran": True, "passed": True, "checked": 13, "mismatches": []}
 
 
-def test_equal_size_swap_is_silent_corruption_and_reproduce_shows_it(tmp_path: Path) -> None:
-    out = tmp_path / "report.json"
-    args = ["audit", "--model", "hazard-equal", "--reproduce", "--timeout", "300"]
-    result = run_ranks([*args, "--json", str(out)], seeds=[0, 1], timeout=420)
-    assert result.codes == [1, 1], result.output(0)
-    report = read_report(out)
-    loaders = {p["name"]: p["verdict"] for p in report["loaders"]}
-    assert loaders["named-buffers-order"] == "silent-corruption"
-    # Every known loader, run for real in its own child job, did what was predicted.
-    for row in report["loaders"]:
-        assert row["observed"] == (row["on_gloo"] or row["verdict"]), row
-        assert row["products"]
-    assert not [f for f in report["findings"] if f["kind"] == "prediction"]
-    unsafe = next(p for p in report["loaders"] if p["name"] == "named-buffers-order")
-    swapped = unsafe["observed_detail"]["differing"][0]
-    assert swapped["rank"] == 1 and "holds model.rotary_emb." in swapped["state"]
-    # Each loader ran once; the unsafe one's row shows which buffer got whose values.
-    assert "reproduction" not in report
-    assert [r["hash_seed"] for r in unsafe["observed_detail"]["ranks"]] == [0, 1]
-    [rank1_swap, *_] = unsafe["observed_detail"]["buffers"][1]["swapped"]
-    assert rank1_swap["holds"].startswith("model.rotary_emb.")
-    assert report["verify"]["passed"] is True  # the sorted loader is not fooled
-    assert "PREDICTION WRONG" not in result.output(0)
-
-
 def test_init_meta_audits_without_loading(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     result = run_ranks(["audit", "--model", "tiny-gemma3", "--init", "meta", "--json", str(out)])
@@ -234,7 +209,7 @@ def test_check_model_names_a_peer_that_died(tmp_path: Path) -> None:
 def test_audit_probe_reports_latent_when_ranks_agree_today(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     result = run_ranks(
-        ["audit", "--model", "hazard", "--probe", "8", "--json", str(out)], seeds=[1, 1]
+        ["audit", "--model", "hazard", "--probe", "2", "--json", str(out)], seeds=[1, 1]
     )
     assert result.codes == [1, 1], result.output(0)
     report = read_report(out)

@@ -142,6 +142,17 @@ def test_a_rank_killed_inside_the_loader_hangs_one_killed_before_it_says_nothing
     assert classify("x", bad_input).verdict is None
 
 
+def test_a_rank_that_failed_before_its_loader_says_nothing_even_if_a_peer_waits_inside():
+    runs = [
+        error(0, "collective", "RuntimeError: Connection closed by peer", code=124),
+        error(1, "refused", "InputError: rank 1: the checkpoint does not fit", stage="build"),
+    ]
+    seen = classify("ddp-sync", runs)
+    assert seen.verdict is None
+    assert seen.detail["summary"].startswith("rank 1 did not get to the loader (stage")
+    assert "the checkpoint does not fit" in seen.detail["summary"]
+
+
 def test_observations_fold_into_rows_and_disagreements_become_findings():
     rows = (
         LoaderPrediction("ddp-sync", "hang", "…", on_gloo="ok"),
