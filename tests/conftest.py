@@ -145,14 +145,18 @@ def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture()
 def hf_home(tmp_path: Path, llama_checkpoint: Path) -> Path:
     """A Hugging Face cache holding ``acme/tiny-llama`` in the hub layout, built offline."""
-    home = tmp_path / "hf-home"
+    return hub_cache(tmp_path / "hf-home", llama_checkpoint)
+
+
+def hub_cache(home: Path, checkpoint: Path) -> Path:
+    """``home`` as a Hugging Face cache holding ``checkpoint`` as ``acme/tiny-llama``."""
     repo = home / "hub" / "models--acme--tiny-llama"
     commit = "0123456789abcdef0123456789abcdef01234567"
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
-    for file in llama_checkpoint.iterdir():
+    for file in checkpoint.iterdir():
         shutil.copy(file, snapshot / file.name)
     return home
 

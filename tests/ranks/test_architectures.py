@@ -1,7 +1,8 @@
 """No false alarms across the architectures transformers ships (issue 19): a default 2-rank audit
 of a tiny config of each (dense, mixture of experts, latent attention, sliding window, linear
-attention, state-space hybrids) is ``consistent``, exit 0 on both ranks, with the load verified.
-One launched job audits them all in turn (tests/workers/architectures_worker.py)."""
+attention, state-space hybrids), and of fsdpcheck's own tiny presets, is ``consistent``, exit 0
+on both ranks, with the load verified, though each rank has its own hash seed. One launched job
+audits them all in turn (tests/workers/architectures_worker.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def test_default_audit_of_every_tiny_architecture_is_consistent(tmp_path: Path) 
         [WORKER, "--out", str(out)],
         2,
         env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
+        rank_env=lambda r: {"PYTHONHASHSEED": str(r)},  # whatever the seeds
         cwd=str(REPO),
         timeout=300,
     )
@@ -56,4 +58,8 @@ def test_default_audit_of_every_tiny_architecture_is_consistent(tmp_path: Path) 
     assert all(
         entry["architecture"].endswith(("ForCausalLM", "LMHeadModel")) for entry in ran.values()
     )
+    llama = ran["tiny-llama"]  # the preset, by name: its decoder layers and the root wrapped
+    assert llama["architecture"] == "LlamaForCausalLM"
+    assert llama["wrap"]["found"] == ["LlamaDecoderLayer"]
+    assert llama["wrap"]["wrapped"][-1] == "<root>"
     assert result.codes == [0, 0]

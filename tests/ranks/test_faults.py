@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, read_report, run_ranks, torchrun_fsdpcheck
+from conftest import REPO, hub_cache, read_report, run_ranks, torchrun_fsdpcheck
 
 from fsdpcheck.children.launch import free_port, launch
 from fsdpcheck.faults import FAULT_ENV
@@ -86,74 +86,140 @@ def test_hung_rank_is_named_and_aborted(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------ bad input (exit 2)
 
 
-def test_unknown_preset_reported_by_every_rank(tmp_path: Path) -> None:
-    result = run_ranks(audit(tmp_path, model="tiny-nonesuch"), timeout=BOUND)
-    assert_all_exited(result, [2, 2])
-    errors = read_report(tmp_path / "report.json")["errors"]
+# Every bad input below is refused on every rank with exit 2; they run in turn in one 2-rank job
+# (tests/workers/bad_input_worker.py: run_audit on the job's gloo group), whose rank 1 has an
+# empty Hugging Face cache. The CLI's own exit for bad input: tests/cli/test_bad_input.py.
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory: pytest.TempPathFactory, llama_checkpoint: Path) -> dict:
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("bad-input")
+    home = hub_cache(tmp_path_factory.mktemp("node0") / "hf-home", llama_checkpoint)
+    config = (llama_checkpoint / "config.json").read_bytes()
+
+    def folder(name: str, files: dict[str, bytes | str]) -> str:
+        path = root / name
+        path.mkdir()
+        for file, data in files.items():
+            target = path / file
+            target.write_bytes(data) if isinstance(data, bytes) else target.write_text(data)
+        return str(path)
+
+    weights = (llama_checkpoint / "model.safetensors").read_bytes()
+    tensors = load_file(str(llama_checkpoint / "model.safetensors"))
+    tensors.pop("model.norm.weight")
+    tensors["model.extra.weight"] = tensors["model.layers.0.input_layernorm.weight"].clone()
+    mismatched = folder("mismatched", {"config.json": config})
+    save_file(tensors, f"{mismatched}/model.safetensors", metadata={"format": "pt"})
+    remote = {
+        "model_type": "custom-thing",
+        "auto_map": {
+            "AutoConfig": "configuration_custom.CustomConfig",
+            "AutoModelForCausalLM": "modeling_custom.CustomModel",
+        },
+    }
+    marker = root / "remote-code-ran"
+    remote_code = (
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PretrainedConfig\n"
+        "class CustomConfig(PretrainedConfig):\n    model_type = 'custom-thing'\n"
+    )
+    cases = {
+        "unknown-preset": {"model": "tiny-nonesuch"},
+        "missing-path": {"model": str(root / "no-such-model")},
+        "rank-0-only": {"model": "acme/tiny-llama"},  # rank 1's cache is empty
+        "corrupt-config": {
+            "model": folder("broken", {"config.json": '{"model_type": "llama", "hidden_si'})
+        },
+        "truncated": {
+            "model": folder(
+                "truncated",
+                {"config.json": config, "model.safetensors": weights[: len(weights) // 2]},
+            )
+        },
+        "mismatched-keys": {"model": mismatched},
+        "mesh": {"model": "hazard", "options": {"mesh": [2, 2]}},
+        "remote-code": {
+            "model": folder(
+                "custom",
+                {"config.json": json.dumps(remote), "configuration_custom.py": remote_code},
+            )
+        },
+        "pickle": {
+            "model": folder(
+                "pickled", {"config.json": config, "pytorch_model.bin": b"not even a real pickle"}
+            )
+        },
+    }
+    for case in cases.values():
+        case["options"] = {"timeout": TIMEOUT, **case.get("options", {})}
+    (root / "cases.json").write_text(json.dumps(cases))
+    out = root / "refused.json"
+    result = launch(
+        [
+            "tests/workers/bad_input_worker.py",
+            "--out",
+            str(out),
+            "--cases",
+            str(root / "cases.json"),
+        ],
+        2,
+        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"},
+        rank_env=lambda r: {"HF_HOME": str(home if r == 0 else root / "empty-home")},
+        cwd=str(REPO),
+        timeout=240,
+    )
+    assert result.codes == [0, 0] and out.is_file(), result.output(0) + result.output(1)
+    done = json.loads(out.read_text())
+    done["remote-code"]["marker"] = marker.exists()
+    return {**done, "paths": {name: case["model"] for name, case in cases.items()}}
+
+
+def _errors(refused: dict, case: str) -> list[dict]:
+    done = refused[case]
+    assert done["exit_codes"] == [2, 2], done
+    return done["report"]["errors"]
+
+
+def test_unknown_preset_reported_by_every_rank(refused) -> None:
+    errors = _errors(refused, "unknown-preset")
     assert [e["rank"] for e in errors] == [0, 1]
     assert all("tiny-nonesuch" in e["message"] and e["kind"] == "input" for e in errors)
 
 
-def test_missing_path(tmp_path: Path) -> None:
-    missing = str(tmp_path / "no-such-model")
-    result = run_ranks(audit(tmp_path, model=missing), timeout=BOUND)
-    assert_all_exited(result, [2, 2])
-    assert missing in read_report(tmp_path / "report.json")["errors"][0]["message"]
+def test_missing_path(refused) -> None:
+    assert refused["paths"]["missing-path"] in _errors(refused, "missing-path")[0]["message"]
 
 
-def test_model_present_on_rank_0_only(tmp_path: Path, hf_home: Path) -> None:
-    empty = tmp_path / "empty-home"
-    result = launch(
-        ["-m", "fsdpcheck", *audit(tmp_path, model="acme/tiny-llama")],
-        2,
-        env={"HF_HUB_OFFLINE": "1"},
-        cwd=str(REPO),
-        timeout=BOUND,
-        rank_env=lambda r: {"HF_HOME": str(hf_home if r == 0 else empty)},
-    )
-    assert_all_exited(result, [2, 2])
-    [error] = read_report(tmp_path / "report.json")["errors"]
+def test_model_present_on_rank_0_only(refused) -> None:
+    [error] = _errors(refused, "rank-0-only")
     assert error["rank"] == 1 and error["stage"] == "resolve"
-    assert "rank 1" in error["message"] and str(empty) in error["message"]
+    assert "rank 1" in error["message"] and "empty-home" in error["message"]
 
 
-def test_corrupt_config_json(tmp_path: Path) -> None:
-    model = tmp_path / "broken"
-    model.mkdir()
-    (model / "config.json").write_text('{"model_type": "llama", "hidden_si')
-    result = run_ranks(audit(tmp_path, model=str(model)), timeout=BOUND)
-    assert_all_exited(result, [2, 2])
-    message = read_report(tmp_path / "report.json")["errors"][0]["message"]
+def test_corrupt_config_json(refused) -> None:
+    message = _errors(refused, "corrupt-config")[0]["message"]
     assert "config.json" in message and "corrupt or truncated" in message
 
 
-def test_truncated_safetensors(tmp_path: Path, llama_checkpoint: Path) -> None:
-    model = tmp_path / "truncated"
-    model.mkdir()
-    (model / "config.json").write_bytes((llama_checkpoint / "config.json").read_bytes())
-    weights = (llama_checkpoint / "model.safetensors").read_bytes()
-    (model / "model.safetensors").write_bytes(weights[: len(weights) // 2])
-    result = run_ranks(audit(tmp_path, model=str(model)), timeout=BOUND)
-    assert_all_exited(result, [2, 2])
-    [error] = read_report(tmp_path / "report.json")["errors"]
+def test_truncated_safetensors(refused) -> None:
+    [error] = _errors(refused, "truncated")
     assert error["rank"] == 0 and error["stage"] == "build"  # only rank 0 reads the weights
     assert "truncated" in error["message"]
 
 
-def test_checkpoint_with_missing_and_unexpected_keys(tmp_path: Path, llama_checkpoint) -> None:
-    from safetensors.torch import load_file, save_file
-
-    model = tmp_path / "mismatched"
-    model.mkdir()
-    (model / "config.json").write_bytes((llama_checkpoint / "config.json").read_bytes())
-    tensors = load_file(str(llama_checkpoint / "model.safetensors"))
-    tensors.pop("model.norm.weight")
-    tensors["model.extra.weight"] = tensors["model.layers.0.input_layernorm.weight"].clone()
-    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
-    result = run_ranks(audit(tmp_path, model=str(model)), timeout=BOUND)
-    assert_all_exited(result, [2, 2])
-    message = read_report(tmp_path / "report.json")["errors"][0]["message"]
+def test_checkpoint_with_missing_and_unexpected_keys(refused) -> None:
+    message = _errors(refused, "mismatched-keys")[0]["message"]
     assert "model.norm.weight" in message and "model.extra.weight" in message
+
+
+def test_mesh_not_matching_world_size(refused) -> None:
+    done = refused["mesh"]  # refused before any stage, as every rank joins the mesh
+    assert done["exit_codes"] == [2, 2] and done["report"] is None
+    for message in done["raised"]:
+        assert "--mesh 2,2" in message and "WORLD_SIZE is 2" in message
 
 
 def test_nccl_without_cuda(tmp_path: Path) -> None:
@@ -162,13 +228,6 @@ def test_nccl_without_cuda(tmp_path: Path) -> None:
     assert (
         "--backend nccl needs CUDA" in read_report(tmp_path / "report.json")["errors"][0]["message"]
     )
-
-
-def test_mesh_not_matching_world_size(tmp_path: Path) -> None:
-    result = run_ranks(audit(tmp_path, "--mesh", "2,2"), timeout=BOUND)
-    assert_all_exited(result, [2, 2])
-    message = read_report(tmp_path / "report.json")["errors"][0]["message"]
-    assert "--mesh 2,2" in message and "WORLD_SIZE is 2" in message
 
 
 def test_unreachable_rendezvous(tmp_path: Path) -> None:
@@ -216,40 +275,13 @@ def test_version_skew_is_a_finding_not_a_crash(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------ security defaults
 
 
-def test_remote_code_is_refused_by_default(tmp_path: Path) -> None:
-    model = tmp_path / "custom"
-    model.mkdir()
-    (model / "config.json").write_text(
-        json.dumps(
-            {
-                "model_type": "custom-thing",
-                "auto_map": {
-                    "AutoConfig": "configuration_custom.CustomConfig",
-                    "AutoModelForCausalLM": "modeling_custom.CustomModel",
-                },
-            }
-        )
-    )
-    marker = tmp_path / "remote-code-ran"
-    (model / "configuration_custom.py").write_text(
-        f"open({str(marker)!r}, 'w').write('ran')\n"
-        "from transformers import PretrainedConfig\n"
-        "class CustomConfig(PretrainedConfig):\n    model_type = 'custom-thing'\n"
-    )
-    result = run_ranks(audit(tmp_path, model=str(model)), timeout=BOUND)
-    assert_all_exited(result, [2, 2])
-    assert "--trust-remote-code" in read_report(tmp_path / "report.json")["errors"][0]["message"]
-    assert not marker.exists()
+def test_remote_code_is_refused_by_default(refused) -> None:
+    assert "--trust-remote-code" in _errors(refused, "remote-code")[0]["message"]
+    assert refused["remote-code"]["marker"] is False  # its code never ran
 
 
-def test_pickle_weights_are_refused_by_default(tmp_path: Path, llama_checkpoint) -> None:
-    model = tmp_path / "pickled"
-    model.mkdir()
-    (model / "config.json").write_bytes((llama_checkpoint / "config.json").read_bytes())
-    (model / "pytorch_model.bin").write_bytes(b"not even a real pickle")
-    result = run_ranks(audit(tmp_path, model=str(model)), timeout=BOUND)
-    assert_all_exited(result, [2, 2])
-    message = read_report(tmp_path / "report.json")["errors"][0]["message"]
+def test_pickle_weights_are_refused_by_default(refused) -> None:
+    message = _errors(refused, "pickle")[0]["message"]
     assert "pytorch_model.bin" in message and "--allow-pickle" in message
 
 

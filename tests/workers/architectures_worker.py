@@ -204,6 +204,10 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# The presets a newcomer audits first, as `--model NAME`.
+PRESETS_AUDITED = ("tiny-llama", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4")
+
+
 def _save_config(name: str, root: Path) -> str | None:
     """Write ``name``'s tiny config.json under ``root``; the reason it was skipped, or None."""
     import transformers
@@ -216,7 +220,7 @@ def _save_config(name: str, root: Path) -> str | None:
     return None
 
 
-def _audit(path: Path, init: str | None) -> dict[str, Any]:
+def _audit(path: Path | str, init: str | None) -> dict[str, Any]:
     from fsdpcheck.audit import AuditOptions, run_audit
 
     started = time.monotonic()
@@ -235,6 +239,7 @@ def _audit(path: Path, init: str | None) -> dict[str, Any]:
         entry["errors"] = [e.message for e in report.errors]
         entry["warnings"] = list(report.warnings)
         entry["verified"] = report.verify.passed if report.verify else None
+        entry["wrap"] = {"found": list(report.wrap.found), "wrapped": list(report.wrap.wrapped)}
     return entry
 
 
@@ -248,11 +253,14 @@ def main() -> int:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    names = args.only or list(ARCHITECTURES)
+    names = args.only or [*PRESETS_AUDITED, *ARCHITECTURES]
     ran: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix=f"fsdpcheck-arch-rank{rank}-") as tmp:
         for name in names:
+            if name in PRESETS_AUDITED:  # fsdpcheck's own tiny models, by preset name
+                ran[name] = _audit(name, args.init)
+                continue
             why = _save_config(name, Path(tmp))  # every rank alike: no collective is skipped
             if why is not None:
                 skipped[name] = why

@@ -1,0 +1,59 @@
+"""Bad inputs in turn, in one 2-rank job: each case is a real ``run_audit`` on the job's gloo
+group (as a training script's own group), so one launch covers what would otherwise be one
+launch per input. ``--cases FILE``: ``{name: {"model": str | [rank 0's, rank 1's], "options":
+{AuditOptions field: value}}}``. Rank 0 writes ``--out``: per case, every rank's exit code and
+the report (or, for an input refused before the gather, what every rank raised)."""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from fsdpcheck.audit import AuditOptions, run_audit
+from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.records import to_dict
+
+
+def _case(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    model = spec["model"][rank] if isinstance(spec["model"], list) else spec["model"]
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
+    try:
+        result = run_audit(AuditOptions(model=model, **options))
+    except FsdpcheckError as exc:  # refused before any gather, as the CLI reports it
+        return {"exit_code": exc.exit_code, "raised": str(exc), "report": None}
+    report = to_dict(result.report) if result.report is not None else None
+    return {"exit_code": int(result.exit_code), "raised": None, "report": report}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", required=True)
+    args = parser.parse_args()
+    cases = json.loads(Path(args.cases).read_text())
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    done: dict[str, Any] = {}
+    for name, spec in cases.items():
+        mine = _case(spec, rank)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        done[name] = {
+            "exit_codes": [r["exit_code"] for r in every],
+            "raised": [r["raised"] for r in every],
+            "report": every[0]["report"],
+        }
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(done))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    sys.exit(main())
