@@ -71,7 +71,8 @@ def classify(loader: str, runs: Sequence[RankRun], elapsed: float = 0.0) -> Obse
     if before:
         r = before[0]
         message = r.record["error"]["message"]
-        return done(None, f"rank {r.rank} did not get to the loader (stage {r.stage}): {message}")
+        why = f"rank {r.rank} did not get through the loader (stage {r.stage})"
+        return done(None, f"{why}: {message}")
     aborted = [r for r in runs if r.signal is not None and r.stage == LOADING]
     if aborted:
         r = aborted[0]

@@ -149,7 +149,7 @@ def test_a_rank_that_failed_before_its_loader_says_nothing_even_if_a_peer_waits_
     ]
     seen = classify("ddp-sync", runs)
     assert seen.verdict is None
-    assert seen.detail["summary"].startswith("rank 1 did not get to the loader (stage")
+    assert seen.detail["summary"].startswith("rank 1 did not get through the loader (stage")
     assert "the checkpoint does not fit" in seen.detail["summary"]
 
 
