@@ -36,8 +36,8 @@ test-unit: install
 	$(BIN)/python -m pytest -q tests/unit
 
 lint: install
-	$(BIN)/ruff check fsdpcheck tests scripts
-	$(BIN)/ruff format --check fsdpcheck tests scripts
+	$(BIN)/ruff check fsdpcheck tests scripts examples
+	$(BIN)/ruff format --check fsdpcheck tests scripts examples
 
 bench: install
 	$(BIN)/python scripts/bench

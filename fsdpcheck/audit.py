@@ -163,6 +163,7 @@ def check_model(model: Any, *, timeout: float = 60.0, end_on_abort: bool = True)
 
 def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch) -> AuditResult:
     from fsdpcheck.model import build, wrap
+    from fsdpcheck.model.builder import wrapped as is_wrapped
     from fsdpcheck.model.rank_state import look, rank_record
 
     ctx, stages = state.ctx, state.stages
@@ -173,23 +174,33 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
     if options.download:
         _download_on_rank0(options, state)
-    built, _ = build_from(options, ctx.rank, stages)
+    if options.builder:
+        built = stages.run(Stage.BUILD, lambda: _from_builder(options, ctx))
+        # Without a state dict to load, each rank's own values are what training starts from.
+        values = not _rank0_has_state(built, ctx)
+    else:
+        built, _ = build_from(options, ctx.rank, stages)
+    # A builder may return its model already sharded: then there is nothing left to wrap.
+    prewrapped = built is not None and options.builder is not None and is_wrapped(built.model)
     # Buffers are checked against the config after the load (state-after-load), not here.
-    pre = stages.run(
-        Stage.FINGERPRINT_PRE,
-        lambda: look(built.model, Snapshot.PRE_WRAP, param_values=values, buffers=False),
-    )
-    targets = stages.run(
-        Stage.WRAP_PLAN,
-        lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
-    )
-    # FSDP2 copies each real parameter's shard out of it: on rank 0 alone with --init rank0.
-    threads = build.materialising_threads(options.init) if built and built.materialised else 1
-    with torch_threads(threads):
-        stages.run(
-            Stage.WRAP,
-            lambda: wrap.apply(targets.modules, ctx.mesh, cpu_offload=options.cpu_offload),
+    pre = None
+    targets = None
+    if not prewrapped:
+        pre = stages.run(
+            Stage.FINGERPRINT_PRE,
+            lambda: look(built.model, Snapshot.PRE_WRAP, param_values=values, buffers=False),
         )
+        targets = stages.run(
+            Stage.WRAP_PLAN,
+            lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
+        )
+        # FSDP2 copies each real parameter's shard out of it: on rank 0 alone with --init rank0.
+        threads = build.materialising_threads(options.init) if built and built.materialised else 1
+        with torch_threads(threads):
+            stages.run(
+                Stage.WRAP,
+                lambda: wrap.apply(targets.modules, ctx.mesh, cpu_offload=options.cpu_offload),
+            )
     post = stages.run(
         Stage.FINGERPRINT_POST,
         lambda: look(built.model, Snapshot.POST_WRAP, param_values=values, buffers=False),
@@ -206,7 +217,7 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         error=stages.error,
         model=built.model if built is not None else None,
         config=built.config if built is not None else None,
-        source=SourceRecord(options.model, built.info.path, built.info.dtype) if built else None,
+        source=SourceRecord(built.info.spec, built.info.path, built.info.dtype) if built else None,
     )
     return _conclude(options, state, record, watch, built, probing)
 
@@ -341,6 +352,41 @@ def _observe_loaders(
         return {}, f"--reproduce could not run the loaders: {type(exc).__name__}: {exc}"
 
 
+def _from_builder(options: AuditOptions, ctx: distributed.DistContext) -> BuiltModel:
+    """``--builder``: the user's function builds this rank's model (the trust boundary)."""
+    from fsdpcheck.model.build import BuiltModel
+    from fsdpcheck.model.builder import BuildContext, builder_info, call_builder
+
+    assert options.builder is not None
+    mesh = ctx.mesh if options.mesh else None
+    context = BuildContext(ctx.rank, ctx.world_size, ctx.local_rank, ctx.device, mesh)
+    answer = call_builder(options.builder, context)
+    model = answer.model
+    return BuiltModel(
+        model=model,
+        info=builder_info(options.builder, answer),
+        materialised=not any(p.is_meta for p in model.parameters()),
+        full_state_dict=dict(answer.state_dict) if answer.state_dict and ctx.rank == 0 else None,
+        config=getattr(model, "config", None),
+    )
+
+
+def _rank0_has_state(built: BuiltModel | None, ctx: distributed.DistContext) -> bool:
+    """Collective: whether rank 0's builder returned a state dict to load (False when rank 0
+    failed, or a peer is gone: the gather then says why)."""
+    from fsdpcheck.distributed.wire import broadcast_decision
+
+    mine = int(ctx.rank == 0 and built is not None and built.full_state_dict is not None)
+    try:
+        answer, _ = broadcast_decision(mine, "", ctx.side_channel)
+    except Exception:  # a dead peer: the gather names it
+        log.debug(
+            "rank %d: the builder's state-dict decision did not arrive", ctx.rank, exc_info=True
+        )
+        return False
+    return bool(answer)
+
+
 def _download_on_rank0(options: AuditOptions, state: _RankState) -> None:
     """Rank 0 downloads into the shared cache while the others wait, then all read the cache."""
     import torch.distributed as dist
@@ -435,8 +481,10 @@ def _load_skip_reason(
         return "a rank failed before the load"
     if not options.load:
         return "--no-load"
-    if options.init == "meta":
+    if options.init == "meta" and not options.builder:
         return "--init meta: nothing to load from"
+    if options.builder and (built is None or built.full_state_dict is None):
+        return "the builder returned no state dict to load"
     if built is None or built.full_state_dict is None:
         return "rank 0 holds no weights"
     return ""

@@ -73,7 +73,19 @@ ALLOW_PICKLE_OPTION = typer.Option(
 @app.command(epilog=AUDIT_EPILOG)
 def audit(
     model: str = typer.Option(
-        "hazard", "--model", "-m", help="Preset name, local model directory, or cached hub id."
+        None,
+        "--model",
+        "-m",
+        help="Preset name, local model directory, or cached hub id \\[default: hazard].",
+        show_default=False,
+    ),
+    builder: str | None = typer.Option(
+        None,
+        help="MODULE:FUNCTION or FILE.py:FUNCTION that builds the model instead of --model: "
+        "every rank calls FUNCTION(ctx) (ctx.rank, ctx.world_size, ctx.local_rank, ctx.device, "
+        "ctx.mesh) and gets the model, wrapped in FSDP2 or not, or (model, rank 0's state "
+        "dict). [bold]This runs your code[/]: pass only a builder you would run as a training "
+        "script.",
     ),
     backend: Backend = typer.Option(
         Backend.AUTO, help="Process-group backend (auto: nccl with CUDA, else gloo)."
@@ -153,6 +165,19 @@ def audit(
     from fsdpcheck.records import RankError
     from fsdpcheck.vocab import Stage
 
+    if builder and model:
+        raise typer.BadParameter(
+            "--builder builds the model itself; drop --model (or drop --builder to audit "
+            "--model).",
+            param_hint="'--builder'",
+        )
+    if builder and (reproduce or probe):
+        raise typer.BadParameter(
+            "--reproduce and --probe rebuild the model in child jobs, which cannot call a "
+            "builder; audit the builder's model without them, or audit --model.",
+            param_hint="'--builder'",
+        )
+    model = model or "hazard"
     if reproduce and init == Init.META:
         raise typer.BadParameter(
             "--reproduce with --init meta: rank 0 then holds no weights, so no loader has "
@@ -172,6 +197,7 @@ def audit(
         probe=probe,
         download=download,
         step=step,
+        builder=builder,
     )
     rank = rank_hint(os.environ)
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)

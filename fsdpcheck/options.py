@@ -36,6 +36,7 @@ class AuditOptions(BuildSpec):
     probe: int = 0  # rank 0 also probes the build under this many hash seeds (0: off)
     download: bool = False  # rank 0 fetches a hub id into the cache first; the others wait
     step: bool = False  # after the load: one synthetic training step under the collective watch
+    builder: str | None = None  # MODULE:FUNCTION or FILE.py:FUNCTION builds the model (not --model)
 
     @property
     def build_spec(self) -> BuildSpec:

@@ -146,6 +146,7 @@ class ModelKind(Word):
     LOCAL = "local"
     HUB = "hub"
     SCRIPT = "script"  # a training script's own model (check_model, save_fingerprint)
+    BUILDER = "builder"  # audit --builder: the trainer's own function built it
 
 
 class InitValues(Word):

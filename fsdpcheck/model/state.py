@@ -159,9 +159,11 @@ def _recomputable(model: nn.Module) -> bool:
     models and fsdpcheck's own fixture. Anything else gets the garbage test only."""
     if getattr(model, "config", None) is None:
         return False
+    from fsdpcheck.model.hazard import HazardForCausalLM
+
     cls = model_class(model)
     names = {c.__module__.split(".")[0] + "." + c.__name__ for c in cls.__mro__}
-    return "transformers.PreTrainedModel" in names or cls.__module__ == "fsdpcheck.hazard"
+    return "transformers.PreTrainedModel" in names or issubclass(cls, HazardForCausalLM)
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype:

@@ -87,7 +87,7 @@ def test_hung_rank_is_named_and_aborted(tmp_path: Path) -> None:
 
 
 # Every bad input below is refused on every rank with exit 2; they run in turn in one 2-rank job
-# (tests/workers/bad_input_worker.py: run_audit on the job's gloo group), whose rank 1 has an
+# (tests/workers/audit_cases_worker.py: run_audit on the job's gloo group), whose rank 1 has an
 # empty Hugging Face cache. The CLI's own exit for bad input: tests/cli/test_bad_input.py.
 
 
@@ -159,7 +159,7 @@ def refused(tmp_path_factory: pytest.TempPathFactory, llama_checkpoint: Path) ->
     out = root / "refused.json"
     result = launch(
         [
-            "tests/workers/bad_input_worker.py",
+            "tests/workers/audit_cases_worker.py",
             "--out",
             str(out),
             "--cases",

@@ -9,6 +9,11 @@ from fsdpcheck.cli import app
 runner = CliRunner()
 
 
+def _said(result) -> str:
+    """The output as one line of words, without rich's box around an error."""
+    return " ".join(result.output.replace("│", " ").split())
+
+
 def test_audit_help_shows_examples_and_exit_codes() -> None:
     result = runner.invoke(app, ["audit", "--help"])
     assert result.exit_code == 0
@@ -34,7 +39,15 @@ def test_presets_lists_the_built_in_models() -> None:
 def test_reproduce_with_nothing_to_load_is_bad_usage() -> None:
     result = runner.invoke(app, ["audit", "--init", "meta", "--reproduce"])
     assert result.exit_code == 2
-    assert "--init meta" in result.output and "no loader has anything to load" in result.output
+    assert "--init meta" in _said(result) and "no loader has anything to load" in _said(result)
+
+
+def test_a_builder_with_a_model_or_a_child_job_is_bad_usage() -> None:
+    both = runner.invoke(app, ["audit", "--builder", "x.py:build", "--model", "tiny-llama"])
+    assert both.exit_code == 2 and "drop --model" in _said(both)
+    for extra in (["--reproduce"], ["--probe", "2"]):
+        result = runner.invoke(app, ["audit", "--builder", "x.py:build", *extra])
+        assert result.exit_code == 2 and "cannot call a builder" in _said(result)
 
 
 def test_a_malformed_mesh_is_bad_usage() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LINTED = ("fsdpcheck", "tests", "scripts")  # what `make lint` passes to ruff
+LINTED = ("fsdpcheck", "tests", "scripts", "examples")  # what `make lint` passes to ruff
 
 
 def _ruff() -> list[str]:

@@ -353,3 +353,25 @@ def test_float16_rope_frequencies_below_the_normal_range_are_not_garbage() -> No
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     assert garbage(inv_freq.to(torch.float16)) is None
     assert garbage(torch.tensor([8.0, -7.00649e-39])) == "denormal"
+
+
+def test_the_hazard_fixture_is_checked_against_what_its_own_class_computes():
+    # A swapped RoPE table (hazard-equal: equal sizes, other bases) is caught by the rebuild;
+    # the clean twin is not.
+    from fsdpcheck.model.build import _from_config
+    from fsdpcheck.model.presets import PRESETS
+    from fsdpcheck.model.state import buffer_problems, buffer_reference
+
+    model = _from_config(PRESETS["hazard-equal"].make_config(), False)
+    assert buffer_reference(model) is not None
+    assert buffer_problems(model, "load", buffer_reference(model)) == ()
+    rope = model.model.rotary_emb
+    with torch.no_grad():
+        full = rope.full_attention_inv_freq.clone()
+        rope.full_attention_inv_freq.copy_(rope.sliding_attention_inv_freq)
+        rope.sliding_attention_inv_freq.copy_(full)
+    problems = buffer_problems(model, "load", buffer_reference(model))
+    assert {(p.name, p.reason) for p in problems} == {
+        ("model.rotary_emb.full_attention_inv_freq", "differs"),
+        ("model.rotary_emb.sliding_attention_inv_freq", "differs"),
+    }

@@ -1,8 +1,10 @@
-"""Bad inputs in turn, in one 2-rank job: each case is a real ``run_audit`` on the job's gloo
-group (as a training script's own group), so one launch covers what would otherwise be one
-launch per input. ``--cases FILE``: ``{name: {"model": str | [rank 0's, rank 1's], "options":
-{AuditOptions field: value}}}``. Rank 0 writes ``--out``: per case, every rank's exit code and
-the report (or, for an input refused before the gather, what every rank raised)."""
+"""Audits in turn, in one 2-rank job: each case is a real ``run_audit`` on the job's gloo group
+(as a training script's own group), so one launch covers what would otherwise be one launch
+per case (bad inputs, builders).
+
+``--cases FILE``: ``{name: {"model": str | [rank 0's, rank 1's], "options": {AuditOptions
+field: value}}}``. Rank 0 writes ``--out``: per case, every rank's exit code and the report
+(or, for an input refused before the gather, what every rank raised)."""
 
 import argparse
 import json

@@ -1,0 +1,142 @@
+"""``audit --builder MODULE:FUNCTION``: the trainer's own model, built by the trainer's own code.
+
+Every rank imports the user's function (``pkg.module:fn`` from ``sys.path``, or
+``path/to/file.py:fn``) and calls it with one :class:`BuildContext`; it returns the model,
+already wrapped in FSDP2 or not, and optionally rank 0's full state dict to load:
+
+- ``model``;
+- ``(model, state_dict)`` (``state_dict`` may be None on ranks other than 0);
+- ``{"model": model, "state_dict": state_dict}``.
+
+This runs the user's code: it is the trust boundary, as running the training script is. A
+builder that raises on one rank is that rank's error in the gather (an input error when it
+cannot be found or returns something else).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from fsdpcheck.errors import InputError
+from fsdpcheck.records import ModelInfo
+from fsdpcheck.vocab import ModelKind
+
+log = logging.getLogger(__name__)
+
+HINT = (
+    "pass --builder MODULE:FUNCTION (an importable module, e.g. myproject.train:build_model) "
+    "or FILE.py:FUNCTION, where FUNCTION(ctx) returns the model, or (model, state_dict)"
+)
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a builder is called with, on each rank."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: Any  # torch.device: this rank's
+    mesh: Any = None  # the --mesh as a DeviceMesh (dims "replicate", "shard"), or None
+
+
+@dataclass(frozen=True)
+class Built:
+    """A builder's answer, normalised."""
+
+    model: nn.Module
+    state_dict: Mapping[str, Any] | None = None
+
+
+def find_builder(spec: str, *, rank: int) -> Callable[[BuildContext], Any]:
+    """The function ``spec`` names; an :class:`InputError` naming the rank, the input and the
+    fix when it cannot be found."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise InputError(f"rank {rank}: --builder {spec!r} names no function; {HINT}.")
+    try:
+        module = _import(where)
+    except InputError:
+        raise
+    except Exception as exc:  # the user's module failed to import: say where, not a traceback
+        log.debug("rank %d: importing %s failed", rank, where, exc_info=True)
+        raise InputError(
+            f"rank {rank}: --builder {spec!r}: importing {where!r} raised "
+            f"{type(exc).__name__}: {exc}; fix that module, or {HINT}."
+        ) from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise InputError(f"rank {rank}: --builder {spec!r}: {where!r} has no function {name!r}.")
+    return fn
+
+
+def _import(where: str) -> Any:
+    if where.endswith(".py"):
+        path = Path(where).expanduser().resolve()
+        if not path.is_file():
+            raise InputError(f"--builder: no file {where!r} on this host; {HINT}.")
+        module_name = f"fsdpcheck_builder_{path.stem}"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look modules up here
+        spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        if exc.name and where.startswith(exc.name):
+            raise InputError(f"--builder: no module {where!r} on sys.path; {HINT}.") from None
+        raise
+
+
+def call_builder(spec: str, ctx: BuildContext) -> Built:
+    """Find and call the builder; its answer as :class:`Built`."""
+    fn = find_builder(spec, rank=ctx.rank)
+    answer = fn(ctx)
+    model, state_dict = answer, None
+    if isinstance(answer, tuple) and len(answer) == 2:
+        model, state_dict = answer
+    elif isinstance(answer, Mapping):
+        model, state_dict = answer.get("model"), answer.get("state_dict")
+    if not isinstance(model, nn.Module):
+        raise InputError(
+            f"rank {ctx.rank}: --builder {spec!r} returned {type(answer).__name__}, not a model; "
+            "return the torch.nn.Module, or (model, state_dict)."
+        )
+    if state_dict is not None and not isinstance(state_dict, Mapping):
+        raise InputError(
+            f"rank {ctx.rank}: --builder {spec!r}: the state dict is a "
+            f"{type(state_dict).__name__}, not a mapping of names to tensors."
+        )
+    return Built(model, state_dict)
+
+
+def wrapped(model: nn.Module) -> bool:
+    """The builder already sharded it (its parameters are DTensors)."""
+    return any(hasattr(p, "placements") for p in model.parameters())
+
+
+def builder_info(spec: str, built: Built) -> ModelInfo:
+    model = built.model
+    dtypes = {p.dtype for p in model.parameters()}
+    dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else None
+    return ModelInfo(
+        spec=spec,
+        kind=ModelKind.BUILDER,
+        name=spec.rpartition(":")[2],
+        path=None,
+        architecture=type(model).__name__,
+        dtype=dtype,
+        init="builder",
+        checkpoint=built.state_dict is not None,
+    )
