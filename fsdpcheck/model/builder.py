@@ -127,6 +127,8 @@ def wrapped(model: nn.Module) -> bool:
 
 
 def builder_info(spec: str, built: Built) -> ModelInfo:
+    from fsdpcheck.model.wrap import model_class
+
     model = built.model
     dtypes = {p.dtype for p in model.parameters()}
     dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else None
@@ -135,7 +137,7 @@ def builder_info(spec: str, built: Built) -> ModelInfo:
         kind=ModelKind.BUILDER,
         name=spec.rpartition(":")[2],
         path=None,
-        architecture=type(model).__name__,
+        architecture=model_class(model).__name__,  # FSDP2 renames a class it wrapped
         dtype=dtype,
         init="builder",
         checkpoint=built.state_dict is not None,

@@ -76,7 +76,7 @@ def test_a_plain_model_is_wrapped_and_each_ranks_own_values_are_compared(audited
     report = plain["report"]
     assert report["wrap"]["found"] == ["LlamaDecoderLayer"]
     assert report["load"]["outcome"] == "skipped"
-    assert report["load"]["reason"] == "the builder returned no state dict to load"
+    assert report["load"]["message"] == "the builder returned no state dict to load"
     # Its failing twin: each rank seeded with its rank, nothing loaded afterwards.
     seeded = audited["seeded-per-rank"]
     assert seeded["exit_codes"] == [1, 1]
