@@ -167,8 +167,7 @@ def audit(
 
     if builder and model:
         raise typer.BadParameter(
-            "--builder builds the model itself; drop --model (or drop --builder to audit "
-            "--model).",
+            "--builder builds the model itself; drop --model (or drop --builder to audit --model).",
             param_hint="'--builder'",
         )
     if builder and (reproduce or probe):
