@@ -90,6 +90,29 @@ def test_init_all_cpu_offload_hsdp_clean_twin_under_torchrun(tmp_path: Path) -> 
     assert "verdict: consistent (exit 0)" in result.stdout
 
 
+def test_meta_text_only_bf16_wrap_class_and_annotations_under_torchrun(
+    tmp_path: Path, multimodal_config: Path
+) -> None:
+    """The remaining build and output flags in one launch: every rank on meta (nothing to load),
+    the text model of a multimodal config, bfloat16, an explicit wrap class, GitHub
+    annotations: consistent, exit 0, each flag visible in the report."""
+    out = tmp_path / "report.json"
+    features = ["--model", str(multimodal_config), "--init", "meta", "--text-only"]
+    features += ["--dtype", "bfloat16"]
+    features += ["--wrap-class", "Gemma3DecoderLayer", "--annotations", "github"]
+    args = ["audit", *features, "--timeout", "120", "--json", str(out)]
+    result = run_plain(torchrun_fsdpcheck(2, *args), env=QUIET_ENV, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = read_report(out)
+    assert (report["verdict"], report["exit_code"], report["world_size"]) == ("consistent", 0, 2)
+    assert report["model"]["architecture"] == "Gemma3ForCausalLM"  # the text model alone
+    assert (report["model"]["dtype"], report["model"]["init"]) == ("bfloat16", "meta")
+    assert report["wrap"]["found"] == ["Gemma3DecoderLayer"]
+    assert report["wrap"]["source"] == "--wrap-class"
+    assert report["load"]["outcome"] == "skipped"  # every rank on meta
+    assert "::error" not in result.stdout  # annotations on, and nothing to annotate
+
+
 def test_hook_refuses_an_unwritable_json_path_on_every_rank_under_torchrun(tmp_path: Path) -> None:
     """The HF Trainer hook in a torchrun job (the script's own process group, on torchrun's
     store): an unwritable ``json_path`` is refused on every rank, at once, before any collective,
