@@ -62,4 +62,5 @@ def test_default_audit_of_every_tiny_architecture_is_consistent(tmp_path: Path) 
     assert llama["architecture"] == "LlamaForCausalLM"
     assert llama["wrap"]["found"] == ["LlamaDecoderLayer"]
     assert llama["wrap"]["wrapped"][-1] == "<root>"
+    assert llama["probe"]["verdict"] == "consistent"  # --probe 2: its order is stable
     assert result.codes == [0, 0]

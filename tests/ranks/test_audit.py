@@ -214,14 +214,6 @@ def test_audit_probe_reports_latent_when_ranks_agree_today(tmp_path: Path) -> No
     assert "latent" in result.ranks[0].stdout
 
 
-def test_audit_probe_on_a_stable_model_stays_consistent(tmp_path: Path) -> None:
-    out = tmp_path / "report.json"
-    result = run_ranks(["audit", "--model", "tiny-llama", "--probe", "2", "--json", str(out)])
-    assert result.codes == [0, 0], result.output(0)
-    report = read_report(out)
-    assert report["verdict"] == "consistent" and report["probe"]["verdict"] == "consistent"
-
-
 def test_text_only_builds_the_text_model_of_a_multimodal_config(
     tmp_path: Path, multimodal_config: Path
 ) -> None:
