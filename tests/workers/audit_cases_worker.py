@@ -3,8 +3,9 @@
 per case (bad inputs, builders).
 
 ``--cases FILE``: ``{name: {"model": str | [rank 0's, rank 1's], "options": {AuditOptions
-field: value}}}``. Rank 0 writes ``--out``: per case, every rank's exit code and the report
-(or, for an input refused before the gather, what every rank raised)."""
+field: value}, "env": {variable: value, set for that case}}}``. Rank 0 writes ``--out``: per
+case, every rank's exit code and the report (or, for an input refused before the gather, what
+every rank raised)."""
 
 import argparse
 import json
@@ -23,10 +24,14 @@ from fsdpcheck.records import to_dict
 def _case(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     model = spec["model"][rank] if isinstance(spec["model"], list) else spec["model"]
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
+    os.environ.update(spec.get("env", {}))  # e.g. an injected fault, for this case alone
     try:
         result = run_audit(AuditOptions(model=model, **options))
     except FsdpcheckError as exc:  # refused before any gather, as the CLI reports it
         return {"exit_code": exc.exit_code, "raised": str(exc), "report": None}
+    finally:
+        for key in spec.get("env", {}):
+            os.environ.pop(key, None)
     report = to_dict(result.report) if result.report is not None else None
     return {"exit_code": int(result.exit_code), "raised": None, "report": report}
 
