@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,31 @@ def run_worker_ranks(
         assert path.is_file(), result.output(rank)
         records.append(json.loads(path.read_text()))
     return result, records
+
+
+def run_audit_cases(
+    root: Path, cases: dict, *, rank_env: Callable[[int], dict[str, str]] | None = None
+) -> dict:
+    """``cases`` audited in turn by one 2-rank job of tests/workers/audit_cases_worker.py (see
+    its docstring for the case format); rank 0's per-case results."""
+    (root / "cases.json").write_text(json.dumps(cases))
+    out = root / "audited.json"
+    result = launch(
+        [
+            "tests/workers/audit_cases_worker.py",
+            "--out",
+            str(out),
+            "--cases",
+            str(root / "cases.json"),
+        ],
+        2,
+        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
+        rank_env=rank_env,
+        cwd=str(REPO),
+        timeout=240,
+    )
+    assert result.codes == [0, 0] and out.is_file(), result.output(0) + result.output(1)
+    return json.loads(out.read_text())
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:

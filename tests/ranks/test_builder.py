@@ -4,13 +4,10 @@ One 2-rank job audits each builder in turn (tests/workers/audit_cases_worker.py,
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from conftest import QUIET_ENV, REPO, read_report, run_plain, torchrun_fsdpcheck
-
-from fsdpcheck.children.launch import launch
+from conftest import QUIET_ENV, read_report, run_audit_cases, run_plain, torchrun_fsdpcheck
 
 BUILDERS = "tests/workers/builders.py"
 EXAMPLE = "examples/builders/llama_fsdp2.py:build"
@@ -32,23 +29,7 @@ def audited(tmp_path_factory: pytest.TempPathFactory) -> dict:
         name: {"model": "hazard", "options": {"builder": builder, "timeout": 30}}
         for name, builder in CASES.items()
     }
-    (root / "cases.json").write_text(json.dumps(cases))
-    out = root / "audited.json"
-    result = launch(
-        [
-            "tests/workers/audit_cases_worker.py",
-            "--out",
-            str(out),
-            "--cases",
-            str(root / "cases.json"),
-        ],
-        2,
-        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
-        cwd=str(REPO),
-        timeout=240,
-    )
-    assert result.codes == [0, 0] and out.is_file(), result.output(0) + result.output(1)
-    return json.loads(out.read_text())
+    return run_audit_cases(root, cases)
 
 
 def _kinds(report: dict) -> list[str]:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, hub_cache, read_report, run_ranks, torchrun_fsdpcheck
+from conftest import REPO, hub_cache, read_report, run_audit_cases, run_ranks, torchrun_fsdpcheck
 
 from fsdpcheck.children.launch import free_port, launch
 from fsdpcheck.faults import FAULT_ENV
@@ -157,24 +157,8 @@ def refused(tmp_path_factory: pytest.TempPathFactory, llama_checkpoint: Path) ->
         cases[f"raise-{stage}"] = {"model": "hazard", "env": {FAULT_ENV: f"1:{stage}:raise"}}
     for case in cases.values():
         case["options"] = {"timeout": TIMEOUT, **case.get("options", {})}
-    (root / "cases.json").write_text(json.dumps(cases))
-    out = root / "refused.json"
-    result = launch(
-        [
-            "tests/workers/audit_cases_worker.py",
-            "--out",
-            str(out),
-            "--cases",
-            str(root / "cases.json"),
-        ],
-        2,
-        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"},
-        rank_env=lambda r: {"HF_HOME": str(home if r == 0 else root / "empty-home")},
-        cwd=str(REPO),
-        timeout=240,
-    )
-    assert result.codes == [0, 0] and out.is_file(), result.output(0) + result.output(1)
-    done = json.loads(out.read_text())
+    empty = root / "empty-home"
+    done = run_audit_cases(root, cases, rank_env=lambda r: {"HF_HOME": str(empty if r else home)})
     done["remote-code"]["marker"] = marker.exists()
     return {**done, "paths": {name: case["model"] for name, case in cases.items()}}
 
