@@ -1,4 +1,6 @@
-"""One rank of the step benchmark: a Gemma3-shaped model (``--quick``: a small one), FSDP2 on
+"""One rank of the step benchmark: a Gemma3-shaped model (``--quick``: a small one) in float32
+(on CPU a bfloat16 matmul has no fast kernel: 40× slower than float32 here, so a bfloat16 step
+of the 1B shape takes minutes and measures the emulation, not the watch), FSDP2 on
 every decoder layer and the root, AdamW, the same token batch on every run. Times plain steps
 and the same step under ``fsdpcheck.check_step``, alternating, in this process; under
 TORCH_DISTRIBUTED_DEBUG=DETAIL (set by the caller for the whole job) only plain steps run. Also
@@ -32,7 +34,7 @@ def build(quick: bool):
         shape.update(SMALL)
     config = Gemma3TextConfig(**shape)
     torch.manual_seed(0)
-    model = Gemma3ForCausalLM(config).to(torch.bfloat16)
+    model = Gemma3ForCausalLM(config).to(torch.float32)
     return model, config
 
 
