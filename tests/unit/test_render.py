@@ -83,3 +83,22 @@ def test_audit_step_says_in_one_line_how_the_step_went() -> None:
     nan = _step_printed((_step_finding("non-finite"),), timings)
     assert "step: inconsistent · finished; non-finite after it" in nan
     assert "step:" not in _step_printed((), {})  # no --step, no line
+
+
+def test_warnings_are_printed() -> None:
+    # e.g. a --wrap-class the model lacks (tests/ranks/test_audit_inputs.py has the real one)
+    warning = "--wrap-class SiglipEncoderLayer matches no module: wrapping by size instead"
+    report = Report(
+        verdict="consistent",
+        exit_code=0,
+        world_size=2,
+        model=None,
+        wrap=None,
+        groups=(),
+        findings=(),
+        errors=(),
+        warnings=(warning,),
+    )
+    console = Console(record=True, width=200, color_system=None)
+    render(report, console)
+    assert warning in console.export_text()

@@ -19,11 +19,19 @@ import torch.distributed as dist
 from fsdpcheck.audit import AuditOptions, run_audit
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.records import to_dict
+from fsdpcheck.vocab import Backend, DType, Init
+
+ENUMS = {"init": Init, "dtype": DType, "backend": Backend}
 
 
 def _case(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     model = spec["model"][rank] if isinstance(spec["model"], list) else spec["model"]
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
+    options = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in spec.get("options", {}).items()
+    }
+    for name, kind in ENUMS.items():  # JSON carries the Enums' values
+        if isinstance(options.get(name), str):
+            options[name] = kind(options[name])
     os.environ.update(spec.get("env", {}))  # e.g. an injected fault, for this case alone
     try:
         result = run_audit(AuditOptions(model=model, **options))
