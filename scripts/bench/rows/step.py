@@ -16,7 +16,7 @@ def row_step(s: Settings) -> Row:
     row = Row(
         "step",
         "first step under watch",
-        f"one training step (forward, backward, AdamW; 64 tokens per rank; {shape}, float32 "
+        f"one training step (forward, backward, SGD; 64 tokens per rank; {shape}, float32 "
         f"(bfloat16 has no fast CPU matmul), "
         f"FSDP2 per decoder layer and the root, 2 ranks, gloo): plain, under `check_step`, "
         f"and plain under TORCH_DISTRIBUTED_DEBUG=DETAIL ({shown(worker('step'))})",

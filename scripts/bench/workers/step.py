@@ -1,17 +1,21 @@
-"""One rank of the step benchmark: a Gemma3-shaped model (``--quick``: a small one) in float32
-(on CPU a bfloat16 matmul has no fast kernel: 40× slower than float32 here, so a bfloat16 step
-of the 1B shape takes minutes and measures the emulation, not the watch), FSDP2 on
-every decoder layer and the root, AdamW, the same token batch on every run. Times plain steps
-and the same step under ``fsdpcheck.check_step``, alternating, in this process; under
+"""One rank of the step benchmark: a Gemma3-shaped model (``--quick``: a small one), FSDP2 on
+every decoder layer and the root, the same token batch on every run. Times plain steps and the
+same step under ``fsdpcheck.check_step``, alternating, in this process; under
 TORCH_DISTRIBUTED_DEBUG=DETAIL (set by the caller for the whole job) only plain steps run. Also
 one step under the bare watch, for its counts (collectives, exchanges, side-channel bytes).
-Prints one line ``@bench {json}`` per rank; run by scripts/bench (the step row)."""
+Prints one line ``@bench {json}`` per rank; run by scripts/bench (the step row).
+
+float32, not bfloat16: on CPU a bfloat16 matmul has no fast kernel (40x slower than float32
+here), so a bfloat16 step of the 1B shape takes minutes and measures the emulation, not the
+watch. SGD, not AdamW: AdamW's two float32 states of the 1B shape do not fit two ranks in this
+machine's 23 GiB, and SGD's cheaper update makes the watched/plain ratio stricter, not easier."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 
@@ -33,9 +37,14 @@ def build(quick: bool):
     if quick:
         shape.update(SMALL)
     config = Gemma3TextConfig(**shape)
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(config).to(torch.float32)
+    with torch.device("meta"):  # sharded before it is materialised, as 1B+ FSDP2 jobs are built
+        model = Gemma3ForCausalLM(config)
     return model, config
+
+
+def peak_mib() -> int:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
 def main() -> int:
@@ -59,7 +68,11 @@ def main() -> int:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights()  # the config's init, on each rank's shards; RoPE buffers too
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
     generator = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, config.vocab_size, (1, args.tokens), generator=generator)
 
@@ -71,7 +84,9 @@ def main() -> int:
         return loss
 
     detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
-    step()  # warm-up: FSDP2's lazy init, AdamW's state
+    peak = {"built": peak_mib()}
+    step()  # warm-up: FSDP2's lazy init
+    peak["plain"] = peak_mib()
     seconds = {"plain": [], "check_step": []}
     for _ in range(args.repeats):
         dist.barrier()
@@ -85,6 +100,8 @@ def main() -> int:
         result = fsdpcheck.check_step(model, step, timeout=300)
         seconds["check_step"].append(time.perf_counter() - start)
         assert result.exit_code == 0, result.headline
+        peak["check_step"] = peak_mib()
+        print(f"step bench: rank {rank} peak MiB {peak}", file=sys.stderr, flush=True)
     counts = {}
     if not detail:
         from fsdpcheck.distributed import setup
@@ -98,7 +115,8 @@ def main() -> int:
             "watch_seconds": record.watch_seconds,
         }
     params = sum(p.numel() for p in model.parameters())
-    out = {"rank": rank, "detail": detail, "seconds": seconds, "params": params, **counts}
+    out = {"rank": rank, "detail": detail, "seconds": seconds, "params": params, "peak_mib": peak}
+    out.update(counts)
     print(MARK + json.dumps(out), flush=True)
     dist.destroy_process_group()
     return 0
