@@ -74,7 +74,8 @@ def test_hook_fails_only_the_twin_whose_ranks_differ(tmp_path_factory, framework
 
 
 FSDP2_WORKERS = {
-    "lightning": ("lightning_worker.py", "Lightning on_fit_start"),
+    # ModelParallelStrategy loads ckpt_path after on_fit_start: the check waits for the load
+    "lightning": ("lightning_worker.py", "Lightning on_train_start"),
     "accelerate": ("accelerate_worker.py", "after accelerator.prepare"),
 }
 
@@ -133,6 +134,29 @@ def test_hook_under_fsdp2_fails_only_the_twin_whose_ranks_differ(
             "model.rotary_emb.sliding_attention_inv_freq",
         ]
     assert not (out / "fsdp2-planted-raise.step.json").exists()  # raised before the step
+
+
+def test_lightning_checks_a_resumed_fsdp2_model_after_the_load(tmp_path_factory) -> None:
+    """ModelParallelStrategy loads fit(ckpt_path=...) after on_fit_start. A buffer that holds
+    the rank until the load: persistent, the checkpoint restores it and the ranks agree (a check
+    at on_fit_start cried wolf here); non-persistent, no checkpoint holds it and the check, run
+    after the load, names it."""
+    records, out = _run_once("lightning_worker.py", tmp_path_factory)
+    for rank, record in enumerate(records):
+        resumed = record["resumed"]
+        assert resumed["saved"]["raised"] is None and resumed["saved"]["warned"] == []
+        persistent, non_persistent = resumed["persistent"], resumed["non-persistent"]
+        assert persistent["warned"] == [] and persistent["raised"] is None, persistent
+        assert persistent["returned"]["scale"] == 0.0  # rank 0's saved value, on every rank
+        assert persistent["returned"]["global_step"] == 2  # resumed at step 1, trained one more
+        (warning,) = non_persistent["warned"]
+        assert "(Lightning on_train_start): values differ on rank 1" in warning
+        assert non_persistent["returned"]["scale"] == float(rank)
+        assert non_persistent["returned"]["global_step"] == 2
+    assert json.loads((out / "resumed-persistent.json").read_text())["verdict"] == "consistent"
+    [finding] = json.loads((out / "resumed-non-persistent.json").read_text())["findings"]
+    assert finding["kind"] == "value" and finding["ranks"] == [1]
+    assert finding["tensors"] == ["model.scale"]
 
 
 def test_lightning_checks_the_first_training_step(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from hooked import Tokens, tiny_llama, twins, write
+from hooked import Tokens, outcome, rank, tiny_llama, twins, write
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -42,14 +42,32 @@ class Sharded(Module):
         fully_shard(self.model, mesh=mesh)
 
 
-def fit(module, on_failure: str, json_path: Path, *, fsdp2: bool = False):
+class Resumed(Sharded):
+    """The clean model plus a one-value buffer ``model.scale``: ``skewed``, it holds the rank
+    until a checkpoint restores it (0 on every rank), which only a persistent one is."""
+
+    def __init__(self, skewed: bool, persistent: bool):
+        super().__init__(planted=False)
+        value = float(rank()) if skewed else 0.0
+        self.model.model.register_buffer("scale", torch.tensor([value]), persistent=persistent)
+
+
+def fit(
+    module,
+    on_failure: str,
+    json_path: Path | None,
+    *,
+    fsdp2: bool = False,
+    save_to: Path | None = None,
+    **kwargs,
+):
     callback = FsdpcheckCallback(
         on_failure=on_failure,
         timeout=30,
         json_path=json_path,
         attribute="model",
         check_first_step=fsdp2,
-        step_json_path=json_path.with_suffix(".step.json") if fsdp2 else None,
+        step_json_path=json_path.with_suffix(".step.json") if fsdp2 and json_path else None,
     )
     strategy = (
         ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if fsdp2 else "ddp"
@@ -58,7 +76,7 @@ def fit(module, on_failure: str, json_path: Path, *, fsdp2: bool = False):
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        max_steps=1,
+        max_steps=kwargs.pop("max_steps", 1),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -68,12 +86,15 @@ def fit(module, on_failure: str, json_path: Path, *, fsdp2: bool = False):
     loader = torch.utils.data.DataLoader(Tokens(), batch_size=2)
 
     def run():
-        trainer.fit(module, loader)
+        trainer.fit(module, loader, **kwargs)
+        if save_to is not None:
+            trainer.save_checkpoint(save_to)  # a distributed checkpoint: one folder
         if not fsdp2:
             return trainer.global_step
         return {
             "global_step": trainer.global_step,
             "step_exit": callback.step_result.exit_code,
+            "scale": module.model.model.scale.item() if isinstance(module, Resumed) else None,
             # what the hook saw at on_fit_start: the model configure_model sharded
             "model_class": type(module.model).__name__,
             "dtensor_params": all(isinstance(p, DTensor) for p in module.model.parameters()),
@@ -91,7 +112,24 @@ def hooked_fsdp2(planted: bool):
     return lambda mode, json_path: fit(Sharded(planted), mode, json_path, fsdp2=True)
 
 
+def resumes() -> dict:
+    """A resume under ModelParallelStrategy, which loads ``ckpt_path`` after on_fit_start: the
+    check must see the model as loaded. ``persistent``: the checkpoint restores the skewed
+    buffer, the ranks agree (checked at on_fit_start, it would be a false alarm);
+    ``non-persistent``: no checkpoint holds it, and the ranks still differ."""
+    checkpoint = out / "fsdp2-checkpoint"
+    saved = Resumed(skewed=False, persistent=True)
+    outcome_of = {"saved": outcome(fit(saved, "raise", None, fsdp2=True, save_to=checkpoint))}
+    for name, persistent in (("persistent", True), ("non-persistent", False)):
+        module = Resumed(skewed=True, persistent=persistent)
+        json_path = out / f"resumed-{name}.json"
+        run = fit(module, "warn", json_path, fsdp2=True, max_steps=2, ckpt_path=checkpoint)
+        outcome_of[name] = outcome(run)
+    return outcome_of
+
+
 record = twins(out, hooked)
 record["fsdp2"] = twins(out, hooked_fsdp2, prefix="fsdp2-")
+record["resumed"] = resumes()
 write(out, record)
 print("done")
