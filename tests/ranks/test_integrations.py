@@ -144,7 +144,10 @@ def test_lightning_checks_a_resumed_fsdp2_model_after_the_load(tmp_path_factory)
     records, out = _run_once("lightning_worker.py", tmp_path_factory)
     for rank, record in enumerate(records):
         resumed = record["resumed"]
-        assert resumed["saved"]["raised"] is None and resumed["saved"]["warned"] == []
+        saved = resumed["saved"]
+        assert saved["raised"] is None and saved["warned"] == [], saved
+        # Its sanity check's validation steps ran after the deferred check, never before.
+        assert saved["returned"]["validated"] and all(saved["returned"]["validated"])
         persistent, non_persistent = resumed["persistent"], resumed["non-persistent"]
         assert persistent["warned"] == [] and persistent["raised"] is None, persistent
         assert persistent["returned"]["scale"] == 0.0  # rank 0's saved value, on every rank

@@ -50,6 +50,13 @@ class Resumed(Sharded):
         super().__init__(planted=False)
         value = float(rank()) if skewed else 0.0
         self.model.model.register_buffer("scale", torch.tensor([value]), persistent=persistent)
+        self.checked_before_validation: list[bool] = []
+
+    def validation_step(self, batch, batch_idx):
+        """The sanity check's forward: the deferred check must have run before it."""
+        (callback,) = [c for c in self.trainer.callbacks if isinstance(c, FsdpcheckCallback)]
+        self.checked_before_validation.append(callback.result is not None)
+        return self.model(**batch).loss
 
 
 def fit(
@@ -95,6 +102,7 @@ def fit(
             "global_step": trainer.global_step,
             "step_exit": callback.step_result.exit_code,
             "scale": module.model.model.scale.item() if isinstance(module, Resumed) else None,
+            "validated": getattr(module, "checked_before_validation", None),
             # what the hook saw at on_fit_start: the model configure_model sharded
             "model_class": type(module.model).__name__,
             "dtensor_params": all(isinstance(p, DTensor) for p in module.model.parameters()),
@@ -119,7 +127,10 @@ def resumes() -> dict:
     ``non-persistent``: no checkpoint holds it, and the ranks still differ."""
     checkpoint = out / "fsdp2-checkpoint"
     saved = Resumed(skewed=False, persistent=True)
-    outcome_of = {"saved": outcome(fit(saved, "raise", None, fsdp2=True, save_to=checkpoint))}
+    # Not a resume, with a validation loader: the check runs at on_sanity_check_start.
+    val = torch.utils.data.DataLoader(Tokens(), batch_size=2)
+    run = fit(saved, "raise", None, fsdp2=True, save_to=checkpoint, val_dataloaders=val)
+    outcome_of = {"saved": outcome(run)}
     for name, persistent in (("persistent", True), ("non-persistent", False)):
         module = Resumed(skewed=True, persistent=persistent)
         json_path = out / f"resumed-{name}.json"
