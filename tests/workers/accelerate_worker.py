@@ -6,7 +6,7 @@ The Accelerator is built as an FSDP2 script builds it. On CPU, accelerate 1.15 t
 DDP without a word: ``AcceleratorState`` keeps ``DistributedType.MULTI_CPU`` and drops the plugin
 (FSDP is enabled for accelerator devices only), which the record shows. The FSDP2 twins then set
 the state's distributed type and plugin, the one gate: past it ``prepare`` runs accelerate's own
-FSDP2 path (``fsdp2_prepare_model``: auto-wrap policy, ``fully_shard``, state-dict reload) on CPU
+FSDP2 path (``fsdp2_prepare_model``: auto-wrap policy, ``fully_shard``; the optimizer swap) on CPU
 for real."""
 
 import sys

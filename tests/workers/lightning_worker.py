@@ -2,7 +2,8 @@
 FsdpcheckCallback: for the clean and the planted tiny Llama, one fit with ``on_failure="warn"``,
 then one with "raise", first under ``strategy="ddp"``, then under ``ModelParallelStrategy``
 (FSDP2: the module shards itself in ``configure_model`` on Lightning's mesh), there with
-``check_first_step=True`` as well."""
+``check_first_step=True`` as well; then one sharded fit saves a distributed checkpoint and two
+resume from it (``resumes``)."""
 
 import sys
 from pathlib import Path
