@@ -150,7 +150,7 @@ def test_lightning_checks_a_resumed_fsdp2_model_after_the_load(tmp_path_factory)
         assert saved["returned"]["validated"] and all(saved["returned"]["validated"])
         persistent, non_persistent = resumed["persistent"], resumed["non-persistent"]
         assert persistent["warned"] == [] and persistent["raised"] is None, persistent
-        assert persistent["returned"]["scale"] == 0.0  # rank 0's saved value, on every rank
+        assert persistent["returned"]["scale"] == 0.0  # the saved value, on every rank
         assert persistent["returned"]["global_step"] == 2  # resumed at step 1, trained one more
         (warning,) = non_persistent["warned"]
         assert "(Lightning on_train_start): values differ on rank 1" in warning
