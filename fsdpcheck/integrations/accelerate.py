@@ -1,6 +1,6 @@
 """accelerate: check every rank's model right after ``accelerator.prepare``.
 
-    model = accelerator.prepare(model)
+    model = accelerator.prepare(model)      # FSDP2 (fsdp_version=2): prepare(model, optimizer)
     check_prepared(accelerator, model)
 
 Needs ``pip install 'fsdpcheck[accelerate]'``.

@@ -3,9 +3,15 @@
     from fsdpcheck.integrations.lightning import FsdpcheckCallback
     trainer = Trainer(..., callbacks=[FsdpcheckCallback()])
 
-``on_fit_start`` runs after the strategy has set up the model (DDP, or FSDP2 under
-``ModelParallelStrategy``) on every rank, before the first step. Built on ``pytorch_lightning``
-when it is installed, else on ``lightning.pytorch``. Needs ``pip install 'fsdpcheck[lightning]'``.
+``on_fit_start`` runs after the strategy has set up the model on every rank, before the first
+step. Under DDP Lightning has also loaded ``fit(ckpt_path=...)`` by then, so the check runs there.
+Strategies that shard (``ModelParallelStrategy``: FSDP2 applied in ``configure_model``;
+``FSDPStrategy``, DeepSpeed) load the checkpoint after ``on_fit_start``
+(``strategy.restore_checkpoint_after_setup``), and which checkpoint, if any, is not known yet
+then: under them the check waits for the first hook after that load and before any forward
+(``on_sanity_check_start``, else ``on_train_start``), so a resumed job is checked as it will
+train, not as it was built. Built on ``pytorch_lightning`` when it is installed, else on
+``lightning.pytorch``. Needs ``pip install 'fsdpcheck[lightning]'``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ __all__ = ["FsdpcheckCallback", "FsdpcheckWarning", "ModelCheckFailed"]
 
 
 class FsdpcheckCallback(Callback):
-    """Run :func:`fsdpcheck.check_model` on the LightningModule at ``on_fit_start``.
+    """Run :func:`fsdpcheck.check_model` on the LightningModule at ``on_fit_start`` (under a
+    strategy that loads the checkpoint after it, such as ``ModelParallelStrategy``: at
+    ``on_sanity_check_start``, else ``on_train_start``, after that load).
 
     ``on_failure="raise"`` ends ``fit`` with :class:`ModelCheckFailed` (its message is the
     report's headline) on every rank; ``"warn"`` emits :class:`FsdpcheckWarning` and fits on.
@@ -64,15 +72,30 @@ class FsdpcheckCallback(Callback):
         self.step_json_path = step_json_path
         self.result: Any = None
         self.step_result: Any = None
+        self._pending = False  # the check waits for the strategy's checkpoint load (module doc)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._pending = bool(getattr(trainer.strategy, "restore_checkpoint_after_setup", False))
+        if not self._pending:
+            self._check(pl_module, "on_fit_start")
+
+    def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._pending:
+            self._check(pl_module, "on_sanity_check_start")
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._pending:
+            self._check(pl_module, "on_train_start")
+
+    def _check(self, pl_module: Any, hook: str) -> None:
+        self._pending = False
         model = getattr(pl_module, self.attribute) if self.attribute else pl_module
         self.result = run_check(
             model,
             on_failure=self.on_failure,
             timeout=self.timeout,
             json_path=self.json_path,
-            where="Lightning on_fit_start",
+            where=f"Lightning {hook}",
         )
         if self.check_first_step:
             self._watch_first_step(pl_module, model)

@@ -1,7 +1,9 @@
 """Framework hooks for real: HF Trainer, Lightning and accelerate on 2 CPU ranks (DDP over
 gloo) with hash seeds 0 and 1. Each launch runs the clean twin (a plain tiny Llama: the same on
 both ranks whatever the seed) and the failing twin (the same Llama with buffers registered in
-set order, as transformers 5.0-5.15 did: their order follows the seed), in "warn" and "raise"."""
+set order, as transformers 5.0-5.15 did: their order follows the seed), in "warn" and "raise".
+The Lightning and accelerate launches then run the same twins under FSDP2 (ModelParallelStrategy;
+fsdp_version=2), in the same processes."""
 
 from __future__ import annotations
 
@@ -69,6 +71,95 @@ def test_hook_fails_only_the_twin_whose_ranks_differ(tmp_path_factory, framework
         planted = json.loads((tmp_path / f"planted-{mode}.json").read_text())
         assert planted["verdict"] == "inconsistent"
         assert planted["findings"][0]["kind"] == "buffer-order"
+
+
+FSDP2_WORKERS = {
+    # ModelParallelStrategy loads ckpt_path after on_fit_start: the check waits for the load
+    "lightning": ("lightning_worker.py", "Lightning on_train_start"),
+    "accelerate": ("accelerate_worker.py", "after accelerator.prepare"),
+}
+
+
+@pytest.mark.parametrize("framework", list(FSDP2_WORKERS))
+def test_hook_under_fsdp2_fails_only_the_twin_whose_ranks_differ(
+    tmp_path_factory, framework
+) -> None:
+    """The same twins sharded with FSDP2, in the same launch as the DDP ones: Lightning's
+    ModelParallelStrategy (the module shards itself in configure_model on Lightning's mesh) and
+    accelerate's fsdp_version=2 path. The hook checks the sharded model (DTensor parameters: the
+    finding's snapshot is post-wrap), and the first training step is checked after it."""
+    worker, where = FSDP2_WORKERS[framework]
+    records, out = _run_once(worker, tmp_path_factory)
+    for record in records:
+        twins = record["fsdp2"]
+        for mode in ("warn", "raise"):
+            clean = twins["clean"][mode]
+            assert clean["raised"] is None and clean["warned"] == [], clean
+            assert clean["returned"]["step_exit"] == 0  # the first step under watch: agreed
+        warn, fail = twins["planted"]["warn"], twins["planted"]["raise"]
+        (warning,) = warn["warned"]
+        assert where in warning and "buffer order differs on rank 1" in warning
+        assert warn["raised"] is None and warn["returned"]["step_exit"] == 0  # trained on
+        assert fail["raised"]["exit_code"] == 1 and fail["returned"] is None
+        assert where in fail["raised"]["message"]
+        assert "buffer order differs on rank 1" in fail["raised"]["message"]
+        if framework == "lightning":  # what configure_model made, seen after fit
+            for outcome in (*twins["clean"].values(), warn):
+                assert outcome["returned"]["model_class"] == "FSDPLlamaForCausalLM"
+                assert outcome["returned"]["dtensor_params"] is True
+                assert outcome["returned"]["global_step"] == 1
+        else:
+            # On CPU accelerate turns Accelerator(fsdp_plugin=FSDP2) into DDP without a word;
+            # the worker passes that gate, and prepare's own FSDP2 path sharded both twins.
+            assert record["distributed_type"] == "DistributedType.MULTI_CPU"
+            assert record["is_fsdp2"] is False
+            assert (
+                record["fsdp2-prepared"]
+                == [{"class": "FSDPLlamaForCausalLM", "dtensor_params": True}] * 2
+            )
+            assert twins["clean"]["raise"]["returned"]["exit_code"] == 0
+            assert warn["returned"]["exit_code"] == 1
+    for mode in ("warn", "raise"):
+        assert json.loads((out / f"fsdp2-clean-{mode}.json").read_text())["verdict"] == "consistent"
+        for variant in ("clean", "planted") if mode == "warn" else ("clean",):
+            step = json.loads((out / f"fsdp2-{variant}-{mode}.step.json").read_text())
+            assert step["verdict"] == "consistent", step["findings"]
+        planted = json.loads((out / f"fsdp2-planted-{mode}.json").read_text())
+        assert planted["verdict"] == "inconsistent"
+        [finding] = planted["findings"]
+        assert finding["kind"] == "buffer-order" and finding["ranks"] == [1]
+        assert finding["snapshot"] == "post-wrap"  # the check saw the DTensor model
+        assert sorted(finding["tensors"]) == [
+            "model.rotary_emb.full_attention_inv_freq",
+            "model.rotary_emb.sliding_attention_inv_freq",
+        ]
+    assert not (out / "fsdp2-planted-raise.step.json").exists()  # raised before the step
+
+
+def test_lightning_checks_a_resumed_fsdp2_model_after_the_load(tmp_path_factory) -> None:
+    """ModelParallelStrategy loads fit(ckpt_path=...) after on_fit_start. A buffer that holds
+    the rank until the load: persistent, the checkpoint restores it and the ranks agree (a check
+    at on_fit_start cried wolf here); non-persistent, no checkpoint holds it and the check, run
+    after the load, names it."""
+    records, out = _run_once("lightning_worker.py", tmp_path_factory)
+    for rank, record in enumerate(records):
+        resumed = record["resumed"]
+        saved = resumed["saved"]
+        assert saved["raised"] is None and saved["warned"] == [], saved
+        # Its sanity check's validation steps ran after the deferred check, never before.
+        assert saved["returned"]["validated"] and all(saved["returned"]["validated"])
+        persistent, non_persistent = resumed["persistent"], resumed["non-persistent"]
+        assert persistent["warned"] == [] and persistent["raised"] is None, persistent
+        assert persistent["returned"]["scale"] == 0.0  # the saved value, on every rank
+        assert persistent["returned"]["global_step"] == 2  # resumed at step 1, trained one more
+        (warning,) = non_persistent["warned"]
+        assert "(Lightning on_train_start): values differ on rank 1" in warning
+        assert non_persistent["returned"]["scale"] == float(rank)
+        assert non_persistent["returned"]["global_step"] == 2
+    assert json.loads((out / "resumed-persistent.json").read_text())["verdict"] == "consistent"
+    [finding] = json.loads((out / "resumed-non-persistent.json").read_text())["findings"]
+    assert finding["kind"] == "value" and finding["ranks"] == [1]
+    assert finding["tensors"] == ["model.scale"]
 
 
 def test_lightning_checks_the_first_training_step(tmp_path: Path) -> None:

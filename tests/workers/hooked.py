@@ -87,11 +87,23 @@ def run_twins(
     it with the hook in a given ``on_failure`` mode; both modes run, and this rank's record is
     written."""
     record = {} if record is None else record
+    record.update(twins(out, hooked))
+    write(out, record)
+    print(f"rank {rank()} done")
+
+
+def twins(
+    out: Path,
+    hooked: Callable[[bool], Callable[[str, Path], Callable[[], Any]]],
+    prefix: str = "",
+) -> dict:
+    """What :func:`run_twins` records, without writing it: ``{variant: {mode: outcome}}``; rank
+    0's reports go to ``<prefix><variant>-<mode>.json``."""
+    record = {}
     for variant, planted in VARIANTS.items():
         run_with = hooked(planted)
         record[variant] = {
-            mode: outcome(run_with(mode, out / f"{variant}-{mode}.json"))
+            mode: outcome(run_with(mode, out / f"{prefix}{variant}-{mode}.json"))
             for mode in ("warn", "raise")
         }
-    write(out, record)
-    print(f"rank {rank()} done")
+    return record
