@@ -234,6 +234,11 @@ class Cause(_Described):
         "different collectives; no fingerprint shows a model difference behind it",
     )
     FSDPCHECK = "fsdpcheck", "fsdpcheck's own model of a loader was wrong"
+    LAUNCH = (
+        "launch",
+        "the ranks were started differently: another command line, launch variable or resume "
+        "checkpoint",
+    )
     UNKNOWN = (
         "unknown",
         "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
@@ -357,6 +362,17 @@ class FindingKind(_Described):
         "prediction",
         "a real loader did not do what fsdpcheck predicted (a bug in fsdpcheck)",
         "a loader prediction was wrong",
+    )
+    CHECKPOINT = (
+        "checkpoint",
+        "ranks resumed from different checkpoints (path, step or DCP metadata), or one could not "
+        "read its own",
+        "resume checkpoints differ",
+    )
+    LAUNCH = (
+        "launch",
+        "ranks were started with different command-line arguments or launch variables",
+        "launch flags differ",
     )
     UNEXPLAINED = (
         "unexplained",
