@@ -100,32 +100,32 @@ def _summary(
     records: Mapping[int, RankRecord],
     groups: Sequence[Group],
 ) -> str:
-    parts = []
-    problems = _problems(unreadable, records, groups)
-    for ranks, problem in problems:
-        parts.append(f"{ranks_label(ranks)} cannot read its checkpoint ({problem})")
-    shown = 0
-    for entry in differing:
-        fields = [d for d in entry["differences"] if d["field"] != "problem"]
-        if not fields or shown >= _LISTED:
+    parts = [
+        f"{ranks_label(ranks)} cannot read its checkpoint ({problem})"
+        for ranks, problem in _problems(unreadable, records, groups)
+    ]
+    for entry in differing[:_LISTED]:
+        fields = [d["field"] for d in entry["differences"] if d["field"] != "problem"]
+        if not fields:
             continue
-        shown += 1
-        said = (
-            ", ".join(
-                f"{d['field']} {_show(d['other'])} (rank {ref_rank}: {_show(d['reference'])})"
-                for d in fields
-                if d["field"] in ("checkpoint", "path", "step", "saved_ranks", "shard_files")
-            )
-            or "another save (.metadata differs)"
+        other = records[entry["ranks"][0]].checkpoint
+        parts.append(
+            f"{ranks_label(entry['ranks'])} resumed from {_where(other)} but rank {ref_rank} "
+            f"from {_where(ref)} (they differ in {', '.join(fields)})"
         )
-        if any(d["field"] == "metadata" for d in fields) and "metadata" not in said:
-            said += "; another save (.metadata differs)"
-        parts.append(f"{ranks_label(entry['ranks'])} resumed from {said}")
-    where = f"rank {ref_rank} resumed from {ref.path or ref.given}" if ref is not None else ""
-    text = "; ".join(parts)
-    if where and differing:
-        text = f"{where}, but {text}"
-    return text + ": the ranks train from different states and diverge silently"
+    if len(differing) > _LISTED:
+        parts.append(f"and {len(differing) - _LISTED} more groups")
+    return "; ".join(parts) + ": the ranks train from different states and diverge silently"
+
+
+def _where(record: CheckpointRecord | None) -> str:
+    if record is None:
+        return "no recorded checkpoint"
+    said = [f"step {record.step}"] if record.step is not None else []
+    if record.metadata is not None:
+        said.append(f".metadata {record.metadata[:12]}")
+    where = record.path or record.given
+    return f"{where} ({', '.join(said)})" if said else where
 
 
 def _problems(
@@ -138,16 +138,6 @@ def _problems(
             continue
         found.append((group.ranks, record.checkpoint.problem or ""))
     return found
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, dict):
-        return str(value.get("path") or value.get("given"))
-    if value is None:
-        return "none"
-    if isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value):
-        return value[:12]
-    return str(value)
 
 
 def resharded_note(records: Mapping[int, RankRecord], world_size: int) -> tuple[str, ...]:
