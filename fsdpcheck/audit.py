@@ -601,14 +601,17 @@ def _resume_and_verify(
         verified = verify_load(built.model, full, group=ctx.side_channel)
     if loaded is None:
         status = LoadStatus.FAILED
-        return LoadOutcome(True, status, message, seconds=seconds, method=LoadMethod.DCP), verified
+        return LoadOutcome(
+            True, status, message, seconds=seconds, method=LoadMethod.RESUME
+        ), verified
     log.info("resumed %d entries by dcp.load in %.2f s", loaded, seconds)
     load = LoadOutcome(
         ran=True,
         outcome=LoadStatus.LOADED,
         params_loaded=loaded,
         seconds=seconds,
-        method=LoadMethod.DCP,
+        method=LoadMethod.RESUME,
+        message=f"resumed from {record.path} by dcp.load",
     )
     return load, verified
 

@@ -34,6 +34,7 @@ from fsdpcheck.vocab import (
     ExitCode,
     FindingKind,
     LoaderVerdict,
+    LoadMethod,
     LoadStatus,
     Snapshot,
     Verdict,
@@ -238,7 +239,8 @@ def report_headline(report: Report) -> str:
     ranks = f"{report.world_size} rank{'s' if report.world_size != 1 else ''}"
     if load is not None and load.outcome == LoadStatus.LOADED and verified is not None:
         state = "verified" if verified.passed else "left ranks different"
-        line += f"; sorted loader {state} on {ranks}"
+        loader = "resume" if load.method == LoadMethod.RESUME else "sorted loader"
+        line += f"; {loader} {state} on {ranks}"
     elif load is not None and load.outcome == LoadStatus.REFUSED:
         line += "; sorted loader refused (names, shapes or dtypes differ)"
     return line

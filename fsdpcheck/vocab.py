@@ -207,6 +207,7 @@ class LoadStatus(Word):
 class LoadMethod(Word):
     BUCKETED = "bucketed"  # each rank receives only its own shards, in flat buckets
     DCP = "dcp"  # torch.distributed.checkpoint's set_model_state_dict
+    RESUME = "resume"  # audit --resume: every rank's own shards from the checkpoint, by dcp.load
 
 
 class Loader(Word):

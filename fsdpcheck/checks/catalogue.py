@@ -47,7 +47,7 @@ from fsdpcheck.records import (
     LoadOutcome,
     VerifyResult,
 )
-from fsdpcheck.vocab import FindingKind, Snapshot, Word
+from fsdpcheck.vocab import FindingKind, LoadMethod, Snapshot, Word
 
 
 class Need(Word):
@@ -183,7 +183,8 @@ def _load(e: Evidence) -> list[Finding]:
 
 
 def _verify(e: Evidence) -> list[Finding]:
-    return verify_findings(e.verify)
+    resumed = e.load is not None and e.load.method == LoadMethod.RESUME
+    return verify_findings(e.verify, "the resume (dcp.load)" if resumed else "the sorted loader")
 
 
 def _probe(e: Evidence) -> list[Finding]:

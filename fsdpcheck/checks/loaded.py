@@ -39,8 +39,9 @@ def load_errors(load: LoadOutcome) -> tuple[RankError, ...]:
     return tuple(RankError(r, Stage.LOAD, message, ErrorKind.RUNTIME) for r in ranks or [0])
 
 
-def verify_findings(verified: VerifyResult) -> list[Finding]:
-    """One ``verify`` finding per tensor that differs from rank 0's source after the load."""
+def verify_findings(verified: VerifyResult, loader: str = "the sorted loader") -> list[Finding]:
+    """One ``verify`` finding per tensor that differs from rank 0's source after the load
+    (``loader``: what loaded it, for the summary)."""
     if not verified.ran or verified.passed:
         return []
     findings = []
@@ -53,7 +54,7 @@ def verify_findings(verified: VerifyResult) -> list[Finding]:
                 reference_rank=0,
                 snapshot=Snapshot.LOAD,
                 cause=Cause.LOADING,
-                summary=f"after the sorted loader, {mismatch.get('kind', 'tensor')} "
+                summary=f"after {loader}, {mismatch.get('kind', 'tensor')} "
                 f"{mismatch.get('name')} differs from rank 0's source on "
                 f"{ranks_label(ranks)}: {mismatch.get('reason', '')}",
                 tensors=(str(mismatch.get("name")),),

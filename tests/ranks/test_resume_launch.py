@@ -70,7 +70,7 @@ def test_audit_resume_loads_every_rank_with_dcp_and_verifies_it(cases) -> None:
     done = cases["audit-resume"]
     report = done["report"]
     assert done["exit_codes"] == [0, 0], report["findings"] + report["errors"]
-    assert report["load"]["outcome"] == "loaded" and report["load"]["method"] == "dcp"
+    assert report["load"]["outcome"] == "loaded" and report["load"]["method"] == "resume"
     assert report["verify"]["passed"] is True and report["verify"]["checked"] > 0
     assert report["checkpoint"]["step"] == 1 and report["options"]["resume"].endswith("step-1")
     # Its failing twin: rank 1 resumed the later save.
@@ -96,6 +96,8 @@ def test_audit_resume_through_the_cli(cases) -> None:
     report = done["report"]
     assert report["verdict"] == "consistent" and report["verify"]["passed"] is True
     assert report["checkpoint"]["step"] == 1  # the root's LATEST names step-1
+    assert "verification against rank 0's checkpoint passed" in done["stdout"]
+    assert "resume verified on 2 ranks" in done["stdout"]
     missing = cases["cli-resume-missing"]
     assert missing["exit_codes"] == [2, 2]
     assert "rank 1 cannot read it" in missing["report"]["errors"][0]["message"]
