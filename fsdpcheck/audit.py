@@ -193,12 +193,16 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
     if options.download:
         _download_on_rank0(options, state)
-    resumed = stages.run(Stage.RESOLVE, lambda: _resume_record(options, ctx.rank))
+    resumed = None
+    if options.resume is not None:
+        resumed = stages.run(Stage.RESOLVE, lambda: _resume_record(options, ctx.rank))
     state.checkpoint = resumed
     if options.builder:
         built = stages.run(Stage.BUILD, lambda: _from_builder(options, ctx))
-        # Without a state dict to load, each rank's own values are what training starts from.
-        values = not _rank0_has_state(built, ctx)
+        # Without a state dict to load, each rank's own values are what training starts from
+        # (with --resume, the checkpoint's are: every rank's own values are overwritten).
+        has_state = _rank0_has_state(built, ctx)  # collective: on every rank, always
+        values = not has_state and options.resume is None
     else:
         built, _ = build_from(options, ctx.rank, stages)
     # A builder may return its model already sharded: then there is nothing left to wrap.
@@ -245,11 +249,10 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     return _conclude(options, state, record, watch, built, probing)
 
 
-def _resume_record(options: AuditOptions, rank: int) -> CheckpointRecord | None:
+def _resume_record(options: AuditOptions, rank: int) -> CheckpointRecord:
     """``--resume``: what this rank finds there; a directory it cannot load from is bad input
     on this rank (its error in the gather, naming it)."""
-    if options.resume is None:
-        return None
+    assert options.resume is not None
     record = checkpoint_record(options.resume)
     problem = resume_problem(record, rank=rank)
     if problem:
