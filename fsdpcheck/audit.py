@@ -594,14 +594,18 @@ def _resume_and_verify(
         error = stages.error
         message = error.message if error is not None else "the resume did not run"
         log.info("rank %d: resume failed: %s", ctx.rank, message)
+    unverified = ""  # why rank 0 has no source to verify against (never a silent pass)
     with stages.timed(Stage.VERIFY):
         full = None
         if ctx.rank == 0 and loaded is not None:
             try:
                 full = full_state_from(built.model, record)
-            except Exception:  # no source: verify_load reports it on every rank
+            except Exception as exc:  # verify_load still runs on every rank, without a source
                 log.debug("rank 0 could not read the checkpoint's full copy", exc_info=True)
+                unverified = f"rank 0 could not read {record.path} to verify: {exc}"
         verified = verify_load(built.model, full, group=ctx.side_channel)
+    if unverified:
+        loaded, message = None, unverified
     if loaded is None:
         status = LoadStatus.FAILED
         return LoadOutcome(

@@ -6,7 +6,7 @@ import re
 
 from fsdpcheck.records import Finding, LoadOutcome, RankError, VerifyResult
 from fsdpcheck.text import ranks_label
-from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoadStatus, Snapshot, Stage
+from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoadMethod, LoadStatus, Snapshot, Stage
 
 
 def load_findings(load: LoadOutcome, world_size: int) -> list[Finding]:
@@ -35,7 +35,8 @@ def load_errors(load: LoadOutcome) -> tuple[RankError, ...]:
     if load.outcome != LoadStatus.FAILED:
         return ()
     ranks = sorted({int(r) for r in re.findall(r"^\s*- rank (\d+):", load.message, re.M)})
-    message = f"the sorted loader failed: {load.message}"
+    loader = "the resume (dcp.load)" if load.method == LoadMethod.RESUME else "the sorted loader"
+    message = f"{loader} failed: {load.message}"
     return tuple(RankError(r, Stage.LOAD, message, ErrorKind.RUNTIME) for r in ranks or [0])
 
 

@@ -24,6 +24,7 @@ def load_checkpoint(model: Any, record: CheckpointRecord, *, rank: int, group: A
     ``dcp.load`` unpickles ``.metadata``: resume only from a checkpoint you trust, as with any
     DCP resume. A checkpoint that does not hold this model's keys is bad input."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from fsdpcheck.loader.load import materialise
@@ -38,7 +39,7 @@ def load_checkpoint(model: Any, record: CheckpointRecord, *, rank: int, group: A
     payload = _payload(state, reader)
     try:
         dcp.load(payload, storage_reader=reader, process_group=group)
-    except Exception as exc:  # the checkpoint is not this model's: say so, on this rank
+    except (Exception, CheckpointException) as exc:  # not this model's: say so, on this rank
         log.debug("rank %d: dcp.load from %s failed", rank, record.path, exc_info=True)
         raise InputError(
             f"--resume {record.given}: rank {rank} could not load this model's state dict "
@@ -54,6 +55,7 @@ def full_state_from(model: Any, record: CheckpointRecord) -> dict[str, Any]:
     alone: the source rank 0 verifies every rank's shards against after the resume."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(record.path)
@@ -66,7 +68,10 @@ def full_state_from(model: Any, record: CheckpointRecord) -> dict[str, Any]:
         if isinstance(meta, TensorStorageMetadata):
             full[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
     payload = {"model": full} if prefix else full
-    dcp.load(payload, storage_reader=dcp.FileSystemReader(record.path), no_dist=True)
+    try:
+        dcp.load(payload, storage_reader=dcp.FileSystemReader(record.path), no_dist=True)
+    except CheckpointException as exc:  # a BaseException: an ordinary failure for the caller
+        raise RuntimeError(f"rank 0's full copy of {record.path}: {_first_line(exc)}") from exc
     # No checkpoint holds non-persistent buffers: this rank's own, recomputed from the config.
     for name, buf in model.named_buffers():
         if name not in full and not buf.is_meta:
@@ -106,5 +111,9 @@ def restore_buffers(model: Any) -> int:
 
 
 def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0][:300] if lines else ""
+    """The cause in one line: a CheckpointException carries each rank's traceback, whose last
+    line is the error itself."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return (lines[-1] if type(exc).__name__ == "CheckpointException" else lines[0])[:300]

@@ -259,3 +259,53 @@ def test_a_launch_variable_set_on_one_rank_only_is_named_by_key() -> None:
 def test_records_without_launch_or_checkpoint_are_not_compared_by_these_checks() -> None:
     plain = {r: replace(_rank(r), launch=None, checkpoint=None) for r in (0, 1)}
     assert _report(plain).verdict == Verdict.CONSISTENT
+
+
+# ---------------------------------------------------------------- the load of --resume, one process
+
+
+def _linear_checkpoint(path: Path, *, nested: bool) -> torch.nn.Module:
+    torch.manual_seed(3)
+    source = torch.nn.Linear(4, 3)
+    state = source.state_dict()
+    dcp.save({"model": state} if nested else state, checkpoint_id=str(path), no_dist=True)
+    return source
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["under-model", "top-level"])
+def test_resume_loads_a_meta_model_from_dcp_and_reads_rank0s_full_copy(
+    tmp_path: Path, nested: bool
+) -> None:
+    from fsdpcheck.loader.resume import full_state_from, load_checkpoint
+
+    source = _linear_checkpoint(tmp_path / "step-7", nested=nested)
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 3)
+    record = checkpoint_record(tmp_path / "step-7")
+    assert load_checkpoint(model, record, rank=0) == 2
+    assert torch.equal(model.weight, source.weight) and torch.equal(model.bias, source.bias)
+    full = full_state_from(model, record)
+    assert sorted(full) == ["bias", "weight"] and torch.equal(full["weight"], source.weight)
+
+
+def test_resume_from_another_models_checkpoint_is_bad_input_naming_the_rank(
+    tmp_path: Path,
+) -> None:
+    from fsdpcheck.errors import InputError
+    from fsdpcheck.loader.resume import load_checkpoint
+
+    _linear_checkpoint(tmp_path / "step-7", nested=True)
+    other = torch.nn.Linear(5, 5)
+    with pytest.raises(InputError, match="rank 1 could not load this model's state dict"):
+        load_checkpoint(other, checkpoint_record(tmp_path / "step-7"), rank=1)
+    with pytest.raises(InputError, match="rank 1 cannot read it"):
+        load_checkpoint(other, checkpoint_record(tmp_path / "nope"), rank=1)
+
+
+def test_a_failed_resume_is_named_as_the_resume() -> None:
+    from fsdpcheck.checks.loaded import load_errors
+    from fsdpcheck.records import LoadOutcome
+    from fsdpcheck.vocab import LoadMethod, LoadStatus
+
+    [error] = load_errors(LoadOutcome(True, LoadStatus.FAILED, "boom", method=LoadMethod.RESUME))
+    assert error.message == "the resume (dcp.load) failed: boom"
