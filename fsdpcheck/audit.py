@@ -33,7 +33,7 @@ from fsdpcheck.records import (
     WrapPlan,
 )
 from fsdpcheck.report import AuditOutcome, assemble, error_report, report_headline
-from fsdpcheck.vocab import ErrorKind, ExitCode, LoadStatus, Snapshot, Stage
+from fsdpcheck.vocab import ErrorKind, ExitCode, Init, LoadStatus, Snapshot, Stage
 
 if TYPE_CHECKING:
     from fsdpcheck.checks.hash_seed import ProbeResult
@@ -186,6 +186,8 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     from fsdpcheck.model.rank_state import look, rank_record
 
     ctx, stages = state.ctx, state.stages
+    if options.resume is not None and options.init != Init.META:  # a resume builds on meta
+        options = replace(options, init=Init.META)
     env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     state.env = env
     # Parameters' values are compared only where every rank holds its own (--init all).

@@ -73,6 +73,7 @@ def test_audit_resume_loads_every_rank_with_dcp_and_verifies_it(cases) -> None:
     assert report["load"]["outcome"] == "loaded" and report["load"]["method"] == "resume"
     assert report["verify"]["passed"] is True and report["verify"]["checked"] > 0
     assert report["checkpoint"]["step"] == 1 and report["options"]["resume"].endswith("step-1")
+    assert report["options"]["init"] == "meta"  # a resume builds on meta, --init or not
     # Its failing twin: rank 1 resumed the later save.
     stale = cases["audit-resume-stale"]
     assert stale["exit_codes"] == [1, 1]

@@ -157,7 +157,7 @@ def _cases(root: Path) -> dict[str, Any]:
     }
     for case, path in audits.items():
         with _started_alike(False):
-            options = AuditOptions(model=PRESET, init="meta", resume=str(path), timeout=60)
+            options = AuditOptions(model=PRESET, resume=str(path), timeout=60)  # meta: implied
             result = run_audit(options)
         done[case] = (int(result.exit_code), result.report, "")
     json_out = root / "cli.json"
