@@ -4,6 +4,7 @@ load → verify, then rank 0 assembles the report once. Library code: returns da
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -13,11 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed import setup as distributed
-from fsdpcheck.distributed.environment import env_record, torch_threads
-from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.distributed.environment import env_record, launch_record, torch_threads
+from fsdpcheck.errors import FsdpcheckError, InputError
+from fsdpcheck.model.resume import checkpoint_record, resume_problem
 from fsdpcheck.options import AuditOptions
 from fsdpcheck.pipeline import Stages, build_from
 from fsdpcheck.records import (
+    CheckpointRecord,
     EnvRecord,
     Gathered,
     LoadOutcome,
@@ -30,7 +33,7 @@ from fsdpcheck.records import (
     WrapPlan,
 )
 from fsdpcheck.report import AuditOutcome, assemble, error_report, report_headline
-from fsdpcheck.vocab import ErrorKind, ExitCode, LoadStatus, Snapshot, Stage
+from fsdpcheck.vocab import ErrorKind, ExitCode, Init, LoadStatus, Snapshot, Stage
 
 if TYPE_CHECKING:
     from fsdpcheck.checks.hash_seed import ProbeResult
@@ -60,6 +63,7 @@ class _RankState:
     model_info: ModelInfo | None = None
     wrap_plan: WrapPlan | None = None
     env: EnvRecord | None = None
+    checkpoint: CheckpointRecord | None = None  # --resume: what this rank found there
     # Each stage is marked for liveness (what a peer's diagnosis reads) and shown on progress.
     stages: Stages = field(init=False)
 
@@ -131,13 +135,25 @@ def _preflight(
     return AuditResult(ctx.rank, code, report, None, problem)
 
 
-def check_model(model: Any, *, timeout: float = 60.0, end_on_abort: bool = True) -> AuditResult:
+def check_model(
+    model: Any,
+    *,
+    checkpoint: str | os.PathLike[str] | None = None,
+    timeout: float = 60.0,
+    end_on_abort: bool = True,
+) -> AuditResult:
     """Check a training script's own model: every rank calls it, after building (and optionally
     wrapping) the model, before its loader, after it, or both. Reuses the script's process
     group; metadata goes over a gloo side channel bounded by ``timeout``. Always: layouts, ties,
     loader predictions; where two or more ranks hold real values (after a load, or a model every
     rank initialised): values, and buffers against what the model's own config computes. The
     report (rank 0) has the findings; ``exit_code`` is the same on every rank.
+
+    ``checkpoint``: the path this rank resumed from (a DCP directory, or a root with a LATEST
+    file): every rank records what it resolved (path, step, a digest of ``.metadata``, the
+    shard files) and ranks that resumed from different states are a ``checkpoint`` finding.
+    Read only: nothing is unpickled or written there. Every rank's command line and launch
+    variables are compared too (``launch``).
 
     ``end_on_abort``: a rank the others gave up on (slower than ``timeout``) is ended with exit
     3 rather than left to go on alone; False (a hook's "warn" mode) returns the same error
@@ -156,6 +172,9 @@ def check_model(model: Any, *, timeout: float = 60.0, end_on_abort: bool = True)
             )
             if record is None:
                 record = RankRecord(env=env, error=state.stages.error)
+            else:
+                resumed = checkpoint_record(checkpoint) if checkpoint is not None else None
+                record = replace(record, checkpoint=resumed, launch=launch_record())
             return _conclude(None, state, record, watch, built=None)
     finally:
         distributed.shutdown(ctx)
@@ -167,6 +186,8 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     from fsdpcheck.model.rank_state import look, rank_record
 
     ctx, stages = state.ctx, state.stages
+    if options.resume is not None and options.init != Init.META:  # a resume builds on meta
+        options = replace(options, init=Init.META)
     env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     state.env = env
     # Parameters' values are compared only where every rank holds its own (--init all).
@@ -174,10 +195,16 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
     if options.download:
         _download_on_rank0(options, state)
+    resumed = None
+    if options.resume is not None:
+        resumed = stages.run(Stage.RESOLVE, lambda: _resume_record(options, ctx.rank))
+    state.checkpoint = resumed
     if options.builder:
         built = stages.run(Stage.BUILD, lambda: _from_builder(options, ctx))
-        # Without a state dict to load, each rank's own values are what training starts from.
-        values = not _rank0_has_state(built, ctx)
+        # Without a state dict to load, each rank's own values are what training starts from
+        # (with --resume, the checkpoint's are: every rank's own values are overwritten).
+        has_state = _rank0_has_state(built, ctx)  # collective: on every rank, always
+        values = not has_state and options.resume is None
     else:
         built, _ = build_from(options, ctx.rank, stages)
     # A builder may return its model already sharded: then there is nothing left to wrap.
@@ -219,7 +246,20 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         config=built.config if built is not None else None,
         source=SourceRecord(built.info.spec, built.info.path, built.info.dtype) if built else None,
     )
+    if record.error is None:
+        record = replace(record, checkpoint=resumed, launch=launch_record())
     return _conclude(options, state, record, watch, built, probing)
+
+
+def _resume_record(options: AuditOptions, rank: int) -> CheckpointRecord:
+    """``--resume``: what this rank finds there; a directory it cannot load from is bad input
+    on this rank (its error in the gather, naming it)."""
+    assert options.resume is not None
+    record = checkpoint_record(options.resume)
+    problem = resume_problem(record, rank=rank)
+    if problem:
+        raise InputError(problem)
+    return record
 
 
 def _conclude(
@@ -463,7 +503,8 @@ def _load_stage(
     skip = _load_skip_reason(options, gathered, built) if ctx.rank == 0 else ""
     go, _ = broadcast_decision(0 if skip else 1, "", ctx.side_channel)
     if go:
-        load, verified = _load_and_verify(state, built)
+        resume = _resume_and_verify if options.resume else _load_and_verify
+        load, verified = resume(state, built)
         # The outcome is the same on every rank (a refusal or failure is raised on all).
         after = _state_after_load(state, built) if load.outcome == LoadStatus.LOADED else None
         return load, verified, after
@@ -481,6 +522,8 @@ def _load_skip_reason(
         return "a rank failed before the load"
     if not options.load:
         return "--no-load"
+    if options.resume:
+        return "" if built is not None else "rank 0 built no model"
     if options.init == "meta" and not options.builder:
         return "--init meta: nothing to load from"
     if options.builder and (built is None or built.full_state_dict is None):
@@ -529,6 +572,55 @@ def _load_and_verify(
         verified = verify_load(built.model, full, group=ctx.side_channel)
     log.info(
         "verify: ran %s, passed %s, %d checked", verified.ran, verified.passed, verified.checked
+    )
+    return load, verified
+
+
+def _resume_and_verify(
+    state: _RankState, built: BuiltModel | None
+) -> tuple[LoadOutcome, VerifyResult | None]:
+    """Collective: ``--resume``: every rank loads its shards from the checkpoint it resolved
+    with ``dcp.load``, then the proof that every rank holds what rank 0's checkpoint holds."""
+    from fsdpcheck.loader.resume import full_state_from, load_checkpoint
+    from fsdpcheck.loader.verify import verify_load
+    from fsdpcheck.vocab import LoadMethod
+
+    ctx, stages = state.ctx, state.stages
+    record = state.checkpoint
+    loaded = stages.run(
+        Stage.LOAD,
+        lambda: load_checkpoint(built.model, record, rank=ctx.rank, group=ctx.side_channel),
+    )
+    seconds = stages.timings.get(Stage.LOAD, 0.0)
+    if loaded is None:  # this rank's own failure; the others learn it from the verify
+        error = stages.error
+        message = error.message if error is not None else "the resume did not run"
+        log.info("rank %d: resume failed: %s", ctx.rank, message)
+    unverified = ""  # why rank 0 has no source to verify against (never a silent pass)
+    with stages.timed(Stage.VERIFY):
+        full = None
+        if ctx.rank == 0 and loaded is not None:
+            try:
+                full = full_state_from(built.model, record)
+            except Exception as exc:  # verify_load still runs on every rank, without a source
+                log.debug("rank 0 could not read the checkpoint's full copy", exc_info=True)
+                unverified = f"rank 0 could not read {record.path} to verify: {exc}"
+        verified = verify_load(built.model, full, group=ctx.side_channel)
+    if unverified:
+        loaded, message = None, unverified
+    if loaded is None:
+        status = LoadStatus.FAILED
+        return LoadOutcome(
+            True, status, message, seconds=seconds, method=LoadMethod.RESUME
+        ), verified
+    log.info("resumed %d entries by dcp.load in %.2f s", loaded, seconds)
+    load = LoadOutcome(
+        ran=True,
+        outcome=LoadStatus.LOADED,
+        params_loaded=loaded,
+        seconds=seconds,
+        method=LoadMethod.RESUME,
+        message=f"resumed from {record.path} by dcp.load",
     )
     return load, verified
 

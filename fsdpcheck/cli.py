@@ -87,6 +87,14 @@ def audit(
         "dict). [bold]This runs your code[/]: pass only a builder you would run as a training "
         "script.",
     ),
+    resume: str | None = typer.Option(
+        None,
+        help="A torch.distributed.checkpoint directory (or a root with a LATEST file) to resume "
+        "from, as the trainer does: every rank builds on meta, shards, then loads its shards "
+        "with dcp.load; the ranks' resolved path, step and .metadata digest are compared and "
+        "every rank is verified against rank 0's checkpoint. dcp.load unpickles .metadata: "
+        "resume only from a checkpoint you trust.",
+    ),
     backend: Backend = typer.Option(
         Backend.AUTO, help="Process-group backend (auto: nccl with CUDA, else gloo)."
     ),
@@ -177,6 +185,8 @@ def audit(
             param_hint="'--builder'",
         )
     model = model or "hazard"
+    if resume is not None:
+        init = _resume_init(resume, init, reproduce=reproduce)
     if reproduce and init == Init.META:
         raise typer.BadParameter(
             "--reproduce with --init meta: rank 0 then holds no weights, so no loader has "
@@ -197,6 +207,7 @@ def audit(
         download=download,
         step=step,
         builder=builder,
+        resume=resume,
     )
     rank = rank_hint(os.environ)
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)
@@ -226,6 +237,24 @@ def audit(
     if result.exit_code != 0:
         process.tell_torchrun(result.headline or "fsdpcheck audit failed; see rank 0's report")
     raise typer.Exit(result.exit_code)
+
+
+def _resume_init(resume: str, init: Init, *, reproduce: bool) -> Init:
+    """``--resume`` builds on meta, as trainers that resume do; what it cannot go with."""
+    if reproduce:
+        raise typer.BadParameter(
+            f"--resume {resume} with --reproduce: the real loaders load rank 0's full weights in "
+            "child jobs, and a resumed audit has none (every rank loads its own shards); drop "
+            "--reproduce, or audit without --resume.",
+            param_hint="'--resume'",
+        )
+    if init == Init.ALL:
+        raise typer.BadParameter(
+            f"--resume {resume} with --init all: a resume builds every rank on meta and loads "
+            "the checkpoint into it; drop --init (or use --init meta).",
+            param_hint="'--resume'",
+        )
+    return Init.META
 
 
 class _Outputs:

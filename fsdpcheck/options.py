@@ -37,6 +37,7 @@ class AuditOptions(BuildSpec):
     download: bool = False  # rank 0 fetches a hub id into the cache first; the others wait
     step: bool = False  # after the load: one synthetic training step under the collective watch
     builder: str | None = None  # MODULE:FUNCTION or FILE.py:FUNCTION builds the model (not --model)
+    resume: str | None = None  # a DCP checkpoint directory every rank loads after wrapping
 
     @property
     def build_spec(self) -> BuildSpec:

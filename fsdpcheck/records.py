@@ -65,6 +65,9 @@ INFORMATIONAL = frozenset(
         "SourceRecord.model",
         "SourceRecord.path",
         "SourceRecord.dtype",
+        # The checkpoint path as the rank was given it: a LATEST file and a step directory
+        # that resolve to one place are the same resume (the resolved path is compared).
+        "CheckpointRecord.given",
     }
 )
 
@@ -367,6 +370,30 @@ class SourceRecord:
 
 
 @dataclass(frozen=True)
+class CheckpointRecord:
+    """The checkpoint a rank resumed from (``check_model(checkpoint=)``, ``audit --resume``),
+    as the rank itself resolved and read it; nothing in it is unpickled."""
+
+    given: str  # the path as the rank was given it
+    path: str | None = None  # its realpath, after a LATEST/latest file (None: not found)
+    step: int | None = None  # from the resolved directory's name (step-100, global_step100, ...)
+    metadata: str | None = None  # digest of DCP's ``.metadata`` bytes (None: no such file)
+    shard_files: int | None = None  # ``*.distcp`` files in the directory
+    saved_ranks: int | None = None  # ranks that wrote them (``__R_*.distcp``): world size at save
+    problem: str | None = None  # why the rank could not read it (missing, not a directory, ...)
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """How a rank was started: its command line (secret-looking values redacted, the program
+    by its base name) and an allowlist of the launcher, torch and NCCL variables that change
+    behaviour (see ``fsdpcheck.distributed.environment.LAUNCH_VARIABLES``); nothing else."""
+
+    argv: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RankRecord:
     """Everything one rank contributes to the gather."""
 
@@ -391,6 +418,8 @@ class RankRecord:
     meshes: tuple[MeshRecord, ...] = ()  # the meshes this rank's DTensors live on
     non_finite: tuple[NonFinite, ...] = ()  # NaN/Inf counted after the audit's load
     source: SourceRecord | None = None  # the audit's build (None: a training script's model)
+    checkpoint: CheckpointRecord | None = None  # what the rank resumed from (None: not given)
+    launch: LaunchRecord | None = None  # how the rank was started (None: not recorded)
 
     def non_finite_tensors(self) -> tuple[NonFinite, ...]:
         """Every tensor this rank holds NaN or Inf in: its fingerprints' counts, then those
@@ -565,3 +594,4 @@ class Report:
     schema: str = SCHEMA
     # Ranks whose tensors were all on meta when gathered: their values were not compared.
     not_compared: tuple[int, ...] = ()
+    checkpoint: CheckpointRecord | None = None  # the reference rank's resume checkpoint

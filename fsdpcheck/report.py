@@ -8,18 +8,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fsdpcheck.checks.catalogue import Evidence, run_checks
-from fsdpcheck.checks.groups import group_ranks
+from fsdpcheck.checks.checkpoint import resharded_note
+from fsdpcheck.checks.groups import group_ranks, reference_group
 from fsdpcheck.checks.hash_seed import probe_error
 from fsdpcheck.checks.loaded import load_errors
 from fsdpcheck.checks.observed import Observation, reproduce_error, with_observations
 from fsdpcheck.checks.predict import predict_loaders
 from fsdpcheck.checks.value import not_compared
 from fsdpcheck.records import (
+    CheckpointRecord,
     Finding,
     Gathered,
+    Group,
     LoadOutcome,
     ModelInfo,
     RankError,
+    RankRecord,
     Report,
     VerifyResult,
     WrapPlan,
@@ -30,6 +34,7 @@ from fsdpcheck.vocab import (
     ExitCode,
     FindingKind,
     LoaderVerdict,
+    LoadMethod,
     LoadStatus,
     Snapshot,
     Verdict,
@@ -106,11 +111,16 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         verify=outcome.verify,
         probe=to_dict(outcome.probe) if outcome.probe is not None else None,
         hosts=ranks_by_host(gathered.hosts),
-        warnings=(*wrap_warnings(outcome.wrap_plan), *outcome.notes),
+        warnings=(
+            *wrap_warnings(outcome.wrap_plan),
+            *resharded_note(records, len(gathered.digests)),
+            *outcome.notes,
+        ),
         environment=tuple(records[g.representative].env for g in groups),
         options=to_dict(options) if options is not None else {},
         timings=dict(outcome.timings),
         not_compared=_not_compared(gathered),
+        checkpoint=_checkpoint(groups, records),
     )
 
 
@@ -186,6 +196,13 @@ def _not_compared(gathered: Gathered) -> tuple[int, ...]:
     return not_compared(gathered.values, gathered.replicas or {})
 
 
+def _checkpoint(
+    groups: Sequence[Group], records: Mapping[int, RankRecord]
+) -> CheckpointRecord | None:
+    reference = reference_group(groups, records)
+    return records[reference.representative].checkpoint if reference is not None else None
+
+
 def _by_rank(*errors: RankError) -> tuple[RankError, ...]:
     return tuple(sorted(errors, key=lambda e: e.rank))
 
@@ -222,7 +239,8 @@ def report_headline(report: Report) -> str:
     ranks = f"{report.world_size} rank{'s' if report.world_size != 1 else ''}"
     if load is not None and load.outcome == LoadStatus.LOADED and verified is not None:
         state = "verified" if verified.passed else "left ranks different"
-        line += f"; sorted loader {state} on {ranks}"
+        loader = "resume" if load.method == LoadMethod.RESUME else "sorted loader"
+        line += f"; {loader} {state} on {ranks}"
     elif load is not None and load.outcome == LoadStatus.REFUSED:
         line += "; sorted loader refused (names, shapes or dtypes differ)"
     return line

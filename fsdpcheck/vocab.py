@@ -207,6 +207,7 @@ class LoadStatus(Word):
 class LoadMethod(Word):
     BUCKETED = "bucketed"  # each rank receives only its own shards, in flat buckets
     DCP = "dcp"  # torch.distributed.checkpoint's set_model_state_dict
+    RESUME = "resume"  # audit --resume: every rank's own shards from the checkpoint, by dcp.load
 
 
 class Loader(Word):
@@ -234,6 +235,11 @@ class Cause(_Described):
         "different collectives; no fingerprint shows a model difference behind it",
     )
     FSDPCHECK = "fsdpcheck", "fsdpcheck's own model of a loader was wrong"
+    LAUNCH = (
+        "launch",
+        "the ranks were started differently: another command line, launch variable or resume "
+        "checkpoint",
+    )
     UNKNOWN = (
         "unknown",
         "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
@@ -357,6 +363,17 @@ class FindingKind(_Described):
         "prediction",
         "a real loader did not do what fsdpcheck predicted (a bug in fsdpcheck)",
         "a loader prediction was wrong",
+    )
+    CHECKPOINT = (
+        "checkpoint",
+        "ranks resumed from different checkpoints (path, step or DCP metadata), or one could not "
+        "read its own",
+        "resume checkpoints differ",
+    )
+    LAUNCH = (
+        "launch",
+        "ranks were started with different command-line arguments or launch variables",
+        "launch flags differ",
     )
     UNEXPLAINED = (
         "unexplained",

@@ -14,6 +14,7 @@ from functools import cached_property
 from itertools import groupby
 from typing import Any
 
+from fsdpcheck.checks.checkpoint import checkpoint_findings
 from fsdpcheck.checks.collectives import RankTrace, collective_findings
 from fsdpcheck.checks.config import config_findings
 from fsdpcheck.checks.env import env_findings
@@ -27,6 +28,7 @@ from fsdpcheck.checks.groups import (
     usable_groups,
 )
 from fsdpcheck.checks.hash_seed import ProbeResult, probe_finding
+from fsdpcheck.checks.launch import launch_findings
 from fsdpcheck.checks.layout import LAYOUT_KINDS, layout_findings
 from fsdpcheck.checks.loaded import load_findings, verify_findings
 from fsdpcheck.checks.non_finite import non_finite_findings
@@ -45,7 +47,7 @@ from fsdpcheck.records import (
     LoadOutcome,
     VerifyResult,
 )
-from fsdpcheck.vocab import FindingKind, Snapshot, Word
+from fsdpcheck.vocab import FindingKind, LoadMethod, Snapshot, Word
 
 
 class Need(Word):
@@ -150,6 +152,14 @@ def _devices(e: Evidence) -> list[Finding]:
     )
 
 
+def _checkpoint(e: Evidence) -> list[Finding]:
+    return checkpoint_findings(e.groups, e.gathered.records)
+
+
+def _launch(e: Evidence) -> list[Finding]:
+    return launch_findings(e.groups, e.gathered.records)
+
+
 def _ties(e: Evidence) -> list[Finding]:
     return tie_findings(e.groups, e.gathered.records)
 
@@ -173,7 +183,8 @@ def _load(e: Evidence) -> list[Finding]:
 
 
 def _verify(e: Evidence) -> list[Finding]:
-    return verify_findings(e.verify)
+    resumed = e.load is not None and e.load.method == LoadMethod.RESUME
+    return verify_findings(e.verify, "the resume (dcp.load)" if resumed else "the sorted loader")
 
 
 def _probe(e: Evidence) -> list[Finding]:
@@ -216,6 +227,8 @@ CHECKS: tuple[Check, ...] = _checks(
     ("wrap-plan", (K.WRAP_PLAN,), {N.POST_WRAP}, _wrap_plan, "plan"),
     ("config", (K.CONFIG,), (), _config, "plan"),
     ("device", (K.DEVICE,), {N.PRE_WRAP, N.POST_WRAP}, _devices, ""),
+    ("checkpoint", (K.CHECKPOINT,), (), _checkpoint, ""),
+    ("launch", (K.LAUNCH,), (), _launch, ""),
     ("tie", (K.TIE,), {N.PRE_WRAP, N.POST_WRAP}, _ties, ""),
     ("uninitialized", (K.UNINITIALIZED,), (), _uninitialized, ""),
     ("non-finite", (K.NON_FINITE,), (), _non_finite, ""),

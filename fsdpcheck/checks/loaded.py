@@ -6,7 +6,7 @@ import re
 
 from fsdpcheck.records import Finding, LoadOutcome, RankError, VerifyResult
 from fsdpcheck.text import ranks_label
-from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoadStatus, Snapshot, Stage
+from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoadMethod, LoadStatus, Snapshot, Stage
 
 
 def load_findings(load: LoadOutcome, world_size: int) -> list[Finding]:
@@ -35,12 +35,14 @@ def load_errors(load: LoadOutcome) -> tuple[RankError, ...]:
     if load.outcome != LoadStatus.FAILED:
         return ()
     ranks = sorted({int(r) for r in re.findall(r"^\s*- rank (\d+):", load.message, re.M)})
-    message = f"the sorted loader failed: {load.message}"
+    loader = "the resume (dcp.load)" if load.method == LoadMethod.RESUME else "the sorted loader"
+    message = f"{loader} failed: {load.message}"
     return tuple(RankError(r, Stage.LOAD, message, ErrorKind.RUNTIME) for r in ranks or [0])
 
 
-def verify_findings(verified: VerifyResult) -> list[Finding]:
-    """One ``verify`` finding per tensor that differs from rank 0's source after the load."""
+def verify_findings(verified: VerifyResult, loader: str = "the sorted loader") -> list[Finding]:
+    """One ``verify`` finding per tensor that differs from rank 0's source after the load
+    (``loader``: what loaded it, for the summary)."""
     if not verified.ran or verified.passed:
         return []
     findings = []
@@ -53,7 +55,7 @@ def verify_findings(verified: VerifyResult) -> list[Finding]:
                 reference_rank=0,
                 snapshot=Snapshot.LOAD,
                 cause=Cause.LOADING,
-                summary=f"after the sorted loader, {mismatch.get('kind', 'tensor')} "
+                summary=f"after {loader}, {mismatch.get('kind', 'tensor')} "
                 f"{mismatch.get('name')} differs from rank 0's source on "
                 f"{ranks_label(ranks)}: {mismatch.get('reason', '')}",
                 tensors=(str(mismatch.get("name")),),

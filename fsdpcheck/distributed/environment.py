@@ -6,11 +6,13 @@ import contextlib
 import logging
 import os
 import platform
+import re
 import socket
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import metadata
 
-from fsdpcheck.records import EnvRecord
+from fsdpcheck.records import EnvRecord, LaunchRecord
 
 log = logging.getLogger(__name__)
 
@@ -97,3 +99,115 @@ def _local_ranks() -> int:
         return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
+# ---------------------------------------------------------------- how the rank was started
+
+# The variables a launcher, torch or NCCL reads that change what a rank does: a rank started
+# with one of them set differently trains differently (another algorithm, allocator, thread
+# count or FSDP setting). A deliberate list: no other variable is ever read into a record.
+LAUNCH_VARIABLES = frozenset(
+    {
+        "TORCH_DISTRIBUTED_DEBUG",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "PYTORCH_ALLOC_CONF",
+        "CUDA_LAUNCH_BLOCKING",
+        "CUDA_DEVICE_MAX_CONNECTIONS",  # TP/SP comm-compute overlap (Megatron, torchtitan)
+        "CUBLAS_WORKSPACE_CONFIG",  # deterministic cuBLAS
+        "NVIDIA_TF32_OVERRIDE",
+        "HF_HUB_OFFLINE",  # what a hub id resolves to
+        "TRANSFORMERS_OFFLINE",
+    }
+)
+LAUNCH_PREFIXES = ("NCCL_", "TORCH_NCCL_", "ACCELERATE_", "FSDP_")
+# Variables under those prefixes that differ per host or process by design (the network
+# interface, the HCAs, a debug file name) or only change what is logged: never a skew.
+PER_HOST_VARIABLES = frozenset(
+    {
+        "NCCL_SOCKET_IFNAME",
+        "NCCL_IB_HCA",
+        "NCCL_TOPO_FILE",
+        "NCCL_HOSTID",
+        "NCCL_COMM_ID",
+        "NCCL_DEBUG",
+        "NCCL_DEBUG_FILE",
+        "NCCL_DEBUG_SUBSYS",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_NCCL_TRACE_CPP_STACK",
+    }
+)
+# Recorded as the number of devices it lists: which devices a rank sees differs per rank by
+# design (one GPU per process), how many it sees does not.
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+# A flag whose name says it holds a secret: its value never enters a record.
+_SECRET_FLAG = re.compile(r"token|key|secret|passw|credential|auth", re.IGNORECASE)
+# Flags a launcher sets to each rank's own value (torch.distributed.launch, deepspeed).
+_PER_RANK_FLAGS = frozenset({"--local-rank", "--local_rank"})
+PER_RANK = "<per-rank>"
+
+
+def launch_record(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> LaunchRecord:
+    """How this process was started: ``sys.argv`` and the allowlisted environment (by default),
+    safe to put in a report."""
+    argv = list(sys.argv if argv is None else argv)
+    environ = os.environ if environ is None else environ
+    return LaunchRecord(argv=tuple(launch_argv(argv)), env=launch_env(environ))
+
+
+def launch_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the program by its base name (install paths differ per node), the values
+    of secret-looking flags and token-like words redacted, and per-rank flags' values masked."""
+    from fsdpcheck.model.config_record import REDACTED, secret_value
+
+    out: list[str] = []
+    hide = ""  # the mask for the next word: the value of the flag before it
+    for i, word in enumerate(argv):
+        if i == 0:
+            out.append(os.path.basename(word))
+            continue
+        if hide and not word.startswith("-"):
+            out.append(hide)
+            hide = ""
+            continue
+        hide = ""
+        if word.startswith("-"):
+            name, eq, _ = word.partition("=")
+            mask = _mask_for(name)
+            if mask and eq:
+                out.append(f"{name}={mask}")
+                continue
+            hide = mask
+            out.append(word)
+            continue
+        out.append(REDACTED if secret_value(word) else word)
+    return out
+
+
+def _mask_for(flag: str) -> str:
+    from fsdpcheck.model.config_record import REDACTED
+
+    if flag in _PER_RANK_FLAGS:
+        return PER_RANK
+    return REDACTED if _SECRET_FLAG.search(flag.lstrip("-")) else ""
+
+
+def launch_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The allowlisted variables that are set, sorted; ``CUDA_VISIBLE_DEVICES`` as a count."""
+    from fsdpcheck.model.config_record import REDACTED
+
+    found: dict[str, str] = {}
+    for key in sorted(environ):
+        if key == VISIBLE_DEVICES:
+            found[key] = str(len([d for d in environ[key].split(",") if d.strip()]))
+        elif key in LAUNCH_VARIABLES or (
+            key.startswith(LAUNCH_PREFIXES) and key not in PER_HOST_VARIABLES
+        ):
+            found[key] = REDACTED if _SECRET_FLAG.search(key) else environ[key]
+    return found

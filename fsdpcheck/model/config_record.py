@@ -44,6 +44,11 @@ _SECRET_VALUE = re.compile(r"^(hf_|sk-|ghp_|gho_|github_pat_|xox[abp]-|AKIA)[A-Z
 REDACTED = "<redacted>"
 
 
+def secret_value(text: str) -> bool:
+    """Whether ``text`` looks like a token or key by its form (``hf_...``, ``sk-...``)."""
+    return bool(_SECRET_VALUE.match(text))
+
+
 def config_record(config: Any) -> ConfigRecord | None:
     """None when ``config`` is None or has no dict form."""
     raw = _as_dict(config)

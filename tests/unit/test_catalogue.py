@@ -107,6 +107,8 @@ def test_a_check_runs_only_when_what_it_needs_is_there():
         "wrap-plan",
         "config",
         "device",
+        "checkpoint",
+        "launch",
         "tie",
         "uninitialized",
         "non-finite",

@@ -50,6 +50,16 @@ def test_a_builder_with_a_model_or_a_child_job_is_bad_usage() -> None:
         assert result.exit_code == 2 and "cannot call a builder" in _said(result)
 
 
+def test_resume_with_what_it_cannot_go_with_is_bad_usage() -> None:
+    for extra, why in (
+        (["--reproduce"], "a resumed audit has none (every rank loads its own shards)"),
+        (["--init", "all"], "a resume builds every rank on meta"),
+    ):
+        result = runner.invoke(app, ["audit", "--resume", "/ckpt/step-100", *extra])
+        assert result.exit_code == 2, result.output
+        assert why in _said(result)
+
+
 def test_a_malformed_mesh_is_bad_usage() -> None:
     result = runner.invoke(app, ["audit", "--mesh", "two,four"])
     assert result.exit_code == 2

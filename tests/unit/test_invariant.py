@@ -22,11 +22,13 @@ from fsdpcheck.checks.gather_view import gathered_from
 from fsdpcheck.records import (
     INFORMATIONAL,
     BufferProblem,
+    CheckpointRecord,
     ConfigRecord,
     EnvRecord,
     Fingerprint,
     FsdpGroupRecord,
     FsdpPlanRecord,
+    LaunchRecord,
     MeshRecord,
     NonFinite,
     RankError,
@@ -98,6 +100,15 @@ def _base(rank: int) -> RankRecord:
         peer_key="p",
         meshes=(MeshRecord("m", (3,), RANKS, (rank,), ("dp",)),),
         source=SourceRecord("acme/tiny", f"/node-{rank}/snapshot", "float32"),
+        checkpoint=CheckpointRecord(
+            given=f"/node-{rank}/ckpt",
+            path="/ckpt/step-100",
+            step=100,
+            metadata="a1" * 16,
+            shard_files=3,
+            saved_ranks=3,
+        ),
+        launch=LaunchRecord(("train.py", "--lr", "1e-4"), {"NCCL_ALGO": "Ring"}),
     )
 
 

@@ -1,0 +1,98 @@
+"""``launch``: every rank must be started alike.
+
+One rank started with an extra flag (vllm #26187), or with another NCCL or allocator variable,
+runs other code paths with the same model: nothing in the tensors shows it until the job hangs
+or diverges. Each rank records its command line (secret-looking values redacted) and an
+allowlist of launch variables (:class:`fsdpcheck.records.LaunchRecord`); this check names the
+argument positions and variable names that differ from the reference. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from difflib import SequenceMatcher
+from typing import Any
+
+from fsdpcheck.checks.groups import reference_group, usable_groups
+from fsdpcheck.records import Finding, Group, LaunchRecord, RankRecord
+from fsdpcheck.text import name_list, ranks_label
+from fsdpcheck.vocab import Cause, FindingKind, Snapshot
+
+_UNSET = "<unset>"
+
+
+def launch_findings(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> list[Finding]:
+    """At most one finding: every group whose command line or launch variables differ from the
+    reference group's, with the differing argument positions and variable names. Ranks without
+    a launch record (an older fsdpcheck, an offline record) are not compared."""
+    reference = reference_group(groups, records)
+    if reference is None:
+        return []
+    ref = records[reference.representative].launch
+    if ref is None:
+        return []
+    ref_rank = reference.representative
+    differing = []
+    for group in usable_groups(groups, records):
+        other = records[group.representative].launch
+        if group is reference or other is None:
+            continue
+        argv, env = argv_differences(ref.argv, other.argv), env_differences(ref, other)
+        if argv or env:
+            differing.append({"ranks": list(group.ranks), "argv": argv, "env": env})
+    if not differing:
+        return []
+    parts = []
+    for entry in differing:
+        said = []
+        if entry["argv"]:
+            said.append("argv " + ", ".join(_argv_said(d, ref_rank) for d in entry["argv"][:3]))
+        if entry["env"]:
+            said.append("environment " + name_list([d["key"] for d in entry["env"]]))
+        parts.append(f"{ranks_label(entry['ranks'])}: {'; '.join(said)}")
+    ranks = sorted(r for entry in differing for r in entry["ranks"])
+    return [
+        Finding(
+            kind=FindingKind.LAUNCH,
+            ranks=tuple(ranks),
+            reference_rank=ref_rank,
+            snapshot=Snapshot.PRE_WRAP,
+            cause=Cause.LAUNCH,
+            summary=(
+                f"{FindingKind.LAUNCH.phrase} from rank {ref_rank}'s: {' | '.join(parts)}: these "
+                "ranks run other code paths with the same model (a hang or a silent divergence)"
+            ),
+            details={"groups": differing},
+        )
+    ]
+
+
+def argv_differences(ref: Sequence[str], other: Sequence[str]) -> list[dict[str, Any]]:
+    """Each run of arguments where the command lines differ, by its position in ``other``: an
+    extra flag is one difference, not a shift of every argument after it. ``reference`` and
+    ``other`` are the words each side has there (empty: none)."""
+    matcher = SequenceMatcher(a=list(ref), b=list(other), autojunk=False)
+    return [
+        {"position": j1, "reference": list(ref[i1:i2]), "other": list(other[j1:j2])}
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes()
+        if tag != "equal"
+    ]
+
+
+def env_differences(ref: LaunchRecord, other: LaunchRecord) -> list[dict[str, Any]]:
+    """Each allowlisted variable set differently (``<unset>`` where one side has none)."""
+    keys = sorted({*ref.env, *other.env}, key=str)
+    return [
+        {"key": key, "reference": ref.env.get(key, _UNSET), "other": other.env.get(key, _UNSET)}
+        for key in keys
+        if ref.env.get(key, _UNSET) != other.env.get(key, _UNSET)
+    ]
+
+
+def _words(words: Sequence[str]) -> str:
+    return " ".join(words) if words else "nothing"
+
+
+def _argv_said(difference: Mapping[str, Any], ref_rank: int) -> str:
+    theirs, mine = _words(difference["other"]), _words(difference["reference"])
+    return f"[{difference['position']}] {theirs} (rank {ref_rank}: {mine})"

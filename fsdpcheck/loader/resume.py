@@ -1,0 +1,119 @@
+"""``audit --resume DIR``: the model's state dict loaded from a DCP checkpoint directory with
+``torch.distributed.checkpoint.load``, the way torchtitan resumes (build on meta, shard, give
+storage, load), and rank 0's full copy of it read alone, to verify every rank against."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fsdpcheck.errors import InputError
+from fsdpcheck.model.resume import resume_problem
+from fsdpcheck.records import CheckpointRecord
+
+log = logging.getLogger(__name__)
+
+
+def load_checkpoint(model: Any, record: CheckpointRecord, *, rank: int, group: Any = None) -> int:
+    """Collective over ``group``: ``model``'s state dict loaded in place from the DCP directory
+    ``record`` names (``dcp.load`` reshards onto the model's own placements), the way
+    torchtitan resumes: meta tensors get storage first, and non-persistent buffers, which no
+    checkpoint holds, are recomputed from the model's config where its class can. Keys may sit
+    under "model", as torchtitan and ``Stateful`` apps save them. Returns the entries loaded.
+
+    ``dcp.load`` unpickles ``.metadata``: resume only from a checkpoint you trust, as with any
+    DCP resume. A checkpoint that does not hold this model's keys is bad input."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from fsdpcheck.loader.load import materialise
+
+    problem = resume_problem(record, rank=rank)
+    if problem:
+        raise InputError(problem)
+    if materialise(model):
+        restore_buffers(model)
+    state = get_model_state_dict(model)
+    reader = dcp.FileSystemReader(record.path)
+    payload = _payload(state, reader)
+    try:
+        dcp.load(payload, storage_reader=reader, process_group=group)
+    except (Exception, CheckpointException) as exc:  # not this model's: say so, on this rank
+        log.debug("rank %d: dcp.load from %s failed", rank, record.path, exc_info=True)
+        raise InputError(
+            f"--resume {record.given}: rank {rank} could not load this model's state dict "
+            f"from {record.path}: {type(exc).__name__}: {_first_line(exc)}; pass a checkpoint "
+            "this model saved."
+        ) from exc
+    set_model_state_dict(model, state)
+    return len(state)
+
+
+def full_state_from(model: Any, record: CheckpointRecord) -> dict[str, Any]:
+    """The model's full (unsharded) state dict as the checkpoint holds it, read by this process
+    alone: the source rank 0 verifies every rank's shards against after the resume."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(record.path)
+    stored = reader.read_metadata().state_dict_metadata
+    names = list(model.state_dict())
+    prefix = "" if any(n in stored for n in names) else "model."
+    full = {}
+    for name in names:
+        meta = stored.get(prefix + name)
+        if isinstance(meta, TensorStorageMetadata):
+            full[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    payload = {"model": full} if prefix else full
+    try:
+        dcp.load(payload, storage_reader=dcp.FileSystemReader(record.path), no_dist=True)
+    except CheckpointException as exc:  # a BaseException: an ordinary failure for the caller
+        raise RuntimeError(f"rank 0's full copy of {record.path}: {_first_line(exc)}") from exc
+    # No checkpoint holds non-persistent buffers: this rank's own, recomputed from the config.
+    for name, buf in model.named_buffers():
+        if name not in full and not buf.is_meta:
+            full[name] = buf.detach().cpu().clone()
+    return full
+
+
+def _payload(state: dict[str, Any], reader: Any) -> dict[str, Any]:
+    keys = set(reader.read_metadata().state_dict_metadata)
+    nested = not (set(state) & keys) and any(k.startswith("model.") for k in keys)
+    return {"model": state} if nested else state
+
+
+def restore_buffers(model: Any) -> int:
+    """Non-persistent buffers recomputed from the model's config after ``to_empty()`` (what a
+    trainer's ``init_weights`` does); the number restored (0: the class cannot recompute)."""
+    import torch
+
+    from fsdpcheck.model.state import buffer_reference
+
+    reference = buffer_reference(model)
+    if reference is None:
+        return 0
+    try:
+        wanted = reference.buffers()
+    except Exception:  # a class that cannot be rebuilt here: the after-load check says so
+        log.debug("buffers could not be recomputed", exc_info=True)
+        return 0
+    restored = 0
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            want = wanted.get(name)
+            if want is not None and tuple(want.shape) == tuple(buf.shape):
+                buf.copy_(want.to(buf.dtype))
+                restored += 1
+    return restored
+
+
+def _first_line(exc: BaseException) -> str:
+    """The cause in one line: a CheckpointException carries each rank's traceback, whose last
+    line is the error itself."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return (lines[-1] if type(exc).__name__ == "CheckpointException" else lines[0])[:300]
