@@ -33,7 +33,13 @@ def build(ctx):
     # sync_module_states, so a rank seeded otherwise would train other adapters.
     torch.manual_seed(0)
     base = LlamaForCausalLM(config)
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    lora = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj"],
+        lora_dropout=0.0,
+    )
     model = get_peft_model(base, lora)
     full = {k: v.clone() for k, v in model.state_dict().items()} if ctx.rank == 0 else None
     mesh = ctx.mesh or init_device_mesh(ctx.device.type, (ctx.world_size,))

@@ -13,7 +13,7 @@ raw-name difference, naming which ranks wrap what. Pure functions over
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import replace
 from typing import Any
 
@@ -36,13 +36,16 @@ DDP_LEVEL = "module"
 _LISTED = 3
 
 
-def canonical_name(name: str, *, ddp_root: bool = False) -> str:
+def canonical_name(
+    name: str, *, ddp_root: bool = False, levels: Sequence[str] = WRAPPER_LEVELS
+) -> str:
     """``name`` without wrapper levels: ``model.layers.0._checkpoint_wrapped_module.mlp.w``
-    → ``model.layers.0.mlp.w``; ``_orig_mod.lm_head.weight`` → ``lm_head.weight``."""
+    → ``model.layers.0.mlp.w``; ``_orig_mod.lm_head.weight`` → ``lm_head.weight``. DCP names
+    tensors this way too (its FQNs leave these levels out)."""
     parts = name.split(".")
     if ddp_root and parts and parts[0] == DDP_LEVEL:
         parts = parts[1:]
-    return ".".join(p for p in parts if p not in WRAPPER_LEVELS)
+    return ".".join(p for p in parts if p not in levels)
 
 
 def renames(record: RankRecord) -> bool:
@@ -50,16 +53,27 @@ def renames(record: RankRecord) -> bool:
     return record.wrappers is not None and any(r.names or r.keys for r in record.wrappers.renamed)
 
 
-def canonical_record(record: RankRecord) -> RankRecord:
-    """``record`` with every tensor and module name canonical, where the rank itself recorded
-    wrapper levels in them (:class:`WrapperRecord`); else ``record`` unchanged. The wrapper
-    record stays as it is: it is what :func:`wrapper_findings` compares."""
+def state_dict_record(record: RankRecord) -> RankRecord:
+    """``record`` with its tensors named as ``model.state_dict()`` names them: without the
+    levels the state dict leaves out (``_checkpoint_wrapped_module``), with those it keeps
+    (``_orig_mod``): what a loader keyed by ``state_dict()`` keys pairs."""
     if not renames(record):
         return record
-    ddp = any(r.level == DDP_LEVEL for r in record.wrappers.renamed)
+    return canonical_record(record, keep={r.level for r in record.wrappers.renamed if r.keys})
+
+
+def canonical_record(record: RankRecord, keep: Set[str] = frozenset()) -> RankRecord:
+    """``record`` with every tensor and module name canonical (but for the levels in ``keep``),
+    where the rank itself recorded wrapper levels in them (:class:`WrapperRecord`); else
+    ``record`` unchanged. The wrapper record stays as it is: it is what
+    :func:`wrapper_findings` compares."""
+    if not renames(record):
+        return record
+    ddp = DDP_LEVEL not in keep and any(r.level == DDP_LEVEL for r in record.wrappers.renamed)
+    dropped = tuple(level for level in WRAPPER_LEVELS if level not in keep)
 
     def name(n: str) -> str:
-        return canonical_name(n, ddp_root=ddp)
+        return canonical_name(n, ddp_root=ddp, levels=dropped)
 
     def names(ns: Sequence[str]) -> tuple[str, ...]:
         return tuple(name(n) for n in ns)
@@ -161,9 +175,15 @@ def wrapper_findings(
         )
         keys = any(d["reference"]["keys"] != d["other"]["keys"] for d in levels)
         parts.append(
-            f"tensor names differ by wrapper levels ({shown}): compared here by canonical "
-            "names, but a loader keyed by names sees different "
-            + ("state-dict keys" if keys else "module names")
+            f"tensor names differ by wrapper levels ({shown}), compared here without them; "
+            + (
+                "model.state_dict() keys differ too: a loader or checkpoint keyed by them "
+                "(fsdpcheck's sorted loader, a state_dict() saved on another rank) finds none "
+                "of these tensors there (DCP's names leave the level out)"
+                if keys
+                else "the state dict leaves the level out, named_parameters() does not: code "
+                "that pairs by parameter names (optimizer state, parameter filters) differs"
+            )
         )
     details: dict[str, Any] = {
         "only_reference": [_module(m) for m in only_ref],

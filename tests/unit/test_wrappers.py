@@ -90,9 +90,12 @@ def test_checkpointing_on_rank_0_only_is_one_wrapper_finding() -> None:
     assert "rank 0 wraps layers.0, layers.1 in checkpoint_wrapper and rank 1 does not" in (
         finding.summary
     )
-    # The loaders still see the raw names: the sorted loader, keyed by them, refuses.
-    sorted_names = next(p for p in report.loaders if p.name == "sorted-names")
-    assert sorted_names.verdict == "refused"
+    # Every loader pairs the same tensors: by position, by DCP's names or by state-dict keys,
+    # none of which holds the level.
+    assert {p.name: p.verdict for p in report.loaders} == dict.fromkeys(
+        ("named-buffers-order", "state-dict-order", "ddp-sync", "dcp-broadcast", "sorted-names"),
+        "ok",
+    )
 
 
 def test_compile_on_every_rank_is_consistent_and_on_one_rank_a_finding() -> None:
@@ -104,7 +107,10 @@ def test_compile_on_every_rank_is_consistent_and_on_one_rank_a_finding() -> None
     assert finding.ranks == (1,)
     assert finding.details["only_other"] == [{"name": "", "how": "torch.compile"}]
     assert finding.details["levels"][0]["other"] == {"names": 8, "keys": 6}
-    assert "state-dict keys" in finding.summary  # torch.compile renames the state dict too
+    assert "model.state_dict() keys differ too" in finding.summary  # compile renames them too
+    # DCP's names leave _orig_mod out; fsdpcheck's loader keys by state_dict(): it refuses.
+    verdicts = {p.name: p.verdict for p in report.loaders}
+    assert verdicts["dcp-broadcast"] == "ok" and verdicts["sorted-names"] == "refused"
 
 
 def test_values_are_compared_by_canonical_names() -> None:
@@ -126,3 +132,16 @@ def test_a_record_without_wrappers_is_compared_as_before() -> None:
     report = assemble(AuditOutcome(gathered_from(records)), None)
     assert "param-set" in [f.kind for f in report.findings]
     assert "wrapper" not in [f.kind for f in report.findings]
+
+
+def test_composable_checkpoint_on_one_rank_renames_nothing_and_is_still_named() -> None:
+    from torch.distributed._composable import checkpoint
+
+    hooked = Net()
+    checkpoint(hooked.layers[0])  # hooks only: no new names, so no layout finding could tell
+    report = _report(Net(), hooked)
+    assert [f.kind for f in report.findings] == ["wrapper"], [f.summary for f in report.findings]
+    (finding,) = report.findings
+    assert finding.details["only_other"] == [{"name": "layers.0", "how": "checkpoint"}]
+    assert finding.details["levels"] == []
+    assert _report(hooked, hooked).verdict == Verdict.CONSISTENT
