@@ -31,6 +31,7 @@ from fsdpcheck.vocab import (
     Snapshot,
     Stage,
     Verdict,
+    Wrapper,
     WrapSource,
 )
 
@@ -394,6 +395,45 @@ class LaunchRecord:
 
 
 @dataclass(frozen=True)
+class WrappedModule:
+    """A module activation checkpointing or ``torch.compile`` wraps on one rank."""
+
+    name: str  # as named_modules() names it, wrapper levels left out ("" = the root)
+    how: Wrapper
+
+
+@dataclass(frozen=True)
+class Renamed:
+    """A wrapper level in a rank's tensor names (``_orig_mod``, ``_checkpoint_wrapped_module``;
+    ``module`` for a DDP root): how many parameter and buffer names, and state-dict keys, hold it.
+    Loaders see these raw names; the checks pair tensors without them."""
+
+    level: str
+    names: int
+    keys: int
+
+
+@dataclass(frozen=True)
+class WrapperRecord:
+    """Which modules a rank checkpoints or compiles, and the levels wrappers add to its names."""
+
+    modules: tuple[WrappedModule, ...] = ()  # named_modules() order
+    renamed: tuple[Renamed, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExpertKey:
+    """Where a rank's expert parameters sit (fsdpcheck.checks.expert): ``place``, its position
+    inside its expert-parallel slot (mesh shape, coordinates along sharded non-EP dims);
+    ``slot``, which slot (the coordinates along EP dims, or the mesh's global ranks);
+    ``digest``, of their values (None: not read, e.g. on meta)."""
+
+    place: str
+    slot: str
+    digest: str | None = None
+
+
+@dataclass(frozen=True)
 class RankRecord:
     """Everything one rank contributes to the gather."""
 
@@ -420,6 +460,7 @@ class RankRecord:
     source: SourceRecord | None = None  # the audit's build (None: a training script's model)
     checkpoint: CheckpointRecord | None = None  # what the rank resumed from (None: not given)
     launch: LaunchRecord | None = None  # how the rank was started (None: not recorded)
+    wrappers: WrapperRecord | None = None  # checkpointed and compiled modules (None: not read)
 
     def non_finite_tensors(self) -> tuple[NonFinite, ...]:
         """Every tensor this rank holds NaN or Inf in: its fingerprints' counts, then those
@@ -467,6 +508,8 @@ class Gathered:
     extra: dict[int, RankRecord] | None = None  # records of value senders that are no group's
     # Per rank, RankRecord.peer_key: unsharded values are compared among equal keys only.
     peer_keys: dict[int, str | None] | None = None
+    # Per rank, where its experts sit and their digest (fsdpcheck.checks.expert); None: none.
+    expert_keys: dict[int, ExpertKey | None] | None = None
 
     @property
     def errors(self) -> tuple[RankError, ...]:

@@ -165,6 +165,16 @@ class WrapSource(Word):
     NONE = "none"
 
 
+class Wrapper(Word):
+    """How a module is wrapped (``WrappedModule.how``): activation checkpointing or compile."""
+
+    CHECKPOINT_WRAPPER = "checkpoint_wrapper"  # torch.distributed...checkpoint_wrapper: renames
+    CHECKPOINT = "checkpoint"  # torch.distributed._composable.checkpoint: hooks, no new names
+    GRADIENT_CHECKPOINTING = "gradient_checkpointing"  # transformers' gradient_checkpointing_enable
+    COMPILE = "torch.compile"  # torch.compile(module): an OptimizedModule, names under _orig_mod
+    COMPILE_IN_PLACE = "module.compile"  # module.compile(): compiled in place, no new names
+
+
 class BufferReason(Word):
     """Why a buffer is not what its module computes (``BufferProblem.reason``)."""
 
@@ -301,6 +311,12 @@ class FindingKind(_Described):
         "state-dict keys present on one side only, with the same buffers and parameters",
         "state-dict keys differ",
     )
+    WRAPPER = (
+        "wrapper",
+        "activation checkpointing or torch.compile wraps different modules, or wrapper levels "
+        "(_orig_mod., _checkpoint_wrapped_module.) rename tensors on some ranks only",
+        "wrappers differ",
+    )
     REQUIRES_GRAD = (
         "requires-grad",
         "a parameter is trainable on one side and frozen on the other",
@@ -332,6 +348,12 @@ class FindingKind(_Described):
         "value",
         "a tensor that must be identical on every rank (or HSDP replica) holds other values",
         "values differ",
+    )
+    EXPERT = (
+        "expert",
+        "expert-parallel slots hold identical experts (collapsed), or the experts held in all "
+        "differ from the config's count",
+        "experts differ",
     )
     UNINITIALIZED = (
         "uninitialized",

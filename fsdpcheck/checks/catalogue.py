@@ -18,6 +18,7 @@ from fsdpcheck.checks.checkpoint import checkpoint_findings
 from fsdpcheck.checks.collectives import RankTrace, collective_findings
 from fsdpcheck.checks.config import config_findings
 from fsdpcheck.checks.env import env_findings
+from fsdpcheck.checks.expert import expert_findings
 from fsdpcheck.checks.flags import device_findings
 from fsdpcheck.checks.groups import (
     Pair,
@@ -39,6 +40,7 @@ from fsdpcheck.checks.unexplained import unexplained_findings
 from fsdpcheck.checks.uninitialized import uninitialized_findings
 from fsdpcheck.checks.value import value_findings
 from fsdpcheck.checks.wrap_plan import wrap_plan_findings
+from fsdpcheck.checks.wrapper import canonical_gathered, wrapper_findings
 from fsdpcheck.records import (
     Finding,
     Gathered,
@@ -135,6 +137,10 @@ def _wrap_plan(p: Pair) -> list[Finding]:
     return wrap_plan_findings(p.ref_rank, p.ref.fsdp_plan, p.group.ranks, p.other.fsdp_plan)
 
 
+def _wrappers(p: Pair) -> list[Finding]:
+    return wrapper_findings(p.ref_rank, p.ref, p.group.ranks, p.other)
+
+
 def _config(p: Pair) -> list[Finding]:
     return config_findings(p.ref_rank, p.ref.config, p.group.ranks, p.other.config)
 
@@ -176,6 +182,10 @@ def _values(e: Evidence) -> list[Finding]:
     g = e.gathered
     everyone = {**g.records, **(g.extra or {})}  # value senders that are no group's too
     return value_findings(everyone, g.values, g.replicas or {}, g.shard_keys or {}, g.peer_keys)
+
+
+def _experts(e: Evidence) -> list[Finding]:
+    return expert_findings(e.gathered)
 
 
 def _load(e: Evidence) -> list[Finding]:
@@ -224,6 +234,7 @@ CHECKS: tuple[Check, ...] = _checks(
     # name, kinds, needs, run, walk
     ("layout", LAYOUT_KINDS, {N.PRE_WRAP, N.POST_WRAP}, layout_findings, "fingerprints"),
     ("env", (K.ENV,), (), env_findings, "fingerprints"),
+    ("wrapper", (K.WRAPPER,), (), _wrappers, "fingerprints"),
     ("wrap-plan", (K.WRAP_PLAN,), {N.POST_WRAP}, _wrap_plan, "plan"),
     ("config", (K.CONFIG,), (), _config, "plan"),
     ("device", (K.DEVICE,), {N.PRE_WRAP, N.POST_WRAP}, _devices, ""),
@@ -233,6 +244,7 @@ CHECKS: tuple[Check, ...] = _checks(
     ("uninitialized", (K.UNINITIALIZED,), (), _uninitialized, ""),
     ("non-finite", (K.NON_FINITE,), (), _non_finite, ""),
     ("value", (K.VALUE,), {N.VALUES}, _values, ""),
+    ("expert", (K.EXPERT,), (), _experts, ""),
     ("load", (K.VERIFY,), {N.LOAD}, _load, ""),
     ("verify", (K.VERIFY,), {N.VERIFY}, _verify, ""),
     ("tie-after-load", (K.TIE,), {N.AFTER_LOAD}, _ties, ""),
@@ -269,7 +281,15 @@ def checks_named(*names: str) -> tuple[Check, ...]:
 
 
 def run_checks(evidence: Evidence, checks: Sequence[Check] = CHECKS) -> list[Finding]:
-    """The findings of every check whose needs ``evidence`` meets, in catalogue order."""
+    """The findings of every check whose needs ``evidence`` meets, in catalogue order.
+
+    Tensors are paired by canonical names (wrapper levels left out, see
+    :mod:`fsdpcheck.checks.wrapper`): the ``wrapper`` check reports the raw-name difference."""
+    evidence = replace(
+        evidence,
+        gathered=canonical_gathered(evidence.gathered),
+        after_load=canonical_gathered(evidence.after_load),
+    )
     findings: list[Finding] = []
     for walk, block in groupby(checks, key=lambda c: c.walk):
         if walk:

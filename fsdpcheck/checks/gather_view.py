@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from fsdpcheck.checks.expert import expert_key
 from fsdpcheck.checks.value import value_digests, value_senders
 from fsdpcheck.records import Gathered, RankRecord
 
@@ -42,4 +43,5 @@ def gathered_from(records: Mapping[int, RankRecord]) -> Gathered:
         shard_keys=keys,
         peer_keys={rank: records[rank].peer_key for rank in digests},
         extra={rank: records[rank] for rank in sorted(extra_senders)},
+        expert_keys={rank: expert_key(records[rank]) for rank in digests},
     )

@@ -25,6 +25,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fsdpcheck.checks.wrapper import canonical_record
 from fsdpcheck.records import (
     Finding,
     Fingerprint,
@@ -84,6 +85,7 @@ def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
     makes them differ even with equal values (the ``device`` check names it)."""
     shared: list[tuple[str, ...]] = []
     replica: list[tuple[str, ...]] = []
+    record = canonical_record(record)  # a rank that wraps holds the same tensors by these names
     for fp in record.fingerprints():
         for t in fp.buffers:
             if t.digest is not None:

@@ -14,8 +14,9 @@ import logging
 import torch
 import torch.distributed as dist
 
+from fsdpcheck.checks.expert import expert_key
 from fsdpcheck.checks.value import value_digests, value_senders
-from fsdpcheck.records import Gathered, RankRecord, from_dict, to_dict
+from fsdpcheck.records import ExpertKey, Gathered, RankRecord, from_dict, to_dict
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +24,12 @@ _DIGEST_BYTES = 16
 _HOST_BYTES = 64
 _KEY_BYTES = 8
 _FLAG_META = 1  # this rank built (some of) the model on meta
-# flags, group digest, host; then the value digest, shard key, replica digest and peer key
-# (zeros: none).
-SLOT_BYTES = 1 + _DIGEST_BYTES + _HOST_BYTES + _DIGEST_BYTES + 2 * _KEY_BYTES + _DIGEST_BYTES
+# flags, group digest, host; then the value digest, shard key, replica digest and peer key;
+# then the expert place, slot and digest (fsdpcheck.checks.expert) (zeros: none).
+_EXPERT_BYTES = 2 * _KEY_BYTES + _DIGEST_BYTES
+SLOT_BYTES = (
+    1 + _DIGEST_BYTES + _HOST_BYTES + _DIGEST_BYTES + 2 * _KEY_BYTES + _DIGEST_BYTES + _EXPERT_BYTES
+)
 
 
 def _fixed(digest: str | None, size: int) -> bytes:
@@ -40,6 +44,7 @@ def _pack_slot(
     shard_key: str | None = None,
     replica: str | None = None,
     peers: str | None = None,
+    expert: ExpertKey | None = None,
 ) -> bytes:
     raw = bytes([flags]) + _fixed(digest, _DIGEST_BYTES)
     raw += host.encode()[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
@@ -49,7 +54,22 @@ def _pack_slot(
         + _fixed(shard_key, _KEY_BYTES)
         + _fixed(replica, _DIGEST_BYTES)
         + _fixed(peers, _KEY_BYTES)
+        + _pack_expert(expert)
     )
+
+
+def _pack_expert(key: ExpertKey | None) -> bytes:
+    if key is None:
+        return bytes(_EXPERT_BYTES)
+    place = _fixed(key.place, _KEY_BYTES)
+    return place + _fixed(key.slot, _KEY_BYTES) + _fixed(key.digest, _DIGEST_BYTES)
+
+
+def _unpack_expert(raw: bytes) -> ExpertKey | None:
+    place, slot = _unfixed(raw[:_KEY_BYTES]), _unfixed(raw[_KEY_BYTES : 2 * _KEY_BYTES])
+    if place is None or slot is None:
+        return None
+    return ExpertKey(place, slot, _unfixed(raw[2 * _KEY_BYTES :]))
 
 
 def _unfixed(raw: bytes) -> str | None:
@@ -58,7 +78,7 @@ def _unfixed(raw: bytes) -> str | None:
 
 def _unpack_slot(
     raw: bytes,
-) -> tuple[int, str, str, str | None, str | None, str | None, str | None]:
+) -> tuple[int, str, str, str | None, str | None, str | None, str | None, ExpertKey | None]:
     fields, offset = [], 1
     for size in (_DIGEST_BYTES, _HOST_BYTES, _DIGEST_BYTES, _KEY_BYTES, _DIGEST_BYTES, _KEY_BYTES):
         fields.append(raw[offset : offset + size])
@@ -66,7 +86,7 @@ def _unpack_slot(
     digest, host, value, key, replica, peers = fields
     host_name = host.rstrip(b"\0").decode(errors="replace")
     unfixed = (_unfixed(value), _unfixed(key), _unfixed(replica), _unfixed(peers))
-    return raw[0], digest.hex(), host_name, *unfixed
+    return raw[0], digest.hex(), host_name, *unfixed, _unpack_expert(raw[offset:])
 
 
 def _built_on_meta(record: RankRecord) -> bool:
@@ -94,7 +114,14 @@ def gather_records(
     value, replica = value_digests(record)
     flags = _FLAG_META if _built_on_meta(record) else 0
     mine = _pack_slot(
-        digest, record.env.host, flags, value, record.shard_key, replica, record.peer_key
+        digest,
+        record.env.host,
+        flags,
+        value,
+        record.shard_key,
+        replica,
+        record.peer_key,
+        expert_key(record),
     )
     slots = _gather_slots(mine, group, rank=rank, world_size=world_size)
     sent = SLOT_BYTES
@@ -104,9 +131,11 @@ def gather_records(
         log.debug("digest %s: sent %d bytes", digest[:12], sent)
         return None
     digests, hosts, meta_ranks = {}, {}, []
-    values, keys, replicas, peers = {}, {}, {}, {}
+    values, keys, replicas, peers, experts = {}, {}, {}, {}, {}
     for r, slot in enumerate(slots):
-        flags, digests[r], hosts[r], values[r], keys[r], replicas[r], peers[r] = _unpack_slot(slot)
+        flags, digests[r], hosts[r], values[r], keys[r], replicas[r], peers[r], experts[r] = (
+            _unpack_slot(slot)
+        )
         if flags & _FLAG_META:
             meta_ranks.append(r)
     reps = set(representatives(digests).values())
@@ -120,7 +149,17 @@ def gather_records(
     for sender in senders:
         (extra if sender in extra_senders else records)[sender] = _recv_record(sender, group)
     return Gathered(
-        digests, hosts, records, sent, tuple(meta_ranks), values, replicas, keys, extra, peers
+        digests,
+        hosts,
+        records,
+        sent,
+        tuple(meta_ranks),
+        values,
+        replicas,
+        keys,
+        extra,
+        peers,
+        expert_keys=experts,
     )
 
 

@@ -17,6 +17,7 @@ from fsdpcheck.model.config_record import config_record
 from fsdpcheck.model.fingerprint import fingerprint
 from fsdpcheck.model.fsdp_plan import fsdp_plan
 from fsdpcheck.model.state import buffer_problems, buffer_reference, mesh_records, tie_record
+from fsdpcheck.model.wrappers import wrapper_record
 from fsdpcheck.records import (
     BufferProblem,
     EnvRecord,
@@ -105,7 +106,7 @@ def model_record(model: nn.Module, env: EnvRecord, *, param_values: bool = False
 
 
 def with_state(record: RankRecord, model: Any, config: Any) -> RankRecord:
-    """``record`` with ``fsdp_plan``, ``config`` and ``misplaced`` filled in.
+    """``record`` with ``fsdp_plan``, ``config``, ``wrappers`` and ``misplaced`` filled in.
 
     None of them may fail a rank: each reads only what is there (a plan that torch does not
     expose says so inside the record) and is left out when it cannot be read. A record that
@@ -120,4 +121,8 @@ def with_state(record: RankRecord, model: Any, config: Any) -> RankRecord:
         record = replace(record, config=config_record(config))
     except Exception:  # a config without a usable dict form: nothing to compare
         log.debug("the config could not be recorded", exc_info=True)
+    try:
+        record = replace(record, wrappers=wrapper_record(model))
+    except Exception:  # a wrapper that cannot be walked: the names still are compared raw
+        log.debug("the wrappers could not be read", exc_info=True)
     return replace(record, misplaced=misplaced(record))

@@ -11,8 +11,14 @@ from conftest import QUIET_ENV, read_report, run_audit_cases, run_plain, torchru
 
 BUILDERS = "tests/workers/builders.py"
 EXAMPLE = "examples/builders/llama_fsdp2.py:build"
+LORA = "examples/builders/llama_lora.py:build"
 CASES = {
     "example": EXAMPLE,
+    "lora": LORA,
+    "checkpointed": f"{BUILDERS}:checkpointed",
+    "checkpointed-on-rank-0": f"{BUILDERS}:checkpointed_on_rank_0",
+    "compiled": f"{BUILDERS}:compiled",
+    "compiled-on-rank-1": f"{BUILDERS}:compiled_on_rank_1",
     "plain": f"{BUILDERS}:plain",
     "seeded-per-rank": f"{BUILDERS}:seeded_per_rank",
     "frozen-on-rank-1": f"{BUILDERS}:frozen_on_rank_1",
@@ -49,6 +55,37 @@ def test_a_prewrapped_model_and_its_state_dict_are_loaded_and_verified(audited) 
     )
     assert report["wrap"] is None  # the builder wrapped it: fsdpcheck wrapped nothing
     assert report["load"]["outcome"] == "loaded" and report["verify"]["passed"] is True
+
+
+def test_the_lora_example_is_consistent_its_adapters_loaded_and_verified(audited) -> None:
+    done = audited["lora"]
+    report = done["report"]
+    assert done["exit_codes"] == [0, 0], report["findings"] + report["errors"]
+    assert report["verdict"] == "consistent"
+    assert report["model"]["architecture"] == "PeftModelForCausalLM"
+    assert report["load"]["outcome"] == "loaded" and report["verify"]["passed"] is True
+
+
+def test_checkpointing_or_compile_on_every_rank_is_consistent(audited) -> None:
+    for case in ("checkpointed", "compiled"):
+        done = audited[case]
+        assert done["exit_codes"] == [0, 0], (case, done["report"]["findings"])
+        assert done["report"]["verdict"] == "consistent"
+
+
+def test_checkpointing_or_compile_on_one_rank_is_one_wrapper_finding(audited) -> None:
+    for case, ranks, how, side in (
+        ("checkpointed-on-rank-0", [1], "checkpoint_wrapper", "only_reference"),
+        ("compiled-on-rank-1", [1], "torch.compile", "only_other"),
+    ):
+        done = audited[case]
+        assert done["exit_codes"] == [1, 1], (case, done["report"])
+        findings = done["report"]["findings"]
+        assert _kinds(done["report"]) == ["wrapper"], (case, findings)
+        (finding,) = findings
+        assert finding["ranks"] == ranks, case
+        wrapped = finding["details"][side]
+        assert wrapped == [{"name": f"model.layers.{i}", "how": how} for i in (0, 1)], case
 
 
 def test_a_plain_model_is_wrapped_and_each_ranks_own_values_are_compared(audited) -> None:

@@ -12,7 +12,7 @@ from conftest import QUIET_ENV, REPO
 
 from fsdpcheck.children.launch import launch
 
-MESH_CASES = ("ep", "ep-drift", "hsdp", "hsdp-drift", "tp", "tp-drift")
+MESH_CASES = ("ep", "ep-drift", "ep-collapsed", "hsdp", "hsdp-drift", "tp", "tp-drift")
 
 
 def _run(out: Path, ranks: int, cases: tuple[str, ...]) -> dict:
@@ -52,6 +52,17 @@ def test_a_rank_that_differs_from_its_dp_peer_is_named_within_its_group(meshes: 
     report = meshes["ep-drift"]
     assert report["verdict"] == "inconsistent"
     assert _findings(report) == [("value", [3], 2, ["router.weight"], [2, 3])]
+
+
+def test_every_ep_group_holding_one_groups_experts_is_an_expert_finding(meshes: dict) -> None:
+    # Its clean twin is "ep" above: each EP group its own experts.
+    report = meshes["ep-collapsed"]
+    assert report["verdict"] == "inconsistent"
+    assert _findings(report) == [
+        ("expert", [2, 3], 0, ["experts.up.weight", "experts.down.weight"], None)
+    ]
+    details = report["findings"][0]["details"]
+    assert details["collapsed"] == [[0, 2], [1, 3]] and details["slots"] == [[0, 1], [2, 3]]
 
 
 def test_hsdp_on_four_ranks_compares_each_shard_with_its_replica_only(meshes: dict) -> None:

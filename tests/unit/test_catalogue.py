@@ -104,6 +104,7 @@ def test_a_check_runs_only_when_what_it_needs_is_there():
     assert [c.name for c in CHECKS if c.ready(bare)] == [
         "layout",
         "env",
+        "wrapper",
         "wrap-plan",
         "config",
         "device",
@@ -112,5 +113,6 @@ def test_a_check_runs_only_when_what_it_needs_is_there():
         "tie",
         "uninitialized",
         "non-finite",
+        "expert",
         "unexplained",
     ]

@@ -33,12 +33,15 @@ from fsdpcheck.records import (
     NonFinite,
     RankError,
     RankRecord,
+    Renamed,
     SourceRecord,
     TensorRecord,
     TieRecord,
+    WrappedModule,
+    WrapperRecord,
 )
 from fsdpcheck.report import AuditOutcome, assemble
-from fsdpcheck.vocab import BufferReason, Snapshot, Verdict
+from fsdpcheck.vocab import BufferReason, Snapshot, Verdict, Wrapper
 
 RANKS = (0, 1, 2)
 MUTATED = 1
@@ -94,6 +97,10 @@ def _base(rank: int) -> RankRecord:
         pre_wrap=fp(Snapshot.PRE_WRAP, wrapped=False),
         post_wrap=fp(Snapshot.POST_WRAP, wrapped=True),
         fsdp_plan=FsdpPlanRecord(groups=(group,)),
+        wrappers=WrapperRecord(
+            modules=(WrappedModule("layers.0", Wrapper.CHECKPOINT_WRAPPER),),
+            renamed=(Renamed("_checkpoint_wrapped_module", 2, 0),),
+        ),
         config=ConfigRecord(digest="c0", canonical={"hidden_size": 8, "rope": {"theta": 1e4}}),
         ties=ties,
         shard_key="k",

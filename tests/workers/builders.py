@@ -45,3 +45,42 @@ def raises_on_rank_1(ctx):
 
 def not_a_model(ctx):
     return 42
+
+
+def _checkpointed(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer)
+    return model
+
+
+def _compiled(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    # Per block, as torchtitan compiles; "eager" wraps as inductor does (an OptimizedModule,
+    # names under _orig_mod.) without a C++ compile.
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = torch.compile(layer, backend="eager")
+    return model
+
+
+def checkpointed(ctx):
+    """Activation checkpointing on every decoder layer, on every rank."""
+    return _checkpointed(_llama())
+
+
+def checkpointed_on_rank_0(ctx):
+    """A flag read on one node only: rank 0 checkpoints, rank 1 does not."""
+    model = _llama()
+    return _checkpointed(model) if ctx.rank == 0 else model
+
+
+def compiled(ctx):
+    """torch.compile on every decoder layer, on every rank."""
+    return _compiled(_llama())
+
+
+def compiled_on_rank_1(ctx):
+    model = _llama()
+    return _compiled(model) if ctx.rank == 1 else model

@@ -6,6 +6,8 @@ into ``--out`` as ``{case: report}``:
 - ``ep`` (4 ranks): world mesh (ep=2, dp=2); each EP group's weights seeded by its EP index;
   FSDP2 over the group's own ``dp`` sub-mesh for the experts, the router left a plain tensor.
 - ``ep-drift``: the same, then rank 3's router holds other values than its dp peer's (rank 2).
+- ``ep-collapsed``: the same layout, but every EP group holds EP group 0's experts (a resume
+  that copied one rank's experts everywhere); each group keeps its own router.
 - ``hsdp`` (4 ranks): FSDP2 on a (replicate=2, shard=2) mesh, every rank seeded alike.
 - ``hsdp-drift``: the same, then rank 3's local shard of one weight differs from rank 1's.
 - ``tp`` (any ranks): tensor parallel on its own: a Colwise-sharded linear, a Replicate norm.
@@ -51,10 +53,12 @@ def _tiny(seed: int) -> Tiny:
     return Tiny()
 
 
-def _ep(drift: bool) -> nn.Module:
+def _ep(drift: bool, collapsed: bool = False) -> nn.Module:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp"))
     ep_index = dist.get_rank() // 2
     model = _tiny(seed=ep_index)  # each EP group holds its own experts
+    if collapsed:
+        model.experts.load_state_dict(_tiny(seed=0).experts.state_dict())
     fully_shard(model.experts, mesh=mesh["dp"])
     if drift and dist.get_rank() == 3:
         with torch.no_grad():
@@ -102,6 +106,7 @@ def _nan(leave_nan: bool) -> nn.Module:
 CASES = {
     "ep": lambda: _ep(False),
     "ep-drift": lambda: _ep(True),
+    "ep-collapsed": lambda: _ep(False, collapsed=True),
     "hsdp": lambda: _hsdp(False),
     "hsdp-drift": lambda: _hsdp(True),
     "tp": lambda: _tp(False),

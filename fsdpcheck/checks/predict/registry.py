@@ -16,6 +16,7 @@ from fsdpcheck.checks.predict import (
     state_dict_order,
 )
 from fsdpcheck.checks.predict.pairing import Context
+from fsdpcheck.checks.wrapper import canonical_record, state_dict_record
 from fsdpcheck.records import EnvRecord, Group, LoaderPrediction, RankRecord
 from fsdpcheck.vocab import RESOLVED_BACKENDS, Backend, Loader
 
@@ -30,11 +31,19 @@ class LoaderModel:
     products: str  # who runs this algorithm: what a user reads to find their own row
     predict: Callable[[Context], LoaderPrediction]
     installed: Callable[[EnvRecord], str] | None = None  # the versions on the reference rank
+    # The names it pairs by where wrappers rename tensors (fsdpcheck.checks.wrapper): canonical
+    # (by position, or DCP's FQNs, which leave wrapper levels out) or "state-dict" (the keys of
+    # model.state_dict(), which keep torch.compile's _orig_mod).
+    names: str = "canonical"
 
 
 def _model(module: ModuleType) -> LoaderModel:
     return LoaderModel(
-        module.DESCRIPTION, module.PRODUCTS, module.predict, getattr(module, "installed", None)
+        module.DESCRIPTION,
+        module.PRODUCTS,
+        module.predict,
+        getattr(module, "installed", None),
+        getattr(module, "NAMES", "canonical"),
     )
 
 
@@ -70,12 +79,16 @@ def predict_loaders(
     if reference is None:
         return []
     others = [g for g in usable_groups(groups, records) if g is not reference]
+    views = {}
+    for names, view in (("canonical", canonical_record), ("state-dict", state_dict_record)):
+        named = {rank: view(record) for rank, record in records.items()}
+        pairs = [(g, named[g.representative]) for g in others]
+        ref = named[reference.representative]
+        views[names] = Context(reference, ref, pairs, backend, named, frozenset(meta_ranks))
     ref = records[reference.representative]
-    pairs = [(g, records[g.representative]) for g in others]
-    ctx = Context(reference, ref, pairs, backend, records, frozenset(meta_ranks))
-    predictions = _predict(ctx)
+    predictions = _predict(views)
     if backend == Backend.NCCL:  # --reproduce runs on gloo: keep its verdict where it differs
-        on_gloo = _predict(replace(ctx, backend=Backend.GLOO))
+        on_gloo = _predict({k: replace(c, backend=Backend.GLOO) for k, c in views.items()})
         predictions = [
             replace(p, on_gloo=g.verdict) if g.verdict != p.verdict else p
             for p, g in zip(predictions, on_gloo, strict=True)
@@ -83,8 +96,8 @@ def predict_loaders(
     return [replace(p, products=products(p.name, ref.env)) for p in predictions]
 
 
-def _predict(ctx: Context) -> list[LoaderPrediction]:
-    return [model.predict(ctx) for model in REGISTRY.values()]
+def _predict(views: Mapping[str, Context]) -> list[LoaderPrediction]:
+    return [model.predict(views[model.names]) for model in REGISTRY.values()]
 
 
 def products(name: str, env: EnvRecord | None = None) -> str:

@@ -19,6 +19,8 @@ DESCRIPTION = (
     "checks names, shapes and dtypes on every rank first, then DCP or "
     "rank 0's shards for the state dict and non-persistent buffers broadcast in name order"
 )
+# It pairs by model.state_dict()'s keys (fsdpcheck.loader.names): torch.compile's _orig_mod in.
+NAMES = "state-dict"
 PRODUCTS = (
     "fsdpcheck's load_full_state_dict; verl since PR #6405 broadcasts buffers "
     "in the same sorted order but without checking names, shapes and dtypes first"
