@@ -1,7 +1,9 @@
 """Shard arithmetic: which part of a full tensor each rank of a DTensor mesh holds.
 
 ``Shard(d)`` on mesh dim i keeps chunk ``coordinate[i]`` of ``torch.chunk(t, mesh_shape[i], d)``,
-as FSDP2 and DTensor cut it; ``Replicate()`` keeps the whole dim.
+as FSDP2 and DTensor cut it; ``Replicate()`` keeps the whole dim. ``_StridedShard(d)`` (FSDP2 over
+a tensor-parallel DTensor: TP cut it first, then FSDP2 cut TP's local piece) is cut after every
+plain ``Shard``, innermost mesh dim first.
 """
 
 from __future__ import annotations
@@ -11,11 +13,66 @@ from typing import Any
 
 import torch
 
+# Dims across which a sub-mesh's siblings hold the same tensor: a parameter that tensor
+# parallelism left alone is replicated over tp, so FSDP2 shards it over the data dims alone and
+# each TP rank's copy lives on its own sibling sub-mesh.
+_REPLICATED_DIMS = ("tp",)
+
 
 def mesh_coordinate(mesh: Any, rank: int) -> list[int] | None:
-    """``rank``'s position in ``mesh``, one index per mesh dim; ``None`` if it is not there."""
+    """``rank``'s position in ``mesh``, one index per mesh dim, or on its sibling sub-mesh (the
+    same dims of the same root mesh, across a tp dim) where ``rank`` holds the same tensor;
+    ``None`` if it is in neither."""
     where = (mesh.mesh == rank).nonzero()
-    return [int(c) for c in where[0].tolist()] if where.numel() else None
+    if where.numel():
+        return [int(c) for c in where[0].tolist()]
+    return _sibling_coordinate(mesh, rank)
+
+
+def sibling_root(mesh: Any) -> Any:
+    """The root mesh of which ``mesh`` is one of several siblings across tp dims, each holding
+    the same tensor; None when ``mesh`` has no such siblings."""
+    root_of = getattr(mesh, "_get_root_mesh", None)  # private API: no sibling without it
+    root = root_of() if callable(root_of) else None
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    root_names = tuple(getattr(root, "mesh_dim_names", None) or ()) if root is not None else ()
+    if root is None or root is mesh or not names or not set(names) <= set(root_names):
+        return None
+    dropped = [n for n in root_names if n not in names]
+    if not dropped or any(n not in _REPLICATED_DIMS for n in dropped):
+        return None  # siblings across an ep (or any other) dim hold other tensors
+    return root
+
+
+def _sibling_coordinate(mesh: Any, rank: int) -> list[int] | None:
+    root = sibling_root(mesh)
+    if root is None:
+        return None
+    names, root_names = tuple(mesh.mesh_dim_names), tuple(root.mesh_dim_names)
+    where = (root.mesh == rank).nonzero()
+    if not where.numel():
+        return None
+    coordinate = [int(c) for c in where[0].tolist()]
+    return [coordinate[root_names.index(n)] for n in names]
+
+
+def _cut_order(placements: Sequence[Any]) -> list[int]:
+    """Mesh dims in the order their cuts apply: plain placements left to right, then the
+    strided ones right to left (they were cut after the dims to their right)."""
+    strided = [i for i, p in enumerate(placements) if is_strided(p)]
+    plain = [i for i in range(len(placements)) if i not in strided]
+    return plain + strided[::-1]
+
+
+def is_strided(placement: Any) -> bool:
+    return type(placement).__name__ == "_StridedShard"
+
+
+def supported(placement: Any) -> bool:
+    """A placement :func:`shard_of` can cut."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return type(placement) in (Shard, Replicate) or is_strided(placement)
 
 
 def local_shape(
@@ -29,7 +86,10 @@ def local_shape(
     from torch.distributed.tensor import Replicate
 
     dims = [int(d) for d in shape]
-    for size, coord, placement in zip(mesh_shape, coordinate, placements, strict=True):
+    if not len(mesh_shape) == len(coordinate) == len(placements):
+        raise ValueError("placements, mesh shape and coordinate differ in length")
+    for i in _cut_order(placements):
+        size, coord, placement = mesh_shape[i], coordinate[i], placements[i]
         if isinstance(placement, Replicate):
             continue
         dim = placement.dim % max(len(dims), 1)
@@ -69,13 +129,16 @@ def shard_of(
 ) -> torch.Tensor:
     """``Shard(d)`` on mesh dim i keeps ``torch.chunk(t, mesh_shape[i], d)[coordinate[i]]``, or an
     empty slice when the coordinate is past the last chunk (as FSDP2 and DTensor do)."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
 
     tensor = full
-    for size, coord, placement in zip(mesh_shape, coordinate, placements, strict=True):
+    if not len(mesh_shape) == len(coordinate) == len(placements):
+        raise ValueError("placements, mesh shape and coordinate differ in length")
+    for i in _cut_order(placements):
+        size, coord, placement = mesh_shape[i], coordinate[i], placements[i]
         if isinstance(placement, Replicate):
             continue
-        if not isinstance(placement, Shard):
+        if not supported(placement):
             raise ValueError(f"placement {placement} is not supported by verify")
         dim = placement.dim % max(tensor.dim(), 1)
         chunks = torch.chunk(tensor, size, dim)
