@@ -45,3 +45,43 @@ def raises_on_rank_1(ctx):
 
 def not_a_model(ctx):
     return 42
+
+
+def tp_skipped_on_rank_3(ctx):
+    """FSDP2 x TP on ``ctx.mesh`` (dp_shard, tp) as the example builds it, except that rank 3
+    leaves layer 0's down_proj out of its TP plan: FSDP2 then shards that weight over dp_shard
+    alone on rank 3 (other placements, another mesh) and over (dp_shard, tp) everywhere else."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = ctx.mesh
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,  # both split over tp=2
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    for i, layer in enumerate(model.model.layers):
+        plan = {
+            **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+        if ctx.rank == 3 and i == 0:
+            del plan["mlp.down_proj"]
+        # Each rank's own values (no scatter): rank 3's plan issues fewer collectives.
+        parallelize_module(layer, mesh["tp"], plan, src_data_rank=None)
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    return model
