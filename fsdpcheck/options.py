@@ -41,11 +41,6 @@ class AuditOptions(BuildSpec):
     tp: int | None = None  # --tp N: the model's own TP plan over N ranks, FSDP2 over the rest
     ep: int | None = None  # --ep N: expert parallel over N ranks (refused: see model/parallel.py)
 
-    def mesh_spec(self, world_size: int) -> MeshSpec | None:
-        """The mesh to build on ``world_size`` ranks (None: 1-D over all); raises ValueError
-        with a one-paragraph :func:`mesh_problem`."""
-        return resolve_mesh(self.mesh, self.mesh_dims, tp=self.tp, ep=self.ep, world=world_size)
-
     @property
     def build_spec(self) -> BuildSpec:
         """Just the fields that say how to build the model (what a child job is handed)."""
@@ -229,7 +224,17 @@ def _named_problem(
             f"{flags} with --mesh {','.join(map(str, mesh))}: sizes alone say replicate, shard; "
             f"name the dims instead ({_NAMED_EXAMPLE} with --tp 2), or drop --mesh."
         )
+    if len(names) != len(mesh) or len(set(names)) != len(names):
+        return (
+            f"mesh dims {', '.join(names)} for sizes {','.join(map(str, mesh))}: give one "
+            f"distinct name per size ({_NAMED_EXAMPLE})."
+        )
     given = ",".join(f"{n}={d}" for n, d in zip(names, mesh, strict=True))
+    if unknown := [n for n in names if n not in MESH_DIMS]:
+        return (
+            f"--mesh {given}: no dim {unknown[0]!r}; fsdpcheck builds {', '.join(MESH_DIMS)} "
+            f"(torchtitan's names), {_NAMED_EXAMPLE}."
+        )
     if "dp_shard" not in names:
         return (
             f"--mesh {given}: no dp_shard dim, and fsdpcheck shards with FSDP2 over dp_shard "
