@@ -13,10 +13,7 @@ from typing import Any
 
 import torch
 
-# Dims across which a sub-mesh's siblings hold the same tensor: a parameter that tensor
-# parallelism left alone is replicated over tp, so FSDP2 shards it over the data dims alone and
-# each TP rank's copy lives on its own sibling sub-mesh.
-_REPLICATED_DIMS = ("tp",)
+from fsdpcheck.model.parallel import sibling_root
 
 
 def mesh_coordinate(mesh: Any, rank: int) -> list[int] | None:
@@ -27,21 +24,6 @@ def mesh_coordinate(mesh: Any, rank: int) -> list[int] | None:
     if where.numel():
         return [int(c) for c in where[0].tolist()]
     return _sibling_coordinate(mesh, rank)
-
-
-def sibling_root(mesh: Any) -> Any:
-    """The root mesh of which ``mesh`` is one of several siblings across tp dims, each holding
-    the same tensor; None when ``mesh`` has no such siblings."""
-    root_of = getattr(mesh, "_get_root_mesh", None)  # private API: no sibling without it
-    root = root_of() if callable(root_of) else None
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    root_names = tuple(getattr(root, "mesh_dim_names", None) or ()) if root is not None else ()
-    if root is None or root is mesh or not names or not set(names) <= set(root_names):
-        return None
-    dropped = [n for n in root_names if n not in names]
-    if not dropped or any(n not in _REPLICATED_DIMS for n in dropped):
-        return None  # siblings across an ep (or any other) dim hold other tensors
-    return root
 
 
 def _sibling_coordinate(mesh: Any, rank: int) -> list[int] | None:

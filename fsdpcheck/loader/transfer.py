@@ -17,14 +17,9 @@ from torch import nn
 
 from fsdpcheck.distributed.wire import transport_device
 from fsdpcheck.loader.names import state_dict_names
-from fsdpcheck.loader.shards import (
-    local_shape,
-    mesh_coordinate,
-    shard_of,
-    sibling_root,
-    supported,
-)
+from fsdpcheck.loader.shards import local_shape, mesh_coordinate, shard_of, supported
 from fsdpcheck.model.fingerprint import dtype_name
+from fsdpcheck.model.parallel import sibling_root
 from fsdpcheck.records import short_digest
 from fsdpcheck.text import int_ranges, ranks_label
 from fsdpcheck.vocab import LoadMethod

@@ -22,6 +22,12 @@ from fsdpcheck.options import DATA_DIMS
 
 log = logging.getLogger(__name__)
 
+# Dims across which a sub-mesh's siblings hold the same tensor: a parameter that tensor
+# parallelism left alone is replicated over tp, so FSDP2 shards it over the data dims alone and
+# each TP rank's copy lives on its own sibling sub-mesh.
+_REPLICATED_DIMS = ("tp",)
+
+
 # Replicated styles: every TP rank keeps the whole tensor, so FSDP2 over the data dims alone.
 _REPLICATED = ("replicate", "replicated_with_grad_allreduce")
 
@@ -40,6 +46,21 @@ def _styles() -> dict[str, Callable[[], Any]]:
         "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
         "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     }
+
+
+def sibling_root(mesh: Any) -> Any:
+    """The root mesh of which ``mesh`` is one of several siblings across tp dims, each holding
+    the same tensor; None when ``mesh`` has no such siblings."""
+    root_of = getattr(mesh, "_get_root_mesh", None)  # private API: no sibling without it
+    root = root_of() if callable(root_of) else None
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    root_names = tuple(getattr(root, "mesh_dim_names", None) or ()) if root is not None else ()
+    if root is None or root is mesh or not names or not set(names) <= set(root_names):
+        return None
+    dropped = [n for n in root_names if n not in names]
+    if not dropped or any(n not in _REPLICATED_DIMS for n in dropped):
+        return None  # siblings across an ep (or any other) dim hold other tensors
+    return root
 
 
 def tp_size(mesh: Any) -> int:

@@ -24,6 +24,11 @@ AUDITS = {
         "builder": "tests/workers/builders.py:tp_skipped_on_rank_3",
         **TP_MESH,
     },
+    "tp-plain-builder": {"builder": "tests/workers/builders.py:plain_for_tp", "tp": 2},
+    "tp-norm-drift-on-rank-1": {
+        "builder": "tests/workers/builders.py:norm_drift_on_rank_1",
+        "tp": 2,
+    },
     "tp-no-plan": {"tp": 2, "model": "hazard"},
     "tp-splits-no-head": {"tp": 4},
     "ep-no-plan": {"ep": 2},
@@ -136,6 +141,19 @@ def test_one_rank_that_leaves_a_module_out_of_its_tp_plan_is_a_placement_finding
         [3],
         ["model.layers.0.mlp.down_proj.weight"],
     )
+
+
+def test_a_tp_replicated_norm_that_differs_on_one_tp_rank_is_named_against_every_rank(
+    meshes: dict,
+) -> None:
+    # Each TP rank's norm lives on its own dp_shard sub-mesh after wrapping; they are one tensor.
+    clean = _audit(meshes, "tp-plain-builder")
+    assert clean["exit_codes"] == [0] * 4, clean["report"]["findings"]
+    assert clean["report"]["load"]["message"] == "the builder returned no state dict to load"
+    drift = _audit(meshes, "tp-norm-drift-on-rank-1")
+    assert drift["exit_codes"] == [1] * 4
+    assert _findings(drift["report"]) == [("value", [1], 0, ["model.norm.weight"], [0, 1, 2, 3])]
+    assert drift["report"]["findings"][0]["snapshot"] == "pre-wrap"
 
 
 def test_tp_and_ep_a_model_cannot_take_are_bad_input_on_every_rank(meshes: dict) -> None:
