@@ -91,7 +91,14 @@ def run_audit(
     rank 0 with the finished report *before* the other ranks are released: launchers such as
     torchrun stop every rank as soon as one exits non-zero, so the report must be out first.
     """
-    ctx = distributed.init(options.backend, options.timeout, mesh_shape=options.mesh)
+    ctx = distributed.init(
+        options.backend,
+        options.timeout,
+        mesh_shape=options.mesh,
+        mesh_names=options.mesh_dims,
+        tp=options.tp,
+        ep=options.ep,
+    )
     try:
         if preflight is not None:
             refused = _preflight(options, ctx, preflight, publish)
@@ -181,7 +188,7 @@ def check_model(
 
 
 def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch) -> AuditResult:
-    from fsdpcheck.model import build, wrap
+    from fsdpcheck.model import build, parallel, wrap
     from fsdpcheck.model.builder import wrapped as is_wrapped
     from fsdpcheck.model.rank_state import look, rank_record
 
@@ -226,7 +233,9 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         with torch_threads(threads):
             stages.run(
                 Stage.WRAP,
-                lambda: wrap.apply(targets.modules, ctx.mesh, cpu_offload=options.cpu_offload),
+                lambda: parallel.shard(
+                    built.model, targets.modules, ctx.mesh, cpu_offload=options.cpu_offload
+                ),
             )
     post = stages.run(
         Stage.FINGERPRINT_POST,
@@ -398,7 +407,7 @@ def _from_builder(options: AuditOptions, ctx: distributed.DistContext) -> BuiltM
     from fsdpcheck.model.builder import BuildContext, builder_info, call_builder
 
     assert options.builder is not None
-    mesh = ctx.mesh if options.mesh else None
+    mesh = ctx.mesh if options.mesh or options.tp or options.ep else None
     context = BuildContext(ctx.rank, ctx.world_size, ctx.local_rank, ctx.device, mesh)
     answer = call_builder(options.builder, context)
     model = answer.model

@@ -144,7 +144,22 @@ def audit(
         "first that differs, and NaN or Inf after the step.",
     ),
     mesh: str | None = typer.Option(
-        None, help="REPLICATE,SHARD for HSDP (a 2-D mesh whose product is the world size)."
+        None,
+        help="REPLICATE,SHARD for HSDP (a 2-D mesh whose product is the world size), or named "
+        "dims (torchtitan's: dp_replicate, dp_shard, ep, tp), e.g. dp_replicate=2,dp_shard=2,"
+        "tp=2; a builder gets it as ctx.mesh.",
+    ),
+    tp: int | None = typer.Option(
+        None,
+        min=1,
+        help="Apply the model's own transformers tensor-parallel plan over N ranks (the mesh's "
+        "tp dim), then FSDP2 over the data dims; alone, the mesh is dp_shard=WORLD/N,tp=N.",
+    ),
+    ep: int | None = typer.Option(
+        None,
+        min=1,
+        help="Expert parallel over N ranks (the mesh's ep dim); fsdpcheck cannot apply "
+        "transformers' EP plans itself yet: use it with a --builder that does.",
     ),
     cpu_offload: bool = typer.Option(
         False,
@@ -199,7 +214,7 @@ def audit(
         timeout=timeout,
         wrap_classes=tuple(wrap_class),
         min_params=min_params,
-        mesh=_parse_mesh(mesh),
+        **_mesh_fields(mesh, tp, ep),
         cpu_offload=cpu_offload,
         load=load,
         reproduce=reproduce,
@@ -360,19 +375,22 @@ def _build_fields(
     }
 
 
-def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
-    if not text:
-        return None
-    from fsdpcheck.options import mesh_problem
+def _mesh_fields(text: str | None, tp: int | None, ep: int | None) -> dict[str, Any]:
+    """``--mesh``, ``--tp``, ``--ep`` as ``AuditOptions`` fields; what the world size alone can
+    tell is checked on every rank once it is known."""
+    from fsdpcheck.options import parse_mesh, resolve_mesh
 
     try:
-        mesh = tuple(int(part) for part in text.replace("x", ",").split(","))
-    except ValueError:
-        raise typer.BadParameter(f"{text!r}: expected REPLICATE,SHARD, e.g. 2,4") from None
-    problem = mesh_problem(mesh)
-    if problem:
-        raise typer.BadParameter(problem)
-    return mesh
+        spec = parse_mesh(text) if text else None
+        resolve_mesh(spec.sizes if spec else None, spec.names if spec else None, tp=tp, ep=ep)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--mesh'" if text else None) from None
+    return {
+        "mesh": spec.sizes if spec else None,
+        "mesh_dims": spec.names if spec else None,
+        "tp": tp,
+        "ep": ep,
+    }
 
 
 def _stdout() -> Console:

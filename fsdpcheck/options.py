@@ -38,6 +38,9 @@ class AuditOptions(BuildSpec):
     step: bool = False  # after the load: one synthetic training step under the collective watch
     builder: str | None = None  # MODULE:FUNCTION or FILE.py:FUNCTION builds the model (not --model)
     resume: str | None = None  # a DCP checkpoint directory every rank loads after wrapping
+    mesh_dims: tuple[str, ...] | None = None  # --mesh's dim names (MESH_DIMS), one per size
+    tp: int | None = None  # --tp N: the model's own TP plan over N ranks, FSDP2 over the rest
+    ep: int | None = None  # --ep N: expert parallel over N ranks (refused: see model/parallel.py)
 
     @property
     def build_spec(self) -> BuildSpec:
@@ -78,17 +81,39 @@ def child_collective_timeout(job_timeout: float) -> float:
     return max(2.0, 0.5 * job_timeout)
 
 
-def mesh_problem(mesh: tuple[int, ...], world_size: int | None = None) -> str:
+def mesh_problem(
+    mesh: tuple[int, ...],
+    world_size: int | None = None,
+    *,
+    names: tuple[str, ...] | None = None,
+    tp: int | None = None,
+    ep: int | None = None,
+) -> str:
     """What is wrong with ``--mesh`` (one paragraph), or "" when it is a mesh fsdpcheck builds:
-    one size (FSDP over every rank) or REPLICATE,SHARD (HSDP), positive, and, once the world
-    size is known, covering exactly every rank."""
-    given = ",".join(map(str, mesh))
+    one size (FSDP over every rank) or REPLICATE,SHARD (HSDP), or named dims (:data:`MESH_DIMS`,
+    with ``dp_shard``), positive, and, once the world size is known, covering exactly every
+    rank; ``--tp`` / ``--ep`` must match its ``tp`` / ``ep`` dim."""
+    if names is not None or tp or ep:
+        problem = _named_problem(mesh, names, tp=tp, ep=ep)
+        if problem:
+            return problem
+    given = (
+        ",".join(f"{n}={d}" for n, d in zip(names, mesh, strict=True))
+        if names
+        else ",".join(map(str, mesh))
+    )
+    if names:
+        return _size_problem(given, mesh, world_size, _NAMED_EXAMPLE)
     example = "pass REPLICATE,SHARD whose product is the world size (e.g. --mesh 2,4 on 8 ranks)"
     if not 1 <= len(mesh) <= 2:
         return (
             f"--mesh {given}: {len(mesh)} sizes, but fsdpcheck builds a mesh of one dim (FSDP) or "
             f"two (HSDP: replicate, shard); {example}, or omit --mesh."
         )
+    return _size_problem(given, mesh, world_size, example)
+
+
+def _size_problem(given: str, mesh: tuple[int, ...], world_size: int | None, example: str) -> str:
     bad = [d for d in mesh if d < 1]
     if bad:
         return (
@@ -103,4 +128,125 @@ def mesh_problem(mesh: tuple[int, ...], world_size: int | None = None) -> str:
             f"--mesh {given} covers {product} ranks but WORLD_SIZE is {world_size}; {example}, "
             "or omit --mesh."
         )
+    return ""
+
+
+# torchtitan's dim names, outermost first: tp innermost, so TP peers are neighbouring ranks.
+MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "tp")
+DATA_DIMS = ("dp_replicate", "dp_shard")  # what FSDP2 shards over (both: HSDP)
+_NAMED_EXAMPLE = "e.g. --mesh dp_replicate=2,dp_shard=2,tp=2 on 8 ranks"
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """The DeviceMesh to build: sizes, and their dim names (None: positional, 1-D or HSDP)."""
+
+    sizes: tuple[int, ...]
+    names: tuple[str, ...] | None = None
+
+
+def parse_mesh(text: str) -> MeshSpec:
+    """``--mesh``: ``2,4`` (REPLICATE,SHARD) or ``dp_shard=2,tp=2`` (named, laid out in
+    :data:`MESH_DIMS` order whatever order they are given in); ValueError with one paragraph."""
+    parts = [p.strip() for p in text.replace("x", ",").split(",")] if "=" not in text else None
+    if parts is not None:
+        try:
+            return MeshSpec(tuple(int(p) for p in parts))
+        except ValueError:
+            raise ValueError(
+                f"--mesh {text}: expected REPLICATE,SHARD (e.g. 2,4) or named dims "
+                f"({_NAMED_EXAMPLE}); dim names: {', '.join(MESH_DIMS)}."
+            ) from None
+    named: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, size = (s.strip() for s in part.partition("="))
+        if not sep or not size.lstrip("-").isdigit():
+            raise ValueError(
+                f"--mesh {text}: {part.strip()!r} is not NAME=SIZE; name every dim "
+                f"({_NAMED_EXAMPLE}), or give sizes only (REPLICATE,SHARD)."
+            )
+        if name not in MESH_DIMS:
+            raise ValueError(
+                f"--mesh {text}: no dim {name!r}; fsdpcheck builds {', '.join(MESH_DIMS)} "
+                f"(torchtitan's names), {_NAMED_EXAMPLE}."
+            )
+        if name in named:
+            raise ValueError(f"--mesh {text}: {name} is given twice; give each dim once.")
+        named[name] = int(size)
+    order = tuple(n for n in MESH_DIMS if n in named)
+    return MeshSpec(tuple(named[n] for n in order), order)
+
+
+def resolve_mesh(
+    sizes: tuple[int, ...] | None,
+    names: tuple[str, ...] | None,
+    *,
+    tp: int | None = None,
+    ep: int | None = None,
+    world: int | None = None,
+) -> MeshSpec | None:
+    """The mesh ``--mesh``, ``--tp`` and ``--ep`` ask for together (``--tp N`` alone: data dims
+    world/N, tp N); ValueError with :func:`mesh_problem`'s paragraph when they do not fit."""
+    if not sizes and not (tp or ep):
+        return None
+    if not sizes:
+        asked = {"tp": tp, "ep": ep}
+        rest = 1
+        for n in asked.values():
+            rest *= n or 1
+        if world is not None and (rest < 1 or world % rest):
+            flags = " ".join(f"--{k} {v}" for k, v in asked.items() if v)
+            raise ValueError(
+                f"{flags}: {rest} ranks per data-parallel group do not divide WORLD_SIZE "
+                f"{world}; pick sizes whose product divides {world}, or give the whole mesh "
+                f"({_NAMED_EXAMPLE})."
+            )
+        order = ("dp_shard", *(k for k in ("ep", "tp") if asked[k]))
+        spec = MeshSpec(
+            ((world or rest) // rest, *(asked[k] for k in ("ep", "tp") if asked[k])), order
+        )
+    else:
+        spec = MeshSpec(tuple(sizes), tuple(names) if names else None)
+    problem = mesh_problem(spec.sizes, world, names=spec.names, tp=tp, ep=ep)
+    if problem:
+        raise ValueError(problem)
+    return spec
+
+
+def _named_problem(
+    mesh: tuple[int, ...], names: tuple[str, ...] | None, *, tp: int | None, ep: int | None
+) -> str:
+    for flag, size in (("--tp", tp), ("--ep", ep)):
+        if size is not None and size < 1:
+            return f"{flag} {size}: give a positive number of ranks, or omit {flag}."
+    if names is None:
+        flags = " ".join(f"{f} {v}" for f, v in (("--tp", tp), ("--ep", ep)) if v)
+        return (
+            f"{flags} with --mesh {','.join(map(str, mesh))}: sizes alone say replicate, shard; "
+            f"name the dims instead ({_NAMED_EXAMPLE} with --tp 2), or drop --mesh."
+        )
+    if len(names) != len(mesh) or len(set(names)) != len(names):
+        return (
+            f"mesh dims {', '.join(names)} for sizes {','.join(map(str, mesh))}: give one "
+            f"distinct name per size ({_NAMED_EXAMPLE})."
+        )
+    given = ",".join(f"{n}={d}" for n, d in zip(names, mesh, strict=True))
+    if unknown := [n for n in names if n not in MESH_DIMS]:
+        return (
+            f"--mesh {given}: no dim {unknown[0]!r}; fsdpcheck builds {', '.join(MESH_DIMS)} "
+            f"(torchtitan's names), {_NAMED_EXAMPLE}."
+        )
+    if "dp_shard" not in names:
+        return (
+            f"--mesh {given}: no dp_shard dim, and fsdpcheck shards with FSDP2 over dp_shard "
+            f"(with dp_replicate: HSDP); add dp_shard=N (1 for none), {_NAMED_EXAMPLE}."
+        )
+    sizes = dict(zip(names, mesh, strict=True))
+    for flag, dim, size in (("--tp", "tp", tp), ("--ep", "ep", ep)):
+        if size and sizes.get(dim) != size:
+            has = f"{dim}={sizes[dim]}" if dim in sizes else f"no {dim} dim"
+            return (
+                f"{flag} {size} with --mesh {given}: the mesh has {has}; give {dim}={size} in "
+                f"--mesh, or drop {flag} (the mesh's {dim} dim says it)."
+            )
     return ""

@@ -61,6 +61,7 @@ INFORMATIONAL = frozenset(
         "MeshRecord.ranks",
         "MeshRecord.coordinate",
         "MeshRecord.dim_names",
+        "MeshRecord.family",  # which meshes are TP siblings: who is compared, as shard_key
         # Where a rank built from: a child job standing for the rank builds the same; per-node
         # paths differ by design, and what the files hold is compared (config, tensors).
         "SourceRecord.model",
@@ -276,6 +277,9 @@ class MeshRecord:
     ranks: tuple[int, ...]  # ``mesh.mesh`` flattened, row-major: the global ranks
     coordinate: tuple[int, ...] | None = None  # this rank's place (None: not on this mesh)
     dim_names: tuple[str, ...] | None = None
+    # Equal on each TP rank's sibling sub-mesh (the same data dims of one root mesh, across tp):
+    # they hold the same tensor, cut alike. None: the mesh has no such siblings.
+    family: str | None = None
 
 
 @dataclass(frozen=True)

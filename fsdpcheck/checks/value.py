@@ -10,6 +10,8 @@ ranks, :class:`MeshRecord`) and the DTensors' placements, never from shapes alon
   wrapping) must agree among ranks whose DTensors live on the same set of meshes: every rank
   for FSDP2 over all ranks or one HSDP mesh, each group's ranks where each group of ranks runs
   FSDP2 over its own sub-mesh (expert or pipeline groups), every rank where none holds a DTensor.
+  Each TP rank's sibling sub-mesh (``MeshRecord.family``: the data dims of one root mesh, across
+  tp) counts as one mesh: what tensor parallelism left whole is one tensor on every TP rank.
 
 The keys that say so (:func:`replica_keys`) travel in each rank's gather slot. Tensors on
 ``meta`` have no values and are never compared.
@@ -69,10 +71,12 @@ def replica_keys(
         mesh = by_id.get(t.mesh) if t.mesh is not None else None
         if mesh is None or t.placements is None:
             continue
-        on.add(mesh.id)
+        # TP ranks' sibling sub-meshes hold the same tensor: one mesh, for who is compared.
+        key = mesh.family or mesh.id
+        on.add(key)
         dims = tuple(i for i, p in enumerate(t.placements) if p not in _REPLICATE)
         if dims and mesh.coordinate is not None:
-            places.add((mesh.id, dims, tuple(mesh.coordinate[i] for i in dims)))
+            places.add((key, dims, tuple(mesh.coordinate[i] for i in dims)))
     shard = short_digest(repr(sorted(places))) if places else None
     peers = short_digest(repr(sorted(on))) if on else None
     return shard, peers

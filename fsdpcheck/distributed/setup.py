@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fsdpcheck.distributed import launcher
 from fsdpcheck.errors import InputError
-from fsdpcheck.options import mesh_problem
+from fsdpcheck.options import MeshSpec, resolve_mesh
 from fsdpcheck.vocab import Backend
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,13 @@ def resolve_backend(requested: str) -> Backend:
 
 
 def init(
-    backend: str = "auto", timeout: float = 60.0, *, mesh_shape: tuple[int, ...] | None = None
+    backend: str = "auto",
+    timeout: float = 60.0,
+    *,
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_names: tuple[str, ...] | None = None,
+    tp: int | None = None,
+    ep: int | None = None,
 ) -> DistContext:
     """Join (or reuse) the default process group, create the gloo side channel and the mesh.
 
@@ -79,7 +85,8 @@ def init(
         found = launcher.detect(os.environ)
         rank, local_rank, world_size = found.rank, found.local_rank, found.world_size
         backend = resolve_backend(backend).value
-    shape = _mesh_shape(mesh_shape, world_size, rank)
+    asked = {"requested": mesh_shape, "names": mesh_names, "tp": tp, "ep": ep}
+    spec = _mesh_spec(world_size=world_size, rank=rank, **asked)
     device_type = "cuda" if backend == "nccl" else "cpu"
     if device_type == "cuda" and owns:
         devices = torch.cuda.device_count()
@@ -100,15 +107,15 @@ def init(
     else:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())
-        shape = _mesh_shape(mesh_shape, world_size, rank)
+        spec = _mesh_spec(world_size=world_size, rank=rank, **asked)
     side_channel = dist.new_group(backend="gloo", timeout=wait)
     # Every rank builds the mesh here, before any stage can fail, because building a 2-D mesh
     # is itself a collective.
     from torch.distributed.device_mesh import init_device_mesh
 
-    names = ("replicate", "shard") if len(shape) == 2 else None
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    log.info("rank %d of %d on %s, mesh %s", rank, world_size, backend, shape)
+    names = spec.names or (("replicate", "shard") if len(spec.sizes) == 2 else None)
+    mesh = init_device_mesh(device_type, spec.sizes, mesh_dim_names=names)
+    log.info("rank %d of %d on %s, mesh %s %s", rank, world_size, backend, spec.sizes, names)
     return DistContext(
         rank=rank,
         local_rank=local_rank,
@@ -123,13 +130,20 @@ def init(
     )
 
 
-def _mesh_shape(requested: tuple[int, ...] | None, world_size: int, rank: int) -> tuple[int, ...]:
-    if not requested:
-        return (world_size,)
-    problem = mesh_problem(tuple(requested), world_size)
-    if problem:
-        raise InputError(f"rank {rank}: {problem}")
-    return tuple(requested)
+def _mesh_spec(
+    requested: tuple[int, ...] | None,
+    names: tuple[str, ...] | None,
+    tp: int | None,
+    ep: int | None,
+    *,
+    world_size: int,
+    rank: int,
+) -> MeshSpec:
+    try:
+        spec = resolve_mesh(requested, names, tp=tp, ep=ep, world=world_size)
+    except ValueError as exc:
+        raise InputError(f"rank {rank}: {exc}") from None
+    return spec or MeshSpec((world_size,))
 
 
 def _init_default_group(

@@ -1,7 +1,9 @@
 """Shard arithmetic: which part of a full tensor each rank of a DTensor mesh holds.
 
 ``Shard(d)`` on mesh dim i keeps chunk ``coordinate[i]`` of ``torch.chunk(t, mesh_shape[i], d)``,
-as FSDP2 and DTensor cut it; ``Replicate()`` keeps the whole dim.
+as FSDP2 and DTensor cut it; ``Replicate()`` keeps the whole dim. ``_StridedShard(d)`` (FSDP2 over
+a tensor-parallel DTensor: TP cut it first, then FSDP2 cut TP's local piece) is cut after every
+plain ``Shard``, innermost mesh dim first.
 """
 
 from __future__ import annotations
@@ -11,11 +13,48 @@ from typing import Any
 
 import torch
 
+from fsdpcheck.model.parallel import sibling_root
+
 
 def mesh_coordinate(mesh: Any, rank: int) -> list[int] | None:
-    """``rank``'s position in ``mesh``, one index per mesh dim; ``None`` if it is not there."""
+    """``rank``'s position in ``mesh``, one index per mesh dim, or on its sibling sub-mesh (the
+    same dims of the same root mesh, across a tp dim) where ``rank`` holds the same tensor;
+    ``None`` if it is in neither."""
     where = (mesh.mesh == rank).nonzero()
-    return [int(c) for c in where[0].tolist()] if where.numel() else None
+    if where.numel():
+        return [int(c) for c in where[0].tolist()]
+    return _sibling_coordinate(mesh, rank)
+
+
+def _sibling_coordinate(mesh: Any, rank: int) -> list[int] | None:
+    root = sibling_root(mesh)
+    if root is None:
+        return None
+    names, root_names = tuple(mesh.mesh_dim_names), tuple(root.mesh_dim_names)
+    where = (root.mesh == rank).nonzero()
+    if not where.numel():
+        return None
+    coordinate = [int(c) for c in where[0].tolist()]
+    return [coordinate[root_names.index(n)] for n in names]
+
+
+def _cut_order(placements: Sequence[Any]) -> list[int]:
+    """Mesh dims in the order their cuts apply: plain placements left to right, then the
+    strided ones right to left (they were cut after the dims to their right)."""
+    strided = [i for i, p in enumerate(placements) if is_strided(p)]
+    plain = [i for i in range(len(placements)) if i not in strided]
+    return plain + strided[::-1]
+
+
+def is_strided(placement: Any) -> bool:
+    return type(placement).__name__ == "_StridedShard"
+
+
+def supported(placement: Any) -> bool:
+    """A placement :func:`shard_of` can cut."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return type(placement) in (Shard, Replicate) or is_strided(placement)
 
 
 def local_shape(
@@ -29,7 +68,10 @@ def local_shape(
     from torch.distributed.tensor import Replicate
 
     dims = [int(d) for d in shape]
-    for size, coord, placement in zip(mesh_shape, coordinate, placements, strict=True):
+    if not len(mesh_shape) == len(coordinate) == len(placements):
+        raise ValueError("placements, mesh shape and coordinate differ in length")
+    for i in _cut_order(placements):
+        size, coord, placement = mesh_shape[i], coordinate[i], placements[i]
         if isinstance(placement, Replicate):
             continue
         dim = placement.dim % max(len(dims), 1)
@@ -69,13 +111,16 @@ def shard_of(
 ) -> torch.Tensor:
     """``Shard(d)`` on mesh dim i keeps ``torch.chunk(t, mesh_shape[i], d)[coordinate[i]]``, or an
     empty slice when the coordinate is past the last chunk (as FSDP2 and DTensor do)."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
 
     tensor = full
-    for size, coord, placement in zip(mesh_shape, coordinate, placements, strict=True):
+    if not len(mesh_shape) == len(coordinate) == len(placements):
+        raise ValueError("placements, mesh shape and coordinate differ in length")
+    for i in _cut_order(placements):
+        size, coord, placement = mesh_shape[i], coordinate[i], placements[i]
         if isinstance(placement, Replicate):
             continue
-        if not isinstance(placement, Shard):
+        if not supported(placement):
             raise ValueError(f"placement {placement} is not supported by verify")
         dim = placement.dim % max(tensor.dim(), 1)
         chunks = torch.chunk(tensor, size, dim)

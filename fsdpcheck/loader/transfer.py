@@ -17,8 +17,9 @@ from torch import nn
 
 from fsdpcheck.distributed.wire import transport_device
 from fsdpcheck.loader.names import state_dict_names
-from fsdpcheck.loader.shards import local_shape, mesh_coordinate, shard_of
+from fsdpcheck.loader.shards import local_shape, mesh_coordinate, shard_of, supported
 from fsdpcheck.model.fingerprint import dtype_name
+from fsdpcheck.model.parallel import sibling_root
 from fsdpcheck.records import short_digest
 from fsdpcheck.text import int_ranges, ranks_label
 from fsdpcheck.vocab import LoadMethod
@@ -150,8 +151,15 @@ def bucketed_info(
 
 
 def _mesh_key(mesh: Any) -> tuple[Any, ...]:
+    """Equal on every rank whose shards are cut alike: one mesh, or sibling sub-mesh across tp
+    (then its root's ranks and the sub-mesh's dims: :func:`mesh_coordinate` finds each rank)."""
+    shape = tuple(int(d) for d in mesh.mesh.shape)
+    sibling = sibling_root(mesh)
+    if sibling is not None:
+        ranks = tuple(int(r) for r in sibling.mesh.reshape(-1).tolist())
+        return (str(mesh.device_type), shape, ranks, tuple(mesh.mesh_dim_names))
     ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
-    return (str(mesh.device_type), tuple(int(d) for d in mesh.mesh.shape), ranks)
+    return (str(mesh.device_type), shape, ranks)
 
 
 def _shard_problems(
@@ -162,10 +170,8 @@ def _shard_problems(
     outside: list[int],
     coordinate: list[int] | None,
 ) -> list[str]:
-    from torch.distributed.tensor import Replicate, Shard
-
     mesh_shape = mesh_key[1]
-    unsupported = [p for p in spec.placements if type(p) not in (Shard, Replicate)]
+    unsupported = [p for p in spec.placements if not supported(p)]
     if unsupported:
         return [f"{spec.name} is placed as {unsupported[0]} (only Shard and Replicate are moved)"]
     if len(spec.placements) != len(mesh_shape):

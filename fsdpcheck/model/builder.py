@@ -46,7 +46,9 @@ class BuildContext:
     world_size: int
     local_rank: int
     device: Any  # torch.device: this rank's
-    mesh: Any = None  # the --mesh as a DeviceMesh (dims "replicate", "shard"), or None
+    # The --mesh (or --tp / --ep) as a DeviceMesh, or None: dims "replicate", "shard" for the
+    # positional form, else the names given (dp_replicate, dp_shard, ep, tp).
+    mesh: Any = None
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,18 @@ def mesh_record(mesh: object) -> MeshRecord:
         ranks=ranks,
         coordinate=tuple(coordinate) if coordinate is not None else None,
         dim_names=tuple(names) if names else None,
+        family=_family(mesh, shape, names),
     )
+
+
+def _family(mesh: object, shape: tuple[int, ...], names: object) -> str | None:
+    from fsdpcheck.model.parallel import sibling_root
+
+    root = sibling_root(mesh)
+    if root is None:
+        return None
+    root_ranks = tuple(int(r) for r in root.mesh.reshape(-1).tolist())
+    return mesh_id(shape, (*root_ranks, *names))
 
 
 def mesh_id(shape: tuple[int, ...], ranks: tuple[int, ...]) -> str:

@@ -230,11 +230,14 @@ class CollectiveWatch(TorchDispatchMode):
         )
 
     def _group(self, namespace: str, args: tuple) -> tuple[str, tuple[int, ...]]:
-        for arg in args:
+        # A functional collective names its group last: earlier strings are its reduce op
+        # ("sum", as tensor parallelism's all_reduce passes it).
+        names = [a for a in args if isinstance(a, str)] if namespace == "_c10d_functional" else []
+        for arg in (*args, *names[-1:]):
             pg = None
             if isinstance(arg, torch.ScriptObject):
                 pg = dist.ProcessGroup.unbox(arg)
-            elif namespace == "_c10d_functional" and isinstance(arg, str):
+            elif isinstance(arg, str) and names and arg is names[-1]:
                 pg = dist.distributed_c10d._resolve_process_group(arg)
             if pg is None:
                 continue

@@ -13,10 +13,37 @@ from conftest import QUIET_ENV, REPO
 from fsdpcheck.children.launch import launch
 
 MESH_CASES = ("ep", "ep-drift", "ep-collapsed", "hsdp", "hsdp-drift", "tp", "tp-drift")
+TP_EXAMPLE = "examples/builders/llama_fsdp_tp.py:build"
+TP_MESH = {"mesh": [2, 2], "mesh_dims": ["dp_shard", "tp"]}
+# Whole audits in the same 4-rank job (issue 21): named meshes, --tp, a 2-D builder, their twins.
+AUDITS = {
+    "named-hsdp": {"mesh": [2, 2], "mesh_dims": ["dp_replicate", "dp_shard"]},
+    "tp": {"tp": 2, "step": True},
+    "tp-example": {"builder": TP_EXAMPLE, **TP_MESH},
+    "tp-skipped-on-rank-3": {
+        "builder": "tests/workers/builders.py:tp_skipped_on_rank_3",
+        **TP_MESH,
+    },
+    "tp-plain-builder": {"builder": "tests/workers/builders.py:plain_for_tp", "tp": 2},
+    "tp-norm-drift-on-rank-1": {
+        "builder": "tests/workers/builders.py:norm_drift_on_rank_1",
+        "tp": 2,
+    },
+    "tp-no-plan": {"tp": 2, "model": "hazard"},
+    "tp-splits-no-head": {"tp": 4},
+    "ep-no-plan": {"ep": 2},
+}
 
 
-def _run(out: Path, ranks: int, cases: tuple[str, ...]) -> dict:
+def _run(out: Path, ranks: int, cases: tuple[str, ...], audits: dict | None = None) -> dict:
     argv = [str(REPO / "tests" / "workers" / "mesh_worker.py"), "--out", str(out)]
+    if audits:
+        specs = {
+            name: {"model": options.pop("model", "tiny-llama"), "options": options}
+            for name, options in ((n, {"timeout": 60, **o}) for n, o in audits.items())
+        }
+        (out.parent / "audits.json").write_text(json.dumps(specs))
+        argv += ["--audit-cases", str(out.parent / "audits.json")]
     result = launch(
         argv + [a for case in cases for a in ("--case", case)],
         ranks,
@@ -32,8 +59,8 @@ def _run(out: Path, ranks: int, cases: tuple[str, ...]) -> dict:
 
 @pytest.fixture(scope="module")
 def meshes(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One 4-rank job (gloo) for every mesh case: check_model once per case."""
-    return _run(tmp_path_factory.mktemp("meshes") / "reports.json", 4, MESH_CASES)
+    """One 4-rank job (gloo) for every mesh case: check_model once per case, then the audits."""
+    return _run(tmp_path_factory.mktemp("meshes") / "reports.json", 4, MESH_CASES, AUDITS)
 
 
 def _findings(report: dict) -> list[tuple]:
@@ -92,3 +119,62 @@ def test_nan_left_in_one_ranks_shard_after_the_load_is_a_finding(tmp_path: Path)
     assert finding["details"]["tensors"] == [
         {"name": "experts.down.weight", "kind": "param", "snapshot": "post-wrap", "count": 3}
     ]
+
+
+def _audit(meshes: dict, case: str) -> dict:
+    done = meshes["audits"][case]
+    report = done["report"]
+    assert report is not None, done["raised"]
+    return done | {"report": report}
+
+
+def test_a_named_hsdp_mesh_and_tp_on_four_ranks_load_and_verify_consistent(meshes: dict) -> None:
+    for case in ("named-hsdp", "tp", "tp-example"):
+        done = _audit(meshes, case)
+        report = done["report"]
+        assert done["exit_codes"] == [0] * 4, (case, report["findings"], report["errors"])
+        assert report["verdict"] == "consistent", case
+        # The sorted loader moved every TP slice of every FSDP shard; verify checked each one.
+        assert report["load"]["outcome"] == "loaded", (case, report["load"])
+        assert report["load"]["method"] == "bucketed", (case, report["load"])
+        assert report["verify"]["passed"] is True, (case, report["verify"])
+    assert "step" in _audit(meshes, "tp")["report"]["timings"]  # --step ran on the 2-D model
+
+
+def test_one_rank_that_leaves_a_module_out_of_its_tp_plan_is_a_placement_finding(
+    meshes: dict,
+) -> None:
+    done = _audit(meshes, "tp-skipped-on-rank-3")
+    assert done["exit_codes"] == [1] * 4
+    [finding] = done["report"]["findings"]
+    assert (finding["kind"], finding["ranks"], finding["tensors"]) == (
+        "param-placement",
+        [3],
+        ["model.layers.0.mlp.down_proj.weight"],
+    )
+
+
+def test_a_tp_replicated_norm_that_differs_on_one_tp_rank_is_named_against_every_rank(
+    meshes: dict,
+) -> None:
+    # Each TP rank's norm lives on its own dp_shard sub-mesh after wrapping; they are one tensor.
+    clean = _audit(meshes, "tp-plain-builder")
+    assert clean["exit_codes"] == [0] * 4, clean["report"]["findings"]
+    assert clean["report"]["load"]["message"] == "the builder returned no state dict to load"
+    drift = _audit(meshes, "tp-norm-drift-on-rank-1")
+    assert drift["exit_codes"] == [1] * 4
+    assert _findings(drift["report"]) == [("value", [1], 0, ["model.norm.weight"], [0, 1, 2, 3])]
+    assert drift["report"]["findings"][0]["snapshot"] == "pre-wrap"
+
+
+def test_tp_and_ep_a_model_cannot_take_are_bad_input_on_every_rank(meshes: dict) -> None:
+    for case, words in (
+        ("tp-no-plan", "HazardConfig has no tensor-parallel plan"),
+        ("tp-splits-no-head", "num_key_value_heads is 2, which 4 tensor-parallel ranks"),
+        ("ep-no-plan", "LlamaConfig has no expert-parallel plan"),
+    ):
+        done = _audit(meshes, case)
+        assert done["exit_codes"] == [2] * 4, (case, done["report"]["errors"])
+        errors = done["report"]["errors"]
+        assert [e["rank"] for e in errors] == [0, 1, 2, 3], case
+        assert all(words in e["message"] and e["kind"] == "input" for e in errors), errors

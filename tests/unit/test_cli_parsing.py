@@ -77,3 +77,91 @@ def test_an_unknown_choice_is_bad_usage() -> None:
     for args in (["audit", "--init", "sometimes"], ["audit", "--backend", "mpi"]):
         result = runner.invoke(app, args)
         assert result.exit_code == 2, args
+
+
+def test_a_named_mesh_is_parsed_in_torchtitans_dim_order() -> None:
+    from fsdpcheck.options import MeshSpec, parse_mesh, resolve_mesh
+
+    assert parse_mesh("tp=2,dp_replicate=2,dp_shard=2") == MeshSpec(
+        (2, 2, 2), ("dp_replicate", "dp_shard", "tp")
+    )
+    assert parse_mesh("2,4") == MeshSpec((2, 4))  # the positional form stays HSDP
+    # --tp N alone: the data dim takes the rest of the world.
+    assert resolve_mesh(None, None, tp=2, world=8) == MeshSpec((4, 2), ("dp_shard", "tp"))
+    assert resolve_mesh(None, None, ep=2, tp=2, world=8) == MeshSpec(
+        (2, 2, 2), ("dp_shard", "ep", "tp")
+    )
+    named = resolve_mesh((2, 2), ("dp_shard", "tp"), tp=2, world=4)
+    assert named == MeshSpec((2, 2), ("dp_shard", "tp"))
+    assert resolve_mesh(None, None, world=4) is None
+
+
+def test_a_named_mesh_or_tp_that_does_not_fit_is_bad_usage_that_says_why() -> None:
+    for args, why in (
+        (["--mesh", "dp_shard=2,pp=2"], "no dim 'pp'"),
+        (["--mesh", "dp_shard=2,dp_shard=2"], "dp_shard is given twice"),
+        (["--mesh", "dp_shard=2,tp"], "'tp' is not NAME=SIZE"),
+        (["--mesh", "dp_replicate=2,tp=2"], "no dp_shard dim"),
+        (["--mesh", "dp_shard=0,tp=2"], "positive number of ranks, not 0"),
+        (["--mesh", "2,2", "--tp", "2"], "sizes alone say replicate, shard"),
+        (["--mesh", "dp_shard=2,tp=4", "--tp", "2"], "the mesh has tp=4; give tp=2"),
+        (["--mesh", "dp_shard=4", "--ep", "2"], "the mesh has no ep dim"),
+        (["--tp", "0"], "greater than or equal to 1"),
+    ):
+        result = runner.invoke(app, ["audit", "--model", "tiny-llama", *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert why in _said(result), (args, _said(result))
+
+
+def test_tp_that_does_not_divide_the_world_is_refused_before_any_rendezvous() -> None:
+    import pytest
+
+    from fsdpcheck.options import resolve_mesh
+
+    with pytest.raises(ValueError, match="--tp 3: 3 ranks per data-parallel group do not divide"):
+        resolve_mesh(None, None, tp=3, world=4)
+    with pytest.raises(ValueError, match="covers 4 ranks but WORLD_SIZE is 8"):
+        resolve_mesh((2, 2), ("dp_shard", "tp"), world=8)
+
+
+def _meta(config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_the_models_own_tp_plan_maps_to_torch_styles_and_a_plan_that_cannot_is_refused() -> None:
+    import pytest
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from fsdpcheck.errors import InputError
+    from fsdpcheck.model.parallel import ep_problem, tp_plan
+    from fsdpcheck.model.presets import PRESETS
+
+    model = _meta(PRESETS["tiny-llama"].make_config())
+    plan = tp_plan(model, 2)
+    assert len(plan) == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
+    assert isinstance(plan["model.layers.1.self_attn.q_proj"], ColwiseParallel)
+    assert isinstance(plan["model.layers.0.mlp.down_proj"], RowwiseParallel)
+    with pytest.raises(InputError, match="num_attention_heads is 4, which 3 tensor-parallel"):
+        tp_plan(model, 3)
+    assert "has no expert-parallel plan" in ep_problem(model, 2)
+
+    from transformers import MixtralConfig
+
+    mixtral = MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=2,
+    )
+    moe = _meta(mixtral)
+    with pytest.raises(InputError, match="'moe_tp_experts', 'packed_colwise'"):
+        tp_plan(moe, 2)  # transformers' own MoE styles: refused, not approximated
+    said = ep_problem(moe, 2)
+    assert "ep_dispatch_experts" in said and "not supported for this model" in said

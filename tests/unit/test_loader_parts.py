@@ -191,3 +191,28 @@ def test_bad_method_and_bucket_size_are_input_errors() -> None:
         load_full_state_dict(nn.Linear(2, 2), {}, method="fast")
     with pytest.raises(InputError, match="bucket_bytes=10 is below"):
         load_full_state_dict(nn.Linear(2, 2), {}, bucket_bytes=10)
+
+
+@pytest.mark.parametrize("rows", [8, 10, 7, 3])
+def test_shard_of_cuts_fsdp2_over_tp_as_dtensor_lays_it_out(rows: int) -> None:
+    """FSDP2 over a TP DTensor: (_StridedShard(0, split_factor=tp), Shard(0)) on (dp, tp), TP's
+    cut first; torch's own offset arithmetic is the reference."""
+    import itertools
+
+    import torch
+    from torch.distributed.tensor import Shard
+
+    placement_types = pytest.importorskip("torch.distributed.tensor.placement_types")
+    utils = pytest.importorskip("torch.distributed.tensor._utils")
+    reference = getattr(utils, "_compute_local_shape_and_global_offset", None)
+    if reference is None or not hasattr(placement_types, "_StridedShard"):
+        pytest.skip("this torch has no _StridedShard")
+    from fsdpcheck.loader.shards import local_shape, shard_of
+
+    placements = [placement_types._StridedShard(0, split_factor=2), Shard(0)]
+    full = torch.arange(rows * 3).reshape(rows, 3)
+    for coordinate in itertools.product(range(2), range(2)):
+        (length, _), (offset, _) = reference((rows, 3), (2, 2), list(coordinate), placements)
+        cut = shard_of(full, placements, (2, 2), coordinate)
+        assert torch.equal(cut, full[offset : offset + length]), coordinate
+        assert local_shape((rows, 3), placements, (2, 2), coordinate) == tuple(cut.shape)

@@ -44,6 +44,22 @@ def _case(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     return {"exit_code": int(result.exit_code), "raised": None, "report": report}
 
 
+def run_cases(cases: dict[str, Any]) -> dict[str, Any]:
+    """Every case in turn on the default group; per case, every rank's exit code and what it
+    raised, and rank 0's report."""
+    done: dict[str, Any] = {}
+    for name, spec in cases.items():
+        mine = _case(spec, dist.get_rank())
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        done[name] = {
+            "exit_codes": [r["exit_code"] for r in every],
+            "raised": [r["raised"] for r in every],
+            "report": every[0]["report"],
+        }
+    return done
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -52,16 +68,7 @@ def main() -> int:
     cases = json.loads(Path(args.cases).read_text())
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    done: dict[str, Any] = {}
-    for name, spec in cases.items():
-        mine = _case(spec, rank)
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        done[name] = {
-            "exit_codes": [r["exit_code"] for r in every],
-            "raised": [r["raised"] for r in every],
-            "report": every[0]["report"],
-        }
+    done = run_cases(cases)
     if rank == 0:
         Path(args.out).write_text(json.dumps(done))
     dist.barrier()

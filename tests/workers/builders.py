@@ -5,14 +5,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def _llama(seed: int = 0) -> LlamaForCausalLM:
+def _llama(seed: int = 0, kv_heads: int = 1) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=128,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
-        num_key_value_heads=1,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=64,
     )
     torch.manual_seed(seed)
@@ -84,3 +84,48 @@ def compiled(ctx):
 def compiled_on_rank_1(ctx):
     model = _llama()
     return _compiled(model) if ctx.rank == 1 else model
+
+
+def tp_skipped_on_rank_3(ctx):
+    """FSDP2 x TP on ``ctx.mesh`` (dp_shard, tp) as the example builds it, except that rank 3
+    leaves layer 0's down_proj out of its TP plan: FSDP2 then shards that weight over dp_shard
+    alone on rank 3 (other placements, another mesh) and over (dp_shard, tp) everywhere else."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = ctx.mesh
+    model = _llama(kv_heads=2)  # both heads split over tp=2
+    for i, layer in enumerate(model.model.layers):
+        plan = {
+            **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+        if ctx.rank == 3 and i == 0:
+            del plan["mlp.down_proj"]
+        # Each rank's own values (no scatter): rank 3's plan issues fewer collectives.
+        parallelize_module(layer, mesh["tp"], plan, src_data_rank=None)
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    return model
+
+
+def plain_for_tp(ctx):
+    """The same weights on every rank, not wrapped, nothing to load: ``--tp`` shards it."""
+    return _llama(kv_heads=2)
+
+
+def norm_drift_on_rank_1(ctx):
+    """As :func:`plain_for_tp`, but rank 1 (TP rank 1 of data shard 0 on dp_shard=2,tp=2)
+    holds another final norm: tensor parallelism replicates it, so every rank must agree."""
+    model = _llama(kv_heads=2)
+    if ctx.rank == 1:
+        with torch.no_grad():
+            model.model.norm.weight.add_(0.5)
+    return model

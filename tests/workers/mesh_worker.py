@@ -14,6 +14,10 @@ into ``--out`` as ``{case: report}``:
 - ``tp-drift``: the same, then rank 1's Replicate norm differs.
 - ``nan`` (any ranks): FSDP2 over every rank, then rank 1's loader leaves NaN in its local
   shard of one weight. ``finite``: the same without the NaN (the clean twin).
+
+``--audit-cases FILE`` (tests/workers/audit_cases_worker.py's case format): after those, the same
+job runs each as a whole ``run_audit`` on this group (named meshes, ``--tp``, 2-D builders),
+rank 0's results under ``"audits"`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -118,17 +122,22 @@ CASES = {
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", action="append", required=True)
+    parser.add_argument("--case", action="append")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--audit-cases")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     reports, code = {}, 0
-    for case in args.case:
+    for case in args.case or ():
         result = fsdpcheck.check_model(CASES[case](), timeout=60)
         if result.exit_code == 3:
             code = 3
         if result.report is not None:
             reports[case] = to_dict(result.report)
+    if args.audit_cases:
+        from audit_cases_worker import run_cases  # this script's folder is on sys.path
+
+        reports["audits"] = run_cases(json.loads(Path(args.audit_cases).read_text()))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(reports))
     dist.barrier()
