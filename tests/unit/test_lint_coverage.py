@@ -52,3 +52,13 @@ def test_ruff_lints_every_tracked_python_file() -> None:
     seen = {Path(line.strip()).resolve() for line in listed.splitlines() if line.endswith(".py")}
     missed = sorted(str(p.relative_to(ROOT)) for p in _tracked_python_files() - seen)
     assert missed == [], f"ruff skips these tracked files (check its exclude): {missed}"
+
+
+def test_test_modules_have_unique_names() -> None:
+    # The test folders are no packages: pytest imports each test file by its base name, so two
+    # tests/<tier>/test_x.py stop collection of the whole suite ("import file mismatch"); a
+    # checkout with the first one's __pycache__ hides it, a clean clone does not.
+    seen: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a module name"
+        seen[path.name] = path
