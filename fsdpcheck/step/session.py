@@ -232,8 +232,17 @@ def _non_finite(model: Any, loss: float | None) -> StepNonFinite:
         floats = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
         if not floats:
             return []
-        # One flag per tensor, read back in one transfer.
-        flags = torch.stack([torch.isfinite(t).all() for _, t in floats]).cpu().tolist()
+        # A NaN or Inf element makes the sum NaN or Inf, so a finite sum clears the tensor in
+        # one read with no mask allocated (isfinite().all() of a 1B model's shards costs
+        # seconds); a non-finite sum may still be a finite tensor overflowing, so those few
+        # are checked element by element. One flag per tensor, read back in one transfer.
+        sums = torch.stack([t.sum(dtype=torch.float32) for _, t in floats])
+        flags = torch.isfinite(sums).cpu().tolist()
+        suspects = [i for i, ok in enumerate(flags) if not ok]
+        if suspects:
+            exact = torch.stack([torch.isfinite(floats[i][1]).all() for i in suspects])
+            for i, ok in zip(suspects, exact.cpu().tolist(), strict=True):
+                flags[i] = ok
         return [n for (n, _), ok in zip(floats, flags, strict=True) if not ok]
 
     bad_grads, bad_params = bad(grads), bad(params)

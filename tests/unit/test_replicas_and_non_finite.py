@@ -185,3 +185,20 @@ def test_complex_buffers_get_the_garbage_test(part, reason):
     if part is not None:
         freqs[3] = complex(0.5, part)
     assert garbage(freqs) == reason
+
+
+def test_the_step_scan_names_nan_and_inf_but_not_a_sum_that_overflows() -> None:
+    from fsdpcheck.step.session import _non_finite
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    with torch.no_grad():
+        model[1].weight.fill_(3e38)  # finite: only its sum overflows (the scan's fast path)
+    clean = _non_finite(model, 1.0)
+    assert (clean.params, clean.param_count, clean.grads) == ((), 0, ())
+    with torch.no_grad():
+        model[0].bias[1] = float("nan")
+        model[2].weight[0, 0] = float("-inf")
+    model[0].weight.grad = torch.full((4, 4), float("inf"))
+    found = _non_finite(model, 1.0)
+    assert found.params == ("0.bias", "2.weight") and found.param_count == 2
+    assert found.grads == ("0.weight",) and found.grad_count == 1
