@@ -199,6 +199,15 @@ def audit(
             "builder; audit the builder's model without them, or audit --model.",
             param_hint="'--builder'",
         )
+    meshed = _mesh_fields(mesh, tp, ep)
+    parallel = [d for d in ("tp", "ep") if meshed[d] or d in (meshed["mesh_dims"] or ())]
+    if parallel and (reproduce or probe):
+        raise typer.BadParameter(
+            f"--reproduce and --probe rebuild the model in child jobs with 1-D FSDP, not with "
+            f"the {' and '.join(parallel)} dims of this mesh; audit without them, or drop "
+            f"--tp/--ep and the {'/'.join(parallel)} dims of --mesh.",
+            param_hint="'--reproduce'" if reproduce else "'--probe'",
+        )
     model = model or "hazard"
     if resume is not None:
         init = _resume_init(resume, init, reproduce=reproduce)
@@ -214,7 +223,7 @@ def audit(
         timeout=timeout,
         wrap_classes=tuple(wrap_class),
         min_params=min_params,
-        **_mesh_fields(mesh, tp, ep),
+        **meshed,
         cpu_offload=cpu_offload,
         load=load,
         reproduce=reproduce,

@@ -107,6 +107,8 @@ def test_a_named_mesh_or_tp_that_does_not_fit_is_bad_usage_that_says_why() -> No
         (["--mesh", "dp_shard=2,tp=4", "--tp", "2"], "the mesh has tp=4; give tp=2"),
         (["--mesh", "dp_shard=4", "--ep", "2"], "the mesh has no ep dim"),
         (["--tp", "0"], "greater than or equal to 1"),
+        (["--tp", "2", "--reproduce"], "not with the tp dims of this mesh"),
+        (["--mesh", "dp_shard=2,tp=2", "--probe", "2"], "rebuild the model in child jobs"),
     ):
         result = runner.invoke(app, ["audit", "--model", "tiny-llama", *args])
         assert result.exit_code == 2, (args, result.output)
