@@ -26,7 +26,7 @@ def test_checksum_catches_every_single_changed_element(dtype: torch.dtype) -> No
     edges = [0, 1, 7, _COLS - 1, _COLS, _CHUNK - 1, _CHUNK, 2 * _CHUNK + 12]
     positions = [w * per_word for w in edges if w * per_word < base.numel()]
     positions += [base.numel() - 1]
-    positions += torch.randint(0, base.numel(), (40,), generator=gen).tolist()
+    positions += torch.randint(0, base.numel(), (12,), generator=gen).tolist()
     for position in positions:
         changed = base.clone()
         raw = changed.view(-1).view(torch.uint8)
