@@ -12,19 +12,20 @@ ranks, :class:`MeshRecord`) and the DTensors' placements, never from shapes alon
   FSDP2 over its own sub-mesh (expert or pipeline groups), every rank where none holds a DTensor.
   Each TP rank's sibling sub-mesh (``MeshRecord.family``: the data dims of one root mesh, across
   tp) counts as one mesh: what tensor parallelism left whole is one tensor on every TP rank.
-- Local shards on such sibling sub-meshes (a norm TP left whole, FSDP2-sharded over the data
-  dims alone) are compared on their own (:func:`sibling_key`, :func:`sibling_digest`): among
-  ranks at the same place on the family's non-Replicate dims, whatever their TP coordinate,
-  since a TP rank's Colwise/Rowwise shards make every rank's shard key its own. Those TP
-  shards (on the root mesh, not a sibling sub-mesh) are never in that comparison.
+- Local shards of what tensor parallelism left whole (:func:`tp_whole`: a norm FSDP2-sharded
+  over the data dims alone, on a sibling sub-mesh, or Replicate along tp on the root mesh) are
+  compared on their own (:func:`sibling_key`, :func:`sibling_digest`): among ranks at the same
+  place on the non-Replicate dims, whatever their TP coordinate, since a TP rank's
+  Colwise/Rowwise shards make every rank's shard key its own. Those TP shards are never in
+  that comparison.
 
 The keys that say so (:func:`replica_keys`, :func:`sibling_key`) travel in each rank's gather
-slot. Tensors on
-``meta`` have no values and are never compared.
+slot. Tensors on ``meta`` have no values and are never compared.
 
-Digest-first: each rank puts two digests in its gather slot (:func:`value_digests`); only the
-lowest rank of each distinct digest sends its full record (:func:`value_senders`), at most
-:data:`SENDER_LIMIT` of them, so ranks that agree still send a fixed number of bytes.
+Digest-first: each rank puts three digests in its gather slot (:func:`value_digests`,
+:func:`sibling_digest`); only the lowest rank of each distinct digest sends its full record
+(:func:`value_senders`), at most :data:`SENDER_LIMIT` of them, so ranks that agree still send
+a fixed number of bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdpcheck.checks.wrapper import canonical_record
+from fsdpcheck.options import TP_DIMS
 from fsdpcheck.records import (
     Finding,
     Fingerprint,
@@ -66,11 +68,23 @@ def is_sharded(t: TensorRecord) -> bool:
     return t.placements is not None and any(p not in _REPLICATE for p in t.placements)
 
 
+def tp_whole(t: TensorRecord, mesh: MeshRecord | None) -> bool:
+    """``t`` is a local shard of what tensor parallelism left whole: sharded over data dims
+    only, on a TP rank's sibling sub-mesh (``MeshRecord.family``) or on a mesh with a tp dim
+    along which it is Replicate (a SequenceParallel norm). TP ranks hold the same such shard."""
+    if mesh is None or t.placements is None or not is_sharded(t):
+        return False
+    if mesh.family is not None:
+        return True
+    tp = [i for i, n in enumerate(mesh.dim_names or ()) if n in TP_DIMS and i < len(t.placements)]
+    return bool(tp) and all(t.placements[i] in _REPLICATE for i in tp)
+
+
 def _places(
-    params: tuple[TensorRecord, ...], meshes: tuple[MeshRecord, ...], *, family: bool
+    params: tuple[TensorRecord, ...], meshes: tuple[MeshRecord, ...], *, whole: bool
 ) -> tuple[set[str], set[tuple]]:
     """(every mesh key ``params`` live on, their places on the non-Replicate dims) of the
-    parameters on sibling sub-meshes (``family``) or on every other mesh."""
+    parameters tensor parallelism left whole (``whole``, :func:`tp_whole`) or of the others."""
     by_id = {m.id: m for m in meshes}
     on: set[str] = set()
     places: set[tuple] = set()
@@ -81,7 +95,7 @@ def _places(
         # TP ranks' sibling sub-meshes hold the same tensor: one mesh, for who is compared.
         key = mesh.family or mesh.id
         on.add(key)
-        if (mesh.family is not None) != family:
+        if tp_whole(t, mesh) != whole:
             continue
         dims = tuple(i for i, p in enumerate(t.placements) if p not in _REPLICATE)
         if dims and mesh.coordinate is not None:
@@ -95,26 +109,27 @@ def replica_keys(
     """(shard key, peer key) of a rank whose parameters are ``params`` (its latest look) on
     ``meshes``. Ranks with equal shard keys hold the same local shards: for every sharded
     parameter the same mesh (global ranks) and the same coordinate along its non-Replicate
-    dims (parameters on TP sibling sub-meshes are :func:`sibling_key`'s). Ranks with equal peer
+    dims (what tensor parallelism left whole is :func:`sibling_key`'s). Ranks with equal peer
     keys hold DTensors on the same set of meshes, so their unsharded tensors must agree. None:
     no such parameter (no DTensor at all, for the peer key)."""
-    on, places = _places(params, meshes, family=False)
+    on, places = _places(params, meshes, whole=False)
     shard = short_digest(repr(sorted(places))) if places else None
     peers = short_digest(repr(sorted(on))) if on else None
     return shard, peers
 
 
 def sibling_key(params: tuple[TensorRecord, ...], meshes: tuple[MeshRecord, ...]) -> str | None:
-    """Equal on ranks that hold the same local shards of what tensor parallelism left whole:
-    the same sibling family and the same coordinate along its non-Replicate dims, for every
-    sharded parameter on a TP rank's sibling sub-mesh. None: no such parameter."""
-    _, places = _places(params, meshes, family=True)
+    """Equal on ranks that hold the same local shards of what tensor parallelism left whole
+    (:func:`tp_whole`): the same mesh (a sibling family counts as one) and the same coordinate
+    along the non-Replicate dims, whatever the TP coordinate. None: no such parameter."""
+    _, places = _places(params, meshes, whole=True)
     return short_digest(repr(sorted(places))) if places else None
 
 
-def _on_siblings(record: RankRecord) -> set[str]:
-    """Ids of the record's meshes that are TP sibling sub-meshes."""
-    return {m.id for m in record.meshes if m.family is not None}
+def _whole(record: RankRecord):
+    """:func:`tp_whole` over ``record``'s own meshes."""
+    by_id = {m.id: m for m in record.meshes}
+    return lambda t: tp_whole(t, by_id.get(t.mesh) if t.mesh is not None else None)
 
 
 def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
@@ -125,14 +140,14 @@ def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
     shared: list[tuple[str, ...]] = []
     replica: list[tuple[str, ...]] = []
     record = canonical_record(record)  # a rank that wraps holds the same tensors by these names
-    siblings = _on_siblings(record)
+    whole = _whole(record)
     for fp in record.fingerprints():
         for t in fp.buffers:
             if t.digest is not None:
                 shared.append((fp.snapshot, "buffer", t.name, t.device, t.digest))
         for t in fp.params:
-            if t.digest is None or (is_sharded(t) and t.mesh in siblings):
-                continue  # local shards on sibling sub-meshes: sibling_digest's
+            if t.digest is None or whole(t):
+                continue  # what tensor parallelism left whole: sibling_digest's
             entry = (fp.snapshot, "param", t.name, t.device, t.digest)
             (replica if is_sharded(t) else shared).append(entry)
     return (
@@ -142,15 +157,16 @@ def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
 
 
 def sibling_digest(record: RankRecord) -> str | None:
-    """Digest of this rank's local shards on TP sibling sub-meshes (what :func:`value_digests`
-    leaves out), compared among ranks with equal :func:`sibling_key`; None: none with values."""
+    """Digest of this rank's local shards of what tensor parallelism left whole (what
+    :func:`value_digests` leaves out), compared among ranks with equal :func:`sibling_key`;
+    None: none with values."""
     record = canonical_record(record)
-    siblings = _on_siblings(record)
+    whole = _whole(record)
     held = [
         (fp.snapshot, t.name, t.device, t.digest)
         for fp in record.fingerprints()
         for t in fp.params
-        if t.digest is not None and t.mesh in siblings and is_sharded(t)
+        if t.digest is not None and whole(t)
     ]
     return short_digest(repr(held)) if held else None
 
@@ -347,14 +363,14 @@ def compare_values(
     the local shards on TP sibling sub-meshes (True) or only the others (False); None: all."""
     explained = {p.name for r in (ref, other) for p in r.uninitialized}
     theirs = {fp.snapshot: fp for fp in other.fingerprints()}
-    on = (_on_siblings(ref), _on_siblings(other))
+    whole = (_whole(ref), _whole(other))
     diffs = []
     for fp in ref.fingerprints():
         match = theirs.get(fp.snapshot)
         if match is None:
             continue
         for kind, a, b in _pairs(fp, match, sharded):
-            if siblings is not None and (a.mesh in on[0], b.mesh in on[1]) != (siblings,) * 2:
+            if siblings is not None and (whole[0](a), whole[1](b)) != (siblings,) * 2:
                 continue
             if a.name in explained or a.digest is None or b.digest is None:
                 continue

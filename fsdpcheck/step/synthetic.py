@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fsdpcheck.distributed.setup import DistContext
+from fsdpcheck.options import TP_DIMS
 from fsdpcheck.records import EnvRecord, LoadOutcome, Report
 from fsdpcheck.step.session import conclude_step, merged, watched_step
 from fsdpcheck.step.watch import ChannelLost
@@ -25,10 +26,6 @@ log = logging.getLogger(__name__)
 BATCH, SEQUENCE = 2, 16
 
 
-# Mesh dims whose ranks split one batch between them rather than each drawing its own.
-_SAME_BATCH_DIMS = ("tp",)
-
-
 def batch_index(mesh: Any, rank: int) -> int:
     """Which batch ``rank`` draws: its index along the mesh's data dims, leaving out the dims
     whose ranks split one batch (tensor parallel); ``rank`` where the mesh has none of them.
@@ -36,11 +33,11 @@ def batch_index(mesh: Any, rank: int) -> int:
     whole (norms, embeddings) drifted apart across TP ranks in the step itself."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     coordinate = mesh.get_coordinate() if mesh is not None else None
-    if not any(n in _SAME_BATCH_DIMS for n in names) or coordinate is None:
+    if not any(n in TP_DIMS for n in names) or coordinate is None:
         return rank
     index = 0
     for size, place, name in zip(mesh.mesh.shape, coordinate, names, strict=True):
-        if name not in _SAME_BATCH_DIMS:
+        if name not in TP_DIMS:
             index = index * int(size) + int(place)
     return index
 

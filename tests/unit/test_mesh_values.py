@@ -93,6 +93,29 @@ def test_colwise_shards_that_differ_across_tp_ranks_are_never_compared():
     assert _report(records).verdict == "consistent"
 
 
+def test_a_sequence_parallel_norm_on_the_root_mesh_is_compared_across_tp_ranks_too():
+    # torchtitan's layout: the norm a Replicate DTensor over tp, then FSDP2 over dp_shard on
+    # the root mesh: [S(0), R], its shard the same on both TP ranks of a data shard.
+    def rank_record(rank, drift=False):
+        dp, tp = divmod(rank, 2)
+        root = _mesh((2, 2), WORLD, (dp, tp), ("dp_shard", "tp"))
+        params = (
+            _param(Q_PROJ, root, COLWISE, f"q-shard-{rank}"),
+            _param(NORM, root, ("S(0)", "R"), "drift" if drift else f"norm-half-{dp}"),
+        )
+        return _record(rank, params, (root,))
+
+    clean = {r: rank_record(r) for r in WORLD}
+    g = gathered_from(clean)
+    assert comparisons(WORLD, g.shard_keys, g.peer_keys, g.sibling_keys)["siblings"] == [
+        [0, 1],
+        [2, 3],
+    ]
+    assert _report(clean).verdict == "consistent"
+    drifted = {**clean, 3: rank_record(3, drift=True)}
+    assert _findings(_report(drifted)) == [("value", (3,), 2, (NORM,))]
+
+
 def test_hsdp_by_tp_compares_each_norm_shard_across_replicas_and_tp_ranks():
     # (dp_replicate=2, dp_shard=2, tp=2) on 8 ranks: the norm on (dp_replicate, dp_shard) as
     # [R, S(0)]; its shard along dp_shard is the same on the 4 ranks at one dp_shard place.
