@@ -27,6 +27,7 @@ rank 0's results under ``"audits"`` in ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -100,11 +101,17 @@ def _tp(drift: bool) -> nn.Module:
     return model
 
 
+@functools.cache
+def _device_mesh(shape: tuple[int, int], names: tuple[str, str]):
+    # Built once per job (every rank, in the same order: a mesh is a collective).
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
 def _mesh_on_3(shape: tuple[int, int], names: tuple[str, str]) -> nn.Module:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    usual = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-    other = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    usual = _device_mesh((2, 2), ("dp_shard", "tp"))
+    other = _device_mesh(shape, names)
     mesh = other if dist.get_rank() == 3 else usual
     model = _tiny(seed=0)
     rows = mesh.size(0)
