@@ -54,7 +54,7 @@ INFORMATIONAL = frozenset(
         "BufferProblem.expected",
         "RankRecord.shard_key",  # which ranks are replicas: who is compared, not what they hold
         "RankRecord.peer_key",  # ... for unsharded tensors: the same set of meshes
-        "RankRecord.sibling_key",  # ... for local shards on TP sibling sub-meshes
+        "RankRecord.sibling_key",  # ... for local shards of what tensor parallelism left whole
         # Where this rank's DTensors live, as a list (expert groups differ by design); what of it
         # must agree is compared per parameter (IN_MESH_LAYOUT).
         "RankRecord.meshes",
@@ -465,8 +465,9 @@ class RankRecord:
     # Equal on ranks whose unsharded tensors must agree: the same set of device meshes (None:
     # no DTensor, so every such rank).
     peer_key: str | None = None
-    # Equal on ranks that hold the same local shards of what tensor parallelism left whole (on
-    # TP sibling sub-meshes, MeshRecord.family), whatever their TP coordinate (None: none).
+    # Equal on ranks that hold the same local shards of what tensor parallelism left whole (on a
+    # TP sibling sub-mesh, or Replicate along tp: checks.value.tp_whole), whatever their TP
+    # coordinate (None: none).
     sibling_key: str | None = None
     meshes: tuple[MeshRecord, ...] = ()  # the meshes this rank's DTensors live on
     non_finite: tuple[NonFinite, ...] = ()  # NaN/Inf counted after the audit's load
@@ -558,8 +559,8 @@ class Gathered:
     extra: dict[int, RankRecord] | None = None  # records of value senders that are no group's
     # Per rank, RankRecord.peer_key: unsharded values are compared among equal keys only.
     peer_keys: dict[int, str | None] | None = None
-    # Per rank, RankRecord.sibling_key and the digest of its local shards on TP sibling
-    # sub-meshes (fsdpcheck.checks.value.sibling_digest), compared among equal keys.
+    # Per rank, RankRecord.sibling_key and the digest of its local shards of what tensor
+    # parallelism left whole (fsdpcheck.checks.value.sibling_digest), compared among equal keys.
     sibling_keys: dict[int, str | None] | None = None
     siblings: dict[int, str | None] | None = None
     # Per rank, where its experts sit and their digest (fsdpcheck.checks.expert); None: none.

@@ -26,7 +26,7 @@ _KEY_BYTES = 8
 _FLAG_META = 1  # this rank built (some of) the model on meta
 # flags, group digest, host; then the value digest, shard key, replica digest and peer key;
 # then the expert place, slot and digest (fsdpcheck.checks.expert) (zeros: none); then the
-# sibling key and digest (local shards on TP sibling sub-meshes, fsdpcheck.checks.value).
+# sibling key and digest (local shards of what TP left whole, fsdpcheck.checks.value).
 _EXPERT_BYTES = 2 * _KEY_BYTES + _DIGEST_BYTES
 _SIBLING_BYTES = _KEY_BYTES + _DIGEST_BYTES
 SLOT_BYTES = (
