@@ -134,6 +134,8 @@ def _size_problem(given: str, mesh: tuple[int, ...], world_size: int | None, exa
 # torchtitan's dim names, outermost first: tp innermost, so TP peers are neighbouring ranks.
 MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "tp")
 DATA_DIMS = ("dp_replicate", "dp_shard")  # what FSDP2 shards over (both: HSDP)
+# Dims whose ranks split one tensor and one batch: what they leave whole is one copy per rank.
+TP_DIMS = ("tp",)
 _NAMED_EXAMPLE = "e.g. --mesh dp_replicate=2,dp_shard=2,tp=2 on 8 ranks"
 
 

@@ -54,13 +54,13 @@ INFORMATIONAL = frozenset(
         "BufferProblem.expected",
         "RankRecord.shard_key",  # which ranks are replicas: who is compared, not what they hold
         "RankRecord.peer_key",  # ... for unsharded tensors: the same set of meshes
-        "RankRecord.meshes",  # where this rank's DTensors live (expert groups differ by design)
+        "RankRecord.sibling_key",  # ... for local shards of what tensor parallelism left whole
+        # Where this rank's DTensors live, as a list (expert groups differ by design); what of it
+        # must agree is compared per parameter (IN_MESH_LAYOUT).
+        "RankRecord.meshes",
         "TensorRecord.mesh",
         "MeshRecord.id",
-        "MeshRecord.shape",
-        "MeshRecord.ranks",
         "MeshRecord.coordinate",
-        "MeshRecord.dim_names",
         "MeshRecord.family",  # which meshes are TP siblings: who is compared, as shard_key
         # Where a rank built from: a child job standing for the rank builds the same; per-node
         # paths differ by design, and what the files hold is compared (config, tensors).
@@ -137,6 +137,12 @@ def _is_word(hint: Any) -> bool:
 # Compared, but through the value digests (fsdpcheck.checks.value.value_digests), where both ranks
 # hold values: on meta a tensor has neither, and ranks > 0 of --init rank0 must not split off.
 IN_VALUE_DIGEST = frozenset({"TensorRecord.digest", "TensorRecord.device"})
+
+# Compared per parameter through the mesh it lives on (mesh_layout, in the group digest; named by
+# the placement check), not as the list RankRecord.meshes: the shape and dim names always; the
+# global ranks where the mesh spans the job, and else between ranks that share the mesh (a
+# sub-mesh's rank list differs per rank by design: each HSDP shard group, TP sibling, EP group).
+IN_MESH_LAYOUT = frozenset({"MeshRecord.shape", "MeshRecord.dim_names", "MeshRecord.ranks"})
 
 # Fields compared by what they say rather than their raw value: a non-finite count of None (the
 # values were not read, e.g. on meta) and of 0 both say "no NaN or Inf seen", and how many NaN
@@ -459,6 +465,10 @@ class RankRecord:
     # Equal on ranks whose unsharded tensors must agree: the same set of device meshes (None:
     # no DTensor, so every such rank).
     peer_key: str | None = None
+    # Equal on ranks that hold the same local shards of what tensor parallelism left whole (on a
+    # TP sibling sub-mesh, or Replicate along tp: checks.value.tp_whole), whatever their TP
+    # coordinate (None: none).
+    sibling_key: str | None = None
     meshes: tuple[MeshRecord, ...] = ()  # the meshes this rank's DTensors live on
     non_finite: tuple[NonFinite, ...] = ()  # NaN/Inf counted after the audit's load
     source: SourceRecord | None = None  # the audit's build (None: a training script's model)
@@ -489,10 +499,47 @@ class RankRecord:
         view = compared(self)
         # Buffer problems come in whatever order each rank found them; what counts is which.
         view["uninitialized"] = sorted(view["uninitialized"], key=_canonical)
+        view["mesh_layout"] = mesh_layout(self)
         return short_digest(_canonical(view))
 
     def fingerprints(self) -> tuple[Fingerprint, ...]:
         return tuple(fp for fp in (self.pre_wrap, self.post_wrap) if fp is not None)
+
+
+def param_mesh(record: RankRecord, t: TensorRecord) -> MeshRecord | None:
+    """The mesh ``t`` (one of ``record``'s parameters) lives on, where the record has it."""
+    if t.mesh is None:
+        return None
+    return next((m for m in record.meshes if m.id == t.mesh), None)
+
+
+def spans_job(record: RankRecord, mesh: MeshRecord) -> bool:
+    """The mesh holds every rank of the job: its rank list is the same on every rank."""
+    return len(mesh.ranks) == record.env.world_size
+
+
+def mesh_layout(record: RankRecord) -> list:
+    """What every rank must agree on about the meshes its parameters live on after wrapping
+    (in :meth:`RankRecord.group_digest`): per such parameter, by name, its mesh's shape and dim
+    names, and its global ranks where the mesh spans the job. The rank list of a sub-mesh
+    (an HSDP replica group, each TP rank's sibling, each expert group) differs per rank by
+    design, so it stays out; the placement check compares it where two ranks share one."""
+    if record.post_wrap is None or not record.meshes:
+        return []
+    by_id = {m.id: m for m in record.meshes}
+    index: dict[str, int] = {}
+    meshes: list = []
+    per_param = []
+    for t in record.post_wrap.params:
+        mesh = by_id.get(t.mesh) if t.mesh is not None else None
+        if mesh is None:
+            continue
+        if mesh.id not in index:
+            index[mesh.id] = len(meshes)
+            ranks = list(mesh.ranks) if spans_job(record, mesh) else None
+            meshes.append([list(mesh.shape), list(mesh.dim_names or ()), ranks])
+        per_param.append([t.name, index[mesh.id]])
+    return [meshes, per_param]
 
 
 @dataclass(frozen=True)
@@ -512,6 +559,10 @@ class Gathered:
     extra: dict[int, RankRecord] | None = None  # records of value senders that are no group's
     # Per rank, RankRecord.peer_key: unsharded values are compared among equal keys only.
     peer_keys: dict[int, str | None] | None = None
+    # Per rank, RankRecord.sibling_key and the digest of its local shards of what tensor
+    # parallelism left whole (fsdpcheck.checks.value.sibling_digest), compared among equal keys.
+    sibling_keys: dict[int, str | None] | None = None
+    siblings: dict[int, str | None] | None = None
     # Per rank, where its experts sit and their digest (fsdpcheck.checks.expert); None: none.
     expert_keys: dict[int, ExpertKey | None] | None = None
 

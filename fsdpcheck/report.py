@@ -193,7 +193,7 @@ def _error_headline(errors: Sequence[RankError]) -> str:
 def _not_compared(gathered: Gathered) -> tuple[int, ...]:
     if gathered.values is None or len(gathered.digests) < 2:
         return ()
-    return not_compared(gathered.values, gathered.replicas or {})
+    return not_compared(gathered.values, gathered.replicas or {}, gathered.siblings)
 
 
 def _checkpoint(

@@ -181,7 +181,15 @@ def _non_finite(e: Evidence) -> list[Finding]:
 def _values(e: Evidence) -> list[Finding]:
     g = e.gathered
     everyone = {**g.records, **(g.extra or {})}  # value senders that are no group's too
-    return value_findings(everyone, g.values, g.replicas or {}, g.shard_keys or {}, g.peer_keys)
+    return value_findings(
+        everyone,
+        g.values,
+        g.replicas or {},
+        g.shard_keys or {},
+        g.peer_keys,
+        g.sibling_keys,
+        g.siblings,
+    )
 
 
 def _experts(e: Evidence) -> list[Finding]:

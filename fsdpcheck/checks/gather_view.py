@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from fsdpcheck.checks.expert import expert_key
-from fsdpcheck.checks.value import value_digests, value_senders
+from fsdpcheck.checks.value import sibling_digest, value_digests, value_senders
 from fsdpcheck.records import Gathered, RankRecord
 
 
@@ -28,10 +28,14 @@ def gathered_from(records: Mapping[int, RankRecord]) -> Gathered:
     for rank in digests:
         values[rank], replicas[rank] = value_digests(records[rank])
     keys = {rank: records[rank].shard_key for rank in digests}
+    peers = {rank: records[rank].peer_key for rank in digests}
+    sibling_keys = {rank: records[rank].sibling_key for rank in digests}
+    siblings = {rank: sibling_digest(records[rank]) for rank in digests}
     reps: dict[str, int] = {}
     for rank, digest in digests.items():
         reps.setdefault(digest, rank)
-    extra_senders = value_senders(values, replicas, keys) - set(reps.values())
+    extra_senders = value_senders(values, replicas, keys, peers, sibling_keys, siblings)
+    extra_senders -= set(reps.values())
     return Gathered(
         digests=digests,
         hosts={rank: records[rank].env.host for rank in digests},
@@ -41,7 +45,9 @@ def gathered_from(records: Mapping[int, RankRecord]) -> Gathered:
         values=values,
         replicas=replicas,
         shard_keys=keys,
-        peer_keys={rank: records[rank].peer_key for rank in digests},
+        peer_keys=peers,
+        sibling_keys=sibling_keys,
+        siblings=siblings,
         extra={rank: records[rank] for rank in sorted(extra_senders)},
         expert_keys={rank: expert_key(records[rank]) for rank in digests},
     )

@@ -77,11 +77,12 @@ def speakers(gathered: Gathered, reference: Group) -> list[tuple[tuple[int, ...]
     and devices of what must agree everywhere); a value sender (:class:`Gathered` ``extra``), for
     the ranks that also hold its local shards' digest. Records with an error are left out."""
     values, replicas = gathered.values or {}, gathered.replicas or {}
+    siblings = gathered.siblings or {}
     extra = gathered.extra or {}
 
     def key(rank: int, fine: bool) -> tuple:
         coarse = (gathered.digests.get(rank), values.get(rank))
-        return (*coarse, replicas.get(rank)) if fine else coarse
+        return (*coarse, replicas.get(rank), siblings.get(rank)) if fine else coarse
 
     held = {**gathered.records, **extra}
     seen = set()

@@ -13,7 +13,14 @@ from typing import Any
 
 from fsdpcheck.checks.flags import requires_grad_difference
 from fsdpcheck.checks.groups import Pair
-from fsdpcheck.records import Finding, Fingerprint, TensorRecord
+from fsdpcheck.records import (
+    Finding,
+    Fingerprint,
+    MeshRecord,
+    RankRecord,
+    TensorRecord,
+    param_mesh,
+)
 from fsdpcheck.text import ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
@@ -78,6 +85,8 @@ def layout_findings(pair: Pair) -> list[Finding]:
     ):
         if a is not None and b is not None:
             raw[stage] = _stage_differences(a, b, stage, sides)
+            if stage == Snapshot.POST_WRAP:
+                _mesh_difference(raw[stage], ref, other, sides)
 
     findings: list[Finding] = []
     pre, post = raw.get(Snapshot.PRE_WRAP), raw.get(Snapshot.POST_WRAP)
@@ -294,6 +303,72 @@ def _field_difference(out: dict, kind: FindingKind, ref_list, other_list, sides:
         ]
     }
     out[kind] = ([a.name for a, _ in diffs], details, f"{kind.phrase}: {text}")
+
+
+_RANKS_SHOWN = 8
+
+
+def _mesh_text(t: TensorRecord, mesh: MeshRecord, ranks: bool) -> str:
+    names = ", ".join(mesh.dim_names or ()) or "unnamed dims"
+    text = f"[{', '.join(t.placements or ())}] on mesh {format_shape(mesh.shape)} ({names})"
+    if ranks:
+        shown = ", ".join(map(str, mesh.ranks[:_RANKS_SHOWN]))
+        text += f" of ranks [{shown}{', ...' if len(mesh.ranks) > _RANKS_SHOWN else ''}]"
+    return text
+
+
+def _mesh_dict(mesh: MeshRecord, ranks: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"shape": list(mesh.shape), "dim_names": list(mesh.dim_names or ())}
+    return {**out, "ranks": list(mesh.ranks)} if ranks else out
+
+
+def _mesh_difference(out: dict, ref: RankRecord, other: RankRecord, sides: _Sides) -> None:
+    """Per common parameter with equal placements (other placements are the field's): a mesh
+    of another shape or other dim names, or, between two ranks that share the mesh (one is on
+    the other's), another rank list. Folded into ``param-placement``: the same tensor is cut
+    along other dims or over other ranks. Sub-meshes' rank lists differ by design elsewhere."""
+    if ref.post_wrap is None or other.post_wrap is None:
+        return
+    theirs = {t.name: t for t in other.post_wrap.params}
+    me, them = sides.ref_rank, sides.ranks[0]
+    diffs = []
+    for a in ref.post_wrap.params:
+        b = theirs.get(a.name)
+        if b is None or a.placements != b.placements:
+            continue
+        ma, mb = param_mesh(ref, a), param_mesh(other, b)
+        if ma is None or mb is None:
+            continue  # nothing recorded to compare
+        # Two ranks on one mesh see one rank list; a sub-mesh of ranks apart is another mesh.
+        ranks = (them in ma.ranks or me in mb.ranks) and ma.ranks != mb.ranks
+        if ranks or (ma.shape, ma.dim_names) != (mb.shape, mb.dim_names):
+            diffs.append((a, b, ma, mb, ranks))
+    if not diffs:
+        return
+    text = "; ".join(
+        f"{a.name} is {_mesh_text(a, ma, r)} on {sides.ref} but {_mesh_text(b, mb, r)} on "
+        f"{sides.other}"
+        for a, b, ma, mb, r in diffs[:_LISTED]
+    )
+    if len(diffs) > _LISTED:
+        text += f"; and {len(diffs) - _LISTED} more"
+    found = [
+        {
+            "name": a.name,
+            "reference": list(a.placements or ()),
+            "other": list(b.placements or ()),
+            "reference_mesh": _mesh_dict(ma, r),
+            "other_mesh": _mesh_dict(mb, r),
+        }
+        for a, b, ma, mb, r in diffs
+    ]
+    kind = FindingKind.PARAM_PLACEMENT
+    tensors, details, summary = out.get(kind, ([], {"differences": []}, kind.phrase))
+    out[kind] = (
+        [*tensors, *(a.name for a, *_ in diffs)],
+        {**details, "differences": [*details["differences"], *found]},
+        f"{summary}; {text}" if kind in out else f"{kind.phrase}: {text}",
+    )
 
 
 def _moved(ref_names: Sequence[str], other_names: Sequence[str]) -> list[str] | None:

@@ -51,7 +51,8 @@ def unexplained_findings(
     for ranks, record in speakers(gathered, reference):
         if named & set(ranks):
             continue
-        replicas = record.shard_key is not None and record.shard_key == ref.shard_key
+        keys = (record.shard_key, record.sibling_key)  # the same local shards on both
+        replicas = keys != (None, None) and keys == (ref.shard_key, ref.sibling_key)
         peers = record.peer_key == ref.peer_key  # unsharded values: on the same meshes only
         fields = record_differences(ref, record, replicas=replicas, peers=peers)
         if fields:

@@ -12,13 +12,20 @@ ranks, :class:`MeshRecord`) and the DTensors' placements, never from shapes alon
   FSDP2 over its own sub-mesh (expert or pipeline groups), every rank where none holds a DTensor.
   Each TP rank's sibling sub-mesh (``MeshRecord.family``: the data dims of one root mesh, across
   tp) counts as one mesh: what tensor parallelism left whole is one tensor on every TP rank.
+- Local shards of what tensor parallelism left whole (:func:`tp_whole`: a norm FSDP2-sharded
+  over the data dims alone, on a sibling sub-mesh, or Replicate along tp on the root mesh) are
+  compared on their own (:func:`sibling_key`, :func:`sibling_digest`): among ranks at the same
+  place on the non-Replicate dims, whatever their TP coordinate, since a TP rank's
+  Colwise/Rowwise shards make every rank's shard key its own. Those TP shards are never in
+  that comparison.
 
-The keys that say so (:func:`replica_keys`) travel in each rank's gather slot. Tensors on
-``meta`` have no values and are never compared.
+The keys that say so (:func:`replica_keys`, :func:`sibling_key`) travel in each rank's gather
+slot. Tensors on ``meta`` have no values and are never compared.
 
-Digest-first: each rank puts two digests in its gather slot (:func:`value_digests`); only the
-lowest rank of each distinct digest sends its full record (:func:`value_senders`), at most
-:data:`SENDER_LIMIT` of them, so ranks that agree still send a fixed number of bytes.
+Digest-first: each rank puts three digests in its gather slot (:func:`value_digests`,
+:func:`sibling_digest`); only the lowest rank of each distinct digest sends its full record
+(:func:`value_senders`), at most :data:`SENDER_LIMIT` of them, so ranks that agree still send
+a fixed number of bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdpcheck.checks.wrapper import canonical_record
+from fsdpcheck.options import TP_DIMS
 from fsdpcheck.records import (
     Finding,
     Fingerprint,
@@ -49,6 +57,10 @@ _CAUSE = {
 
 
 _REPLICATE = ("R", "Replicate()")
+_SHARDS_DIFFER = {
+    False: "values differ between HSDP replicas",
+    True: "values differ between tensor-parallel replicas",
+}
 
 
 def is_sharded(t: TensorRecord) -> bool:
@@ -56,14 +68,23 @@ def is_sharded(t: TensorRecord) -> bool:
     return t.placements is not None and any(p not in _REPLICATE for p in t.placements)
 
 
-def replica_keys(
-    params: tuple[TensorRecord, ...], meshes: tuple[MeshRecord, ...]
-) -> tuple[str | None, str | None]:
-    """(shard key, peer key) of a rank whose parameters are ``params`` (its latest look) on
-    ``meshes``. Ranks with equal shard keys hold the same local shards: for every sharded
-    parameter the same mesh (global ranks) and the same coordinate along its non-Replicate
-    dims. Ranks with equal peer keys hold DTensors on the same set of meshes, so their unsharded
-    tensors must agree. None: no such parameter (no DTensor at all, for the peer key)."""
+def tp_whole(t: TensorRecord, mesh: MeshRecord | None) -> bool:
+    """``t`` is a local shard of what tensor parallelism left whole: sharded over data dims
+    only, on a TP rank's sibling sub-mesh (``MeshRecord.family``) or on a mesh with a tp dim
+    along which it is Replicate (a SequenceParallel norm). TP ranks hold the same such shard."""
+    if mesh is None or t.placements is None or not is_sharded(t):
+        return False
+    if mesh.family is not None:
+        return True
+    tp = [i for i, n in enumerate(mesh.dim_names or ()) if n in TP_DIMS and i < len(t.placements)]
+    return bool(tp) and all(t.placements[i] in _REPLICATE for i in tp)
+
+
+def _places(
+    params: tuple[TensorRecord, ...], meshes: tuple[MeshRecord, ...], *, whole: bool
+) -> tuple[set[str], set[tuple]]:
+    """(every mesh key ``params`` live on, their places on the non-Replicate dims) of the
+    parameters tensor parallelism left whole (``whole``, :func:`tp_whole`) or of the others."""
     by_id = {m.id: m for m in meshes}
     on: set[str] = set()
     places: set[tuple] = set()
@@ -74,12 +95,41 @@ def replica_keys(
         # TP ranks' sibling sub-meshes hold the same tensor: one mesh, for who is compared.
         key = mesh.family or mesh.id
         on.add(key)
+        if tp_whole(t, mesh) != whole:
+            continue
         dims = tuple(i for i, p in enumerate(t.placements) if p not in _REPLICATE)
         if dims and mesh.coordinate is not None:
             places.add((key, dims, tuple(mesh.coordinate[i] for i in dims)))
+    return on, places
+
+
+def replica_keys(
+    params: tuple[TensorRecord, ...], meshes: tuple[MeshRecord, ...]
+) -> tuple[str | None, str | None]:
+    """(shard key, peer key) of a rank whose parameters are ``params`` (its latest look) on
+    ``meshes``. Ranks with equal shard keys hold the same local shards: for every sharded
+    parameter the same mesh (global ranks) and the same coordinate along its non-Replicate
+    dims (what tensor parallelism left whole is :func:`sibling_key`'s). Ranks with equal peer
+    keys hold DTensors on the same set of meshes, so their unsharded tensors must agree. None:
+    no such parameter (no DTensor at all, for the peer key)."""
+    on, places = _places(params, meshes, whole=False)
     shard = short_digest(repr(sorted(places))) if places else None
     peers = short_digest(repr(sorted(on))) if on else None
     return shard, peers
+
+
+def sibling_key(params: tuple[TensorRecord, ...], meshes: tuple[MeshRecord, ...]) -> str | None:
+    """Equal on ranks that hold the same local shards of what tensor parallelism left whole
+    (:func:`tp_whole`): the same mesh (a sibling family counts as one) and the same coordinate
+    along the non-Replicate dims, whatever the TP coordinate. None: no such parameter."""
+    _, places = _places(params, meshes, whole=True)
+    return short_digest(repr(sorted(places))) if places else None
+
+
+def _whole(record: RankRecord):
+    """:func:`tp_whole` over ``record``'s own meshes."""
+    by_id = {m.id: m for m in record.meshes}
+    return lambda t: tp_whole(t, by_id.get(t.mesh) if t.mesh is not None else None)
 
 
 def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
@@ -90,18 +140,35 @@ def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
     shared: list[tuple[str, ...]] = []
     replica: list[tuple[str, ...]] = []
     record = canonical_record(record)  # a rank that wraps holds the same tensors by these names
+    whole = _whole(record)
     for fp in record.fingerprints():
         for t in fp.buffers:
             if t.digest is not None:
                 shared.append((fp.snapshot, "buffer", t.name, t.device, t.digest))
         for t in fp.params:
-            if t.digest is not None:
-                entry = (fp.snapshot, "param", t.name, t.device, t.digest)
-                (replica if is_sharded(t) else shared).append(entry)
+            if t.digest is None or whole(t):
+                continue  # what tensor parallelism left whole: sibling_digest's
+            entry = (fp.snapshot, "param", t.name, t.device, t.digest)
+            (replica if is_sharded(t) else shared).append(entry)
     return (
         short_digest(repr(shared)) if shared else None,
         short_digest(repr(replica)) if replica else None,
     )
+
+
+def sibling_digest(record: RankRecord) -> str | None:
+    """Digest of this rank's local shards of what tensor parallelism left whole (what
+    :func:`value_digests` leaves out), compared among ranks with equal :func:`sibling_key`;
+    None: none with values."""
+    record = canonical_record(record)
+    whole = _whole(record)
+    held = [
+        (fp.snapshot, t.name, t.device, t.digest)
+        for fp in record.fingerprints()
+        for t in fp.params
+        if t.digest is not None and whole(t)
+    ]
+    return short_digest(repr(held)) if held else None
 
 
 def _by_digest(digests: Mapping[int, str | None], ranks: Sequence[int]) -> dict[str, list[int]]:
@@ -136,13 +203,28 @@ def comparisons(
     ranks: Sequence[int],
     shard_keys: Mapping[int, str | None],
     peer_keys: Mapping[int, str | None] | None = None,
+    sibling_keys: Mapping[int, str | None] | None = None,
 ) -> dict[str, list[list[int]]]:
     """Which ranks' values were compared with which: ``unsharded`` (buffers, unsharded
-    parameters) and ``shards`` (local shards, among replicas), each a list of rank sets."""
+    parameters), ``shards`` (local shards, among replicas) and ``siblings`` (local shards on TP
+    sibling sub-meshes, among the ranks that hold the same one), each a list of rank sets."""
     return {
         "unsharded": [s for s in peer_sets(ranks, peer_keys) if len(s) > 1],
         "shards": _replica_sets({r: shard_keys.get(r) for r in ranks}),
+        "siblings": _replica_sets({r: (sibling_keys or {}).get(r) for r in ranks}),
     }
+
+
+def _shard_sets(
+    shard_keys: Mapping[int, str | None],
+    replicas: Mapping[int, str | None],
+    sibling_keys: Mapping[int, str | None] | None,
+    siblings: Mapping[int, str | None] | None,
+) -> list[tuple[list[int], Mapping[int, str | None], bool]]:
+    """(ranks holding the same local shards, their digests, on sibling sub-meshes or not)."""
+    out = [(members, replicas, False) for members in _replica_sets(shard_keys)]
+    out += [(members, siblings or {}, True) for members in _replica_sets(sibling_keys or {})]
+    return out
 
 
 def value_senders(
@@ -150,18 +232,17 @@ def value_senders(
     replicas: Mapping[int, str | None],
     shard_keys: Mapping[int, str | None],
     peer_keys: Mapping[int, str | None] | None = None,
+    sibling_keys: Mapping[int, str | None] | None = None,
+    siblings: Mapping[int, str | None] | None = None,
 ) -> set[int]:
     """Ranks whose full record rank 0 needs to name differing tensors; every rank computes the
     same set from the slots. Empty when every rank agrees."""
     senders: set[int] = set()
     differing = 0
-    for members in peer_sets(list(values), peer_keys):
-        groups = _by_digest(values, members)
-        if len(groups) > 1 and differing < SENDER_LIMIT:
-            differing += 1
-            senders.update(ranks[0] for ranks in list(groups.values())[:SENDER_LIMIT])
-    for members in _replica_sets(shard_keys):
-        groups = _by_digest(replicas, members)
+    compared = [(members, values) for members in peer_sets(list(values), peer_keys)]
+    compared += [(m, d) for m, d, _ in _shard_sets(shard_keys, replicas, sibling_keys, siblings)]
+    for members, digests in compared:
+        groups = _by_digest(digests, members)
         if len(groups) > 1 and differing < SENDER_LIMIT:
             differing += 1
             senders.update(ranks[0] for ranks in list(groups.values())[:SENDER_LIMIT])
@@ -169,10 +250,15 @@ def value_senders(
 
 
 def not_compared(
-    values: Mapping[int, str | None], replicas: Mapping[int, str | None]
+    values: Mapping[int, str | None],
+    replicas: Mapping[int, str | None],
+    siblings: Mapping[int, str | None] | None = None,
 ) -> tuple[int, ...]:
     """Ranks that hold no values at all (every tensor on meta)."""
-    return tuple(r for r in sorted(values) if values[r] is None and replicas.get(r) is None)
+    held = (replicas, siblings or {})
+    return tuple(
+        r for r in sorted(values) if values[r] is None and all(d.get(r) is None for d in held)
+    )
 
 
 def value_findings(
@@ -181,10 +267,13 @@ def value_findings(
     replicas: Mapping[int, str | None],
     shard_keys: Mapping[int, str | None],
     peer_keys: Mapping[int, str | None] | None = None,
+    sibling_keys: Mapping[int, str | None] | None = None,
+    siblings: Mapping[int, str | None] | None = None,
 ) -> list[Finding]:
     """One finding per group of ranks whose must-agree values differ from their peers'
-    reference (the lowest rank of the peer set), and one per replica set whose local shards
-    differ. ``peer_keys`` None: every rank is every rank's peer."""
+    reference (the lowest rank of the peer set), and one per replica set (or set of ranks
+    holding one shard on TP sibling sub-meshes) whose local shards differ. ``peer_keys`` None:
+    every rank is every rank's peer."""
     findings: list[Finding] = []
     for members in peer_sets(list(values), peer_keys):
         groups = list(_by_digest(values, members).values())
@@ -192,10 +281,12 @@ def value_findings(
             finding = _finding(records, groups[0][0], ranks, sharded=False, compared=members)
             if finding is not None:
                 findings.append(finding)
-    for members in _replica_sets(shard_keys):
-        groups = list(_by_digest(replicas, members).values())
+    for members, digests, on_siblings in _shard_sets(shard_keys, replicas, sibling_keys, siblings):
+        groups = list(_by_digest(digests, members).values())
         for ranks in groups[1:]:
-            finding = _finding(records, groups[0][0], ranks, sharded=True, compared=members)
+            finding = _finding(
+                records, groups[0][0], ranks, sharded=True, compared=members, siblings=on_siblings
+            )
             if finding is not None:
                 findings.append(finding)
     return findings
@@ -208,13 +299,15 @@ def _finding(
     *,
     sharded: bool,
     compared: Sequence[int] = (),
+    siblings: bool = False,
 ) -> Finding | None:
     """``compared``: the ranks whose values were compared with each other, the reference among
-    them (the replica set, for local shards)."""
+    them (the replica set, for local shards). ``siblings``: local shards on TP sibling
+    sub-meshes (what tensor parallelism left whole), not the HSDP replicas' other shards."""
     replicas = list(compared) if sharded else []
     ref, other = records.get(ref_rank), records.get(ranks[0])
     who = ranks_label(ranks)
-    what = "values differ between HSDP replicas" if sharded else "values differ"
+    what = "values differ" if not sharded else _SHARDS_DIFFER[siblings]
     if ref is None or other is None:  # past SENDER_LIMIT: known to differ, not examined
         return Finding(
             kind=FindingKind.VALUE,
@@ -226,7 +319,7 @@ def _finding(
             f"{SENDER_LIMIT} distinct values)",
             details={"examined": False, "replicas": replicas, "compared": list(compared)},
         )
-    diffs = compare_values(ref, other, sharded=sharded)
+    diffs = compare_values(ref, other, sharded=sharded, siblings=siblings if sharded else None)
     if sharded:  # shards of parameters that already differed whole, before wrapping, are told
         before = {d["name"] for d in compare_values(ref, other, sharded=False)}
         diffs = [d for d in diffs if d["name"] not in before]
@@ -262,17 +355,23 @@ def _finding(
     )
 
 
-def compare_values(ref: RankRecord, other: RankRecord, *, sharded: bool) -> list[dict[str, Any]]:
+def compare_values(
+    ref: RankRecord, other: RankRecord, *, sharded: bool, siblings: bool | None = None
+) -> list[dict[str, Any]]:
     """Tensors whose digests differ, stage by stage, by name; both sides must hold values.
-    Buffers either side reports as uninitialized are left to that finding."""
+    Buffers either side reports as uninitialized are left to that finding. ``siblings``: only
+    the local shards on TP sibling sub-meshes (True) or only the others (False); None: all."""
     explained = {p.name for r in (ref, other) for p in r.uninitialized}
     theirs = {fp.snapshot: fp for fp in other.fingerprints()}
+    whole = (_whole(ref), _whole(other))
     diffs = []
     for fp in ref.fingerprints():
         match = theirs.get(fp.snapshot)
         if match is None:
             continue
         for kind, a, b in _pairs(fp, match, sharded):
+            if siblings is not None and (whole[0](a), whole[1](b)) != (siblings,) * 2:
+                continue
             if a.name in explained or a.digest is None or b.digest is None:
                 continue
             if a.digest != b.digest:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpcheck.checks.expert import expert_key
-from fsdpcheck.checks.value import value_digests, value_senders
+from fsdpcheck.checks.value import sibling_digest, value_digests, value_senders
 from fsdpcheck.records import ExpertKey, Gathered, RankRecord, from_dict, to_dict
 
 log = logging.getLogger(__name__)
@@ -25,11 +25,13 @@ _HOST_BYTES = 64
 _KEY_BYTES = 8
 _FLAG_META = 1  # this rank built (some of) the model on meta
 # flags, group digest, host; then the value digest, shard key, replica digest and peer key;
-# then the expert place, slot and digest (fsdpcheck.checks.expert) (zeros: none).
+# then the expert place, slot and digest (fsdpcheck.checks.expert) (zeros: none); then the
+# sibling key and digest (local shards of what TP left whole, fsdpcheck.checks.value).
 _EXPERT_BYTES = 2 * _KEY_BYTES + _DIGEST_BYTES
+_SIBLING_BYTES = _KEY_BYTES + _DIGEST_BYTES
 SLOT_BYTES = (
     1 + _DIGEST_BYTES + _HOST_BYTES + _DIGEST_BYTES + 2 * _KEY_BYTES + _DIGEST_BYTES + _EXPERT_BYTES
-)
+) + _SIBLING_BYTES
 
 
 def _fixed(digest: str | None, size: int) -> bytes:
@@ -45,6 +47,8 @@ def _pack_slot(
     replica: str | None = None,
     peers: str | None = None,
     expert: ExpertKey | None = None,
+    sibling_key: str | None = None,
+    sibling: str | None = None,
 ) -> bytes:
     raw = bytes([flags]) + _fixed(digest, _DIGEST_BYTES)
     raw += host.encode()[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
@@ -55,6 +59,8 @@ def _pack_slot(
         + _fixed(replica, _DIGEST_BYTES)
         + _fixed(peers, _KEY_BYTES)
         + _pack_expert(expert)
+        + _fixed(sibling_key, _KEY_BYTES)
+        + _fixed(sibling, _DIGEST_BYTES)
     )
 
 
@@ -78,7 +84,18 @@ def _unfixed(raw: bytes) -> str | None:
 
 def _unpack_slot(
     raw: bytes,
-) -> tuple[int, str, str, str | None, str | None, str | None, str | None, ExpertKey | None]:
+) -> tuple[
+    int,
+    str,
+    str,
+    str | None,
+    str | None,
+    str | None,
+    str | None,
+    ExpertKey | None,
+    str | None,
+    str | None,
+]:
     fields, offset = [], 1
     for size in (_DIGEST_BYTES, _HOST_BYTES, _DIGEST_BYTES, _KEY_BYTES, _DIGEST_BYTES, _KEY_BYTES):
         fields.append(raw[offset : offset + size])
@@ -86,7 +103,11 @@ def _unpack_slot(
     digest, host, value, key, replica, peers = fields
     host_name = host.rstrip(b"\0").decode(errors="replace")
     unfixed = (_unfixed(value), _unfixed(key), _unfixed(replica), _unfixed(peers))
-    return raw[0], digest.hex(), host_name, *unfixed, _unpack_expert(raw[offset:])
+    expert = _unpack_expert(raw[offset : offset + _EXPERT_BYTES])
+    offset += _EXPERT_BYTES
+    sibling_key = _unfixed(raw[offset : offset + _KEY_BYTES])
+    sibling = _unfixed(raw[offset + _KEY_BYTES : offset + _SIBLING_BYTES])
+    return raw[0], digest.hex(), host_name, *unfixed, expert, sibling_key, sibling
 
 
 def _built_on_meta(record: RankRecord) -> bool:
@@ -122,6 +143,8 @@ def gather_records(
         replica,
         record.peer_key,
         expert_key(record),
+        record.sibling_key,
+        sibling_digest(record),
     )
     slots = _gather_slots(mine, group, rank=rank, world_size=world_size)
     sent = SLOT_BYTES
@@ -131,16 +154,17 @@ def gather_records(
         log.debug("digest %s: sent %d bytes", digest[:12], sent)
         return None
     digests, hosts, meta_ranks = {}, {}, []
-    values, keys, replicas, peers, experts = {}, {}, {}, {}, {}
+    values, keys, replicas, peers, experts, sibling_keys, siblings = {}, {}, {}, {}, {}, {}, {}
     for r, slot in enumerate(slots):
-        flags, digests[r], hosts[r], values[r], keys[r], replicas[r], peers[r], experts[r] = (
+        flags, digests[r], hosts[r], values[r], keys[r], replicas[r], peers[r], *more = (
             _unpack_slot(slot)
         )
+        experts[r], sibling_keys[r], siblings[r] = more
         if flags & _FLAG_META:
             meta_ranks.append(r)
     reps = set(representatives(digests).values())
     # Ranks whose values differ send too (no group's representative, no more than a few).
-    extra_senders = value_senders(values, replicas, keys, peers) - reps
+    extra_senders = value_senders(values, replicas, keys, peers, sibling_keys, siblings) - reps
     senders = sorted((reps | extra_senders) - {0})
     _broadcast_ranks(senders, group)
     log.info("%d ranks, %d digests; full records from ranks %s", world_size, len(reps), senders)
@@ -160,6 +184,8 @@ def gather_records(
         extra,
         peers,
         expert_keys=experts,
+        sibling_keys=sibling_keys,
+        siblings=siblings,
     )
 
 

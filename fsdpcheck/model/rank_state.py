@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from fsdpcheck.checks.flags import misplaced
-from fsdpcheck.checks.value import replica_keys
+from fsdpcheck.checks.value import replica_keys, sibling_key
 from fsdpcheck.model.config_record import config_record
 from fsdpcheck.model.fingerprint import fingerprint
 from fsdpcheck.model.fsdp_plan import fsdp_plan
@@ -82,6 +82,7 @@ def rank_record(
     shard_key, peer_key = (
         replica_keys(latest.fingerprint.params, latest.meshes) if latest else (None, None)
     )
+    siblings = sibling_key(latest.fingerprint.params, latest.meshes) if latest else None
     record = RankRecord(
         env=env,
         pre_wrap=fingerprints.get(Snapshot.PRE_WRAP),
@@ -91,6 +92,7 @@ def rank_record(
         uninitialized=tuple(p for found in seen for p in found.uninitialized),
         shard_key=shard_key,
         peer_key=peer_key,
+        sibling_key=siblings,
         meshes=latest.meshes if latest else (),
         source=source,
     )

@@ -13,6 +13,7 @@ from conftest import QUIET_ENV, REPO
 from fsdpcheck.children.launch import launch
 
 MESH_CASES = ("ep", "ep-drift", "ep-collapsed", "hsdp", "hsdp-drift", "tp", "tp-drift")
+MESH_CASES += ("mesh-2d", "mesh-shape-on-3", "mesh-dims-on-3")
 TP_EXAMPLE = "examples/builders/llama_fsdp_tp.py:build"
 TP_MESH = {"mesh": [2, 2], "mesh_dims": ["dp_shard", "tp"]}
 # Whole audits in the same 4-rank job (issue 21): named meshes, --tp, a 2-D builder, their twins.
@@ -28,6 +29,11 @@ AUDITS = {
     "tp-norm-drift-on-rank-1": {
         "builder": "tests/workers/builders.py:norm_drift_on_rank_1",
         "tp": 2,
+    },
+    "tp-prewrapped": {"builder": "tests/workers/builders.py:tp_prewrapped", **TP_MESH},
+    "tp-prewrapped-norm-drift-on-rank-1": {
+        "builder": "tests/workers/builders.py:tp_prewrapped_norm_drift_on_rank_1",
+        **TP_MESH,
     },
     "tp-no-plan": {"tp": 2, "model": "hazard"},
     "tp-splits-no-head": {"tp": 4},
@@ -165,6 +171,42 @@ def test_a_tp_replicated_norm_that_differs_on_one_tp_rank_is_named_against_every
     assert drift["exit_codes"] == [1] * 4
     assert _findings(drift["report"]) == [("value", [1], 0, ["model.norm.weight"], [0, 1, 2, 3])]
     assert drift["report"]["findings"][0]["snapshot"] == "pre-wrap"
+
+
+def test_a_tp_replicated_norm_drifting_on_one_tp_rank_of_a_prewrapped_model_is_named(
+    meshes: dict,
+) -> None:
+    # Nothing loaded, no pre-wrap look: only the local shards after wrapping tell. Rank 1's
+    # dp_shard shard of the norm is rank 0's (the same data shard, the other TP rank); the
+    # Colwise/Rowwise shards differ on every rank by design and are never compared.
+    clean = _audit(meshes, "tp-prewrapped")
+    assert clean["exit_codes"] == [0] * 4, clean["report"]["findings"]
+    assert clean["report"]["load"]["message"] == "the builder returned no state dict to load"
+    drift = _audit(meshes, "tp-prewrapped-norm-drift-on-rank-1")
+    assert drift["exit_codes"] == [1] * 4
+    assert _findings(drift["report"]) == [("value", [1], 0, ["model.norm.weight"], [0, 1])]
+    finding = drift["report"]["findings"][0]
+    assert finding["snapshot"] == "post-wrap" and finding["details"]["replicas"] == [0, 1]
+
+
+def test_the_same_placements_on_a_mesh_of_another_shape_or_dim_names_are_named(
+    meshes: dict,
+) -> None:
+    assert meshes["mesh-2d"]["verdict"] == "consistent", meshes["mesh-2d"]["findings"]
+    for case, other in (
+        ("mesh-shape-on-3", {"shape": [4, 1], "dim_names": ["dp_shard", "tp"]}),
+        ("mesh-dims-on-3", {"shape": [2, 2], "dim_names": ["tp", "dp_shard"]}),
+    ):
+        report = meshes[case]
+        assert _findings(report) == [
+            ("param-placement", [3], 0, ["experts.up.weight", "experts.down.weight"], None)
+        ], case
+        differences = report["findings"][0]["details"]["differences"]
+        assert [d["other_mesh"] for d in differences] == [other] * 2, case
+        assert differences[0]["reference_mesh"] == {
+            "shape": [2, 2],
+            "dim_names": ["dp_shard", "tp"],
+        }
 
 
 def test_tp_and_ep_a_model_cannot_take_are_bad_input_on_every_rank(meshes: dict) -> None:

@@ -56,7 +56,8 @@ def _base(rank: int) -> RankRecord:
         return TensorRecord(name=name, **{**fields, **kw})
 
     def fp(stage: Snapshot, wrapped: bool) -> Fingerprint:
-        sharded = dict(placements=("S(0)",), local_shape=(2, 2)) if wrapped else {}
+        # On the mesh below: its shape, dim names and ranks are compared per parameter.
+        sharded = dict(placements=("S(0)",), local_shape=(2, 2), mesh="m") if wrapped else {}
         return Fingerprint(
             snapshot=stage,
             buffers=(tensor("rope.inv_freq", persistent=False, requires_grad=False),),

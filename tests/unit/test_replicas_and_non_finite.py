@@ -56,7 +56,11 @@ def test_ranks_of_different_expert_groups_are_never_compared():
     assert records[0].peer_key == records[1].peer_key != records[2].peer_key
     findings, keys, peers = _check(records)
     assert findings == []
-    assert comparisons(range(4), keys, peers) == {"unsharded": [[0, 1], [2, 3]], "shards": []}
+    assert comparisons(range(4), keys, peers) == {
+        "unsharded": [[0, 1], [2, 3]],
+        "shards": [],
+        "siblings": [],
+    }
 
 
 def test_a_rank_that_differs_from_its_group_is_compared_with_its_group_only():
@@ -76,6 +80,7 @@ def test_hsdp_replicas_are_the_ranks_at_the_same_place_on_the_shard_dim():
     assert comparisons(ranks, keys, peers) == {
         "unsharded": [[0, 1, 2, 3]],
         "shards": [[0, 2], [1, 3]],
+        "siblings": [],
     }
     (finding,) = findings
     assert (finding.ranks, finding.reference_rank) == ((3,), 1)

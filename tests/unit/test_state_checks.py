@@ -167,11 +167,11 @@ def test_value_senders_are_bounded_however_many_ranks_differ():
 def test_slot_carries_value_fields_and_none_round_trips():
     raw = _pack_slot("ab" * 16, "node-7", 1, "cd" * 16, None, "ef" * 16, "12" * 8)
     assert len(raw) == SLOT_BYTES
-    unpacked = (1, "ab" * 16, "node-7", "cd" * 16, None, "ef" * 16, "12" * 8, None)
+    unpacked = (1, "ab" * 16, "node-7", "cd" * 16, None, "ef" * 16, "12" * 8, None, None, None)
     assert _unpack_slot(raw) == unpacked
     expert = ExpertKey("0a" * 8, "0b" * 8, None)
     raw = _pack_slot("ab" * 16, "node-7", 1, "cd" * 16, None, "ef" * 16, "12" * 8, expert)
-    assert len(raw) == SLOT_BYTES and _unpack_slot(raw) == (*unpacked[:-1], expert)
+    assert len(raw) == SLOT_BYTES and _unpack_slot(raw) == (*unpacked[:-3], expert, None, None)
 
 
 # ---------------------------------------------------------------- uninitialized

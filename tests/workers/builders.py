@@ -86,10 +86,10 @@ def compiled_on_rank_1(ctx):
     return _compiled(model) if ctx.rank == 1 else model
 
 
-def tp_skipped_on_rank_3(ctx):
-    """FSDP2 x TP on ``ctx.mesh`` (dp_shard, tp) as the example builds it, except that rank 3
-    leaves layer 0's down_proj out of its TP plan: FSDP2 then shards that weight over dp_shard
-    alone on rank 3 (other placements, another mesh) and over (dp_shard, tp) everywhere else."""
+def _fsdp_tp(ctx, *, skip_down_proj_on=None, norm_drift_on=None):
+    """FSDP2 x TP on ``ctx.mesh`` (dp_shard, tp) as the example builds it, nothing to load;
+    rank ``skip_down_proj_on`` leaves layer 0's down_proj out of its TP plan, rank
+    ``norm_drift_on`` holds another final norm (which tensor parallelism leaves whole)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -99,6 +99,9 @@ def tp_skipped_on_rank_3(ctx):
 
     mesh = ctx.mesh
     model = _llama(kv_heads=2)  # both heads split over tp=2
+    if ctx.rank == norm_drift_on:
+        with torch.no_grad():
+            model.model.norm.weight.add_(0.5)
     for i, layer in enumerate(model.model.layers):
         plan = {
             **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
@@ -107,13 +110,31 @@ def tp_skipped_on_rank_3(ctx):
             "mlp.gate_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(),
         }
-        if ctx.rank == 3 and i == 0:
+        if ctx.rank == skip_down_proj_on and i == 0:
             del plan["mlp.down_proj"]
         # Each rank's own values (no scatter): rank 3's plan issues fewer collectives.
         parallelize_module(layer, mesh["tp"], plan, src_data_rank=None)
         fully_shard(layer, mesh=mesh["dp_shard"])
     fully_shard(model, mesh=mesh["dp_shard"])
     return model
+
+
+def tp_skipped_on_rank_3(ctx):
+    """FSDP2 x TP, except that rank 3 leaves layer 0's down_proj out of its TP plan: FSDP2 then
+    shards that weight over dp_shard alone on rank 3 (other placements, another mesh) and over
+    (dp_shard, tp) everywhere else."""
+    return _fsdp_tp(ctx, skip_down_proj_on=3)
+
+
+def tp_prewrapped(ctx):
+    """FSDP2 x TP, the same weights on every rank, returned wrapped with nothing to load."""
+    return _fsdp_tp(ctx)
+
+
+def tp_prewrapped_norm_drift_on_rank_1(ctx):
+    """As :func:`tp_prewrapped`, but rank 1 (TP rank 1 of data shard 0) holds another final
+    norm: after wrapping, its dp_shard shard is rank 0's (TP rank 0 of the same data shard)."""
+    return _fsdp_tp(ctx, norm_drift_on=1)
 
 
 def plain_for_tp(ctx):

@@ -12,6 +12,10 @@ into ``--out`` as ``{case: report}``:
 - ``hsdp-drift``: the same, then rank 3's local shard of one weight differs from rank 1's.
 - ``tp`` (any ranks): tensor parallel on its own: a Colwise-sharded linear, a Replicate norm.
 - ``tp-drift``: the same, then rank 1's Replicate norm differs.
+- ``mesh-2d`` (4 ranks): the experts' weights as [Shard(0), Replicate()] DTensors on a
+  (dp_shard=2, tp=2) mesh on every rank. ``mesh-shape-on-3``: rank 3 puts the same placements
+  on a (4, 1) mesh; ``mesh-dims-on-3``: on a (2, 2) mesh named (tp, dp_shard). Every rank
+  builds every mesh (a mesh is a collective); each rank's own values, no communication.
 - ``nan`` (any ranks): FSDP2 over every rank, then rank 1's loader leaves NaN in its local
   shard of one weight. ``finite``: the same without the NaN (the clean twin).
 
@@ -23,6 +27,7 @@ rank 0's results under ``"audits"`` in ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -96,6 +101,27 @@ def _tp(drift: bool) -> nn.Module:
     return model
 
 
+@functools.cache
+def _device_mesh(shape: tuple[int, int], names: tuple[str, str]):
+    # Built once per job (every rank, in the same order: a mesh is a collective).
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _mesh_on_3(shape: tuple[int, int], names: tuple[str, str]) -> nn.Module:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    usual = _device_mesh((2, 2), ("dp_shard", "tp"))
+    other = _device_mesh(shape, names)
+    mesh = other if dist.get_rank() == 3 else usual
+    model = _tiny(seed=0)
+    rows = mesh.size(0)
+    for linear in (model.experts.up, model.experts.down):
+        local = linear.weight.detach().chunk(rows)[mesh.get_coordinate()[0]].clone()
+        placed = DTensor.from_local(local, mesh, [Shard(0), Replicate()], run_check=False)
+        linear.weight = nn.Parameter(placed)
+    return model
+
+
 def _nan(leave_nan: bool) -> nn.Module:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = _tiny(seed=0)
@@ -115,6 +141,9 @@ CASES = {
     "hsdp-drift": lambda: _hsdp(True),
     "tp": lambda: _tp(False),
     "tp-drift": lambda: _tp(True),
+    "mesh-2d": lambda: _mesh_on_3((2, 2), ("dp_shard", "tp")),
+    "mesh-shape-on-3": lambda: _mesh_on_3((4, 1), ("dp_shard", "tp")),
+    "mesh-dims-on-3": lambda: _mesh_on_3((2, 2), ("tp", "dp_shard")),
     "nan": lambda: _nan(True),
     "finite": lambda: _nan(False),
 }
