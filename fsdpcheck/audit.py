@@ -596,14 +596,18 @@ def _resume_and_verify(
 
     ctx, stages = state.ctx, state.stages
     record = state.checkpoint
+    # A peer that dies or times out inside dcp.load goes on up to _conclude (exit 3, naming it).
     loaded = stages.run(
         Stage.LOAD,
         lambda: load_checkpoint(built.model, record, rank=ctx.rank, group=ctx.side_channel),
+        collective=True,
     )
     seconds = stages.timings.get(Stage.LOAD, 0.0)
+    kind = None
     if loaded is None:  # this rank's own failure; the others learn it from the verify
         error = stages.error
         message = error.message if error is not None else "the resume did not run"
+        kind = error.kind if error is not None else None
         log.info("rank %d: resume failed: %s", ctx.rank, message)
     unverified = ""  # why rank 0 has no source to verify against (never a silent pass)
     with stages.timed(Stage.VERIFY):
@@ -616,11 +620,11 @@ def _resume_and_verify(
                 unverified = f"rank 0 could not read {record.path} to verify: {exc}"
         verified = verify_load(built.model, full, group=ctx.side_channel)
     if unverified:
-        loaded, message = None, unverified
+        loaded, message, kind = None, unverified, None
     if loaded is None:
         status = LoadStatus.FAILED
         return LoadOutcome(
-            True, status, message, seconds=seconds, method=LoadMethod.RESUME
+            True, status, message, seconds=seconds, method=LoadMethod.RESUME, error_kind=kind
         ), verified
     log.info("resumed %d entries by dcp.load in %.2f s", loaded, seconds)
     load = LoadOutcome(
