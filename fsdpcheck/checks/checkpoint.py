@@ -89,7 +89,7 @@ def _differences(
 def _view(record: CheckpointRecord | None) -> dict[str, Any] | None:
     if record is None:
         return None
-    return {name: getattr(record, name) for name in ("given", *COMPARED)}
+    return {name: getattr(record, name) for name in ("given", *COMPARED, "index")}
 
 
 def _summary(
