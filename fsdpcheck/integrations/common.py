@@ -49,6 +49,7 @@ def run_check(
     json_path: str | Path | None,
     where: str,
     checkpoint: str | os.PathLike[str] | None = None,
+    rank0_checkpoint: bool = False,
 ) -> Any:
     """Collective: every rank must call it. Returns the AuditResult when the ranks agree;
     otherwise raises :class:`ModelCheckFailed` or warns, the same on every rank.
@@ -60,7 +61,8 @@ def run_check(
 
     ``checkpoint``: what the framework resumed from (see :func:`local_checkpoint`), forwarded to
     ``check_model(checkpoint=)``: ranks that resumed different saves are a ``checkpoint``
-    finding."""
+    finding. ``rank0_checkpoint``: the framework loaded rank 0's path on every rank (see
+    ``check_model``)."""
     from fsdpcheck.audit import check_model
 
     _check_json_path(json_path, where)
@@ -69,6 +71,7 @@ def run_check(
         checkpoint=local_checkpoint(checkpoint),
         timeout=timeout,
         end_on_abort=on_failure == "raise",
+        rank0_checkpoint=rank0_checkpoint,
     )
     return act_on(result, on_failure=on_failure, json_path=json_path, where=where)
 

@@ -13,7 +13,10 @@ then: under them the check waits for the first hook after that load and before a
 train, not as it was built. The checkpoint the check sees loaded, ``trainer.ckpt_path`` (what
 ``fit(ckpt_path=...)`` resolved to: a ``.ckpt`` file, or a distributed checkpoint directory),
 is compared across ranks too (``check_model(checkpoint=)``); the callback's ``checkpoint=``
-overrides it. Built on ``pytorch_lightning`` when it is installed, else on
+overrides it. The sharding strategies load rank 0's ``ckpt_path`` on every rank (they
+broadcast it): under them each rank records what it finds at rank 0's path, so a node whose
+copy differs is named, and a path only another rank was given, which nothing loaded, is not.
+Built on ``pytorch_lightning`` when it is installed, else on
 ``lightning.pytorch``. Needs ``pip install 'fsdpcheck[lightning]'``.
 """
 
@@ -82,9 +85,11 @@ class FsdpcheckCallback(Callback):
         self.result: Any = None
         self.step_result: Any = None
         self._pending = False  # the check waits for the strategy's checkpoint load (module doc)
+        self._after_setup = False  # the strategy restores after setup, from rank 0's path
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._pending = bool(getattr(trainer.strategy, "restore_checkpoint_after_setup", False))
+        self._after_setup = bool(getattr(trainer.strategy, "restore_checkpoint_after_setup", False))
+        self._pending = self._after_setup
         if not self._pending:
             self._check(trainer, pl_module, "on_fit_start")
 
@@ -107,6 +112,9 @@ class FsdpcheckCallback(Callback):
             where=f"Lightning {hook}",
             # Loaded by now under every strategy (the module docstring): the resolved path.
             checkpoint=self.checkpoint or getattr(trainer, "ckpt_path", None),
+            # The strategies that restore after setup (ModelParallel, FSDP, DeepSpeed in
+            # pytorch_lightning 2.6) load rank 0's ckpt_path on every rank: they broadcast it.
+            rank0_checkpoint=self.checkpoint is None and self._after_setup,
         )
         if self.check_first_step:
             self._watch_first_step(pl_module, model)
