@@ -225,3 +225,27 @@ def test_hf_trainer_checks_the_first_training_step(tmp_path_factory) -> None:
     assert finding["details"]["ranks"]["rank 1"]["op"] == "all_reduce"
     assert finding["details"]["ranks"]["rank 0"]["op"] == "broadcast"  # DDP's buffer sync
     assert finding["details"]["caught"].startswith("before the collective was issued")
+
+
+def test_hf_trainer_forwards_the_checkpoint_each_rank_resumed_from(tmp_path_factory) -> None:
+    """args.resume_from_checkpoint, forwarded by the callback: every rank from checkpoint-1 is
+    consistent (recorded by its trainer_state.json, the step its name says); rank 1 from
+    checkpoint-2 is a checkpoint finding naming it, raised on both ranks before any step."""
+    records, out = _run_once("hf_trainer_worker.py", tmp_path_factory)
+    for record in records:
+        clean, stale = record["resumed"], record["resumed-stale"]
+        assert clean["raised"] is None and clean["warned"] == [], clean
+        assert clean["returned"] == 2  # resumed at step 1, trained one more
+        assert stale["returned"] is None and stale["raised"]["exit_code"] == 1
+        assert "Trainer on_train_begin" in stale["raised"]["message"]
+    report = json.loads((out / "resumed.json").read_text())
+    assert report["verdict"] == "consistent", report["findings"]
+    resumed_from = report["checkpoint"]
+    assert resumed_from["path"].endswith("checkpoint-1") and resumed_from["step"] == 1
+    assert resumed_from["index"] == "trainer_state.json" and resumed_from["metadata"]
+    stale = json.loads((out / "resumed-stale.json").read_text())
+    [finding] = [f for f in stale["findings"] if f["kind"] == "checkpoint"]
+    assert (finding["ranks"], finding["reference_rank"]) == ([1], 0)
+    [group] = finding["details"]["groups"]
+    assert [d["field"] for d in group["differences"]][:3] == ["path", "step", "metadata"]
+    assert "checkpoint-2 (step 2," in finding["summary"]
