@@ -123,7 +123,7 @@ def _where(record: CheckpointRecord | None) -> str:
         return "no recorded checkpoint"
     said = [f"step {record.step}"] if record.step is not None else []
     if record.metadata is not None:
-        said.append(f".metadata {record.metadata[:12]}")
+        said.append(f"{record.index or '.metadata'} {record.metadata[:12]}")  # what it digests
     where = record.path or record.given
     return f"{where} ({', '.join(said)})" if said else where
 

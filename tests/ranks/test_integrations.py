@@ -248,4 +248,4 @@ def test_hf_trainer_forwards_the_checkpoint_each_rank_resumed_from(tmp_path_fact
     assert (finding["ranks"], finding["reference_rank"]) == ([1], 0)
     [group] = finding["details"]["groups"]
     assert [d["field"] for d in group["differences"]][:3] == ["path", "step", "metadata"]
-    assert "checkpoint-2 (step 2," in finding["summary"]
+    assert "checkpoint-2 (step 2, trainer_state.json " in finding["summary"]
