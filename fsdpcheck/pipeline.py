@@ -74,9 +74,7 @@ class Stages:
             if self.raising:
                 raise
         except Exception as exc:  # any failure must reach the gather, not strand the others
-            from fsdpcheck.distributed.liveness import is_collective_failure  # torch: lazily
-
-            if collective and is_collective_failure(exc):
+            if collective and _collective_failure(exc):
                 raise
             log.debug("rank %d: stage %s failed", self.rank, stage, exc_info=True)
             message = f"{type(exc).__name__}: {exc}"
@@ -84,6 +82,12 @@ class Stages:
             if self.raising:
                 raise
         return None
+
+
+def _collective_failure(exc: Exception) -> bool:
+    from fsdpcheck.distributed.liveness import is_collective_failure  # torch: imported lazily
+
+    return is_collective_failure(exc)
 
 
 def build_from(

@@ -7,9 +7,10 @@
 resumes from, and before the first step. The checkpoint it resumed from is compared across
 ranks too (``check_model(checkpoint=)``): the callback's ``checkpoint=``, else
 ``args.resume_from_checkpoint`` (the ``TrainingArguments`` field scripts pass on to
-``trainer.train(resume_from_checkpoint=...)``). The Trainer keeps the path it resolved
-itself (``train(resume_from_checkpoint=True)``) to itself, out of a callback's reach: pass
-that one as ``checkpoint=``. The first training step itself (opt-in)::
+``trainer.train(resume_from_checkpoint=...)``) once the Trainer has restored a step from it.
+The Trainer keeps the path it resolved itself (``train(resume_from_checkpoint=True)``) to
+itself, out of a callback's reach: pass that one as ``checkpoint=``. The first training step
+itself (opt-in)::
 
     trainer = Trainer(...)
     first = watch_first_step(trainer)      # its first training_step runs under check_step
@@ -80,9 +81,18 @@ class FsdpcheckCallback(TrainerCallback):
             timeout=self.timeout,
             json_path=self.json_path,
             where="Trainer on_train_begin",
-            checkpoint=self.checkpoint or getattr(args, "resume_from_checkpoint", None),
+            checkpoint=self.checkpoint or _resumed_from(args, state),
         )
         return control
+
+
+def _resumed_from(args: Any, state: Any) -> Any:
+    """``args.resume_from_checkpoint`` where the Trainer did resume: it restored its state (and
+    so a ``global_step`` above 0) from a checkpoint; a path in the arguments that the script
+    never passed to ``train`` is no resume."""
+    if getattr(state, "global_step", 0) > 0:
+        return getattr(args, "resume_from_checkpoint", None)
+    return None
 
 
 class FirstStepWatch:
