@@ -167,6 +167,21 @@ def test_lightning_checks_a_resumed_fsdp2_model_after_the_load(tmp_path_factory)
     assert (resumed_from["index"], resumed_from["saved_ranks"]) == (".metadata", 2)
 
 
+def test_lightning_forwards_a_ddp_resume_file_and_finds_it_consistent(tmp_path_factory) -> None:
+    """Under DDP ckpt_path is a .ckpt file (torch.save, a zip): recorded by its zip directory,
+    never read as a checkpoint no rank can read."""
+    records, out = _run_once("lightning_worker.py", tmp_path_factory)
+    for record in records:
+        resumed = record["ddp-resumed"]
+        assert resumed["raised"] is None and resumed["warned"] == [], resumed
+        assert resumed["returned"] == 2  # resumed at step 1, trained one more
+    report = json.loads((out / "resumed-ddp.json").read_text())
+    assert report["verdict"] == "consistent", report["findings"]
+    resumed_from = report["checkpoint"]
+    assert resumed_from["path"].endswith("ddp-step=1.ckpt") and resumed_from["step"] == 1
+    assert resumed_from["index"] == "zip directory" and resumed_from["problem"] is None
+
+
 def test_lightning_names_a_rank_whose_node_resolves_the_resume_path_to_another_save(
     tmp_path_factory,
 ) -> None:

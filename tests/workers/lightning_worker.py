@@ -3,7 +3,8 @@ FsdpcheckCallback: for the clean and the planted tiny Llama, one fit with ``on_f
 then one with "raise", first under ``strategy="ddp"``, then under ``ModelParallelStrategy``
 (FSDP2: the module shards itself in ``configure_model`` on Lightning's mesh), there with
 ``check_first_step=True`` as well; then one sharded fit saves a distributed checkpoint and two
-resume from it (``resumes``)."""
+resume from it (``resumes``). Under DDP one fit saves a ``.ckpt`` file and one resumes from it
+(``ddp_resume``)."""
 
 import os
 import sys
@@ -167,7 +168,18 @@ def resumes() -> dict:
     return outcome_of
 
 
+def ddp_resume() -> dict:
+    """Under DDP every rank loads its own ``ckpt_path``, a ``.ckpt`` file (torch.save): the
+    hook forwards it, and a single-file checkpoint every rank resumed is consistent."""
+    saved = out / "ddp-step=1.ckpt"
+    outcome(fit(Module(planted=False), "raise", None, save_to=saved))
+    return outcome(
+        fit(Module(planted=False), "warn", out / "resumed-ddp.json", ckpt_path=saved, max_steps=2)
+    )
+
+
 record = twins(out, hooked)
+record["ddp-resumed"] = ddp_resume()
 record["fsdp2"] = twins(out, hooked_fsdp2, prefix="fsdp2-")
 record["resumed"] = resumes()
 write(out, record)
