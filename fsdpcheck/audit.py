@@ -148,6 +148,7 @@ def check_model(
     checkpoint: str | os.PathLike[str] | None = None,
     timeout: float = 60.0,
     end_on_abort: bool = True,
+    rank0_checkpoint: bool = False,
 ) -> AuditResult:
     """Check a training script's own model: every rank calls it, after building (and optionally
     wrapping) the model, before its loader, after it, or both. Reuses the script's process
@@ -160,7 +161,10 @@ def check_model(
     file): every rank records what it resolved (path, step, a digest of ``.metadata``, the
     shard files) and ranks that resumed from different states are a ``checkpoint`` finding.
     Read only: nothing is unpickled or written there. Every rank's command line and launch
-    variables are compared too (``launch``).
+    variables are compared too (``launch``). ``rank0_checkpoint=True`` (the same on every
+    rank): the script loads rank 0's path on every rank, as Lightning's sharding strategies do
+    (they broadcast it), so each rank records what it finds at rank 0's path (a node whose copy
+    differs is named; a path only the other ranks were given is not, since nothing loaded it).
 
     ``end_on_abort``: a rank the others gave up on (slower than ``timeout``) is ended with exit
     3 rather than left to go on alone; False (a hook's "warn" mode) returns the same error
@@ -173,6 +177,8 @@ def check_model(
             if not end_on_abort:
                 watch.disarm()
             state = _RankState(ctx)
+            if rank0_checkpoint:
+                checkpoint = _rank0_checkpoint(ctx, checkpoint)
             env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
             record = state.stages.run(
                 Stage.FINGERPRINT, lambda: model_record(model, env, param_values=True)
@@ -185,6 +191,21 @@ def check_model(
             return _conclude(None, state, record, watch, built=None)
     finally:
         distributed.shutdown(ctx)
+
+
+def _rank0_checkpoint(
+    ctx: distributed.DistContext, checkpoint: str | os.PathLike[str] | None
+) -> str | os.PathLike[str] | None:
+    """Collective: rank 0's checkpoint path on every rank (None where rank 0 has none)."""
+    from fsdpcheck.distributed.wire import broadcast_decision
+
+    mine = os.fspath(checkpoint) if checkpoint is not None and ctx.rank == 0 else ""
+    try:
+        _, given = broadcast_decision(0, mine, ctx.side_channel)
+    except Exception:  # a dead peer: the gather names it, with the heartbeats
+        log.debug("rank %d: rank 0's checkpoint path did not arrive", ctx.rank, exc_info=True)
+        return checkpoint
+    return given or None
 
 
 def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch) -> AuditResult:
@@ -596,14 +617,18 @@ def _resume_and_verify(
 
     ctx, stages = state.ctx, state.stages
     record = state.checkpoint
+    # A peer that dies or times out inside dcp.load goes on up to _conclude (exit 3, naming it).
     loaded = stages.run(
         Stage.LOAD,
         lambda: load_checkpoint(built.model, record, rank=ctx.rank, group=ctx.side_channel),
+        collective=True,
     )
     seconds = stages.timings.get(Stage.LOAD, 0.0)
+    kind = None
     if loaded is None:  # this rank's own failure; the others learn it from the verify
         error = stages.error
         message = error.message if error is not None else "the resume did not run"
+        kind = error.kind if error is not None else None
         log.info("rank %d: resume failed: %s", ctx.rank, message)
     unverified = ""  # why rank 0 has no source to verify against (never a silent pass)
     with stages.timed(Stage.VERIFY):
@@ -616,11 +641,11 @@ def _resume_and_verify(
                 unverified = f"rank 0 could not read {record.path} to verify: {exc}"
         verified = verify_load(built.model, full, group=ctx.side_channel)
     if unverified:
-        loaded, message = None, unverified
+        loaded, message, kind = None, unverified, None
     if loaded is None:
         status = LoadStatus.FAILED
         return LoadOutcome(
-            True, status, message, seconds=seconds, method=LoadMethod.RESUME
+            True, status, message, seconds=seconds, method=LoadMethod.RESUME, error_kind=kind
         ), verified
     log.info("resumed %d entries by dcp.load in %.2f s", loaded, seconds)
     load = LoadOutcome(

@@ -58,9 +58,12 @@ class Stages:
         finally:
             self.timings[stage] = round(time.perf_counter() - start, 4)
 
-    def run(self, stage: Stage, fn: Callable[[], T]) -> T | None:
+    def run(self, stage: Stage, fn: Callable[[], T], *, collective: bool = False) -> T | None:
         """``fn()`` as ``stage``, unless an earlier stage failed; None when it did or this one
-        does (its error is then :attr:`error`)."""
+        does (its error is then :attr:`error`). ``collective``: ``fn`` runs a collective, and
+        when that fails (a peer died or timed out) the exception goes on up unrecorded, to the
+        caller that names the peer from heartbeats and stage marks (exit 3, not this rank's
+        error)."""
         if self.error is not None:
             return None
         try:
@@ -71,12 +74,20 @@ class Stages:
             if self.raising:
                 raise
         except Exception as exc:  # any failure must reach the gather, not strand the others
+            if collective and _collective_failure(exc):
+                raise
             log.debug("rank %d: stage %s failed", self.rank, stage, exc_info=True)
             message = f"{type(exc).__name__}: {exc}"
             self.error = RankError(self.rank, stage, message, ErrorKind.RUNTIME)
             if self.raising:
                 raise
         return None
+
+
+def _collective_failure(exc: Exception) -> bool:
+    from fsdpcheck.distributed.liveness import is_collective_failure  # torch: imported lazily
+
+    return is_collective_failure(exc)
 
 
 def build_from(

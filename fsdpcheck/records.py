@@ -392,6 +392,9 @@ class CheckpointRecord:
     shard_files: int | None = None  # ``*.distcp`` files in the directory
     saved_ranks: int | None = None  # ranks that wrote them (``__R_*.distcp``): world size at save
     problem: str | None = None  # why the rank could not read it (missing, not a directory, ...)
+    # What ``metadata`` digests: ".metadata" (DCP), "trainer_state.json" (an HF Trainer
+    # checkpoint-N), "zip directory" (a torch.save/Lightning .ckpt file), "file bytes"; None: none.
+    index: str | None = None
 
 
 @dataclass(frozen=True)
@@ -632,6 +635,8 @@ class LoadOutcome:
     fallback_reason: str | None = None  # why the bucketed path was not taken
     state_messages: int = 0  # bucketed: point-to-point messages rank 0 sent
     state_bytes: int = 0  # bucketed: their bytes (each rank's own shards only)
+    # A failed load's errors: "input" (the checkpoint: --resume) or "runtime" (None: runtime).
+    error_kind: ErrorKind | None = None
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ def _differences(
 def _view(record: CheckpointRecord | None) -> dict[str, Any] | None:
     if record is None:
         return None
-    return {name: getattr(record, name) for name in ("given", *COMPARED)}
+    return {name: getattr(record, name) for name in ("given", *COMPARED, "index")}
 
 
 def _summary(
@@ -123,7 +123,7 @@ def _where(record: CheckpointRecord | None) -> str:
         return "no recorded checkpoint"
     said = [f"step {record.step}"] if record.step is not None else []
     if record.metadata is not None:
-        said.append(f".metadata {record.metadata[:12]}")
+        said.append(f"{record.index or '.metadata'} {record.metadata[:12]}")  # what it digests
     where = record.path or record.given
     return f"{where} ({', '.join(said)})" if said else where
 

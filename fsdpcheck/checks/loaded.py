@@ -31,13 +31,15 @@ def load_findings(load: LoadOutcome, world_size: int) -> list[Finding]:
 
 def load_errors(load: LoadOutcome) -> tuple[RankError, ...]:
     """A load that failed mid-transfer (partly loaded): one error per rank its message names
-    (``- rank N: ...``), else one on rank 0."""
+    (``- rank N: ...``), else one on rank 0; bad input where the load says so (a ``--resume``
+    checkpoint a rank cannot read), else a runtime failure."""
     if load.outcome != LoadStatus.FAILED:
         return ()
     ranks = sorted({int(r) for r in re.findall(r"^\s*- rank (\d+):", load.message, re.M)})
     loader = "the resume (dcp.load)" if load.method == LoadMethod.RESUME else "the sorted loader"
     message = f"{loader} failed: {load.message}"
-    return tuple(RankError(r, Stage.LOAD, message, ErrorKind.RUNTIME) for r in ranks or [0])
+    kind = load.error_kind or ErrorKind.RUNTIME
+    return tuple(RankError(r, Stage.LOAD, message, kind) for r in ranks or [0])
 
 
 def verify_findings(verified: VerifyResult, loader: str = "the sorted loader") -> list[Finding]:

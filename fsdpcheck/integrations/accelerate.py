@@ -1,13 +1,18 @@
 """accelerate: check every rank's model right after ``accelerator.prepare``.
 
     model = accelerator.prepare(model)      # FSDP2 (fsdp_version=2): prepare(model, optimizer)
-    check_prepared(accelerator, model)
+    accelerator.load_state(resume_dir)       # a resume: check after it, and say from where
+    check_prepared(accelerator, model, checkpoint=resume_dir)
+
+The Accelerator keeps no record of the directory ``load_state`` read, so the checkpoint a
+resume came from is compared across ranks only when it is passed as ``checkpoint=``.
 
 Needs ``pip install 'fsdpcheck[accelerate]'``.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +35,14 @@ def check_prepared(
     on_failure: str = "raise",
     timeout: float = 60.0,
     json_path: str | Path | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Collective (every process calls it): :func:`fsdpcheck.check_model` on the model that
     ``accelerator.prepare`` returned, unwrapped from DDP (FSDP2 shards in place, so its
     parameters stay DTensors and the check sees the wrapped layout). Returns the AuditResult;
-    a failure raises :class:`ModelCheckFailed` or, with ``on_failure="warn"``, warns."""
+    a failure raises :class:`ModelCheckFailed` or, with ``on_failure="warn"``, warns.
+    ``checkpoint``: the directory this rank's ``accelerator.load_state`` read (call it after
+    that load): ranks that resumed different saves are a ``checkpoint`` finding."""
     try:
         import accelerate  # noqa: F401  (the extra; the accelerator itself is the caller's)
     except ImportError as exc:
@@ -46,6 +54,7 @@ def check_prepared(
         timeout=timeout,
         json_path=json_path,
         where="after accelerator.prepare",
+        checkpoint=checkpoint,
     )
 
 

@@ -48,6 +48,8 @@ def run_check(
     timeout: float,
     json_path: str | Path | None,
     where: str,
+    checkpoint: str | os.PathLike[str] | None = None,
+    rank0_checkpoint: bool = False,
 ) -> Any:
     """Collective: every rank must call it. Returns the AuditResult when the ranks agree;
     otherwise raises :class:`ModelCheckFailed` or warns, the same on every rank.
@@ -55,12 +57,35 @@ def run_check(
     ``json_path`` is checked on every rank before the check begins, so a path the report cannot
     be written to fails every rank alike (exit 2, in either mode) instead of rank 0 alone after
     the check while the others train on. With ``"warn"`` no rank is ended by the check when its
-    peers give up on it (a rank slower than ``timeout``): it returns, and warns, like them."""
+    peers give up on it (a rank slower than ``timeout``): it returns, and warns, like them.
+
+    ``checkpoint``: what the framework resumed from (see :func:`local_checkpoint`), forwarded to
+    ``check_model(checkpoint=)``: ranks that resumed different saves are a ``checkpoint``
+    finding. ``rank0_checkpoint``: the framework loaded rank 0's path on every rank (see
+    ``check_model``)."""
     from fsdpcheck.audit import check_model
 
     _check_json_path(json_path, where)
-    result = check_model(model, timeout=timeout, end_on_abort=on_failure == "raise")
+    result = check_model(
+        model,
+        checkpoint=local_checkpoint(checkpoint),
+        timeout=timeout,
+        end_on_abort=on_failure == "raise",
+        rank0_checkpoint=rank0_checkpoint,
+    )
     return act_on(result, on_failure=on_failure, json_path=json_path, where=where)
+
+
+def local_checkpoint(checkpoint: Any) -> str | os.PathLike[str] | None:
+    """A resume checkpoint this rank can read as a path, or None: a framework may hold a URL
+    (``s3://...``, read through fsspec) or a non-path marker (``True``), which no rank could
+    find on its filesystem, the same on every rank: recorded, it would read as every rank
+    unable to read its checkpoint."""
+    if isinstance(checkpoint, os.PathLike):
+        return checkpoint
+    if not isinstance(checkpoint, str) or not checkpoint or "://" in checkpoint:
+        return None
+    return checkpoint
 
 
 def run_step_check(

@@ -4,7 +4,13 @@
     trainer = Trainer(..., callbacks=[FsdpcheckCallback()])
 
 ``on_train_begin`` runs after the Trainer has wrapped the model and loaded any checkpoint it
-resumes from, and before the first step. The first training step itself (opt-in)::
+resumes from, and before the first step. The checkpoint it resumed from is compared across
+ranks too (``check_model(checkpoint=)``): the callback's ``checkpoint=``, else
+``args.resume_from_checkpoint`` (the ``TrainingArguments`` field scripts pass on to
+``trainer.train(resume_from_checkpoint=...)``) once the Trainer has restored a step from it.
+The Trainer keeps the path it resolved itself (``train(resume_from_checkpoint=True)``) to
+itself, out of a callback's reach: pass that one as ``checkpoint=``. The first training step
+itself (opt-in)::
 
     trainer = Trainer(...)
     first = watch_first_step(trainer)      # its first training_step runs under check_step
@@ -15,6 +21,7 @@ Needs ``pip install 'fsdpcheck[hf]'``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +54,8 @@ class FsdpcheckCallback(TrainerCallback):
     ``on_failure="raise"`` stops training with :class:`ModelCheckFailed` (its message is the
     report's headline) on every rank; ``"warn"`` emits :class:`FsdpcheckWarning` and trains on.
     ``json_path``: rank 0 writes the full report there. ``result`` holds the last check.
+    ``checkpoint``: the directory this rank's ``trainer.train(resume_from_checkpoint=...)``
+    resumed from (default: ``args.resume_from_checkpoint``; see the module's docstring).
     """
 
     def __init__(
@@ -55,10 +64,12 @@ class FsdpcheckCallback(TrainerCallback):
         on_failure: str = "raise",
         timeout: float = 60.0,
         json_path: str | Path | None = None,
+        checkpoint: str | os.PathLike[str] | None = None,
     ):
         self.on_failure = validate_on_failure(on_failure)
         self.timeout = timeout
         self.json_path = json_path
+        self.checkpoint = checkpoint
         self.result: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs):
@@ -70,8 +81,18 @@ class FsdpcheckCallback(TrainerCallback):
             timeout=self.timeout,
             json_path=self.json_path,
             where="Trainer on_train_begin",
+            checkpoint=self.checkpoint or _resumed_from(args, state),
         )
         return control
+
+
+def _resumed_from(args: Any, state: Any) -> Any:
+    """``args.resume_from_checkpoint`` where the Trainer did resume: it restored its state (and
+    so a ``global_step`` above 0) from a checkpoint; a path in the arguments that the script
+    never passed to ``train`` is no resume."""
+    if getattr(state, "global_step", 0) > 0:
+        return getattr(args, "resume_from_checkpoint", None)
+    return None
 
 
 class FirstStepWatch:

@@ -10,12 +10,19 @@ Strategies that shard (``ModelParallelStrategy``: FSDP2 applied in ``configure_m
 (``strategy.restore_checkpoint_after_setup``), and which checkpoint, if any, is not known yet
 then: under them the check waits for the first hook after that load and before any forward
 (``on_sanity_check_start``, else ``on_train_start``), so a resumed job is checked as it will
-train, not as it was built. Built on ``pytorch_lightning`` when it is installed, else on
+train, not as it was built. The checkpoint the check sees loaded, ``trainer.ckpt_path`` (what
+``fit(ckpt_path=...)`` resolved to: a ``.ckpt`` file, or a distributed checkpoint directory),
+is compared across ranks too (``check_model(checkpoint=)``); the callback's ``checkpoint=``
+overrides it. The sharding strategies load rank 0's ``ckpt_path`` on every rank (they
+broadcast it): under them each rank records what it finds at rank 0's path, so a node whose
+copy differs is named, and a path only another rank was given, which nothing loaded, is not.
+Built on ``pytorch_lightning`` when it is installed, else on
 ``lightning.pytorch``. Needs ``pip install 'fsdpcheck[lightning]'``.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +59,9 @@ class FsdpcheckCallback(Callback):
     ``check_first_step=True``: also run the first training step (``optimizer_step``: the
     closure's forward and backward, then the optimizer) under :func:`fsdpcheck.check_step`;
     its result is ``step_result`` (``step_json_path``: rank 0's report of it).
+
+    ``checkpoint``: the checkpoint this rank resumed from, when not ``trainer.ckpt_path``
+    (a script that loads its own weights).
     """
 
     def __init__(
@@ -63,6 +73,7 @@ class FsdpcheckCallback(Callback):
         attribute: str | None = None,
         check_first_step: bool = False,
         step_json_path: str | Path | None = None,
+        checkpoint: str | os.PathLike[str] | None = None,
     ):
         self.on_failure = validate_on_failure(on_failure)
         self.timeout = timeout
@@ -70,24 +81,27 @@ class FsdpcheckCallback(Callback):
         self.attribute = attribute
         self.check_first_step = check_first_step
         self.step_json_path = step_json_path
+        self.checkpoint = checkpoint
         self.result: Any = None
         self.step_result: Any = None
         self._pending = False  # the check waits for the strategy's checkpoint load (module doc)
+        self._after_setup = False  # the strategy restores after setup, from rank 0's path
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._pending = bool(getattr(trainer.strategy, "restore_checkpoint_after_setup", False))
+        self._after_setup = bool(getattr(trainer.strategy, "restore_checkpoint_after_setup", False))
+        self._pending = self._after_setup
         if not self._pending:
-            self._check(pl_module, "on_fit_start")
+            self._check(trainer, pl_module, "on_fit_start")
 
     def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
         if self._pending:
-            self._check(pl_module, "on_sanity_check_start")
+            self._check(trainer, pl_module, "on_sanity_check_start")
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._pending:
-            self._check(pl_module, "on_train_start")
+            self._check(trainer, pl_module, "on_train_start")
 
-    def _check(self, pl_module: Any, hook: str) -> None:
+    def _check(self, trainer: Any, pl_module: Any, hook: str) -> None:
         self._pending = False
         model = getattr(pl_module, self.attribute) if self.attribute else pl_module
         self.result = run_check(
@@ -96,6 +110,11 @@ class FsdpcheckCallback(Callback):
             timeout=self.timeout,
             json_path=self.json_path,
             where=f"Lightning {hook}",
+            # Loaded by now under every strategy (the module docstring): the resolved path.
+            checkpoint=self.checkpoint or getattr(trainer, "ckpt_path", None),
+            # The strategies that restore after setup (ModelParallel, FSDP, DeepSpeed in
+            # pytorch_lightning 2.6) load rank 0's ckpt_path on every rank: they broadcast it.
+            rank0_checkpoint=self.checkpoint is None and self._after_setup,
         )
         if self.check_first_step:
             self._watch_first_step(pl_module, model)

@@ -10,6 +10,7 @@ from typing import Any
 from fsdpcheck.errors import InputError
 from fsdpcheck.model.resume import resume_problem
 from fsdpcheck.records import CheckpointRecord
+from fsdpcheck.text import ranks_label
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +23,15 @@ def load_checkpoint(model: Any, record: CheckpointRecord, *, rank: int, group: A
     under "model", as torchtitan and ``Stateful`` apps save them. Returns the entries loaded.
 
     ``dcp.load`` unpickles ``.metadata``: resume only from a checkpoint you trust, as with any
-    DCP resume. A checkpoint that does not hold this model's keys is bad input."""
+    DCP resume. A checkpoint that does not hold this model's keys, or that a rank cannot read
+    its shards of, is bad input naming that rank (DCP raises it on every rank alike). A peer that
+    died or timed out inside ``dcp.load`` is not: that exception goes on up unchanged, for the
+    caller to name the peer from its heartbeat (exit 3)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from fsdpcheck.distributed.liveness import is_collective_failure
     from fsdpcheck.loader.load import materialise
 
     problem = resume_problem(record, rank=rank)
@@ -39,7 +44,14 @@ def load_checkpoint(model: Any, record: CheckpointRecord, *, rank: int, group: A
     payload = _payload(state, reader)
     try:
         dcp.load(payload, storage_reader=reader, process_group=group)
-    except (Exception, CheckpointException) as exc:  # not this model's: say so, on this rank
+    except CheckpointException as exc:  # DCP gathered each rank's own failure, on every rank
+        log.debug("rank %d: dcp.load from %s failed", rank, record.path, exc_info=True)
+        if any(is_collective_failure(e) for e, _ in exc.failures.values()):
+            raise RuntimeError(f"dcp.load: {_first_line(exc)}") from exc
+        raise InputError(_failed_ranks(record, exc, rank, group)) from exc
+    except Exception as exc:
+        if is_collective_failure(exc):  # a peer died or timed out: not the checkpoint's fault
+            raise
         log.debug("rank %d: dcp.load from %s failed", rank, record.path, exc_info=True)
         raise InputError(
             f"--resume {record.given}: rank {rank} could not load this model's state dict "
@@ -108,6 +120,28 @@ def restore_buffers(model: Any) -> int:
                 buf.copy_(want.to(buf.dtype))
                 restored += 1
     return restored
+
+
+def _failed_ranks(record: CheckpointRecord, exc: Any, rank: int, group: Any) -> str:
+    """The ranks whose own part of ``dcp.load`` failed, one ``- rank N:`` line each (how the
+    report attributes a failed load), in one paragraph with the fix."""
+    import torch.distributed as dist
+
+    def global_rank(r: int) -> int:  # DCP numbers them in ``group``
+        if not dist.is_initialized():  # one process, no group: the failure is this rank's
+            return rank
+        return dist.get_global_rank(group, r) if group is not None else r
+
+    failures = sorted((global_rank(r), failure) for r, failure in exc.failures.items())
+    lines = "".join(
+        f"\n  - rank {r}: {type(e).__name__}: {_first_line(e)}" for r, (e, _) in failures
+    )
+    return (
+        f"--resume {record.given}: dcp.load could not load this model's state dict from "
+        f"{record.path} on {ranks_label([r for r, _ in failures])}:{lines}\n"
+        "The checkpoint is not this model's, or its shards on that rank's filesystem are "
+        "damaged or incomplete; pass a complete checkpoint this model saved."
+    )
 
 
 def _first_line(exc: BaseException) -> str:

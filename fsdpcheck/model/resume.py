@@ -6,14 +6,23 @@ A DCP checkpoint directory holds ``.metadata`` (DCP's index of every tensor's ch
 and one or more ``__R_N.distcp`` files per saving rank ``R``. The record hashes the bytes of
 ``.metadata`` and counts the shard files by name, so a different save, a stale copy or a
 directory with another rank's files missing reads differently, without unpickling anything.
+
+The checkpoints the framework hooks are handed are read the same way, by the index each save
+writes once (the record's ``index`` names it): an HF Trainer ``checkpoint-N`` directory by the
+bytes of its ``trainer_state.json`` (its step from there when the name says none), a
+single-file checkpoint (Lightning's ``.ckpt``, any ``torch.save`` file: a zip) by its zip
+directory, each entry's name, CRC-32 and size, read from the end of the file without
+decompressing or unpickling it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
+import zipfile
 from pathlib import Path
 
 from fsdpcheck.records import CheckpointRecord
@@ -21,6 +30,11 @@ from fsdpcheck.records import CheckpointRecord
 log = logging.getLogger(__name__)
 
 METADATA = ".metadata"
+TRAINER_STATE = "trainer_state.json"  # HF Trainer's checkpoint-N: its TrainerState, JSON
+ZIP_DIRECTORY = "zip directory"  # a torch.save file's entries (name, CRC-32, size)
+FILE_BYTES = "file bytes"  # another single file: its size, first and last MiB
+_EDGE = 1 << 20
+_STATE_BYTES = 16 << 20  # a trainer_state.json past this is not read for its step
 # Files naming the newest checkpoint inside a checkpoint root (DeepSpeed's ``latest``; others
 # write ``LATEST``): their first line is a directory name, or a step number.
 LATEST_FILES = ("LATEST", "latest")
@@ -57,11 +71,20 @@ def checkpoint_record(given: str | os.PathLike[str]) -> CheckpointRecord:
         return CheckpointRecord(text, problem=f"{type(exc).__name__}: {exc}")
     if not path.exists():
         return CheckpointRecord(text, problem=f"{path} does not exist on this rank")
-    if not path.is_dir():
-        return CheckpointRecord(text, str(path), problem=f"{path} is not a directory")
     try:
+        if path.is_file():
+            index, digest = _file_digest(path)
+            return CheckpointRecord(
+                text, str(path), step_of(path.name), digest, shard_files=0, index=index
+            )
+        if not path.is_dir():
+            return CheckpointRecord(text, str(path), problem=f"{path} is not a file or directory")
         names = os.listdir(path)
-        digest = _digest(path / METADATA) if METADATA in names else None
+        index = next((n for n in (METADATA, TRAINER_STATE) if n in names), None)
+        digest = _digest(path / index) if index is not None else None
+        step = step_of(path.name)
+        if step is None and index == TRAINER_STATE:
+            step = _trainer_step(path / TRAINER_STATE)
     except OSError as exc:
         log.debug("checkpoint %s could not be read", path, exc_info=True)
         return CheckpointRecord(text, str(path), problem=f"{type(exc).__name__}: {exc}")
@@ -70,11 +93,47 @@ def checkpoint_record(given: str | os.PathLike[str]) -> CheckpointRecord:
     return CheckpointRecord(
         given=text,
         path=str(path),
-        step=step_of(path.name),
+        step=step,
         metadata=digest,
         shard_files=len(shards),
         saved_ranks=max(writers) + 1 if writers else None,
+        index=index,
     )
+
+
+def _file_digest(path: Path) -> tuple[str, str]:
+    """A single-file checkpoint's index and its digest: a zip's (torch.save) entry list, read
+    from its central directory; any other file by its size and its first and last MiB."""
+    h = hashlib.blake2b(digest_size=16)
+    if zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                for info in archive.infolist():
+                    h.update(f"{info.filename}\0{info.CRC:08x}\0{info.file_size}\n".encode())
+            return ZIP_DIRECTORY, h.hexdigest()
+        except zipfile.BadZipFile:  # a zip signature in a file that is not one: its bytes
+            log.debug("%s is not a readable zip", path, exc_info=True)
+            h = hashlib.blake2b(digest_size=16)
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as handle:
+        h.update(handle.read(_EDGE))
+        if size > 2 * _EDGE:
+            handle.seek(size - _EDGE)
+            h.update(handle.read(_EDGE))
+    return FILE_BYTES, h.hexdigest()
+
+
+def _trainer_step(path: Path) -> int | None:
+    """``global_step`` from an HF Trainer's ``trainer_state.json`` (plain JSON)."""
+    if path.stat().st_size > _STATE_BYTES:
+        return None
+    try:
+        step = json.loads(path.read_bytes()).get("global_step")
+    except (ValueError, AttributeError):  # not the Trainer's JSON: the name's step, or none
+        log.debug("%s holds no TrainerState", path, exc_info=True)
+        return None
+    return step if isinstance(step, int) else None
 
 
 def _resolve(path: Path) -> Path:
@@ -116,7 +175,7 @@ def resume_problem(record: CheckpointRecord, *, rank: int) -> str:
     fix = "pass the DCP checkpoint directory every rank can read (one holding .metadata)"
     if record.problem is not None:
         return f"{where}: rank {rank} cannot read it: {record.problem}; {fix}."
-    if record.metadata is None:
+    if record.index != METADATA:
         return (
             f"{where}: rank {rank} finds no {METADATA} in {record.path}, so it is not a "
             f"torch.distributed.checkpoint directory; {fix}."

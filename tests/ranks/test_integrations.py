@@ -156,10 +156,51 @@ def test_lightning_checks_a_resumed_fsdp2_model_after_the_load(tmp_path_factory)
         assert "(Lightning on_train_start): values differ on rank 1" in warning
         assert non_persistent["returned"]["scale"] == float(rank)
         assert non_persistent["returned"]["global_step"] == 2
-    assert json.loads((out / "resumed-persistent.json").read_text())["verdict"] == "consistent"
+    clean = json.loads((out / "resumed-persistent.json").read_text())
+    assert clean["verdict"] == "consistent"
     [finding] = json.loads((out / "resumed-non-persistent.json").read_text())["findings"]
     assert finding["kind"] == "value" and finding["ranks"] == [1]
     assert finding["tensors"] == ["model.scale"]
+    # The hook forwarded trainer.ckpt_path: the distributed checkpoint every rank resumed.
+    resumed_from = clean["checkpoint"]
+    assert resumed_from["path"].endswith("fsdp2-step=1") and resumed_from["step"] == 1
+    assert (resumed_from["index"], resumed_from["saved_ranks"]) == (".metadata", 2)
+
+
+def test_lightning_forwards_a_ddp_resume_file_and_finds_it_consistent(tmp_path_factory) -> None:
+    """Under DDP ckpt_path is a .ckpt file (torch.save, a zip): recorded by its zip directory,
+    never read as a checkpoint no rank can read."""
+    records, out = _run_once("lightning_worker.py", tmp_path_factory)
+    for record in records:
+        resumed = record["ddp-resumed"]
+        assert resumed["raised"] is None and resumed["warned"] == [], resumed
+        assert resumed["returned"] == 2  # resumed at step 1, trained one more
+    report = json.loads((out / "resumed-ddp.json").read_text())
+    assert report["verdict"] == "consistent", report["findings"]
+    resumed_from = report["checkpoint"]
+    assert resumed_from["path"].endswith("ddp-step=1.ckpt") and resumed_from["step"] == 1
+    assert resumed_from["index"] == "zip directory" and resumed_from["problem"] is None
+
+
+def test_lightning_names_a_rank_whose_node_resolves_the_resume_path_to_another_save(
+    tmp_path_factory,
+) -> None:
+    """Every rank loads rank 0's ckpt_path (the strategy broadcasts it), and rank 1's "node"
+    resolves it to the step-2 save: a checkpoint finding naming rank 1, raised before any step.
+    Its clean twin is resumed-persistent above (one path, one save, consistent)."""
+    records, out = _run_once("lightning_worker.py", tmp_path_factory)
+    for record in records:
+        node_local = record["resumed"]["node-local"]
+        assert node_local["returned"] is None and node_local["warned"] == []
+        assert node_local["raised"]["exit_code"] == 1
+        assert "Lightning on_train_start" in node_local["raised"]["message"]
+    report = json.loads((out / "resumed-node-local.json").read_text())
+    [finding] = [f for f in report["findings"] if f["kind"] == "checkpoint"]
+    assert (finding["ranks"], finding["reference_rank"]) == ([1], 0)
+    assert finding["details"]["reference"]["given"] == "ckpt"  # rank 0's, as every rank loaded it
+    [group] = finding["details"]["groups"]
+    assert [d["field"] for d in group["differences"]][:3] == ["path", "step", "metadata"]
+    assert "(step 2," in finding["summary"] and "(step 1," in finding["summary"]
 
 
 def test_lightning_checks_the_first_training_step(tmp_path: Path) -> None:
@@ -199,3 +240,27 @@ def test_hf_trainer_checks_the_first_training_step(tmp_path_factory) -> None:
     assert finding["details"]["ranks"]["rank 1"]["op"] == "all_reduce"
     assert finding["details"]["ranks"]["rank 0"]["op"] == "broadcast"  # DDP's buffer sync
     assert finding["details"]["caught"].startswith("before the collective was issued")
+
+
+def test_hf_trainer_forwards_the_checkpoint_each_rank_resumed_from(tmp_path_factory) -> None:
+    """args.resume_from_checkpoint, forwarded by the callback: every rank from checkpoint-1 is
+    consistent (recorded by its trainer_state.json, the step its name says); rank 1 from
+    checkpoint-2 is a checkpoint finding naming it, raised on both ranks before any step."""
+    records, out = _run_once("hf_trainer_worker.py", tmp_path_factory)
+    for record in records:
+        clean, stale = record["resumed"], record["resumed-stale"]
+        assert clean["raised"] is None and clean["warned"] == [], clean
+        assert clean["returned"] == 2  # resumed at step 1, trained one more
+        assert stale["returned"] is None and stale["raised"]["exit_code"] == 1
+        assert "Trainer on_train_begin" in stale["raised"]["message"]
+    report = json.loads((out / "resumed.json").read_text())
+    assert report["verdict"] == "consistent", report["findings"]
+    resumed_from = report["checkpoint"]
+    assert resumed_from["path"].endswith("checkpoint-1") and resumed_from["step"] == 1
+    assert resumed_from["index"] == "trainer_state.json" and resumed_from["metadata"]
+    stale = json.loads((out / "resumed-stale.json").read_text())
+    [finding] = [f for f in stale["findings"] if f["kind"] == "checkpoint"]
+    assert (finding["ranks"], finding["reference_rank"]) == ([1], 0)
+    [group] = finding["details"]["groups"]
+    assert [d["field"] for d in group["differences"]][:3] == ["path", "step", "metadata"]
+    assert "checkpoint-2 (step 2, trainer_state.json " in finding["summary"]

@@ -28,7 +28,8 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict:
         cwd=str(REPO),
         timeout=300,
     )
-    assert result.codes == [0, 0] and out.is_file(), result.output(0) + result.output(1)
+    # Rank 1 is killed in the last case (audit-resume-peer-died), on purpose.
+    assert result.codes == [0, -9] and out.is_file(), result.output(0) + result.output(1)
     return json.loads(out.read_text())
 
 
@@ -102,3 +103,26 @@ def test_audit_resume_through_the_cli(cases) -> None:
     missing = cases["cli-resume-missing"]
     assert missing["exit_codes"] == [2, 2]
     assert "rank 1 cannot read it" in missing["report"]["errors"][0]["message"]
+
+
+def test_audit_resume_of_a_shard_file_damaged_on_one_rank_is_bad_input_naming_it(cases) -> None:
+    """DCP raises rank 1's read failure on every rank: the error is rank 1's, and the
+    checkpoint's (exit 2), not a runtime failure on rank 0."""
+    done = cases["audit-resume-damaged"]
+    assert done["exit_codes"] == [2, 2]
+    report = done["report"]
+    [error] = report["errors"]
+    assert (error["rank"], error["stage"], error["kind"]) == (1, "load", "input")
+    assert "damaged-step-1 on rank 1:" in error["message"] and "- rank 1: " in error["message"]
+    assert report["load"]["outcome"] == "failed" and report["load"]["error_kind"] == "input"
+
+
+def test_a_peer_dying_inside_dcp_load_is_a_runtime_failure_naming_it(cases) -> None:
+    """The clean twin is audit-resume: the same load with no rank killed."""
+    done = cases["audit-resume-peer-died"]
+    assert done["exit_code"] == 3  # rank 0's own: rank 1 was killed
+    report = done["report"]
+    assert report["exit_code"] == 3 and report["verdict"] == "error"
+    [error] = report["errors"]
+    assert (error["rank"], error["stage"], error["kind"]) == (1, "load", "runtime")
+    assert "rank 1 died during stage 'load'" in error["message"]

@@ -4,6 +4,7 @@ records, each failing case with its clean twin."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -91,7 +92,9 @@ def test_a_missing_or_unreadable_checkpoint_is_recorded_not_raised(tmp_path: Pat
     missing = checkpoint_record(tmp_path / "nope")
     assert missing.path is None and "does not exist on this rank" in missing.problem
     (tmp_path / "file").write_text("x")
-    assert "is not a directory" in checkpoint_record(tmp_path / "file").problem
+    single = checkpoint_record(tmp_path / "file")  # a single-file checkpoint: read, not refused
+    assert (single.problem, single.index) == (None, "file bytes")
+    assert "not a torch.distributed.checkpoint directory" in resume_problem(single, rank=0)
     assert "rank 1 cannot read it" in resume_problem(missing, rank=1)
     empty = checkpoint_record(tmp_path)
     assert empty.problem is None and empty.metadata is None
@@ -296,7 +299,7 @@ def test_resume_from_another_models_checkpoint_is_bad_input_naming_the_rank(
 
     _linear_checkpoint(tmp_path / "step-7", nested=True)
     other = torch.nn.Linear(5, 5)
-    with pytest.raises(InputError, match="rank 1 could not load this model's state dict"):
+    with pytest.raises(InputError, match="could not load this model's state dict .* on rank 1"):
         load_checkpoint(other, checkpoint_record(tmp_path / "step-7"), rank=1)
     with pytest.raises(InputError, match="rank 1 cannot read it"):
         load_checkpoint(other, checkpoint_record(tmp_path / "nope"), rank=1)
@@ -309,3 +312,68 @@ def test_a_failed_resume_is_named_as_the_resume() -> None:
 
     [error] = load_errors(LoadOutcome(True, LoadStatus.FAILED, "boom", method=LoadMethod.RESUME))
     assert error.message == "the resume (dcp.load) failed: boom"
+
+
+def test_an_hf_trainer_checkpoint_is_recorded_by_its_trainer_state(tmp_path: Path) -> None:
+    """An HF Trainer checkpoint-N is no DCP directory: its trainer_state.json (plain JSON, the
+    bytes each save writes once) identifies the save, and says the step its name does not."""
+    named = tmp_path / "checkpoint-7"
+    named.mkdir()
+    (named / "trainer_state.json").write_text(json.dumps({"global_step": 7, "log_history": []}))
+    (named / "model.safetensors").write_bytes(b"\0" * 64)
+    before = sorted(p.name for p in named.iterdir())
+    record = checkpoint_record(named)
+    assert (record.step, record.index, record.problem) == (7, "trainer_state.json", None)
+    assert record.metadata is not None and record.shard_files == 0
+    assert sorted(p.name for p in named.iterdir()) == before  # nothing written
+    assert "not a torch.distributed.checkpoint directory" in resume_problem(record, rank=0)
+    unnamed = tmp_path / "resume-here"
+    unnamed.mkdir()
+    (unnamed / "trainer_state.json").write_text(json.dumps({"global_step": 9}))
+    other = checkpoint_record(unnamed)
+    assert other.step == 9 and other.metadata != record.metadata
+    (unnamed / "trainer_state.json").write_text("[not a TrainerState")
+    assert checkpoint_record(unnamed).step is None  # unreadable JSON: no step, no crash
+
+
+def test_a_torch_save_file_is_recorded_by_its_zip_directory(tmp_path: Path) -> None:
+    """A Lightning .ckpt (torch.save: a zip) is digested from its entries' names, CRC-32s and
+    sizes, read from the zip's directory: equal contents equal, a changed tensor not."""
+    first = tmp_path / "epoch=0-step=3.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(4)}}, first)
+    copy = tmp_path / "copy" / first.name
+    copy.parent.mkdir()
+    copy.write_bytes(first.read_bytes())
+    other = tmp_path / "epoch=0-step=4.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(4)}}, other)
+    record = checkpoint_record(first)
+    assert (record.step, record.index, record.problem) == (3, "zip directory", None)
+    assert checkpoint_record(copy).metadata == record.metadata
+    assert checkpoint_record(other).metadata != record.metadata
+
+
+def test_a_resume_a_rank_cannot_read_is_bad_input_on_that_rank_not_a_runtime_failure() -> None:
+    """dcp.load raises a rank's own read failure on every rank alike; the load names that rank
+    with a ``- rank N:`` line and says it is the checkpoint's fault (exit 2), where a load that
+    failed at run time stays exit 3."""
+    from fsdpcheck.checks.loaded import load_errors
+    from fsdpcheck.records import Gathered, LoadOutcome
+    from fsdpcheck.vocab import ErrorKind, LoadMethod
+
+    message = "--resume /ckpt: dcp.load could not load ... on rank 1:\n  - rank 1: RuntimeError: x"
+    bad = LoadOutcome(True, "failed", message, method=LoadMethod.RESUME, error_kind=ErrorKind.INPUT)
+    [error] = load_errors(bad)
+    assert (error.rank, error.stage, error.kind) == (1, "load", "input")
+    gathered = Gathered({0: "d", 1: "d"}, {0: "h", 1: "h"}, {0: state_record(0)}, 81)
+    assert assemble(AuditOutcome(gathered, load=bad), None).exit_code == 2
+    failed = replace(bad, error_kind=None)
+    assert assemble(AuditOutcome(gathered, load=failed), None).exit_code == 3
+
+
+def test_a_hook_forwards_only_a_checkpoint_a_rank_can_find_on_its_filesystem() -> None:
+    from fsdpcheck.integrations.common import local_checkpoint
+
+    assert local_checkpoint("/ckpt/step-1") == "/ckpt/step-1"
+    assert local_checkpoint(Path("/ckpt")) == Path("/ckpt")
+    for marker in (None, True, False, "", "s3://bucket/ckpt"):
+        assert local_checkpoint(marker) is None

@@ -1,7 +1,11 @@
 """A real HF Trainer on 2 CPU ranks (DDP over gloo). ``FsdpcheckCallback``: for the clean and
 the planted tiny Llama, one step with ``on_failure="warn"``, then a Trainer with "raise".
 ``watch_first_step``: two steps of the clean Llama ("warn": the first watched, the second
-plain), then one where rank 1's first ``compute_loss`` issues an extra ``all_reduce`` ("raise")."""
+plain; it saves ``checkpoint-1`` and ``checkpoint-2``), then one where rank 1's first
+``compute_loss`` issues an extra ``all_reduce`` ("raise"). Resumes from those saves, the hook
+forwarding ``args.resume_from_checkpoint``: ``resumed`` (every rank from checkpoint-1) and
+``resumed-stale`` (rank 1 from checkpoint-2: "raise", before any step, which would wait on a
+rank that has one step less to go)."""
 
 import sys
 from pathlib import Path
@@ -16,7 +20,7 @@ from fsdpcheck.integrations.hf import FsdpcheckCallback, watch_first_step
 out = Path(sys.argv[1])
 
 
-def arguments(max_steps: int = 1) -> TrainingArguments:
+def arguments(max_steps: int = 1, **kwargs) -> TrainingArguments:
     return TrainingArguments(
         output_dir=str(out / "trainer"),
         max_steps=max_steps,
@@ -24,7 +28,8 @@ def arguments(max_steps: int = 1) -> TrainingArguments:
         use_cpu=True,
         ddp_backend="gloo",
         report_to=[],
-        save_strategy="no",
+        save_strategy=kwargs.pop("save_strategy", "no"),
+        **kwargs,
         logging_strategy="no",
         disable_tqdm=True,
         dataloader_num_workers=0,
@@ -60,8 +65,10 @@ def first_step(variant: str) -> dict:
         "step-clean": (Trainer, 2, "warn"),
         "step-extra": (ExtraCollective, 1, "raise"),
     }[variant]
+    # The clean run saves every step: the checkpoints the resumes below start from.
+    saving = {"save_strategy": "steps", "save_steps": 1} if variant == "step-clean" else {}
     trainer = trainer_class(
-        model=tiny_llama(planted=False), args=arguments(max_steps), train_dataset=Tokens()
+        model=tiny_llama(planted=False), args=arguments(max_steps, **saving), train_dataset=Tokens()
     )
     watch = watch_first_step(
         trainer, on_failure=mode, timeout=30, json_path=out / f"{variant}.json"
@@ -75,5 +82,21 @@ def first_step(variant: str) -> dict:
     return outcome(run)
 
 
+def resumed(variant: str) -> dict:
+    """A resume from the step-clean run's saves, as scripts pass it on:
+    ``trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)``."""
+    step = 2 if variant == "resumed-stale" and rank() == 1 else 1
+    mode, max_steps = ("raise", 3) if variant == "resumed-stale" else ("warn", 2)
+    args = arguments(max_steps, resume_from_checkpoint=str(out / "trainer" / f"checkpoint-{step}"))
+    callback = FsdpcheckCallback(on_failure=mode, timeout=30, json_path=out / f"{variant}.json")
+    trainer = Trainer(
+        model=tiny_llama(planted=False), args=args, train_dataset=Tokens(), callbacks=[callback]
+    )
+    return outcome(
+        lambda: trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).global_step
+    )
+
+
 record = {variant: first_step(variant) for variant in ("step-clean", "step-extra")}
+record.update({variant: resumed(variant) for variant in ("resumed", "resumed-stale")})
 run_twins(out, hooked, record)

@@ -3,8 +3,10 @@ FsdpcheckCallback: for the clean and the planted tiny Llama, one fit with ``on_f
 then one with "raise", first under ``strategy="ddp"``, then under ``ModelParallelStrategy``
 (FSDP2: the module shards itself in ``configure_model`` on Lightning's mesh), there with
 ``check_first_step=True`` as well; then one sharded fit saves a distributed checkpoint and two
-resume from it (``resumes``)."""
+resume from it (``resumes``). Under DDP one fit saves a ``.ckpt`` file and one resumes from it
+(``ddp_resume``)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -125,8 +127,13 @@ def resumes() -> dict:
     """A resume under ModelParallelStrategy, which loads ``ckpt_path`` after on_fit_start: the
     check must see the model as loaded. ``persistent``: the checkpoint restores the skewed
     buffer, the ranks agree (checked at on_fit_start, it would be a false alarm);
-    ``non-persistent``: no checkpoint holds it, and the ranks still differ."""
-    checkpoint = out / "fsdp2-checkpoint"
+    ``non-persistent``: no checkpoint holds it, and the ranks still differ. The hook forwards
+    ``trainer.ckpt_path``: ``persistent`` is its clean twin, and in ``node-local`` the path
+    every rank loads (the strategy broadcasts rank 0's, ``ckpt``) is a node-local link, to
+    step 1 on rank 0's "node" and to step 2 (which ``persistent`` saved) on rank 1's: the
+    ranks really resume different saves, a ``checkpoint`` finding on rank 1 ("raise": before
+    any step, which would wait on a rank that has one step less to go)."""
+    checkpoint, later = out / "fsdp2-step=1", out / "fsdp2-step=2"
     saved = Resumed(skewed=False, persistent=True)
     # Not a resume, with a validation loader: the check runs at on_sanity_check_start.
     val = torch.utils.data.DataLoader(Tokens(), batch_size=2)
@@ -135,12 +142,44 @@ def resumes() -> dict:
     for name, persistent in (("persistent", True), ("non-persistent", False)):
         module = Resumed(skewed=True, persistent=persistent)
         json_path = out / f"resumed-{name}.json"
-        run = fit(module, "warn", json_path, fsdp2=True, max_steps=2, ckpt_path=checkpoint)
+        save_to = later if persistent else None
+        run = fit(
+            module,
+            "warn",
+            json_path,
+            fsdp2=True,
+            max_steps=2,
+            ckpt_path=checkpoint,
+            save_to=save_to,
+        )
         outcome_of[name] = outcome(run)
+    node = out / f"node{rank()}"  # this rank's "node": its own directory, its own link
+    node.mkdir()
+    (node / "ckpt").symlink_to(later if rank() == 1 else checkpoint)
+    here = Path.cwd()
+    os.chdir(node)
+    try:
+        module = Resumed(skewed=False, persistent=True)
+        json_path = out / "resumed-node-local.json"
+        run = fit(module, "raise", json_path, fsdp2=True, max_steps=3, ckpt_path="ckpt")
+        outcome_of["node-local"] = outcome(run)
+    finally:
+        os.chdir(here)
     return outcome_of
 
 
+def ddp_resume() -> dict:
+    """Under DDP every rank loads its own ``ckpt_path``, a ``.ckpt`` file (torch.save): the
+    hook forwards it, and a single-file checkpoint every rank resumed is consistent."""
+    saved = out / "ddp-step=1.ckpt"
+    outcome(fit(Module(planted=False), "raise", None, save_to=saved))
+    return outcome(
+        fit(Module(planted=False), "warn", out / "resumed-ddp.json", ckpt_path=saved, max_steps=2)
+    )
+
+
 record = twins(out, hooked)
+record["ddp-resumed"] = ddp_resume()
 record["fsdp2"] = twins(out, hooked_fsdp2, prefix="fsdp2-")
 record["resumed"] = resumes()
 write(out, record)

@@ -16,6 +16,11 @@ Cases (rank 0 writes ``--out``: ``{case: {"exit_codes", "report", "stdout"}}``):
   sharding it with FSDP2 (``{"model": state_dict}``, as torchtitan saves): ``audit-resume``,
   ``audit-resume-stale`` (rank 1 resumes the second save) and ``audit-resume-missing``, through
   the library, and ``cli-resume`` / ``cli-resume-missing`` through the CLI command itself.
+- ``audit-resume-damaged``: every rank resumes one copy of step-1 whose ``__1_0.distcp`` (the
+  shard file only rank 1 reads) is cut in half: bad input naming rank 1 (exit 2).
+- ``audit-resume-peer-died``, last: rank 1 is killed as it enters the load, so rank 0 fails
+  inside ``dcp.load``'s first collective: a runtime failure naming rank 1 and the stage (exit
+  3), not bad input. Rank 0 alone writes it to ``--out``: the job ends with rank 1 killed.
 """
 
 import argparse
@@ -23,6 +28,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,10 +156,17 @@ def _cases(root: Path) -> dict[str, Any]:
             model = _resumed(tiny / (tiny / "LATEST").read_text().strip() if path == tiny else path)
             result = fsdpcheck.check_model(model, checkpoint=path, timeout=60)
         done[case] = (int(result.exit_code), result.report, "")
+    damaged = preset / "damaged-step-1"
+    if rank == 0:  # rank 1's own shard file, cut in half (DCP reads it on rank 1 alone)
+        shutil.copytree(preset / "step-1", damaged)
+        shard = damaged / "__1_0.distcp"
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    dist.barrier()
     audits = {
         "audit-resume": preset / "step-1",
         "audit-resume-stale": preset / ("step-2" if rank == 1 else "step-1"),
         "audit-resume-missing": preset / ("step-9" if rank == 1 else "step-1"),
+        "audit-resume-damaged": damaged,
     }
     for case, path in audits.items():
         with _started_alike(False):
@@ -203,8 +216,27 @@ def main() -> int:
         }
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()
+    # last: rank 1 does not come back from it
+    died = _peer_died(root)
+    if dist.get_rank() == 0:
+        out = json.loads(Path(args.out).read_text())
+        out["audit-resume-peer-died"] = died
+        Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
     return 0
+
+
+def _peer_died(root: Path) -> dict[str, Any]:
+    """Rank 1 killed as it enters the load (``FSDPCHECK_INJECT_FAULT``, on rank 1 only): rank 0
+    is then inside ``dcp.load``'s first collective when its peer goes."""
+    from fsdpcheck.faults import FAULT_ENV
+
+    if dist.get_rank() == 1:
+        os.environ[FAULT_ENV] = "1:load:kill"
+    with _started_alike(False):
+        options = AuditOptions(model=PRESET, resume=str(root / "preset" / "step-1"), timeout=60)
+        result = run_audit(options)
+    return {"exit_code": int(result.exit_code), "report": to_dict(result.report)}
 
 
 if __name__ == "__main__":
