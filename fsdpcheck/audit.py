@@ -234,7 +234,11 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
             stages.run(
                 Stage.WRAP,
                 lambda: parallel.shard(
-                    built.model, targets.modules, ctx.mesh, cpu_offload=options.cpu_offload
+                    built.model,
+                    targets.modules,
+                    ctx.mesh,
+                    cpu_offload=options.cpu_offload,
+                    ep_meshes=ctx.ep_meshes,
                 ),
             )
     post = stages.run(
