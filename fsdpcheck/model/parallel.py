@@ -370,11 +370,11 @@ def shard(
     *,
     cpu_offload: bool = False,
     ep_meshes: EpMeshes | None = None,
-) -> None:
+) -> tuple[str, ...]:
     """The audit's wrap: the model's TP plan where the mesh has a ``tp`` dim over more than one
     rank, or its EP plan where it has an ``ep`` dim over more than one (``ep_meshes``: built
     with the mesh), then ``fully_shard`` on ``targets`` over the data dims. Every problem is
-    raised before the model is touched."""
+    raised before the model is touched. Returns the experts modules sharded first (--ep)."""
     from fsdpcheck.model import wrap
 
     ep, tp = ep_size(mesh), tp_size(mesh)
@@ -391,8 +391,9 @@ def shard(
         done = {id(m) for _, m in experts}
         rest = [(n, m) for n, m in targets if id(m) not in done]
         wrap.apply(rest, ep_meshes.dense, cpu_offload=cpu_offload)
-        return
+        return tuple(n for n, _ in experts)
     plan = tp_plan(model, tp) if tp > 1 else {}
     if plan:
         apply_tp(model, mesh["tp"], plan)
     wrap.apply(targets, data_mesh(mesh), cpu_offload=cpu_offload)
+    return ()

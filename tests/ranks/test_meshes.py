@@ -203,6 +203,8 @@ def test_ep_applies_the_models_own_plan_and_load_verify_and_step_hold(meshes: di
     assert report["load"]["method"] == "bucketed", report["load"]
     assert report["verify"]["passed"] is True, report["verify"]
     assert "step" in report["timings"]  # --step ran on the expert-parallel model
+    experts = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert report["wrap"]["wrapped"] == [*experts, "model.layers.1", "model.layers.0", "<root>"]
 
 
 def test_ep_slots_that_hold_the_same_experts_are_an_expert_finding(meshes: dict) -> None:

@@ -86,3 +86,16 @@ def test_what_ep_cannot_apply_is_one_paragraph_naming_the_fix(
     assert said.count("\n") == 0
     if said:
         assert "--builder" in said or "pick an --ep" in said
+
+
+def test_a_transformers_without_expert_parallelism_is_refused_naming_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    model = _meta(PRESETS["tiny-qwen3-moe"].make_config())
+    # As on transformers 4.5x, which has no transformers.distributed.expert_parallel.
+    monkeypatch.setitem(sys.modules, "transformers.distributed.expert_parallel", None)
+    said = ep_problem(model, 2)
+    assert "has no expert parallelism (transformers.distributed.expert_parallel" in said
+    assert "upgrade transformers, or pass a --builder" in said
