@@ -238,19 +238,11 @@ def ep_meshes(mesh: Any) -> EpMeshes | None:
     if not all(callable(getattr(mesh, f, None)) for f in ("_flatten", "_unflatten")):
         log.info("DeviceMesh has no _flatten/_unflatten: --ep cannot be applied here")
         return None
-    flat = mesh[layout.flatten]._flatten(FLAT_DIM)  # private API (torch >= 2.4), detected
-    dense = flat
-    if layout.dense != (FLAT_DIM,):
-        import warnings
-
-        with warnings.catch_warnings():  # HSDP: the flattened dim under dp_replicate, by name
-            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
-            dense = mesh[layout.dense]
-    if "tp" in names:
-        tp = mesh["tp"]
-    else:
-        ep = ep_size(mesh)
-        tp = mesh["ep"]._unflatten(0, (ep, 1), ("ep_groups", "ep_batch"))["ep_batch"]
+    try:
+        dense, tp = _ep_views(mesh, layout)
+    except Exception:  # private API: then --ep is refused with one paragraph, never a crash
+        log.debug("DeviceMesh could not flatten: --ep cannot be applied", exc_info=True)
+        return None
     ranks = 1
     for n in names:
         ranks *= int(mesh[n].size())
@@ -261,6 +253,23 @@ def ep_meshes(mesh: Any) -> EpMeshes | None:
         experts=mesh[layout.experts],
         data_ranks=ranks,
     )
+
+
+def _ep_views(mesh: Any, layout: EpLayout) -> tuple[Any, Any]:
+    """(the mesh non-experts shard over, a tp mesh of this rank alone)."""
+    flat = mesh[layout.flatten]._flatten(FLAT_DIM)  # private API (torch >= 2.4), detected
+    dense = flat
+    if layout.dense != (FLAT_DIM,):
+        import warnings
+
+        with warnings.catch_warnings():  # HSDP: the flattened dim under dp_replicate, by name
+            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+            dense = mesh[layout.dense]
+    if "tp" in (mesh.mesh_dim_names or ()):
+        return dense, mesh["tp"]
+    # transformers' dispatch takes the ranks that share one batch as a mesh: here, one rank.
+    ep = ep_size(mesh)
+    return dense, mesh["ep"]._unflatten(0, (ep, 1), ("ep_groups", "ep_batch"))["ep_batch"]
 
 
 def _config_name(model: nn.Module) -> str:
