@@ -18,8 +18,9 @@ into ``--out`` as ``{case: report}``:
   (dp_shard=2, ep=2), then one training step under ``check_step``: the EP all-to-alls' split
   sizes follow each rank's routing and differ across ranks, by design.
 - ``ep-step-undispatched-on-rank-3``: the same, but rank 3's layer-1 experts lost the token
-  dispatch transformers installed (its forward reset to the class's): rank 3 runs them on its
-  own tokens while its EP peer waits in an all-to-all.
+  dispatch transformers installed (its forward reset to the class's): rank 3's experts raise on
+  their DTensor weights (``aten._grouped_mm`` got mixed Tensor and DTensor) while ranks 0-2
+  enter the all-to-all, where its EP peer would wait until the timeout, unwatched.
 
 ``--audit-cases FILE`` (tests/workers/audit_cases_worker.py's case format): after those, the same
 job runs each as a whole ``run_audit`` on this group (named meshes, ``--tp``, 2-D builders),
