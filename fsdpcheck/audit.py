@@ -240,6 +240,7 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     # Buffers are checked against the config after the load (state-after-load), not here.
     pre = None
     targets = None
+    experts = None
     if not prewrapped:
         pre = stages.run(
             Stage.FINGERPRINT_PRE,
@@ -252,10 +253,14 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         # FSDP2 copies each real parameter's shard out of it: on rank 0 alone with --init rank0.
         threads = build.materialising_threads(options.init) if built and built.materialised else 1
         with torch_threads(threads):
-            stages.run(
+            experts = stages.run(
                 Stage.WRAP,
                 lambda: parallel.shard(
-                    built.model, targets.modules, ctx.mesh, cpu_offload=options.cpu_offload
+                    built.model,
+                    targets.modules,
+                    ctx.mesh,
+                    cpu_offload=options.cpu_offload,
+                    ep_meshes=ctx.ep_meshes,
                 ),
             )
     post = stages.run(
@@ -266,6 +271,9 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         state.model_info = built.info
     if targets is not None:
         state.wrap_plan = targets.plan
+        if experts:  # --ep: each experts module was sharded first, over the expert data dims
+            wrapped = (*experts, *targets.plan.wrapped)
+            state.wrap_plan = replace(targets.plan, wrapped=wrapped)
         log.info("wrap plan: %d modules (%s)", len(targets.plan.wrapped), targets.plan.source)
     record = rank_record(
         env,

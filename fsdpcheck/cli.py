@@ -158,8 +158,9 @@ def audit(
     ep: int | None = typer.Option(
         None,
         min=1,
-        help="Expert parallel over N ranks (the mesh's ep dim); fsdpcheck cannot apply "
-        "transformers' EP plans itself yet: use it with a --builder that does.",
+        help="Apply the model's own transformers expert-parallel plan over N ranks (the mesh's "
+        "ep dim): experts Shard(0) over ep, then FSDP2 over dp_shard; everything else FSDP2 "
+        "over dp_shard and ep together. Alone, the mesh is dp_shard=WORLD/N,ep=N.",
     ),
     cpu_offload: bool = typer.Option(
         False,

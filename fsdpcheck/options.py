@@ -40,7 +40,7 @@ class AuditOptions(BuildSpec):
     resume: str | None = None  # a DCP checkpoint directory every rank loads after wrapping
     mesh_dims: tuple[str, ...] | None = None  # --mesh's dim names (MESH_DIMS), one per size
     tp: int | None = None  # --tp N: the model's own TP plan over N ranks, FSDP2 over the rest
-    ep: int | None = None  # --ep N: expert parallel over N ranks (refused: see model/parallel.py)
+    ep: int | None = None  # --ep N: the model's own EP plan over N ranks (model/parallel.py)
 
     @property
     def build_spec(self) -> BuildSpec:

@@ -35,6 +35,7 @@ class DistContext:
     owns_default_group: bool
     mesh: Any = None
     store: Any = None  # the default group's store, for stage marks; None when unavailable
+    ep_meshes: Any = None  # model.parallel.EpMeshes: the views --ep shards over, built with mesh
 
     @property
     def device(self) -> torch.device:
@@ -115,6 +116,9 @@ def init(
 
     names = spec.names or (("replicate", "shard") if len(spec.sizes) == 2 else None)
     mesh = init_device_mesh(device_type, spec.sizes, mesh_dim_names=names)
+    from fsdpcheck.model.parallel import ep_meshes
+
+    views = ep_meshes(mesh)  # flattening a mesh dim is a collective too
     log.info("rank %d of %d on %s, mesh %s %s", rank, world_size, backend, spec.sizes, names)
     return DistContext(
         rank=rank,
@@ -127,6 +131,7 @@ def init(
         owns_default_group=owns,
         mesh=mesh,
         store=_default_store(),
+        ep_meshes=views,
     )
 
 

@@ -6,13 +6,31 @@ then ``fully_shard`` on ``mesh["dp_shard"]``, or ``mesh["dp_replicate", "dp_shar
 .up_proj``) to transformers' style names; the styles with a plain torch equivalent
 (``ColwiseParallel`` / ``RowwiseParallel``, applied with ``parallelize_module``) are applied, and
 a plan that names any other style is refused rather than approximated.
+
+``--ep N``: the model's own ``config.base_model_ep_plan`` applied with transformers' own
+``apply_expert_parallelism`` (transformers 5.x; feature-detected), laid out as torchtitan lays
+out expert parallelism: EP borrows its ranks from data parallelism. On a mesh
+``(dp_replicate,) dp_shard, ep``:
+
+- the experts' fused weights (``grouped_gemm``) are ``Shard(0)`` over ``ep`` (each EP rank its
+  own experts, ``num_experts`` set to the local count), and the experts modules
+  (``ep_dispatch_experts``) get transformers' all-to-all token dispatch; FSDP2 then shards each
+  experts module over ``dp_shard`` (HSDP: ``dp_replicate, dp_shard``), with the gradient divided
+  by every data rank and summed, not pre-multiplied (gloo has no PREMUL_SUM), as transformers'
+  ``apply_fully_sharded_data_parallelism`` does for its ``efsdp`` mesh;
+- every other parameter is FSDP2-sharded over ``dp_shard`` and ``ep`` together: the flattened
+  ``dp_shard_ep`` dim (HSDP: ``dp_replicate, dp_shard_ep``), built with ``DeviceMesh._flatten``
+  when the mesh is (:func:`ep_meshes`, a collective, before any stage can fail).
+
+``--ep`` with ``--tp`` is refused for fsdpcheck's own wrap (a ``--builder`` can build it).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -141,38 +159,250 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: Mapping[str, Any]) -> None:
     log.info("tensor parallel: %d modules over tp=%d", len(plan), tp_mesh.size())
 
 
-def ep_problem(model: nn.Module, ep: int) -> str:
-    """Why fsdpcheck cannot apply ``--ep`` to this model (always, for now): one paragraph."""
+# transformers' expert-parallel styles (transformers/distributed/expert_parallel.py).
+EP_STYLES = ("grouped_gemm", "ep_dispatch_experts")
+_DISPATCH = "ep_dispatch_experts"
+FLAT_DIM = "dp_shard_ep"  # dp_shard and ep flattened: what the non-expert parameters shard over
+_LAYER_NUMBER = re.compile(r"\.\d+(\.|$)")
+
+
+def wildcard(name: str) -> str:
+    """``layers.3.mlp`` → ``layers.*.mlp``: a module list's indices as a plan's ``*`` (as
+    transformers' ``replace_layer_number_by_wildcard``)."""
+    return _LAYER_NUMBER.sub(lambda m: ".*" + m.group(1), name)
+
+
+def expand_plan(
+    plan: Mapping[str, str], modules: Iterable[tuple[str, Iterable[str]]]
+) -> dict[str, str]:
+    """A plan's patterns as concrete names, in the model's module order: each module's own
+    parameters (to shard) before the module (to hook), as transformers' ``_expand_parallel_plan``
+    lists them. ``modules``: (module name, its own parameter names)."""
+    expanded: dict[str, str] = {}
+    for module_name, params in modules:
+        module_style = plan.get(wildcard(module_name))
+        for param in params:
+            name = f"{module_name}.{param}" if module_name else param
+            style = plan.get(wildcard(name), module_style)
+            if style is not None:
+                expanded[name] = style
+        if module_style is not None:
+            expanded[module_name] = module_style
+    return expanded
+
+
+@dataclass(frozen=True)
+class EpLayout:
+    """Which dims of a mesh with an ``ep`` dim each part of the model is FSDP2-sharded over."""
+
+    flatten: tuple[str, ...]  # flattened together into FLAT_DIM
+    dense: tuple[str, ...]  # non-expert parameters (FSDP2; HSDP with dp_replicate)
+    experts: tuple[str, ...]  # experts modules, after EP's Shard(0) over ep
+
+
+def ep_layout(names: Iterable[str]) -> EpLayout | None:
+    """torchtitan's layout: EP borrows its ranks from dp_shard; None without an ep dim."""
+    names = tuple(names)
+    if "ep" not in names:
+        return None
+    replicate = ("dp_replicate",) if "dp_replicate" in names else ()
+    return EpLayout(("dp_shard", "ep"), (*replicate, FLAT_DIM), (*replicate, "dp_shard"))
+
+
+@dataclass(frozen=True)
+class EpMeshes:
+    """The meshes ``--ep`` runs on, built when the job's mesh is (:func:`ep_meshes`)."""
+
+    ep: Any
+    tp: Any  # the ranks that share one batch: this rank alone (fsdpcheck's --ep has no tp)
+    dense: Any
+    experts: Any
+    data_ranks: int  # every data-parallel rank: what an expert's gradient is divided by
+
+
+def ep_size(mesh: Any) -> int:
+    """The size of the mesh's ``ep`` dim (1 where it has none)."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return int(mesh["ep"].size()) if "ep" in names else 1
+
+
+def ep_meshes(mesh: Any) -> EpMeshes | None:
+    """Collective on every rank of ``mesh``: the flattened ``dp_shard_ep`` dim and a one-rank
+    tp mesh, for a mesh with an ``ep`` dim over more than one rank and no ``tp`` dim over more
+    than one; None otherwise, or where this torch's DeviceMesh cannot flatten (then
+    :func:`shard` refuses ``--ep``)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    layout = ep_layout(names)
+    if layout is None or ep_size(mesh) < 2 or tp_size(mesh) > 1:
+        return None
+    if not all(callable(getattr(mesh, f, None)) for f in ("_flatten", "_unflatten")):
+        log.info("DeviceMesh has no _flatten/_unflatten: --ep cannot be applied here")
+        return None
+    try:
+        dense, tp = _ep_views(mesh, layout)
+    except Exception:  # private API: then --ep is refused with one paragraph, never a crash
+        log.debug("DeviceMesh could not flatten: --ep cannot be applied", exc_info=True)
+        return None
+    ranks = 1
+    for n in names:
+        ranks *= int(mesh[n].size())
+    return EpMeshes(
+        ep=mesh["ep"],
+        tp=tp,
+        dense=dense,
+        experts=mesh[layout.experts],
+        data_ranks=ranks,
+    )
+
+
+def _ep_views(mesh: Any, layout: EpLayout) -> tuple[Any, Any]:
+    """(the mesh non-experts shard over, a tp mesh of this rank alone)."""
+    flat = mesh[layout.flatten]._flatten(FLAT_DIM)  # private API (torch >= 2.4), detected
+    dense = flat
+    if layout.dense != (FLAT_DIM,):
+        import warnings
+
+        with warnings.catch_warnings():  # HSDP: the flattened dim under dp_replicate, by name
+            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+            dense = mesh[layout.dense]
+    if "tp" in (mesh.mesh_dim_names or ()):
+        return dense, mesh["tp"]
+    # transformers' dispatch takes the ranks that share one batch as a mesh: here, one rank.
+    ep = ep_size(mesh)
+    return dense, mesh["ep"]._unflatten(0, (ep, 1), ("ep_groups", "ep_batch"))["ep_batch"]
+
+
+def _config_name(model: nn.Module) -> str:
     config = getattr(model, "config", None)
-    name = type(config).__name__ if config is not None else type(model).__name__
+    return type(config).__name__ if config is not None else type(model).__name__
+
+
+_EP_FIX = "pass a --builder that builds your expert-parallel model on ctx.mesh (its ep dim)"
+
+
+def ep_problem(model: nn.Module, ep: int, *, tp: int = 1) -> str:
+    """Why fsdpcheck cannot apply ``--ep`` to this model: one paragraph, naming the fix; "" when
+    it can (:func:`ep_plan`)."""
+    name = _config_name(model)
+    fix = _EP_FIX
+    if tp > 1:
+        return (
+            f"--ep {ep} with --tp {tp}: fsdpcheck's own wrap applies expert parallelism with "
+            f"data parallelism only, not with tensor parallelism; drop --tp, or {fix}."
+        )
+    config = getattr(model, "config", None)
     plan = getattr(config, "base_model_ep_plan", None) if config is not None else None
     if not plan:
         return (
             f"--ep {ep}: {name} has no expert-parallel plan (config.base_model_ep_plan); audit "
             "it without --ep, or pass a --builder that places your experts."
         )
-    styles = ", ".join(sorted(set(map(str, plan.values()))))
-    return (
-        f"--ep {ep}: {name}'s expert-parallel plan uses transformers' own styles ({styles}), "
-        "which have no plain torch parallel style fsdpcheck could apply; --ep is not supported "
-        "for this model: pass a --builder that builds your expert-parallel model on ctx.mesh "
-        "(its ep dim), and fsdpcheck checks that."
+    try:
+        from transformers.distributed.expert_parallel import apply_expert_parallelism  # noqa: F401
+    except ImportError:
+        import transformers
+
+        return (
+            f"--ep {ep}: transformers {transformers.__version__} has no expert parallelism "
+            "(transformers.distributed.expert_parallel, in transformers 5); upgrade "
+            f"transformers, or {fix}."
+        )
+    unknown = sorted({str(s) for s in plan.values() if s not in EP_STYLES})
+    if unknown:
+        return (
+            f"--ep {ep}: {name}'s expert-parallel plan uses {', '.join(map(repr, unknown))}, "
+            f"which fsdpcheck does not apply (it applies {', '.join(EP_STYLES)}); {fix}."
+        )
+    params = dict(model.named_parameters())
+    for param, style in ep_plan(model).items():
+        if style != _DISPATCH and param in params:
+            experts = int(params[param].shape[0])
+            if experts % ep:
+                return (
+                    f"--ep {ep}: {param} holds {experts} experts, which {ep} expert-parallel "
+                    f"ranks cannot split evenly; pick an --ep that divides {experts}."
+                )
+    return ""
+
+
+def ep_plan(model: nn.Module) -> dict[str, str]:
+    """The model's ``base_model_ep_plan`` as concrete names under the model (parameters before
+    their module)."""
+    config = getattr(model, "config", None)
+    plan = dict(getattr(config, "base_model_ep_plan", None) or {})
+    base = getattr(model, "base_model_prefix", "") or ""
+    prefix = f"{base}." if base and hasattr(model, base) else ""
+    rules = {prefix + k: v for k, v in plan.items()}
+    modules = (
+        (name, [p for p, _ in module.named_parameters(recurse=False)])
+        for name, module in model.named_modules()
     )
+    return expand_plan(rules, modules)
+
+
+def apply_ep(
+    model: nn.Module, meshes: EpMeshes, plan: Mapping[str, str], *, cpu_offload: bool = False
+) -> list[tuple[str, nn.Module]]:
+    """transformers' ``apply_expert_parallelism`` over ``plan`` (no collective: each rank keeps
+    its own chunk, ``src_data_rank=None``), then FSDP2 on each experts module over the expert
+    data dims; the experts modules, which the dense wrap must leave alone."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    from fsdpcheck.model import wrap
+
+    apply_expert_parallelism(model, meshes.ep, meshes.tp, dict(plan))
+    experts = [(n, model.get_submodule(n)) for n, s in plan.items() if s == _DISPATCH]
+    wrap.apply(experts, meshes.experts, cpu_offload=cpu_offload)
+    shards = int(meshes.experts["dp_shard"].size())
+    for _, module in experts:
+        # Each expert's gradient sums the tokens of every data rank: divide by all of them.
+        if callable(getattr(module, "set_gradient_divide_factor", None)):
+            module.set_gradient_divide_factor(float(meshes.data_ranks))
+        # A factor other than the group size is a PREMUL_SUM, which gloo rejects: sum, then
+        # divide locally. With dp_shard 1 there is no reduce-scatter and FSDP2 divides locally
+        # already, so a forced sum would divide twice.
+        if shards > 1 and callable(getattr(module, "set_force_sum_reduction_for_comms", None)):
+            module.set_force_sum_reduction_for_comms(True)
+    log.info(
+        "expert parallel: %d experts modules over ep=%d, FSDP2 over %s",
+        len(experts),
+        meshes.ep.size(),
+        meshes.experts.mesh_dim_names,
+    )
+    return experts
 
 
 def shard(
-    model: nn.Module, targets: list[tuple[str, nn.Module]], mesh: Any, *, cpu_offload: bool = False
-) -> None:
+    model: nn.Module,
+    targets: list[tuple[str, nn.Module]],
+    mesh: Any,
+    *,
+    cpu_offload: bool = False,
+    ep_meshes: EpMeshes | None = None,
+) -> tuple[str, ...]:
     """The audit's wrap: the model's TP plan where the mesh has a ``tp`` dim over more than one
-    rank, then ``fully_shard`` on ``targets`` over the data dims. Every problem is raised before
-    the model is touched."""
+    rank, or its EP plan where it has an ``ep`` dim over more than one (``ep_meshes``: built
+    with the mesh), then ``fully_shard`` on ``targets`` over the data dims. Every problem is
+    raised before the model is touched. Returns the experts modules sharded first (--ep)."""
     from fsdpcheck.model import wrap
 
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if "ep" in names and int(mesh["ep"].size()) > 1:
-        raise InputError(ep_problem(model, int(mesh["ep"].size())))
-    tp = tp_size(mesh)
+    ep, tp = ep_size(mesh), tp_size(mesh)
+    if ep > 1:
+        problem = ep_problem(model, ep, tp=tp)
+        if not problem and ep_meshes is None:
+            problem = (
+                f"--ep {ep}: this torch's DeviceMesh cannot flatten dp_shard and ep into one dim "
+                f"(DeviceMesh._flatten), which the non-expert parameters shard over; {_EP_FIX}."
+            )
+        if problem:
+            raise InputError(problem)
+        experts = apply_ep(model, ep_meshes, ep_plan(model), cpu_offload=cpu_offload)
+        done = {id(m) for _, m in experts}
+        rest = [(n, m) for n, m in targets if id(m) not in done]
+        wrap.apply(rest, ep_meshes.dense, cpu_offload=cpu_offload)
+        return tuple(n for n, _ in experts)
     plan = tp_plan(model, tp) if tp > 1 else {}
     if plan:
         apply_tp(model, mesh["tp"], plan)
     wrap.apply(targets, data_mesh(mesh), cpu_offload=cpu_offload)
+    return ()

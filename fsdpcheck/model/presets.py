@@ -77,6 +77,19 @@ def _qwen3() -> Any:
     return _transformers_config("Qwen3Config", "tiny-qwen3", **_TINY, head_dim=16)
 
 
+def _qwen3_moe() -> Any:
+    # Every layer sparse: 4 experts, top-2, with transformers' own expert-parallel plan.
+    return _transformers_config(
+        "Qwen3MoeConfig",
+        "tiny-qwen3-moe",
+        **_TINY,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+
+
 def _hazard() -> Any:
     from fsdpcheck.model.hazard import HazardConfig
 
@@ -151,6 +164,12 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset("tiny-llama", "LlamaForCausalLM", "Llama, 2 layers", _llama),
         Preset("tiny-qwen3", "Qwen3ForCausalLM", "Qwen3, 2 layers", _qwen3),
+        Preset(
+            "tiny-qwen3-moe",
+            "Qwen3MoeForCausalLM",
+            "Qwen3 MoE, 2 layers of 4 experts (top-2), with an expert-parallel plan (--ep)",
+            _qwen3_moe,
+        ),
         *_fixtures(),  # one per-rank difference each (docs/loaders.md)
     )
 }

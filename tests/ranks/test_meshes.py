@@ -12,8 +12,11 @@ from conftest import QUIET_ENV, REPO
 
 from fsdpcheck.children.launch import launch
 
-MESH_CASES = ("ep", "ep-drift", "ep-collapsed", "hsdp", "hsdp-drift", "tp", "tp-drift")
-MESH_CASES += ("mesh-2d", "mesh-shape-on-3", "mesh-dims-on-3")
+MESH_CASES = (
+    *("ep", "ep-drift", "ep-collapsed", "hsdp", "hsdp-drift", "tp", "tp-drift"),
+    *("mesh-2d", "mesh-shape-on-3", "mesh-dims-on-3"),
+    *("ep-step", "ep-step-undispatched-on-rank-3"),
+)
 TP_EXAMPLE = "examples/builders/llama_fsdp_tp.py:build"
 TP_MESH = {"mesh": [2, 2], "mesh_dims": ["dp_shard", "tp"]}
 # Whole audits in the same 4-rank job (issue 21): named meshes, --tp, a 2-D builder, their twins.
@@ -38,6 +41,11 @@ AUDITS = {
     "tp-no-plan": {"tp": 2, "model": "hazard"},
     "tp-splits-no-head": {"tp": 4},
     "ep-no-plan": {"ep": 2},
+    # --ep 2: transformers' own EP plan on the MoE preset, then FSDP2 (dp_shard=2, ep=2).
+    "ep-moe": {"model": "tiny-qwen3-moe", "ep": 2, "step": True},
+    "ep-moe-builder": {"builder": "tests/workers/builders.py:moe_plain", "ep": 2},
+    "ep-moe-collapsed": {"builder": "tests/workers/builders.py:moe_collapsed", "ep": 2},
+    "ep-with-tp": {"model": "tiny-qwen3-moe", "ep": 2, "tp": 2},
 }
 
 
@@ -214,9 +222,56 @@ def test_tp_and_ep_a_model_cannot_take_are_bad_input_on_every_rank(meshes: dict)
         ("tp-no-plan", "HazardConfig has no tensor-parallel plan"),
         ("tp-splits-no-head", "num_key_value_heads is 2, which 4 tensor-parallel ranks"),
         ("ep-no-plan", "LlamaConfig has no expert-parallel plan"),
+        ("ep-with-tp", "--ep 2 with --tp 2: fsdpcheck's own wrap applies expert parallelism"),
     ):
         done = _audit(meshes, case)
         assert done["exit_codes"] == [2] * 4, (case, done["report"]["errors"])
         errors = done["report"]["errors"]
         assert [e["rank"] for e in errors] == [0, 1, 2, 3], case
         assert all(words in e["message"] and e["kind"] == "input" for e in errors), errors
+
+
+def test_ep_applies_the_models_own_plan_and_load_verify_and_step_hold(meshes: dict) -> None:
+    # transformers' grouped_gemm / ep_dispatch_experts on dp_shard=2, ep=2: experts Shard(0)
+    # over ep then FSDP2 over dp_shard; the rest FSDP2 over dp_shard and ep flattened.
+    for case in ("ep-moe", "ep-moe-builder"):
+        done = _audit(meshes, case)
+        report = done["report"]
+        assert done["exit_codes"] == [0] * 4, (case, report["findings"], report["errors"])
+        assert report["verdict"] == "consistent", case
+    report = _audit(meshes, "ep-moe")["report"]
+    # The sorted loader cut each expert shard (FSDP2 over EP's Shard(0)); verify checked each.
+    assert report["load"]["outcome"] == "loaded", report["load"]
+    assert report["load"]["method"] == "bucketed", report["load"]
+    assert report["verify"]["passed"] is True, report["verify"]
+    assert "step" in report["timings"]  # --step ran on the expert-parallel model
+    experts = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert report["wrap"]["wrapped"] == [*experts, "model.layers.1", "model.layers.0", "<root>"]
+
+
+def test_ep_slots_that_hold_the_same_experts_are_an_expert_finding(meshes: dict) -> None:
+    # Its clean twin is "ep-moe-builder": the same builder with four distinct experts.
+    done = _audit(meshes, "ep-moe-collapsed")
+    assert done["exit_codes"] == [1] * 4
+    [finding] = done["report"]["findings"]
+    assert (finding["kind"], finding["ranks"], finding["reference_rank"]) == ("expert", [1, 3], 0)
+    assert finding["tensors"][:2] == [
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+    ]
+    # Slots from the ep dim (ranks 0,2 are EP rank 0); each dp_shard place pairs across slots.
+    assert finding["details"]["slots"] == [[0, 2], [1, 3]]
+    assert finding["details"]["collapsed"] == [[0, 1], [2, 3]]
+
+
+def test_ep_all_to_alls_of_uneven_splits_agree_and_one_rank_leaving_them_is_named(
+    meshes: dict,
+) -> None:
+    # Each rank's routing decides its split sizes: they differ across ranks, by design.
+    assert meshes["ep-step"]["verdict"] == "consistent", meshes["ep-step"]["findings"]
+    [finding] = meshes["ep-step-undispatched-on-rank-3"]["findings"]
+    assert (finding["kind"], finding["ranks"]) == ("step", [3])
+    issued = finding["details"]["ranks"]["ranks 0-2"]
+    assert (issued["op"], issued["group"], issued["numel"]) == ("all_to_all_single", "mesh_ep", -1)
+    assert finding["details"]["caught"].startswith("before the collective was issued")
+    assert any("all-to-all" in c for c in finding["details"]["agreed_before"])

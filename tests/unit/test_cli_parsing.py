@@ -165,5 +165,5 @@ def test_the_models_own_tp_plan_maps_to_torch_styles_and_a_plan_that_cannot_is_r
     moe = _meta(mixtral)
     with pytest.raises(InputError, match="'moe_tp_experts', 'packed_colwise'"):
         tp_plan(moe, 2)  # transformers' own MoE styles: refused, not approximated
-    said = ep_problem(moe, 2)
-    assert "ep_dispatch_experts" in said and "not supported for this model" in said
+    assert ep_problem(moe, 2) == ""  # transformers' own EP styles: applied by --ep
+    assert "cannot split evenly" in ep_problem(moe, 4)  # 2 experts

@@ -150,3 +150,30 @@ def norm_drift_on_rank_1(ctx):
         with torch.no_grad():
             model.model.norm.weight.add_(0.5)
     return model
+
+
+def _moe(seed: int = 0):
+    """The ``tiny-qwen3-moe`` preset (4 experts, top-2, with an expert-parallel plan)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from fsdpcheck.model.presets import PRESETS
+
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(PRESETS["tiny-qwen3-moe"].make_config())
+
+
+def moe_plain(ctx):
+    """The same MoE weights on every rank, not wrapped, nothing to load: ``--ep`` shards it."""
+    return _moe()
+
+
+def moe_collapsed(ctx):
+    """As :func:`moe_plain`, but every layer's experts 2 and 3 are copies of experts 0 and 1:
+    the full model a resume leaves when every EP rank saved its local experts as experts 0 and
+    1 (KempnerForge #202). On ep=2 each EP slot then holds the same experts."""
+    model = _moe()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                param[2:].copy_(param[:2])
+    return model

@@ -18,6 +18,13 @@ into ``--out`` as ``{case: report}``:
   builds every mesh (a mesh is a collective); each rank's own values, no communication.
 - ``nan`` (any ranks): FSDP2 over every rank, then rank 1's loader leaves NaN in its local
   shard of one weight. ``finite``: the same without the NaN (the clean twin).
+- ``ep-step`` (4 ranks): the tiny-qwen3-moe preset wrapped by fsdpcheck's own ``--ep`` wrap
+  (dp_shard=2, ep=2), then one training step under ``check_step``: the EP all-to-alls' split
+  sizes follow each rank's routing and differ across ranks, by design.
+- ``ep-step-undispatched-on-rank-3``: the same, but rank 3's layer-1 experts lost the token
+  dispatch transformers installed (its forward reset to the class's): rank 3's experts raise on
+  their DTensor weights (``aten._grouped_mm`` got mixed Tensor and DTensor) while ranks 0-2
+  enter the all-to-all, where its EP peer would wait until the timeout, unwatched.
 
 ``--audit-cases FILE`` (tests/workers/audit_cases_worker.py's case format): after those, the same
 job runs each as a whole ``run_audit`` on this group (named meshes, ``--tp``, 2-D builders),
@@ -133,6 +140,36 @@ def _nan(leave_nan: bool) -> nn.Module:
     return model
 
 
+def _ep_step(undispatched: bool):
+    """(model, step) for ``check_step``: fsdpcheck's --ep wrap on the MoE preset."""
+    from builders import _moe  # this script's folder is on sys.path
+
+    from fsdpcheck.model import parallel, wrap
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+    model = _moe()
+    targets = wrap.plan(model).modules
+    parallel.shard(model, targets, mesh, ep_meshes=parallel.ep_meshes(mesh))
+    if undispatched and dist.get_rank() == 3:
+        del model.model.layers[1].mlp.experts.forward  # the instance's EP forward
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(dist.get_rank())
+    tokens = torch.randint(0, 256, (2, 16))
+
+    def step():
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return model, step
+
+
+STEP_CASES = {
+    "ep-step": lambda: _ep_step(False),
+    "ep-step-undispatched-on-rank-3": lambda: _ep_step(True),
+}
+
 CASES = {
     "ep": lambda: _ep(False),
     "ep-drift": lambda: _ep(True),
@@ -158,7 +195,10 @@ def main() -> int:
     dist.init_process_group("gloo")
     reports, code = {}, 0
     for case in args.case or ():
-        result = fsdpcheck.check_model(CASES[case](), timeout=60)
+        if case in STEP_CASES:
+            result = fsdpcheck.check_step(*STEP_CASES[case](), timeout=60)
+        else:
+            result = fsdpcheck.check_model(CASES[case](), timeout=60)
         if result.exit_code == 3:
             code = 3
         if result.report is not None:
