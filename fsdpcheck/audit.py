@@ -164,7 +164,9 @@ def check_model(
     variables are compared too (``launch``). ``rank0_checkpoint=True`` (the same on every
     rank): the script loads rank 0's path on every rank, as Lightning's sharding strategies do
     (they broadcast it), so each rank records what it finds at rank 0's path (a node whose copy
-    differs is named; a path only the other ranks were given is not, since nothing loaded it).
+    differs is named; a path only the other ranks were given is not, since nothing loaded it);
+    a rank that passes a ``checkpoint`` of its own records that one instead (a script that
+    loads its own weights), so the broadcast runs on every rank whatever each one passes.
 
     ``end_on_abort``: a rank the others gave up on (slower than ``timeout``) is ended with exit
     3 rather than left to go on alone; False (a hook's "warn" mode) returns the same error
@@ -196,7 +198,8 @@ def check_model(
 def _rank0_checkpoint(
     ctx: distributed.DistContext, checkpoint: str | os.PathLike[str] | None
 ) -> str | os.PathLike[str] | None:
-    """Collective: rank 0's checkpoint path on every rank (None where rank 0 has none)."""
+    """Collective, on every rank whatever it passes: rank 0's checkpoint path (None where rank
+    0 has none), or this rank's own where it passes one."""
     from fsdpcheck.distributed.wire import broadcast_decision
 
     mine = os.fspath(checkpoint) if checkpoint is not None and ctx.rank == 0 else ""
@@ -205,7 +208,7 @@ def _rank0_checkpoint(
     except Exception:  # a dead peer: the gather names it, with the heartbeats
         log.debug("rank %d: rank 0's checkpoint path did not arrive", ctx.rank, exc_info=True)
         return checkpoint
-    return given or None
+    return checkpoint if checkpoint is not None else (given or None)
 
 
 def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch) -> AuditResult:

@@ -184,7 +184,10 @@ _COLLECTIVE_WORDS = re.compile(
 
 
 def is_collective_failure(exc: BaseException) -> bool:
-    """A gloo timeout or a vanished peer, as opposed to a loader refusing with its own error."""
+    """A gloo timeout or a vanished peer, as opposed to a loader refusing with its own error.
+    A file the rank could not read is never one, whatever words its path holds."""
+    if isinstance(exc, OSError) and not isinstance(exc, ConnectionError | TimeoutError):
+        return False
     return bool(_COLLECTIVE_WORDS.search(f"{type(exc).__name__}: {exc}"))
 
 

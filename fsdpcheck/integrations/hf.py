@@ -21,6 +21,7 @@ Needs ``pip install 'fsdpcheck[hf]'``.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from fsdpcheck.integrations.common import (
     run_step_check,
     validate_on_failure,
 )
+
+log = logging.getLogger(__name__)
 
 try:
     from transformers import TrainerCallback
@@ -87,12 +90,22 @@ class FsdpcheckCallback(TrainerCallback):
 
 
 def _resumed_from(args: Any, state: Any) -> Any:
-    """``args.resume_from_checkpoint`` where the Trainer did resume: it restored its state (and
-    so a ``global_step`` above 0) from a checkpoint; a path in the arguments that the script
-    never passed to ``train`` is no resume."""
-    if getattr(state, "global_step", 0) > 0:
-        return getattr(args, "resume_from_checkpoint", None)
-    return None
+    """``args.resume_from_checkpoint`` where the Trainer did resume from it: it restored its
+    state (a ``global_step`` above 0) and that directory's ``trainer_state.json`` holds the same
+    step. The Trainer itself reads ``train(resume_from_checkpoint=...)``, not the argument, so a
+    path there that the script resumed from elsewhere is no resume of this one."""
+    import json
+
+    step = getattr(state, "global_step", 0)
+    path = getattr(args, "resume_from_checkpoint", None)
+    if not step or not isinstance(path, str | os.PathLike):
+        return None
+    try:
+        saved = json.loads((Path(path) / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        log.debug("no trainer_state.json to match at %s", path, exc_info=True)
+        return None
+    return path if isinstance(saved, dict) and saved.get("global_step") == step else None
 
 
 class FirstStepWatch:

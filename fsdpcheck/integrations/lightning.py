@@ -104,17 +104,23 @@ class FsdpcheckCallback(Callback):
     def _check(self, trainer: Any, pl_module: Any, hook: str) -> None:
         self._pending = False
         model = getattr(pl_module, self.attribute) if self.attribute else pl_module
+        # Loaded by now under every strategy (the module docstring): the resolved path.
+        found = getattr(trainer, "ckpt_path", None)
+        if self._after_setup and not getattr(trainer, "is_global_zero", True):
+            # The strategies that restore after setup (ModelParallel, FSDP, DeepSpeed in
+            # pytorch_lightning 2.6) load rank 0's ckpt_path on every rank: they broadcast it,
+            # so this rank's own ckpt_path is not what it loaded; rank 0's arrives instead.
+            found = None
         self.result = run_check(
             model,
             on_failure=self.on_failure,
             timeout=self.timeout,
             json_path=self.json_path,
             where=f"Lightning {hook}",
-            # Loaded by now under every strategy (the module docstring): the resolved path.
-            checkpoint=self.checkpoint or getattr(trainer, "ckpt_path", None),
-            # The strategies that restore after setup (ModelParallel, FSDP, DeepSpeed in
-            # pytorch_lightning 2.6) load rank 0's ckpt_path on every rank: they broadcast it.
-            rank0_checkpoint=self.checkpoint is None and self._after_setup,
+            checkpoint=self.checkpoint or found,
+            # The same on every rank (the strategy), whatever checkpoint= each rank was given:
+            # the broadcast is a collective.
+            rank0_checkpoint=self._after_setup,
         )
         if self.check_first_step:
             self._watch_first_step(pl_module, model)

@@ -34,20 +34,42 @@ def load_checkpoint(model: Any, record: CheckpointRecord, *, rank: int, group: A
     from fsdpcheck.distributed.liveness import is_collective_failure
     from fsdpcheck.loader.load import materialise
 
-    problem = resume_problem(record, rank=rank)
-    if problem:
-        raise InputError(problem)
-    if materialise(model):
-        restore_buffers(model)
-    state = get_model_state_dict(model)
-    reader = dcp.FileSystemReader(record.path)
-    payload = _payload(state, reader)
+    # This rank's own part before DCP's first collective (its .metadata is unpickled here):
+    # a rank that fails it must not leave the others waiting inside dcp.load, so every rank
+    # says whether it is ready, and all load or none does.
+    own: Exception | None = None
+    try:
+        problem = resume_problem(record, rank=rank)
+        if problem:
+            raise InputError(problem)
+        if materialise(model):
+            restore_buffers(model)
+        state = get_model_state_dict(model)
+        reader = dcp.FileSystemReader(record.path)
+        payload = _payload(state, reader)
+    except Exception as exc:
+        log.debug("rank %d: resume from %s not ready", rank, record.path, exc_info=True)
+        own = exc
+    reason = f"{type(own).__name__}: {_first_line(own)}" if own is not None else ""
+    unready = _unready_ranks(reason, rank, group)  # collective, on every rank
+    if isinstance(own, InputError):
+        raise own  # its own paragraph, naming this rank and the fix
+    if unready:
+        lines = "".join(f"\n  - rank {r}: {why}" for r, why in sorted(unready.items()))
+        raise InputError(
+            f"--resume {record.given}: no rank loaded {record.path}: "
+            f"{ranks_label(unready)} could not read it before dcp.load:{lines}\n"
+            "Its .metadata on that rank's filesystem is missing, damaged or not this model's; "
+            "pass a complete checkpoint this model saved, on every node."
+        ) from own
     try:
         dcp.load(payload, storage_reader=reader, process_group=group)
     except CheckpointException as exc:  # DCP gathered each rank's own failure, on every rank
         log.debug("rank %d: dcp.load from %s failed", rank, record.path, exc_info=True)
-        if any(is_collective_failure(e) for e, _ in exc.failures.values()):
-            raise RuntimeError(f"dcp.load: {_first_line(exc)}") from exc
+        collective = [e for e, _ in exc.failures.values() if is_collective_failure(e)]
+        if collective:  # the words that say so, whichever rank's failure carries them
+            cause = collective[0]
+            raise RuntimeError(f"dcp.load: {type(cause).__name__}: {_first_line(cause)}") from exc
         raise InputError(_failed_ranks(record, exc, rank, group)) from exc
     except Exception as exc:
         if is_collective_failure(exc):  # a peer died or timed out: not the checkpoint's fault
@@ -120,6 +142,34 @@ def restore_buffers(model: Any) -> int:
                 buf.copy_(want.to(buf.dtype))
                 restored += 1
     return restored
+
+
+_REASON_BYTES = 300  # each rank's one-line reason, cut to fit one fixed-size slot
+
+
+def _unready_ranks(reason: str, rank: int, group: Any) -> dict[int, str]:
+    """Collective over ``group`` (bounded by its timeout): the ranks (global numbers) that
+    could not get ready for ``dcp.load``, each with its one-line reason."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return {rank: reason} if reason else {}
+    raw = reason.encode()[:_REASON_BYTES]
+    slot = torch.zeros(_REASON_BYTES + 1, dtype=torch.uint8)
+    slot[0] = max(len(raw), 1) if reason else 0  # 0: ready
+    if raw:
+        slot[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    slots = [torch.zeros_like(slot) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(slots, slot, group=group)
+    unready = {}
+    for index, got in enumerate(slots):
+        size = int(got[0])
+        if size:
+            text = got[1 : 1 + size].numpy().tobytes().decode(errors="replace").strip("\0")
+            global_rank = dist.get_global_rank(group, index) if group is not None else index
+            unready[global_rank] = text or "failed"
+    return unready
 
 
 def _failed_ranks(record: CheckpointRecord, exc: Any, rank: int, group: Any) -> str:

@@ -36,14 +36,10 @@ from typing import Any
 from torch import nn
 
 from fsdpcheck.errors import InputError
-from fsdpcheck.options import DATA_DIMS
+from fsdpcheck.options import DATA_DIMS, TP_DIMS
 
 log = logging.getLogger(__name__)
 
-# Dims across which a sub-mesh's siblings hold the same tensor: a parameter that tensor
-# parallelism left alone is replicated over tp, so FSDP2 shards it over the data dims alone and
-# each TP rank's copy lives on its own sibling sub-mesh.
-_REPLICATED_DIMS = ("tp",)
 
 
 # Replicated styles: every TP rank keeps the whole tensor, so FSDP2 over the data dims alone.
@@ -76,7 +72,7 @@ def sibling_root(mesh: Any) -> Any:
     if root is None or root is mesh or not names or not set(names) <= set(root_names):
         return None
     dropped = [n for n in root_names if n not in names]
-    if not dropped or any(n not in _REPLICATED_DIMS for n in dropped):
+    if not dropped or any(n not in TP_DIMS for n in dropped):
         return None  # siblings across an ep (or any other) dim hold other tensors
     return root
 
@@ -355,14 +351,24 @@ def apply_ep(
     wrap.apply(experts, meshes.experts, cpu_offload=cpu_offload)
     shards = int(meshes.experts["dp_shard"].size())
     for _, module in experts:
-        # Each expert's gradient sums the tokens of every data rank: divide by all of them.
-        if callable(getattr(module, "set_gradient_divide_factor", None)):
-            module.set_gradient_divide_factor(float(meshes.data_ranks))
-        # A factor other than the group size is a PREMUL_SUM, which gloo rejects: sum, then
+        # Each expert's gradient sums the tokens of every data rank: divide by all of them. A
+        # factor other than the group size is a PREMUL_SUM, which gloo rejects: sum, then
         # divide locally. With dp_shard 1 there is no reduce-scatter and FSDP2 divides locally
-        # already, so a forced sum would divide twice.
-        if shards > 1 and callable(getattr(module, "set_force_sum_reduction_for_comms", None)):
-            module.set_force_sum_reduction_for_comms(True)
+        # already, so a forced sum would divide twice. Both or neither: a factor without the
+        # forced sum would fail the step on gloo.
+        divide = getattr(module, "set_gradient_divide_factor", None)
+        force_sum = getattr(module, "set_force_sum_reduction_for_comms", None)
+        if callable(divide) and (shards == 1 or callable(force_sum)):
+            divide(float(meshes.data_ranks))
+            if shards > 1:
+                force_sum(True)
+        else:
+            log.warning(
+                "this torch's FSDP2 cannot divide %s's gradient by all %d data ranks: a --step "
+                "scales the experts' gradients by dp_shard alone",
+                type(module).__name__,
+                meshes.data_ranks,
+            )
     log.info(
         "expert parallel: %d experts modules over ep=%d, FSDP2 over %s",
         len(experts),

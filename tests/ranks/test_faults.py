@@ -19,6 +19,7 @@ from fsdpcheck.children.launch import free_port, launch
 from fsdpcheck.faults import FAULT_ENV
 
 TIMEOUT = 15  # --timeout for these runs
+HANG_TIMEOUT = 8  # the hung-rank case waits this long by design: the rest need not
 BOUND = TIMEOUT + 30  # import + build + the timeout, with room for a loaded CI machine
 SECRET = "hf_SECRETtoken1234567890"
 SECRET_VARS = ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "WANDB_API_KEY")
@@ -77,7 +78,9 @@ def test_rank_killed_during_the_gather(tmp_path: Path) -> None:
 
 
 def test_hung_rank_is_named_and_aborted(tmp_path: Path) -> None:
-    result = run_ranks(audit(tmp_path), env={FAULT_ENV: "1:build:hang"}, timeout=BOUND)
+    # Its own, shorter --timeout (the last one wins): rank 0 waits it out in the gather.
+    args = [*audit(tmp_path), "--timeout", str(HANG_TIMEOUT)]
+    result = run_ranks(args, env={FAULT_ENV: "1:build:hang"}, timeout=BOUND)
     # Rank 0 times out in the gather, names rank 1, and its abort mark ends the hung rank too.
     assert_all_exited(result, [3, 3])
     report = read_report(tmp_path / "report.json")

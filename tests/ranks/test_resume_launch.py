@@ -117,6 +117,21 @@ def test_audit_resume_of_a_shard_file_damaged_on_one_rank_is_bad_input_naming_it
     assert report["load"]["outcome"] == "failed" and report["load"]["error_kind"] == "input"
 
 
+def test_a_rank_that_cannot_read_its_metadata_before_the_load_ends_every_rank(cases) -> None:
+    """Rank 1 fails before dcp.load's first collective: every rank learns it there and none
+    waits inside the load (the clean twin is audit-resume)."""
+    done = cases["audit-resume-metadata-on-1"]
+    assert done["exit_codes"] == [2, 2]
+    report = done["report"]
+    errors = {(e["rank"], e["stage"], e["kind"]) for e in report["errors"]}
+    assert errors == {(1, "load", "input")}, report["errors"]
+    [error] = report["errors"]
+    assert (
+        "could not read it before dcp.load" in error["message"] and "- rank 1: " in error["message"]
+    )
+    assert {f["kind"] for f in report["findings"]} >= {"checkpoint"}  # its .metadata differs
+
+
 def test_a_peer_dying_inside_dcp_load_is_a_runtime_failure_naming_it(cases) -> None:
     """The clean twin is audit-resume: the same load with no rank killed."""
     done = cases["audit-resume-peer-died"]

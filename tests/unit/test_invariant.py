@@ -20,6 +20,7 @@ import pytest
 
 from fsdpcheck.checks.gather_view import gathered_from
 from fsdpcheck.records import (
+    IN_MESH_LAYOUT,
     INFORMATIONAL,
     BufferProblem,
     CheckpointRecord,
@@ -246,6 +247,8 @@ SWEEP = list(mutations(BASE[MUTATED]))
 def test_the_base_is_consistent_and_every_informational_field_exists() -> None:
     assert _verdict(BASE) == (Verdict.CONSISTENT, [])
     assert INFORMATIONAL <= schema_fields(), INFORMATIONAL - schema_fields()
+    # The mesh fields the group digest compares per parameter are real and not informational.
+    assert IN_MESH_LAYOUT <= schema_fields() and not IN_MESH_LAYOUT & INFORMATIONAL
 
 
 def test_the_sweep_reaches_every_field_of_the_schema() -> None:

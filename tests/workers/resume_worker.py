@@ -18,6 +18,9 @@ Cases (rank 0 writes ``--out``: ``{case: {"exit_codes", "report", "stdout"}}``):
   the library, and ``cli-resume`` / ``cli-resume-missing`` through the CLI command itself.
 - ``audit-resume-damaged``: every rank resumes one copy of step-1 whose ``__1_0.distcp`` (the
   shard file only rank 1 reads) is cut in half: bad input naming rank 1 (exit 2).
+- ``audit-resume-metadata-on-1``: rank 1 resumes a copy whose ``.metadata`` is cut short,
+  which it cannot unpickle before ``dcp.load``'s first collective: bad input naming rank 1 on
+  every rank (exit 2), and rank 0 does not wait for it inside the load.
 - ``audit-resume-peer-died``, last: rank 1 is killed as it enters the load, so rank 0 fails
   inside ``dcp.load``'s first collective: a runtime failure naming rank 1 and the stage (exit
   3), not bad input. Rank 0 alone writes it to ``--out``: the job ends with rank 1 killed.
@@ -161,12 +164,18 @@ def _cases(root: Path) -> dict[str, Any]:
         shutil.copytree(preset / "step-1", damaged)
         shard = damaged / "__1_0.distcp"
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    metadata = preset / "metadata-step-1"
+    if rank == 0:  # a node whose copy's .metadata is cut short: rank 1 resumes it, rank 0 not
+        shutil.copytree(preset / "step-1", metadata)
+        index = metadata / ".metadata"
+        index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])
     dist.barrier()
     audits = {
         "audit-resume": preset / "step-1",
         "audit-resume-stale": preset / ("step-2" if rank == 1 else "step-1"),
         "audit-resume-missing": preset / ("step-9" if rank == 1 else "step-1"),
         "audit-resume-damaged": damaged,
+        "audit-resume-metadata-on-1": preset / ("metadata-step-1" if rank == 1 else "step-1"),
     }
     for case, path in audits.items():
         with _started_alike(False):
