@@ -275,7 +275,7 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     if targets is not None:
         state.wrap_plan = targets.plan
         if experts:  # --ep: each experts module was sharded first, over the expert data dims
-            wrapped = (*experts, *targets.plan.wrapped)
+            wrapped = (*experts, *(n for n in targets.plan.wrapped if n not in experts))
             state.wrap_plan = replace(targets.plan, wrapped=wrapped)
         log.info("wrap plan: %d modules (%s)", len(targets.plan.wrapped), targets.plan.source)
     record = rank_record(

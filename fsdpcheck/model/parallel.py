@@ -41,7 +41,6 @@ from fsdpcheck.options import DATA_DIMS, TP_DIMS
 log = logging.getLogger(__name__)
 
 
-
 # Replicated styles: every TP rank keeps the whole tensor, so FSDP2 over the data dims alone.
 _REPLICATED = ("replicate", "replicated_with_grad_allreduce")
 
@@ -346,7 +345,14 @@ def apply_ep(
 
     from fsdpcheck.model import wrap
 
-    apply_expert_parallelism(model, meshes.ep, meshes.tp, dict(plan))
+    try:
+        apply_expert_parallelism(model, meshes.ep, meshes.tp, dict(plan))
+    except TypeError as exc:  # another transformers 5.x signature: the fix is the same
+        log.debug("apply_expert_parallelism refused its arguments", exc_info=True)
+        raise InputError(
+            f"--ep {meshes.ep.size()}: this transformers' apply_expert_parallelism does not take "
+            f"(model, ep_mesh, tp_mesh, plan) ({exc}); {_EP_FIX}."
+        ) from exc
     experts = [(n, model.get_submodule(n)) for n, s in plan.items() if s == _DISPATCH]
     wrap.apply(experts, meshes.experts, cpu_offload=cpu_offload)
     shards = int(meshes.experts["dp_shard"].size())
