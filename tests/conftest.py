@@ -110,6 +110,54 @@ def run_worker_ranks(
     return result, records
 
 
+class CaseRun:
+    """One case of a batched worker job, read as a test reads a launch: its ranks' exit codes,
+    the job's output, whether the job ran out of time, the case's own elapsed seconds."""
+
+    def __init__(self, job: LaunchResult, codes: list[int | None], records: list[dict]):
+        self.job, self.codes = job, codes
+        self.timed_out = job.timed_out
+        self.elapsed = max(float(r.get("elapsed") or 0.0) for r in records)
+
+    def output(self, rank: int = 0) -> str:
+        return self.job.output(rank)
+
+
+def run_worker_cases(
+    worker: str,
+    root: Path,
+    cases: dict[str, list[str]],
+    *,
+    seeds: tuple[int, int] = (1, 1),
+    timeout: float = 180.0,
+) -> dict[str, tuple[CaseRun, list[dict]]]:
+    """Every case of ``tests/workers/<worker>`` in one 2-rank launch (the worker's
+    ``--cases``: one process group, the cases in turn); each case's run and rank records. A
+    case that leaves the group broken must have a launch of its own (or come last)."""
+    root.mkdir(parents=True, exist_ok=True)
+    listed = root / "cases.json"
+    listed.write_text(json.dumps(cases))
+    job = launch(
+        [str(REPO / "tests" / "workers" / worker), "--cases", str(listed), "--out", str(root)],
+        2,
+        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
+        rank_env=lambda r: {"PYTHONHASHSEED": str(seeds[r])},
+        timeout=timeout,
+        cwd=str(REPO),
+    )
+    done = {}
+    for case in cases:
+        folder, records, codes = root / case, [], []
+        for rank in range(2):
+            path = folder / f"rank{rank}.json"
+            assert path.is_file(), f"case {case}:\n" + job.output(rank)[-4000:]
+            records.append(json.loads(path.read_text()))
+            code = folder / f"exit{rank}"
+            codes.append(int(code.read_text()) if code.is_file() else job.codes[rank])
+        done[case] = (CaseRun(job, codes, records), records)
+    return done
+
+
 def run_audit_cases(
     root: Path, cases: dict, *, rank_env: Callable[[int], dict[str, str]] | None = None
 ) -> dict:

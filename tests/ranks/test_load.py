@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_worker_ranks
+from conftest import REPO, run_worker_cases, run_worker_ranks
 
 from fsdpcheck.children.launch import LaunchResult
 
@@ -27,6 +27,41 @@ def run_worker(
         seeds=seeds,
         timeout=timeout,
     )
+
+
+HAZARD = ["--model", "hazard", "--timeout", "40"]
+DUMPED = ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def loads(tmp_path_factory: pytest.TempPathFactory, llama_checkpoint: Path) -> dict:
+    """The cases below, one 2-rank job per pair of hash seeds (the worker's ``--cases``)."""
+    alike = {  # hash seeds (1, 1)
+        "int-buffer": [*HAZARD, "--int-buffer"],
+        "tamper": [*HAZARD, "--tamper", "lm_head.weight"],
+        **{
+            f"tamper-one-{rank}": [
+                *HAZARD,
+                *("--tamper-one", "model.embed_tokens.weight", "--tamper-rank", str(rank)),
+            ]
+            for rank in (0, 1)
+        },
+        # Last: it refuses on every rank.
+        "buffer-mismatch": [*HAZARD, "--extra-buffer-on-rank", "1"],
+    }
+    dumps = [arg for name in DUMPED for arg in ("--dump", name)]
+    differ = {  # hash seeds (0, 1): the RoPE buffers in opposite orders
+        "odd-params": [*HAZARD, "--odd-params", "--odd-on-meta"],
+        "llama": ["--model", str(llama_checkpoint), "--timeout", "40", *dumps],
+        "dcp-int": [*HAZARD, "--loader", "dcp", "--int-buffer"],
+        "dcp-big": [*HAZARD, "--loader", "dcp", "--big-buffer", "--int-buffer"],
+    }
+    root = tmp_path_factory.mktemp("loads")
+    return {
+        **run_worker_cases("load_worker.py", root / "alike", alike, seeds=(1, 1)),
+        **run_worker_cases("load_worker.py", root / "differ", differ, seeds=(0, 1)),
+        "root": root,
+    }
 
 
 def _inv_freq(base: float, dim: int) -> list[float]:
@@ -54,8 +89,8 @@ def _assert_loaded_and_verified(
     assert rank0["verify"]["mismatches"] == []
 
 
-def test_meta_rank_gets_rank0_buffers_coalesced_by_dtype(tmp_path: Path) -> None:
-    result, records = run_worker(tmp_path, "hazard", "--int-buffer", seeds=(1, 1))
+def test_meta_rank_gets_rank0_buffers_coalesced_by_dtype(loads: dict) -> None:
+    result, records = loads["int-buffer"]
     _assert_loaded_and_verified(result, records)
     rank0, rank1 = records
     assert rank1["buffers"]["step_ids"] == [0, 1, 2, 3, 4]
@@ -71,13 +106,12 @@ def test_meta_rank_gets_rank0_buffers_coalesced_by_dtype(tmp_path: Path) -> None
         assert load["params_loaded"] == record["n_params"]  # hazard has no persistent buffers
 
 
-def test_different_orders_and_uneven_shards_load_by_name(tmp_path: Path) -> None:
+def test_different_orders_and_uneven_shards_load_by_name(loads: dict) -> None:
     # Hash seeds 0 and 1 register the RoPE buffers in opposite orders: pairing by sorted name
     # must not care. Params of 3 and 1 rows over 2 ranks shard as 2+1 and 1+0 (empty) rows.
     # Rank 0 builds those two on meta, so it too goes through to_empty(), which must keep its
     # real RoPE buffers: they are what every rank receives.
-    args = ("--odd-params", "--odd-on-meta")
-    result, records = run_worker(tmp_path, "hazard", *args, seeds=(0, 1))
+    result, records = loads["odd-params"]
     _assert_loaded_and_verified(result, records, rank0_meta=True)
     rank0, rank1 = records
     _assert_hazard_rope(rank0["buffers"])
@@ -85,8 +119,8 @@ def test_different_orders_and_uneven_shards_load_by_name(tmp_path: Path) -> None
     assert rank0["load"]["params_loaded"] == rank0["n_params"]
 
 
-def test_buffer_set_mismatch_raises_on_every_rank(tmp_path: Path) -> None:
-    result, records = run_worker(tmp_path, "hazard", "--extra-buffer-on-rank", "1", seeds=(1, 1))
+def test_buffer_set_mismatch_raises_on_every_rank(loads: dict) -> None:
+    result, records = loads["buffer-mismatch"]
     assert not result.timed_out and result.elapsed < 60
     assert result.codes == [3, 3], result.output(0) + result.output(1)
     messages = set()
@@ -100,23 +134,22 @@ def test_buffer_set_mismatch_raises_on_every_rank(tmp_path: Path) -> None:
     assert "rank 0 does not" in message
 
 
-def test_llama_checkpoint_loads_equal_to_the_file(tmp_path: Path, llama_checkpoint: Path) -> None:
+def test_llama_checkpoint_loads_equal_to_the_file(loads: dict, llama_checkpoint: Path) -> None:
     from safetensors.torch import load_file
 
-    dumped = ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight")
-    args = [arg for name in dumped for arg in ("--dump", name)]
-    result, records = run_worker(tmp_path, str(llama_checkpoint), *args, seeds=(0, 1))
+    dumped = DUMPED
+    result, records = loads["llama"]
     _assert_loaded_and_verified(result, records)
     assert records[0]["n_params"] == records[0]["load"]["params_loaded"]
     on_disk = load_file(str(next(llama_checkpoint.glob("*.safetensors"))))
-    gathered = load_file(str(tmp_path / "full.safetensors"))
+    gathered = load_file(str(loads["root"] / "differ" / "llama" / "full.safetensors"))
     assert set(gathered) == set(dumped)
     for name in dumped:
         assert gathered[name].equal(on_disk[name]), name
 
 
-def test_verify_names_a_tampered_shard_and_its_rank(tmp_path: Path) -> None:
-    result, records = run_worker(tmp_path, "hazard", "--tamper", "lm_head.weight")
+def test_verify_names_a_tampered_shard_and_its_rank(loads: dict) -> None:
+    result, records = loads["tamper"]
     assert result.codes == [0, 0], result.output(0) + result.output(1)
     rank0, rank1 = records
     assert rank0["verify"]["mismatches"] == [
@@ -132,15 +165,8 @@ def test_verify_names_a_tampered_shard_and_its_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("rank", [0, 1])  # rank 0 compares in place, rank 1 by checksum
-def test_verify_catches_one_bit_of_one_element_in_a_shard(tmp_path: Path, rank: int) -> None:
-    result, records = run_worker(
-        tmp_path,
-        "hazard",
-        "--tamper-one",
-        "model.embed_tokens.weight",
-        "--tamper-rank",
-        str(rank),
-    )
+def test_verify_catches_one_bit_of_one_element_in_a_shard(loads: dict, rank: int) -> None:
+    result, records = loads[f"tamper-one-{rank}"]
     assert result.codes == [0, 0], result.output(0) + result.output(1)
     assert [(m["name"], m["ranks"]) for m in records[0]["verify"]["mismatches"]] == [
         ("model.embed_tokens.weight", [rank])
@@ -159,12 +185,10 @@ def test_verify_failing_on_rank0_before_the_gather_ends_every_rank_without_a_han
     assert max(r["elapsed"] for r in records) < 30  # the verdict, not the 40 s timeout
 
 
-def test_state_dict_load_leaves_buffers_empty_until_broadcast_buffers(tmp_path: Path) -> None:
+def test_state_dict_load_leaves_buffers_empty_until_broadcast_buffers(loads: dict) -> None:
     # set_model_state_dict alone never touches non-persistent buffers: on the meta rank they
     # hold whatever to_empty() left there. broadcast_buffers alone then fixes exactly those.
-    result, records = run_worker(
-        tmp_path, "hazard", "--loader", "dcp", "--int-buffer", seeds=(0, 1)
-    )
+    result, records = loads["dcp-int"]
     assert result.codes == [0, 0], result.output(0) + result.output(1)
     rank0, rank1 = records
     before = rank0["verify_dcp_only"]
@@ -187,10 +211,8 @@ def test_state_dict_load_leaves_buffers_empty_until_broadcast_buffers(tmp_path: 
     assert rank1["buffers"] == rank0["buffers"]
 
 
-def test_buffers_too_big_to_ride_with_the_check_are_broadcast_after_it(tmp_path: Path) -> None:
-    result, records = run_worker(
-        tmp_path, "hazard", "--loader", "dcp", "--big-buffer", "--int-buffer", seeds=(0, 1)
-    )
+def test_buffers_too_big_to_ride_with_the_check_are_broadcast_after_it(loads: dict) -> None:
+    result, records = loads["dcp-big"]
     assert result.codes == [0, 0], result.output(0) + result.output(1)
     rank0, rank1 = records
     for record in records:

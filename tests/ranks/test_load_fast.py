@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_worker_ranks
+from conftest import run_worker_cases, run_worker_ranks
 
 from fsdpcheck.children.launch import LaunchResult
 
@@ -24,6 +24,35 @@ def run_worker(
     )
 
 
+HAZARD = ["--model", "hazard", "--timeout", "30"]
+MESHES = {
+    "hsdp-1x2-dim1-shards": ("--mesh", "1,2", "--shard-dim1", "--odd-params"),
+    "hsdp-2x1-replicated": ("--mesh", "2,1"),
+}
+
+
+@pytest.fixture(scope="module")
+def loads(tmp_path_factory: pytest.TempPathFactory, llama_checkpoint: Path) -> dict:
+    """The cases below, one 2-rank job per pair of hash seeds (the worker's ``--cases``)."""
+    alike = {  # hash seeds (1, 1)
+        "bf16-tied": [*HAZARD, "--dtype", "bfloat16", "--source-dtype", "float32", "--tie"],
+        **{name: [*HAZARD, *args] for name, args in MESHES.items()},
+        "bucket-disagree": [*HAZARD, "--bucket-bytes-rank1", "4096"],
+        "dcp-on-rank-1": [*HAZARD, "--dcp-on-rank", "1"],
+        "forced-dcp": [*HAZARD, "--method", "dcp", "--odd-params"],
+    }
+    differ = {  # hash seeds (0, 1): the RoPE buffers in opposite orders
+        "meta-uneven": [*HAZARD, "--odd-params", "--persistent-buffer", "--cpu-offload"],
+        "llama-buckets": ["--model", str(llama_checkpoint), "--timeout", "30"]
+        + ["--bucket-bytes", "2048"],
+    }
+    root = tmp_path_factory.mktemp("loads")
+    return {
+        **run_worker_cases("load_fast_worker.py", root / "alike", alike, seeds=(1, 1)),
+        **run_worker_cases("load_fast_worker.py", root / "differ", differ, seeds=(0, 1)),
+    }
+
+
 def _assert_verified(result: LaunchResult, records: list[dict], method: str = "bucketed") -> None:
     assert result.codes == [0, 0], result.output(0) + result.output(1)
     for record in records:
@@ -35,12 +64,11 @@ def _assert_verified(result: LaunchResult, records: list[dict], method: str = "b
     assert records[0]["verify"]["mismatches"] == []
 
 
-def test_meta_rank_uneven_shards_persistent_buffer_and_cpu_offload(tmp_path: Path) -> None:
+def test_meta_rank_uneven_shards_persistent_buffer_and_cpu_offload(loads: dict) -> None:
     # Rank 1 builds on meta; params of 3 and 1 rows shard as 2+1 and 1+0 (rank 1's is empty);
     # a persistent int64 buffer is a state-dict entry that is not a parameter; FSDP2 keeps the
     # shards under a CPUOffloadPolicy. Hash seeds 0 and 1 reorder the RoPE buffers.
-    args = ("--odd-params", "--persistent-buffer", "--cpu-offload")
-    result, records = run_worker(tmp_path, "hazard", *args, seeds=(0, 1))
+    result, records = loads["meta-uneven"]
     _assert_verified(result, records)
     rank0, rank1 = records
     assert rank0["load"]["materialised"] is False and rank1["load"]["materialised"] is True
@@ -55,13 +83,9 @@ def test_meta_rank_uneven_shards_persistent_buffer_and_cpu_offload(tmp_path: Pat
     assert rank1["load"]["state_messages"] >= 1
 
 
-def test_llama_checkpoint_with_buckets_smaller_than_one_tensor(
-    tmp_path: Path, llama_checkpoint: Path
-) -> None:
+def test_llama_checkpoint_with_buckets_smaller_than_one_tensor(loads: dict) -> None:
     # 2048-byte buckets: the embedding shard (128 x 64 float32 = 32 KiB) travels in 16 slices.
-    result, records = run_worker(
-        tmp_path, str(llama_checkpoint), "--bucket-bytes", "2048", seeds=(0, 1)
-    )
+    result, records = loads["llama-buckets"]
     _assert_verified(result, records)
     rank1 = records[1]["load"]
     assert rank1["bucket_bytes"] <= 2048
@@ -69,9 +93,8 @@ def test_llama_checkpoint_with_buckets_smaller_than_one_tensor(
     assert rank1["state_bytes"] == records[1]["local_bytes"]
 
 
-def test_bfloat16_model_from_a_float32_source_with_tied_weights(tmp_path: Path) -> None:
-    args = ("--dtype", "bfloat16", "--source-dtype", "float32", "--tie")
-    result, records = run_worker(tmp_path, "hazard", *args)
+def test_bfloat16_model_from_a_float32_source_with_tied_weights(loads: dict) -> None:
+    result, records = loads["bf16-tied"]
     _assert_verified(result, records)
     for record in records:
         assert record["tied"] is True  # still one tensor under two names
@@ -81,13 +104,10 @@ def test_bfloat16_model_from_a_float32_source_with_tied_weights(tmp_path: Path) 
     assert rank1["load"]["state_bytes"] == rank1["local_bytes"]
 
 
-@pytest.mark.parametrize(
-    "args",
-    [("--mesh", "1,2", "--shard-dim1", "--odd-params"), ("--mesh", "2,1")],
-    ids=["hsdp-1x2-dim1-shards", "hsdp-2x1-replicated"],
-)
-def test_two_dimensional_meshes_and_dim1_shards(tmp_path: Path, args: tuple[str, ...]) -> None:
-    result, records = run_worker(tmp_path, "hazard", *args)
+@pytest.mark.parametrize("case", sorted(MESHES))
+def test_two_dimensional_meshes_and_dim1_shards(loads: dict, case: str) -> None:
+    args = MESHES[case]
+    result, records = loads[case]
     _assert_verified(result, records)
     placements = {tuple(p) for p in records[1]["placements"].values()}
     assert all(len(p) == 2 and p[0] == "R" for p in placements), placements
@@ -95,8 +115,8 @@ def test_two_dimensional_meshes_and_dim1_shards(tmp_path: Path, args: tuple[str,
         assert ("R", "S(1)") in placements
 
 
-def test_ranks_that_disagree_on_bucket_size_fall_back_to_dcp_and_say_why(tmp_path: Path) -> None:
-    result, records = run_worker(tmp_path, "hazard", "--bucket-bytes-rank1", "4096")
+def test_ranks_that_disagree_on_bucket_size_fall_back_to_dcp_and_say_why(loads: dict) -> None:
+    result, records = loads["bucket-disagree"]
     _assert_verified(result, records, method="dcp")
     reasons = {record["load"]["fallback_reason"] for record in records}
     [reason] = reasons  # the same decision, for the same reason, on every rank
@@ -105,16 +125,16 @@ def test_ranks_that_disagree_on_bucket_size_fall_back_to_dcp_and_say_why(tmp_pat
     assert all(record["load"]["state_messages"] == 0 for record in records)
 
 
-def test_a_rank_asking_for_dcp_takes_everyone_there(tmp_path: Path) -> None:
-    result, records = run_worker(tmp_path, "hazard", "--dcp-on-rank", "1")
+def test_a_rank_asking_for_dcp_takes_everyone_there(loads: dict) -> None:
+    result, records = loads["dcp-on-rank-1"]
     _assert_verified(result, records, method="dcp")
     # Rank 0 asked for the bucketed path and says why it did not get it; rank 1 got what it asked.
     reasons = [r["load"]["fallback_reason"] for r in records]
     assert reasons == ["rank 1 asked for method='dcp'", None]
 
 
-def test_forced_dcp_says_no_fallback(tmp_path: Path) -> None:
-    result, records = run_worker(tmp_path, "hazard", "--method", "dcp", "--odd-params")
+def test_forced_dcp_says_no_fallback(loads: dict) -> None:
+    result, records = loads["forced-dcp"]
     _assert_verified(result, records, method="dcp")
     assert all(r["load"]["fallback_reason"] is None for r in records)
 

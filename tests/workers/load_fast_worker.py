@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import torch
-from recorded import run_recorded, worker_parser
+from recorded import main_with_cases, run_recorded, worker_parser
 from torch import nn
 
 from fsdpcheck.distributed import setup as distributed
@@ -33,7 +33,7 @@ def _shard_fn(dim1: bool):
     return lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % 2 == 0 else None
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     parser = worker_parser()
     parser.add_argument("--method", default=None, help="default: load_full_state_dict's own")
     parser.add_argument("--dcp-on-rank", type=int, default=None, help="this rank asks for dcp")
@@ -48,7 +48,7 @@ def main() -> int:
     parser.add_argument("--shard-dim1", action="store_true")
     parser.add_argument("--mesh", default=None, help="REPLICATE,SHARD (HSDP)")
     parser.add_argument("--fail-materialise-on-rank", type=int, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     out = Path(args.out)
     start = time.monotonic()
@@ -130,4 +130,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_with_cases(main))

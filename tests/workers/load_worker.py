@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import torch
-from recorded import run_recorded, worker_parser
+from recorded import main_with_cases, run_recorded, worker_parser
 from torch import nn
 
 from fsdpcheck.distributed import setup as distributed
@@ -36,7 +36,7 @@ def _dcp_only(model: nn.Module, source: dict | None) -> None:
     set_model_state_dict(model, dict(source) if source is not None else {}, options=options)
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     parser = worker_parser()
     parser.add_argument("--extra-buffer-on-rank", type=int, default=None)
     parser.add_argument("--int-buffer", action="store_true", help="an int64 buffer on every rank")
@@ -55,7 +55,7 @@ def main() -> int:
     parser.add_argument(
         "--break-verify-source", default=None, help="rank 0 verifies against a non-tensor here"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     out = Path(args.out)
     start = time.monotonic()
@@ -117,4 +117,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_with_cases(main))
