@@ -6,36 +6,58 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import QUIET_ENV, REPO, read_report, run_ranks
 
 from fsdpcheck.children.launch import launch
 from fsdpcheck.faults import FAULT_ENV
 
+NO_FALSE_ALARMS = [
+    "hazard:rank0", "hazard:meta", "hazard:all", "hazard-equal:all::2,1",
+    "tiny-gemma3:rank0", "tiny-gemma3:all:bfloat16", "tiny-gemma3:all::2,1",
+    "tiny-gemma4:rank0:bfloat16", "tiny-gemma4:all", "tiny-gemma4:meta",
+    "tiny-llama:all:bfloat16:1,2", "tiny-qwen3:rank0::2,1",
+]  # fmt: skip
 
-def _worker(tmp_path: Path, case: str, *extra: str, timeout: float = 240) -> tuple[list, object]:
-    out = tmp_path / f"{case}.json"
+
+@pytest.fixture(scope="module")
+def states(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every case below in turn in one 2-rank job: {case: (each rank's exit code, report)}."""
+    runs = {
+        "dcp-only": {"case": "dcp-only"},
+        "dcp-and-buffers": {"case": "dcp-and-buffers"},
+        "untied": {"case": "untied"},
+        "tied": {"case": "tied"},
+        "replica-drift": {"case": "replica-drift", "model": "hazard"},
+        "per-rank-seeds": {"case": "audits", "audit": ["hazard:all::2,1:rank"]},
+        "no-false-alarms": {"case": "audits", "audit": NO_FALSE_ALARMS},
+    }
+    root = tmp_path_factory.mktemp("states")
+    (root / "cases.json").write_text(json.dumps(runs))
+    out = root / "out.json"
     result = launch(
-        [str(REPO / "tests" / "workers" / "state_worker.py"), "--case", case, "--out", str(out),
-         *extra],
+        [str(REPO / "tests" / "workers" / "state_worker.py"), "--cases", str(root / "cases.json"),
+         "--out", str(out)],
         2,
         env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
         rank_env=lambda r: {"PYTHONHASHSEED": "0"},
-        timeout=timeout,
+        timeout=600,
         cwd=str(REPO),
     )  # fmt: skip
     assert not result.timed_out, result.output(0) + result.output(1)
     assert out.is_file(), result.output(0) + result.output(1)
-    return result.codes, json.loads(out.read_text())
+    done = json.loads(out.read_text())
+    return {name: (run["codes"], run["report"]) for name, run in done.items()}
 
 
 def _kinds(report: dict) -> list[str]:
     return [f["kind"] for f in report["findings"]]
 
 
-def test_dcp_only_load_leaves_garbage_buffers_that_check_model_names(tmp_path: Path) -> None:
+def test_dcp_only_load_leaves_garbage_buffers_that_check_model_names(states: dict) -> None:
     # set_model_state_dict(full_state_dict, broadcast_from_rank0) alone: rank 1 was built on
     # meta and to_empty()-ed, and DCP never touches non-persistent buffers.
-    codes, report = _worker(tmp_path, "dcp-only")
+    codes, report = states["dcp-only"]
     assert codes == [1, 1] and report["verdict"] == "inconsistent"
     (finding,) = report["findings"]
     assert (finding["kind"], finding["ranks"], finding["cause"]) == (
@@ -49,15 +71,15 @@ def test_dcp_only_load_leaves_garbage_buffers_that_check_model_names(tmp_path: P
     assert any(name.endswith("inv_freq") for name in problems)
 
 
-def test_dcp_then_buffer_broadcast_is_consistent_after_the_load(tmp_path: Path) -> None:
+def test_dcp_then_buffer_broadcast_is_consistent_after_the_load(states: dict) -> None:
     # The clean twin: every rank holds real values now, so values and ties are compared.
-    codes, report = _worker(tmp_path, "dcp-and-buffers")
+    codes, report = states["dcp-and-buffers"]
     assert codes == [0, 0] and report["verdict"] == "consistent", report["findings"]
     assert report["not_compared"] == []
 
 
-def test_a_loader_that_reassigns_the_head_breaks_the_configured_tie(tmp_path: Path) -> None:
-    codes, report = _worker(tmp_path, "untied")
+def test_a_loader_that_reassigns_the_head_breaks_the_configured_tie(states: dict) -> None:
+    codes, report = states["untied"]
     assert codes == [1, 1]
     assert _kinds(report) == ["tie"]
     finding = report["findings"][0]
@@ -65,14 +87,14 @@ def test_a_loader_that_reassigns_the_head_breaks_the_configured_tie(tmp_path: Pa
     assert finding["details"]["missing"] == [["lm_head.weight", "model.embed_tokens.weight"]]
 
 
-def test_a_tied_model_built_on_every_rank_is_consistent(tmp_path: Path) -> None:
-    codes, report = _worker(tmp_path, "tied")
+def test_a_tied_model_built_on_every_rank_is_consistent(states: dict) -> None:
+    codes, report = states["tied"]
     assert codes == [0, 0] and report["verdict"] == "consistent", report["findings"]
 
 
-def test_hsdp_replicas_whose_local_shards_drift_apart_are_a_value_finding(tmp_path: Path) -> None:
+def test_hsdp_replicas_whose_local_shards_drift_apart_are_a_value_finding(states: dict) -> None:
     # (2, 1) mesh: ranks 0 and 1 hold the same shard; rank 1's copy of one tensor differs.
-    codes, report = _worker(tmp_path, "replica-drift", "--model", "hazard")
+    codes, report = states["replica-drift"]
     assert codes == [1, 1]
     (finding,) = report["findings"]
     assert (finding["kind"], finding["ranks"], finding["snapshot"]) == ("value", [1], "post-wrap")
@@ -83,10 +105,10 @@ def test_hsdp_replicas_whose_local_shards_drift_apart_are_a_value_finding(tmp_pa
     assert diff["max_abs_diff_first_values"] == 1.0
 
 
-def test_per_rank_seeds_with_init_all_are_value_findings(tmp_path: Path) -> None:
+def test_per_rank_seeds_with_init_all_are_value_findings(states: dict) -> None:
     # FSDP2 has no sync_module_states: every rank trains from its own initial values. On a
     # (2, 1) HSDP mesh the two ranks are replicas, so their local shards must agree too.
-    codes, reports = _worker(tmp_path, "audits", "--audit", "hazard:all::2,1:rank")
+    codes, reports = states["per-rank-seeds"]
     report = reports[0]["report"]
     assert codes == [1, 1] and report["verdict"] == "inconsistent"
     (finding,) = report["findings"]
@@ -96,15 +118,9 @@ def test_per_rank_seeds_with_init_all_are_value_findings(tmp_path: Path) -> None
     assert finding["details"]["differences"][0]["max_abs_diff_first_values"] > 0
 
 
-def test_no_false_alarms_across_presets_init_modes_dtypes_and_meshes(tmp_path: Path) -> None:
-    specs = [
-        "hazard:rank0", "hazard:meta", "hazard:all", "hazard-equal:all::2,1",
-        "tiny-gemma3:rank0", "tiny-gemma3:all:bfloat16", "tiny-gemma3:all::2,1",
-        "tiny-gemma4:rank0:bfloat16", "tiny-gemma4:all", "tiny-gemma4:meta",
-        "tiny-llama:all:bfloat16:1,2", "tiny-qwen3:rank0::2,1",
-    ]  # fmt: skip
-    args = [a for spec in specs for a in ("--audit", spec)]
-    codes, reports = _worker(tmp_path, "audits", *args, timeout=480)
+def test_no_false_alarms_across_presets_init_modes_dtypes_and_meshes(states: dict) -> None:
+    specs = NO_FALSE_ALARMS
+    codes, reports = states["no-false-alarms"]
     verdicts = {r["spec"]: (r["report"]["verdict"], _kinds(r["report"])) for r in reports}
     assert verdicts == {spec: ("consistent", []) for spec in specs}
     assert codes == [0, 0]

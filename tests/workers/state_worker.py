@@ -108,37 +108,53 @@ def _audit(spec: str) -> dict:
     return {"spec": spec, "report": report, "exit_code": result.exit_code}
 
 
+def _run(case: str, model_name: str, audits: list[str]) -> tuple[int, object]:
+    """One case: its exit code on this rank and what rank 0 reports."""
+    if case == "audits":
+        reports = [_audit(spec) for spec in audits]
+        return max((r["exit_code"] for r in reports), default=0), reports
+    cases = {
+        "dcp-only": lambda: _dcp(model_name, buffers=False),
+        "dcp-and-buffers": lambda: _dcp(model_name, buffers=True),
+        "untied": lambda: _tie_case(model_name, untie=True),
+        "tied": lambda: _tie_case(model_name, untie=False),
+        "replica-drift": lambda: _replica_drift(model_name),
+    }
+    model = cases[case]()
+    result = fsdpcheck.check_model(model, timeout=60)
+    return result.exit_code, to_dict(result.report) if result.report is not None else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", required=True)
+    parser.add_argument("--case", default=None)
+    parser.add_argument("--cases", default=None, help="{name: {case, model, audit}}, in turn")
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="tiny-gemma3")
     parser.add_argument("--audit", action="append", default=[])
     args = parser.parse_args()
     dist.init_process_group("gloo")
     out = Path(args.out)
-    code = 0
-    if args.case == "audits":
-        reports = [_audit(spec) for spec in args.audit]
-        code = max((r["exit_code"] for r in reports), default=0)
-        payload: object = reports
+    if args.cases is None:
+        runs = {"only": {"case": args.case, "model": args.model, "audit": args.audit}}
     else:
-        cases = {
-            "dcp-only": lambda: _dcp(args.model, buffers=False),
-            "dcp-and-buffers": lambda: _dcp(args.model, buffers=True),
-            "untied": lambda: _tie_case(args.model, untie=True),
-            "tied": lambda: _tie_case(args.model, untie=False),
-            "replica-drift": lambda: _replica_drift(args.model),
-        }
-        model = cases[args.case]()
-        result = fsdpcheck.check_model(model, timeout=60)
-        code = result.exit_code
-        payload = to_dict(result.report) if result.report is not None else None
+        runs = json.loads(Path(args.cases).read_text())
+    done = {}
+    for name, run in runs.items():
+        model_name = run.get("model") or "tiny-gemma3"
+        done[name] = _run(run["case"], model_name, list(run.get("audit") or []))
+        dist.barrier()
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {name: int(code) for name, (code, _) in done.items()})
     if dist.get_rank() == 0:
-        out.write_text(json.dumps(payload))
+        payload = {
+            name: {"codes": [codes[name] for codes in every], "report": report}
+            for name, (_, report) in done.items()
+        }
+        out.write_text(json.dumps(payload if args.cases is not None else payload["only"]["report"]))
     dist.barrier()
     dist.destroy_process_group()
-    return code
+    return max((int(code) for code, _ in done.values()), default=0)
 
 
 if __name__ == "__main__":
