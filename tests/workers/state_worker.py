@@ -1,6 +1,8 @@
 """One rank of a state test: a training script's own steps, then fsdpcheck on the result.
 
-Cases (``--case``), each writing rank 0's report(s) as JSON into ``--out``:
+Cases (``--case``, writing rank 0's report(s) as JSON into ``--out``; or ``--cases FILE``,
+``{name: {"case", "model", "audit"}}``, run in turn in this one process group, writing
+``{name: {"codes": each rank's exit code, "report"}}``):
 
 - ``dcp-only``: rank 0 builds real, the others on meta; fully_shard; DCP
   ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` alone (the meta ranks
