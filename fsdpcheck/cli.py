@@ -804,5 +804,11 @@ def explain(
     raise typer.Exit(outputs.exit_code(report.exit_code))
 
 
-def main() -> None:
-    app()
+def main() -> NoReturn:
+    from fsdpcheck import process
+
+    try:
+        app()
+    except SystemExit as done:
+        process.exit_skipping_teardown(done.code)
+    process.exit_skipping_teardown(0)

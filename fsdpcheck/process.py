@@ -1,5 +1,5 @@
 """What a command does to its own interpreter: the debug log, the rank hash seed re-exec,
-SIGTERM, gc, and torch elastic's error file on the way out.
+SIGTERM, gc, torch elastic's error file on the way out, and the exit itself.
 
 Only the command layer calls these, except :func:`configure_logging`, which a training script
 may call too (``import fsdpcheck`` already calls it when ``FSDPCHECK_LOG`` is set).
@@ -7,12 +7,15 @@ may call too (``import fsdpcheck`` already calls it when ``FSDPCHECK_LOG`` is se
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
 import re
 import signal
 import sys
+import threading
+from typing import NoReturn
 
 from fsdpcheck.distributed.launcher import rank_hint
 
@@ -115,3 +118,33 @@ def tell_torchrun(message: str) -> None:
             json.dump({"message": f"fsdpcheck: {message}", "timestamp": int(time.time())}, file)
     except OSError:  # a summary without the cause is worse, but never a reason to fail
         log.debug("could not write %s", path, exc_info=True)
+
+
+def exit_skipping_teardown(code: int | str | None) -> NoReturn:
+    """End the command with ``code`` (a ``SystemExit`` code): threads are waited for, exit
+    handlers run and output is flushed as on any exit; only the interpreter's teardown after
+    them is skipped.
+
+    torch keeps destroyed process groups alive from its caches (DTensor's sharding decisions
+    hold the mesh, the mesh holds its groups), so their gloo threads are still running while
+    the interpreter tears itself down, and the process now and then aborts there ("terminate
+    called without an active exception", exit -6) after its report is out: an exit 0 or 2
+    that a CI job reads as a crash. Nothing is left to tear down that the OS does not free.
+    """
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("message"): printed, exit 1, as Python does
+        sys.stderr.write(f"{code}\n")
+        code = 1
+    # What the interpreter's own exit does before its teardown: wait for non-daemon threads
+    # (and run what they registered), then the exit handlers.
+    wait_for_threads = getattr(threading, "_shutdown", None)
+    if wait_for_threads is not None:
+        wait_for_threads()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+            log.debug("could not flush %s", stream, exc_info=True)
+    os._exit(code)

@@ -1,4 +1,4 @@
-"""The process layer: FSDPCHECK_LOG, and the error kinds' exit codes."""
+"""The process layer: FSDPCHECK_LOG, the error kinds' exit codes, and the exit itself."""
 
 from __future__ import annotations
 
@@ -67,3 +67,33 @@ def test_every_log_line_carries_the_rank_and_a_child_reader_skips_them() -> None
     assert len(lines) > 2 and all(LOG_LINE.match(line) for line in lines)
     stderr = "\n".join(["RuntimeError: the real error", *lines])
     assert last_error(stderr) == "RuntimeError: the real error"
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading, time
+from fsdpcheck.process import exit_skipping_teardown
+atexit.register(lambda: print("exit handler ran"))
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread done", end=" "))).start()
+print("report written", end="")  # no newline: only a flush gets it out
+sys.stderr.write("to stderr")
+exit_skipping_teardown(CODE)
+"""
+
+
+def _exits(code: object) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT.replace("CODE", repr(code))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_exit_skipping_teardown_keeps_the_code_the_output_and_the_exit_handlers() -> None:
+    for code, expected in ((2, 2), (0, 0), (None, 0)):
+        done = _exits(code)
+        assert done.returncode == expected, done
+        assert done.stdout == "report writtenthread done exit handler ran\n", done
+        assert done.stderr == "to stderr", done
+    message = _exits("no model given")  # sys.exit("...") semantics: printed, exit 1
+    assert message.returncode == 1 and message.stderr == "to stderrno model given\n", message
