@@ -417,8 +417,9 @@ def _rank0_extras(
 def _observe_loaders(
     options: AuditOptions, gathered: Gathered, budget: float
 ) -> tuple[dict, str | None]:
-    """Every known loader, run for real in its own 2-rank gloo child job, within ``budget``
-    seconds in all: ``({loader: Observation}, a note if it could not run)``."""
+    """Every known loader (or the ``--loader`` ones), run for real in its own 2-rank gloo child
+    job, within ``budget`` seconds in all: ``({loader: Observation}, a note if it could not
+    run)``."""
     try:  # an extra: its failure, even to import, must not end the audit
         from fsdpcheck.children.jobs import ChildSpec
         from fsdpcheck.children.observe import observe_loaders, stand_ins_for
@@ -427,7 +428,8 @@ def _observe_loaders(
             return {}, f"--reproduce: no time left to run the loaders ({budget:.1f} s)"
         spec = ChildSpec(**vars(options.build_spec))
         stand_ins = stand_ins_for(gathered.records)
-        return observe_loaders(spec, stand_ins=stand_ins, budget=budget), None
+        chosen = [loader.value for loader in options.loaders] or None
+        return observe_loaders(spec, stand_ins=stand_ins, budget=budget, loaders=chosen), None
     except Exception as exc:
         log.debug("--reproduce: the loader jobs could not run", exc_info=True)
         return {}, f"--reproduce could not run the loaders: {type(exc).__name__}: {exc}"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import typer
 from rich.console import Console
 
-from fsdpcheck.vocab import Annotations, Backend, DType, ExitCode, Init
+from fsdpcheck.vocab import Annotations, Backend, DType, ExitCode, Init, Loader
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,14 @@ def audit(
         "child job on the audited model (within 3/4 of --timeout in all: give --timeout 120 "
         "or more), and report what each really did next to its prediction.",
     ),
+    loader: list[Loader] = typer.Option(
+        [],
+        "--loader",
+        help="With --reproduce: run only this loader (repeat for more; default: every one), "
+        "e.g. the one your trainer uses. The others keep their predictions.",
+        metavar="NAME",
+        show_default=False,
+    ),
     step: bool = typer.Option(
         False,
         help="After the load, run one synthetic training step (seeded tokens, causal-LM loss, "
@@ -209,6 +217,12 @@ def audit(
             f"--tp/--ep and the {'/'.join(parallel)} dims of --mesh.",
             param_hint="'--reproduce'" if reproduce else "'--probe'",
         )
+    if loader and not reproduce:
+        raise typer.BadParameter(
+            "--loader chooses which loaders --reproduce runs for real; add --reproduce, or drop "
+            "--loader (every loader is predicted either way).",
+            param_hint="'--loader'",
+        )
     model = model or "hazard"
     if resume is not None:
         init = _resume_init(resume, init, reproduce=reproduce)
@@ -228,6 +242,7 @@ def audit(
         cpu_offload=cpu_offload,
         load=load,
         reproduce=reproduce,
+        loaders=tuple(dict.fromkeys(loader)),
         probe=probe,
         download=download,
         step=step,

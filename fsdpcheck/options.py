@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, fields
 
-from fsdpcheck.vocab import Backend, DType, Init
+from fsdpcheck.vocab import Backend, DType, Init, Loader
 
 DEFAULT_MIN_PARAMS = 100_000_000  # size-based wrapping threshold, when no wrap class is present
 
@@ -33,6 +33,7 @@ class AuditOptions(BuildSpec):
     cpu_offload: bool = False  # every fully_shard with FSDP2's CPUOffloadPolicy
     load: bool = True  # run the project's loader and verify every rank afterwards
     reproduce: bool = False  # also run every known loader for real, each in a child job
+    loaders: tuple[Loader, ...] = ()  # --loader: the ones --reproduce runs (empty: every one)
     probe: int = 0  # rank 0 also probes the build under this many hash seeds (0: off)
     download: bool = False  # rank 0 fetches a hub id into the cache first; the others wait
     step: bool = False  # after the load: one synthetic training step under the collective watch

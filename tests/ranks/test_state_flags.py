@@ -118,16 +118,22 @@ def test_audit_names_the_stale_config_key_on_one_node(tmp_path: Path, hf_home: P
 def test_reproduce_builds_each_rank_from_its_own_node(tmp_path: Path, hf_home: Path) -> None:
     # A stale node: rank 1's config.json has another intermediate_size, so its MLP weights have
     # other shapes. Each loader job's rank 1 must build what audit rank 1 built (its own
-    # directory and config), so that what is observed is what was predicted.
+    # directory and config), so that what is observed is what was predicted. Two loaders, as
+    # --loader chooses (every one runs under torchrun in tests/cli/test_torchrun.py).
     homes = _per_rank_homes(tmp_path, hf_home, rope_theta=None, intermediate_size=96)
-    args = ("--reproduce", "--timeout", "300")
+    chosen = ["sorted-names", "ddp-sync"]
+    args = ["--reproduce", "--timeout", "300", *(a for name in chosen for a in ("--loader", name))]
     codes, report = _audit_per_node(tmp_path, homes, *args, init="rank0", timeout=420)
     assert codes == [1, 1]
     config = next(f for f in report["findings"] if f["kind"] == "config")
     assert config["details"]["differences"][0]["path"] == "intermediate_size"
     rows = {row["name"]: row for row in report["loaders"]}
     assert rows["sorted-names"]["verdict"] == "refused"
-    for row in report["loaders"]:
+    assert report["options"]["loaders"] == chosen
+    for name, row in rows.items():
+        if name not in chosen:  # predicted, not run
+            assert row["observed"] is None and row["observed_detail"] is None, row
+            continue
         assert row["observed"] is not None, row["observed_detail"]
         assert row["observed"] == (row["on_gloo"] or row["verdict"]), row
         assert [r["stands_for"] for r in row["observed_detail"]["ranks"]] == [0, 1]

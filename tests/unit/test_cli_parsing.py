@@ -42,6 +42,14 @@ def test_reproduce_with_nothing_to_load_is_bad_usage() -> None:
     assert "--init meta" in _said(result) and "no loader has anything to load" in _said(result)
 
 
+def test_loader_without_reproduce_or_of_an_unknown_name_is_bad_usage() -> None:
+    alone = runner.invoke(app, ["audit", "--loader", "ddp-sync"])
+    assert alone.exit_code == 2 and "add --reproduce" in _said(alone), alone.output
+    unknown = runner.invoke(app, ["audit", "--reproduce", "--loader", "megatron"])
+    assert unknown.exit_code == 2 and "'megatron' is not one of" in _said(unknown)
+    assert "'dcp-broadcast'" in _said(unknown)  # the names to choose from
+
+
 def test_a_builder_with_a_model_or_a_child_job_is_bad_usage() -> None:
     both = runner.invoke(app, ["audit", "--builder", "x.py:build", "--model", "tiny-llama"])
     assert both.exit_code == 2 and "drop --model" in _said(both)
