@@ -23,8 +23,19 @@ def _cli(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def hazard() -> ProbeResult:
-    return probe("hazard")  # the default seeds, 0..7
+def hazard_cli(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """``fsdpcheck probe --model hazard --json``, the default seeds (0..7), once for the module:
+    the command's output and the JSON it wrote."""
+    out = tmp_path_factory.mktemp("probe") / "probe.json"
+    result = _cli(["probe", "--model", "hazard", "--json", str(out)])
+    return result, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def hazard(hazard_cli: tuple[subprocess.CompletedProcess, dict]) -> ProbeResult:
+    return from_dict(ProbeResult, hazard_cli[1])  # what the library returned, as written
 
 
 def test_default_seeds_find_the_hazard_every_time(hazard: ProbeResult) -> None:
@@ -62,11 +73,11 @@ def test_llama_order_does_not_depend_on_the_hash_seed() -> None:
     assert probe_finding(result) is None
 
 
-def test_cli_probe_hazard_writes_json_and_exits_1(tmp_path: Path) -> None:
-    out = tmp_path / "probe.json"
-    result = _cli(["probe", "--model", "hazard", "--seeds", "2", "--json", str(out)])
+def test_cli_probe_hazard_writes_json_and_exits_1(
+    hazard_cli: tuple[subprocess.CompletedProcess, dict],
+) -> None:
+    result, data = hazard_cli
     assert result.returncode == 1, result.stdout + result.stderr
-    data = json.loads(out.read_text())
     assert data["verdict"] == "latent" and data["exit_code"] == 1
     assert data["reorders"][0]["module"] == "model.rotary_emb"
     assert "latent" in result.stdout and "hang" in result.stdout
