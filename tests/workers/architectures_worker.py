@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from fsdpcheck.process import exit_skipping_teardown
 
 # The smallest configs that build: 2 layers (one of each kind where layers differ), hidden 32,
 # 2 heads of 16 over 1 KV head, a small vocabulary, 4 experts of which 2 are routed per token.
@@ -279,4 +280,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    sys.exit(main())
+    exit_skipping_teardown(main())

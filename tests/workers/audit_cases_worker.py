@@ -10,7 +10,6 @@ every rank raised)."""
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 from fsdpcheck.audit import AuditOptions, run_audit
 from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.process import exit_skipping_teardown
 from fsdpcheck.records import to_dict
 from fsdpcheck.vocab import Backend, DType, Init
 
@@ -78,4 +78,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    sys.exit(main())
+    exit_skipping_teardown(main())

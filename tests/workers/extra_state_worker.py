@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -15,6 +14,7 @@ from torch.distributed.fsdp import fully_shard
 
 import fsdpcheck
 from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
+from fsdpcheck.process import exit_skipping_teardown
 from fsdpcheck.records import to_dict
 
 parser = argparse.ArgumentParser()
@@ -46,4 +46,4 @@ if result.report is not None:
     with open(args.out, "w") as out:
         json.dump(to_dict(result.report), out)
 dist.destroy_process_group()
-sys.exit(result.exit_code)
+exit_skipping_teardown(result.exit_code)

@@ -4,7 +4,6 @@ load with ``load_full_state_dict``, verify; write ``rank<N>.json`` into ``--out`
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from fsdpcheck.loader.verify import verify_load
 from fsdpcheck.model import wrap
 from fsdpcheck.model.build import build
 from fsdpcheck.model.resolve import resolve
+from fsdpcheck.process import exit_skipping_teardown
 from fsdpcheck.records import to_dict
 
 
@@ -130,4 +130,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_with_cases(main))
+    exit_skipping_teardown(main_with_cases(main))

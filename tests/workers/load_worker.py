@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from fsdpcheck.loader.verify import verify_load
 from fsdpcheck.model import wrap
 from fsdpcheck.model.build import build
 from fsdpcheck.model.resolve import resolve
+from fsdpcheck.process import exit_skipping_teardown
 from fsdpcheck.records import to_dict
 
 
@@ -117,4 +117,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_with_cases(main))
+    exit_skipping_teardown(main_with_cases(main))

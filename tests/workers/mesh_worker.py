@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import fsdpcheck
+from fsdpcheck.process import exit_skipping_teardown
 from fsdpcheck.records import to_dict
 
 
@@ -215,4 +216,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_skipping_teardown(main())

@@ -55,6 +55,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import fsdpcheck  # noqa: E402
 from fsdpcheck.audit import AuditOptions, run_audit  # noqa: E402
+from fsdpcheck.process import exit_skipping_teardown  # noqa: E402
 from fsdpcheck.records import to_dict  # noqa: E402
 
 PRESET = "tiny-llama"
@@ -250,4 +251,4 @@ def _peer_died(root: Path) -> dict[str, Any]:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    sys.exit(main())
+    exit_skipping_teardown(main())

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import fsdpcheck
 from fsdpcheck.model.presets import PRESETS
+from fsdpcheck.process import exit_skipping_teardown
 from fsdpcheck.records import to_dict
 
 FAULTS = ("freeze", "mixed-precision", "config")
@@ -69,4 +69,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_skipping_teardown(main())

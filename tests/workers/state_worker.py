@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdpcheck
+from fsdpcheck.process import exit_skipping_teardown
 from fsdpcheck.records import to_dict
 
 
@@ -161,4 +161,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    sys.exit(main())
+    exit_skipping_teardown(main())

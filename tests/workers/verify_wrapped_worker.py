@@ -8,7 +8,6 @@ One case after another in one launch; the results go to ``rank<N>.json``."""
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 import fsdpcheck
 from fsdpcheck.distributed import setup as distributed
+from fsdpcheck.process import exit_skipping_teardown
 from fsdpcheck.records import to_dict
 
 CASES = ("plain", "checkpointed", "compiled", "checkpointed-compiled", "checkpointed-compiled-dcp")
@@ -129,4 +129,4 @@ def _first_layer_weight(model: nn.Module) -> tuple[str, nn.Parameter]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_skipping_teardown(main())
