@@ -3,13 +3,11 @@ clean twin (a training script's own steps in tests/workers/state_worker.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from conftest import QUIET_ENV, REPO, read_report, run_ranks
+from conftest import read_report, run_ranks, run_worker_cases
 
-from fsdpcheck.children.launch import launch
 from fsdpcheck.faults import FAULT_ENV
 
 NO_FALSE_ALARMS = [
@@ -20,34 +18,27 @@ NO_FALSE_ALARMS = [
 ]  # fmt: skip
 
 
+def _each(flag: str, values: list[str]) -> list[str]:
+    return [a for value in values for a in (flag, value)]
+
+
 @pytest.fixture(scope="module")
 def states(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every case below in turn in one 2-rank job: {case: (each rank's exit code, report)}."""
-    runs = {
-        "dcp-only": {"case": "dcp-only"},
-        "dcp-and-buffers": {"case": "dcp-and-buffers"},
-        "untied": {"case": "untied"},
-        "tied": {"case": "tied"},
-        "replica-drift": {"case": "replica-drift", "model": "hazard"},
-        "per-rank-seeds": {"case": "audits", "audit": ["hazard:all::2,1:rank"]},
-        "no-false-alarms": {"case": "audits", "audit": NO_FALSE_ALARMS},
-    }
+    cases = {
+        "dcp-only": ["--case", "dcp-only"],
+        "dcp-and-buffers": ["--case", "dcp-and-buffers"],
+        "untied": ["--case", "untied"],
+        "tied": ["--case", "tied"],
+        "replica-drift": ["--case", "replica-drift", "--model", "hazard"],
+        "per-rank-seeds": ["--case", "audits", "--audit", "hazard:all::2,1:rank"],
+        "no-false-alarms": ["--case", "audits", *_each("--audit", NO_FALSE_ALARMS)],
+    }  # fmt: skip
     root = tmp_path_factory.mktemp("states")
-    (root / "cases.json").write_text(json.dumps(runs))
-    out = root / "out.json"
-    result = launch(
-        [str(REPO / "tests" / "workers" / "state_worker.py"), "--cases", str(root / "cases.json"),
-         "--out", str(out)],
-        2,
-        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
-        rank_env=lambda r: {"PYTHONHASHSEED": "0"},
-        timeout=600,
-        cwd=str(REPO),
-    )  # fmt: skip
-    assert not result.timed_out, result.output(0) + result.output(1)
-    assert out.is_file(), result.output(0) + result.output(1)
-    done = json.loads(out.read_text())
-    return {name: (run["codes"], run["report"]) for name, run in done.items()}
+    done = run_worker_cases("state_worker.py", root, cases, seeds=(0, 0), timeout=600)
+    for run, _ in done.values():
+        assert not run.timed_out, run.output(0) + run.output(1)
+    return {name: (run.codes, records[0]["report"]) for name, (run, records) in done.items()}
 
 
 def _kinds(report: dict) -> list[str]:

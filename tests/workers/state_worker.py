@@ -1,8 +1,8 @@
 """One rank of a state test: a training script's own steps, then fsdpcheck on the result.
 
-Cases (``--case``, writing rank 0's report(s) as JSON into ``--out``; or ``--cases FILE``,
-``{name: {"case", "model", "audit"}}``, run in turn in this one process group, writing
-``{name: {"codes": each rank's exit code, "report"}}``):
+Cases (``--case``; each rank writes ``{"report": rank 0's report(s), else null}`` as
+``rank<N>.json`` into the folder ``--out``; several in turn in one process group with
+``--cases``, as every batched worker does: ``recorded.main_with_cases``):
 
 - ``dcp-only``: rank 0 builds real, the others on meta; fully_shard; DCP
   ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` alone (the meta ranks
@@ -22,10 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from recorded import main_with_cases
 from torch import nn
 
 import fsdpcheck
@@ -127,38 +129,26 @@ def _run(case: str, model_name: str, audits: list[str]) -> tuple[int, object]:
     return result.exit_code, to_dict(result.report) if result.report is not None else None
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", default=None)
-    parser.add_argument("--cases", default=None, help="{name: {case, model, audit}}, in turn")
+    parser.add_argument("--case", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="tiny-gemma3")
     parser.add_argument("--audit", action="append", default=[])
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
+    args = parser.parse_args(argv)
+    owns = not dist.is_initialized()  # with --cases the group is main_with_cases'
+    if owns:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    code, report = _run(args.case, args.model, args.audit)
     out = Path(args.out)
-    if args.cases is None:
-        runs = {"only": {"case": args.case, "model": args.model, "audit": args.audit}}
-    else:
-        runs = json.loads(Path(args.cases).read_text())
-    done = {}
-    for name, run in runs.items():
-        model_name = run.get("model") or "tiny-gemma3"
-        done[name] = _run(run["case"], model_name, list(run.get("audit") or []))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"report": report}))
+    if owns:
         dist.barrier()
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, {name: int(code) for name, (code, _) in done.items()})
-    if dist.get_rank() == 0:
-        payload = {
-            name: {"codes": [codes[name] for codes in every], "report": report}
-            for name, (_, report) in done.items()
-        }
-        out.write_text(json.dumps(payload if args.cases is not None else payload["only"]["report"]))
-    dist.barrier()
-    dist.destroy_process_group()
-    return max((int(code) for code, _ in done.values()), default=0)
+        dist.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    exit_skipping_teardown(main())
+    exit_skipping_teardown(main_with_cases(main))
