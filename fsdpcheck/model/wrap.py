@@ -1,7 +1,9 @@
 """Choose FSDP2 wrap targets and apply ``fully_shard``, leaves first, then the root.
 
-As in verl after its fix: a requested layer class the model does not contain is a warning, and
-when none is present the plan falls back to size-based wrapping.
+A requested layer class the model does not contain is a warning, and when none is present the
+plan falls back to size-based wrapping. That fallback is fsdpcheck's choice: verl's released code
+(0.8.0, 0.9.1) has none (its FSDP2 target selection matches class names and never raises; its
+FSDP1 wrap policy skips missing classes with a warning and raises when none resolve).
 """
 
 from __future__ import annotations
