@@ -18,6 +18,8 @@ MAX_README_WORDS = 2000
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target)
 SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # https:, mailto:, …
+# A repository path a page names in prose or code: `scripts/bench/workers/rss.py`, `tests/ranks/`.
+CITED_PATH = re.compile(r"(?<![\w/.-])((?:fsdpcheck|scripts|tests|examples|docs)/[\w/.-]*[\w/])")
 
 
 def relative_links(path: Path) -> list[str]:
@@ -47,6 +49,32 @@ def test_readme_starts_with_the_two_setup_commands():
 def test_every_relative_link_points_at_a_file(path: Path):
     missing = [t for t in relative_links(path) if not (path.parent / t).exists()]
     assert missing == [], f"{path.relative_to(REPO)} links to files that do not exist"
+
+
+def cited_paths(path: Path) -> list[str]:
+    """Every repository path ``path`` names, code blocks included (a command cites a script)."""
+    return [m.group(1).rstrip(".") for m in CITED_PATH.finditer(path.read_text())]
+
+
+# The changelog is history: it names files as they were when the change was made.
+@pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_path_a_page_cites_exists(path: Path):
+    missing = sorted({t for t in cited_paths(path) if not (REPO / t).exists()})
+    assert missing == [], f"{path.relative_to(REPO)} cites paths that do not exist"
+
+
+def test_the_path_finder_sees_paths_in_prose_and_code(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Run scripts/bench (`scripts/bench/workers/rss.py`, tests/ranks/).\n"
+        "```\npython scripts/loader_matrix.py\n```\nnot a path: my_scripts/x.py, a/tests/b.py\n"
+    )
+    assert cited_paths(page) == [
+        "scripts/bench",
+        "scripts/bench/workers/rss.py",
+        "tests/ranks/",
+        "scripts/loader_matrix.py",
+    ]
 
 
 def test_the_link_finder_sees_links_and_skips_code(tmp_path: Path):
