@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
 import fused_qkv
+import torch
 from recorded import main_with_cases, run_recorded, worker_parser
 from torch import nn
 
