@@ -326,6 +326,9 @@ class FsdpGroupRecord:
     mesh_shape: tuple[int, ...] | None = None
     mesh_dim_names: tuple[str, ...] | None = None
     mesh_device_type: str | None = None
+    # Fields this torch keeps where fsdpcheck could not find them: never compared (an unread
+    # value is not an equal one), and said in the report's warnings.
+    unread: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from fsdpcheck.checks.loaded import load_errors
 from fsdpcheck.checks.observed import Observation, reproduce_error, with_observations
 from fsdpcheck.checks.predict import predict_loaders
 from fsdpcheck.checks.value import not_compared
+from fsdpcheck.checks.wrap_plan import unread_note
 from fsdpcheck.records import (
     CheckpointRecord,
     Finding,
@@ -114,6 +115,7 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         warnings=(
             *wrap_warnings(outcome.wrap_plan),
             *resharded_note(records, len(gathered.digests)),
+            *unread_note({r: rec.fsdp_plan for r, rec in records.items()}),
             *outcome.notes,
         ),
         environment=tuple(records[g.representative].env for g in groups),

@@ -9,7 +9,7 @@ gradients. Pure functions over :mod:`fsdpcheck.records`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdpcheck.records import Finding, FsdpGroupRecord, FsdpPlanRecord
@@ -99,6 +99,28 @@ def wrap_plan_findings(
     return [_finding(ref_rank, ranks, summary, details, tensors)]
 
 
+def unread_note(plans: Mapping[int, FsdpPlanRecord | None]) -> tuple[str, ...]:
+    """A warning naming the plan fields this torch keeps where fsdpcheck could not read them,
+    and the ranks: those fields were not compared."""
+    unread: dict[str, list[int]] = {}
+    for rank, plan in sorted(plans.items()):
+        groups = plan.groups if plan is not None else ()
+        for name in dict.fromkeys(f for g in groups for f in g.unread):
+            unread.setdefault(name, []).append(rank)
+    if not unread:
+        return ()
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    for name, ranks in unread.items():
+        by_ranks.setdefault(tuple(ranks), []).append(name)
+    parts = [f"{', '.join(names)} on {ranks_label(ranks)}" for ranks, names in by_ranks.items()]
+    return (
+        "the FSDP2 plan's "
+        + "; ".join(parts)
+        + " could not be read on this torch (its private state moved), so they were not "
+        "compared between ranks",
+    )
+
+
 def _keyed(groups: Sequence[FsdpGroupRecord]) -> dict[str, FsdpGroupRecord]:
     """Groups by their modules' names; a second group of one state gets ``#1`` and so on."""
     out: dict[str, FsdpGroupRecord] = {}
@@ -155,6 +177,8 @@ def _policy_differences(ref_groups: dict, other_groups: dict) -> list[dict[str, 
         if b is None:
             continue
         for field_name in POLICY_FIELDS:
+            if field_name in a.unread or field_name in b.unread:
+                continue  # not read on some rank: unknown, not equal (unread_note says so)
             x, y = getattr(a, field_name), getattr(b, field_name)
             if _jsonable(x) != _jsonable(y):
                 out.append(

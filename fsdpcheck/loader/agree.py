@@ -18,6 +18,7 @@ from torch import nn
 
 from fsdpcheck.distributed.wire import exchange_slots, transport_device
 from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.loader.names import Placement, placement
 from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers
 from fsdpcheck.text import name_list, ranks_label
 
@@ -57,9 +58,15 @@ class Exchange:
     problems: tuple[str, ...]
     # This rank's non-persistent buffers as described; local only, never sent.
     named: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    # Where the state dict's entries land in the model (local only, never sent), and what
+    # keeps some of them from landing, in words without the rank (the ranks are added when
+    # every rank's are listed together).
+    placement: Placement | None = field(default=None, compare=False, repr=False)
+    unplaceable: tuple[str, ...] = ()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "named": None}  # the slow path pickles it: layouts only
+        # the slow path pickles it: layouts and problems only
+        return {**self.__dict__, "named": None, "placement": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -90,6 +97,8 @@ def local_layout(
     buffers: Layout = ()
     state: Layout = ()
     named: dict[str, torch.Tensor] | None = None
+    where: Placement | None = None
+    unplaceable: list[str] = []
     try:
         named = non_persistent_buffers(model)
         buffers = tuple(sorted(_tensor_layout(n, t) for n, t in named.items()))
@@ -104,12 +113,34 @@ def local_layout(
         if with_state:
             local = model.state_dict(keep_vars=True)
             state = tuple(sorted(_tensor_layout(k, v) for k, v in local.items()))
+            where = placement(model, local)
+            unplaceable = placement_problems(where)
             if rank == src:
                 problems.extend(source_problems(rank, state, source))
     except Exception as exc:  # a local failure must reach the others, not strand them
         log.debug("rank %d could not describe its model", rank, exc_info=True)
         problems.append(f"rank {rank} could not describe its model: {type(exc).__name__}: {exc}")
-    return Exchange(rank, buffers, state, tuple(problems), named)
+    return Exchange(rank, buffers, state, tuple(problems), named, where, tuple(unplaceable))
+
+
+def placement_problems(where: Placement) -> list[str]:
+    """Why some state-dict entry or model tensor cannot be placed, in words naming them and the
+    fix; empty when every entry lands on a tensor (directly or through the model's hooks)."""
+    problems = list(where.problems)
+    if where.unplaced:
+        problems.append(
+            f"the model's state dict has entries that no tensor of the model takes, even through "
+            f"its load_state_dict pre-hooks: {name_list(list(where.unplaced))} (a state-dict hook "
+            "makes them; give the model a load_state_dict pre-hook that turns them back into "
+            "its tensors, as torchtitan's FusedQKVLinear does, or load it with its own loader)"
+        )
+    if where.unreached:
+        problems.append(
+            f"no state-dict entry reaches the model's tensors {name_list(list(where.unreached))}, "
+            "even through its load_state_dict pre-hooks (a state-dict hook leaves them out or "
+            "renames them); make its state dict hold them, or load it with its own loader"
+        )
+    return problems
 
 
 def source_problems(rank: int, state: Layout, source: dict[str, torch.Tensor] | None) -> list[str]:
@@ -148,7 +179,7 @@ def _exchange_slot(
     mine: Exchange, fast: tuple[str, str | None] | None, inline: bool = False
 ) -> bytes:
     """This rank's fixed-size entry: flags, then digests of its buffers, state and fast layout."""
-    flags = _PROBLEMS if mine.problems else 0
+    flags = _PROBLEMS if mine.problems or mine.unplaceable else 0
     if inline:
         flags |= _INLINE
     if fast is None:
@@ -228,6 +259,11 @@ def agree(
     dist.all_gather_object(everyone, mine, group=group)
     by_rank = {e.global_rank: e for e in everyone}
     problems = [p for e in everyone for p in e.problems]
+    unplaceable: dict[str, list[int]] = defaultdict(list)
+    for e in everyone:
+        for p in e.unplaceable:
+            unplaceable[p].append(e.global_rank)
+    problems += [f"{ranks_label(rs)}: {p}" for p, rs in unplaceable.items()]
     buffer_diffs = layout_differences(by_rank, src, "buffers", "non-persistent buffer")
     state_diffs = layout_differences(by_rank, src, "state", "state-dict entry")
     differences = problems + buffer_diffs + state_diffs
@@ -238,6 +274,12 @@ def agree(
             "(pairing them would hang or swap values):\n"
             f"{listed}\nBuild the model the same way on every rank (same code, config and "
             "options), then load again.",
+            differences,
+        )
+    if unplaceable and len(unplaceable) == len(differences):
+        raise StateDictMismatchError(
+            "the model's state dict does not map onto its tensors, so nothing was loaded or "
+            f"broadcast:\n{listed}",
             differences,
         )
     raise StateDictMismatchError(

@@ -52,9 +52,10 @@ from fsdpcheck.loader.agree import (
     member_ranks,
     raise_if_any_failed,
 )
+from fsdpcheck.loader.names import through_hooks_source
 from fsdpcheck.loader.transfer import Transfer, aligned, bucketed_info, choose_method
 from fsdpcheck.model.fingerprint import non_persistent_buffers
-from fsdpcheck.text import int_ranges
+from fsdpcheck.text import int_ranges, name_list
 from fsdpcheck.vocab import LoadMethod
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,9 @@ class LoadResult:
     state_messages: int = 0  # bucketed: buckets this rank sent (rank 0) or received
     state_bytes: int = 0  # bucketed: bytes of them on the wire
     bucket_bytes: int = 0  # bucketed: this rank's largest message (at most the bucket_bytes asked)
+    # state-dict entries that are no tensor of the model (its state-dict hooks make them, as
+    # torchtitan's fused wqkv is saved as wq/wk/wv), placed through its load_state_dict pre-hooks
+    through_hooks: int = 0
 
 
 def load_full_state_dict(
@@ -139,9 +143,10 @@ def load_full_state_dict(
     rank = dist.get_rank()
     source = dict(full_state_dict_on_rank0) if full_state_dict_on_rank0 is not None else None
     mine = local_layout(model, rank, src=0, source=source if rank == 0 else None, with_state=True)
+    where = mine.placement
     fast = None
     if method == LoadMethod.BUCKETED:
-        fast = bucketed_info(model, rank, ranks, group, int(bucket_bytes))
+        fast = bucketed_info(model, rank, ranks, group, int(bucket_bytes), where)
     shared = fast.shared() if fast is not None else None
     agreed = agree(mine, src=0, group=group, ranks=ranks, fast=shared)
     layout, collectives = agreed.layout, agreed.collectives
@@ -149,13 +154,22 @@ def load_full_state_dict(
 
     failure, materialised = None, False
     messages = moved_bytes = biggest = 0
+    if rank == 0 and where is not None and where.fused:
+        try:  # the entries the model's state-dict hooks derived, as its load hooks place them
+            source = through_hooks_source(where, model, source or {})
+        except Exception as exc:  # this rank still takes part in the transfer, then says so
+            log.debug("rank 0: the model's load_state_dict pre-hooks failed", exc_info=True)
+            failure = (
+                f"rank 0: the model's load_state_dict pre-hooks failed on the full state dict's "
+                f"{name_list(list(where.derived))}: {type(exc).__name__}: {exc}"
+            )
     if chosen == LoadMethod.BUCKETED:
         try:
             materialised = materialise(model)
         except Exception as exc:  # this rank still takes part in the transfer, then says so
             log.debug("rank %d: materialising failed", rank, exc_info=True)
-            failure = f"rank {rank}: materialising failed: {type(exc).__name__}: {exc}"
-        transfer = Transfer(model, fast.specs, ranks, group, int(bucket_bytes))
+            failure = failure or f"rank {rank}: materialising failed: {type(exc).__name__}: {exc}"
+        transfer = Transfer(model, fast.specs, ranks, group, int(bucket_bytes), where)
         moved = transfer.run(source if rank == 0 else None, write=failure is None)
         messages, moved_bytes, biggest = moved.messages, moved.bytes, moved.largest
         failure = failure or moved.failure
@@ -176,7 +190,7 @@ def load_full_state_dict(
             set_model_state_dict(model, payload, options=options)
         except Exception as exc:  # reported to every rank below instead of stranding them
             log.debug("rank %d: set_model_state_dict failed", rank, exc_info=True)
-            failure = f"rank {rank}: loading failed: {type(exc).__name__}: {exc}"
+            failure = failure or f"rank {rank}: loading failed: {type(exc).__name__}: {exc}"
     raise_if_any_failed(failure, group, ranks)
     collectives += 1
 
@@ -193,6 +207,7 @@ def load_full_state_dict(
         state_messages=messages,
         state_bytes=moved_bytes,
         bucket_bytes=biggest,
+        through_hooks=len(where.derived) if where is not None else 0,
     )
 
 

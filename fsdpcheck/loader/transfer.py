@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpcheck.distributed.wire import transport_device
-from fsdpcheck.loader.names import state_dict_names
+from fsdpcheck.loader.names import Placement, placed_tensors, placement, state_dict_names
 from fsdpcheck.loader.shards import local_shape, mesh_coordinate, shard_of, supported
 from fsdpcheck.model.fingerprint import dtype_name
 from fsdpcheck.model.parallel import sibling_root
@@ -82,9 +82,9 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _specs(model: nn.Module) -> list[_Spec]:
-    """The state dict as the tensors to move, by name; tied weights move once."""
-    state = model.state_dict(keep_vars=True)
+def _specs(model: nn.Module, state: Mapping[str, torch.Tensor]) -> list[_Spec]:
+    """The model's tensors to move, by the names the loader moves them under
+    (:class:`Placement`'s ``placed``); tied weights move once."""
     specs = []
     for owner, *aliases in state_dict_names(model, state).values():
         tensor = state[owner]
@@ -103,7 +103,12 @@ def _specs(model: nn.Module) -> list[_Spec]:
 
 
 def bucketed_info(
-    model: nn.Module, rank: int, ranks: list[int], group: Any, bucket_bytes: int
+    model: nn.Module,
+    rank: int,
+    ranks: list[int],
+    group: Any,
+    bucket_bytes: int,
+    where: Placement | None = None,
 ) -> _Bucketed:
     """What the bucketed path's layout derives from on this rank, and whether this rank can take
     it at all; never raises, so the rank always joins the exchange."""
@@ -114,8 +119,8 @@ def bucketed_info(
             return _Bucketed(
                 "", f"`group` runs {backend}; the bucketed path sends over gloo (pass a gloo group)"
             )
-        specs = _specs(model)
-        state = model.state_dict(keep_vars=True)
+        state = (where or placement(model)).placed
+        specs = _specs(model, state)
         members = set(ranks)
         meshes: dict[int, tuple[Any, ...]] = {}
         coordinates: dict[int, list[int] | None] = {}
@@ -304,9 +309,16 @@ class Transfer:
     transfer."""
 
     def __init__(
-        self, model: nn.Module, specs: Sequence[_Spec], ranks: list[int], group: Any, size: int
+        self,
+        model: nn.Module,
+        specs: Sequence[_Spec],
+        ranks: list[int],
+        group: Any,
+        size: int,
+        where: Placement | None = None,
     ):
         self.model = model
+        self.where = where
         self.specs = tuple(specs)
         self.ranks = ranks
         self.group = group
@@ -362,7 +374,8 @@ class Transfer:
 
     def _targets(self) -> list[torch.Tensor]:
         """This rank's local tensors (after to_empty()), flat, in spec order."""
-        state = self.model.state_dict(keep_vars=True)
+        where = self.where or placement(self.model)
+        state = placed_tensors(self.model, where)
         flat = []
         for spec in self.specs:
             tensor = state[spec.name]

@@ -24,10 +24,11 @@ from torch import nn
 
 from fsdpcheck.distributed.environment import lead_threads
 from fsdpcheck.errors import FsdpcheckError
-from fsdpcheck.loader.names import state_dict_names
+from fsdpcheck.loader.names import Placement, placement, state_dict_names, through_hooks_source
 from fsdpcheck.loader.shards import expected_shard
 from fsdpcheck.model.checksum import checksums
 from fsdpcheck.records import VerifyResult
+from fsdpcheck.text import name_list
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,15 @@ class _Tensors:
 
     buffers: dict[str, torch.Tensor]
     params: dict[str, torch.Tensor]
+    # where the state dict's entries land (through the model's load_state_dict hooks, if any)
+    where: Placement | None = None
 
 
 def _tensors(model: nn.Module) -> _Tensors:
+    where = None
     try:
-        names = state_dict_names(model)
+        where = placement(model)
+        names = state_dict_names(model, where.placed)
     except Exception:  # no state dict to go by: module paths, which the report then names
         log.debug(
             "verify_load: the model's state dict failed; checking by module paths", exc_info=True
@@ -70,7 +75,9 @@ def _tensors(model: nn.Module) -> _Tensors:
     def by_state_name(pairs: Any) -> dict[str, torch.Tensor]:
         return {names[id(t)][0] if id(t) in names else name: t for name, t in pairs}
 
-    return _Tensors(by_state_name(model.named_buffers()), by_state_name(model.named_parameters()))
+    return _Tensors(
+        by_state_name(model.named_buffers()), by_state_name(model.named_parameters()), where
+    )
 
 
 _COMPILED = "_orig_mod"  # torch.compile's wrapper holds the module under this name
@@ -107,6 +114,8 @@ def verify_load(
     source = full_state_dict_on_rank0
     if rank == root and source is not None:
         try:  # before the gather: the other ranks digest their own shards meanwhile
+            if tensors.where is not None and tensors.where.fused:
+                source = through_hooks_source(tensors.where, model, source)
             source = _keyed_like(tensors, source)
             expected = _expect(tensors, source, ranks, root)
         except Exception as exc:  # the gather and the verdict broadcast below must still happen
@@ -310,11 +319,18 @@ def _judge(
             if reason:
                 found[(name, "buffer", reason)].append(digests.global_rank)
 
+    where = tensors.where or Placement(placed={})
+    fused, unreached = set(where.fused), set(where.unreached)
     for name, param in own_params.items():
         for digests in gathered:
             got = digests.params.get(name)
             key = ("param", name, digests.global_rank)
-            if name not in source:
+            if name in unreached:
+                reason = (
+                    "no entry of the source state dict reaches it, even through the model's "
+                    "load_state_dict hooks"
+                )
+            elif name not in source:
                 reason = "not in the source state dict"
             elif got is not None and got.placements != _placements(param):
                 reason = f"sharded as {got.placements}, on rank {root} as {_placements(param)}"
@@ -322,7 +338,9 @@ def _judge(
                 reason = expected.problems[(name, digests.global_rank)] or None
             else:
                 want = _Entry(expected.digests[key], expected.shapes[key])
-                reason = _compare(got, want, "values differ from the source state dict")
+                reason = _compare(got, want, _DIFFERS)
+            if reason == _DIFFERS and name in fused:
+                reason = _not_placed(name, where)
             if reason:
                 found[(name, "param", reason)].append(digests.global_rank)
 
@@ -340,6 +358,22 @@ def _judge(
     )
     checked = len(own_buffers) + len(own_params)
     return VerifyResult(ran=True, passed=not mismatches, checked=checked, mismatches=mismatches)
+
+
+_DIFFERS = "values differ from the source state dict"
+
+
+def _not_placed(name: str, where: Placement) -> str:
+    """Why a tensor that only the model's load_state_dict hooks reach differs: the loader did
+    not put it through them (a loader that pairs state-dict names with tensors leaves it as it
+    was). Names the source's entries under the same module, where the hooks find them."""
+    module = name.rsplit(".", 2)[0] + "."
+    entries = [e for e in where.derived if e.startswith(module)] or list(where.derived)
+    return (
+        "not placed by the loader: it differs from what the model's load_state_dict hooks make "
+        f"of the source's {name_list(entries)} (the model's state dict is rewritten by hooks; "
+        "load it through them, as fsdpcheck.load_full_state_dict does)"
+    )
 
 
 def _compare(got: _Entry | None, want: _Entry, differs: str) -> str | None:

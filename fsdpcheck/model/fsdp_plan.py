@@ -2,9 +2,12 @@
 parameter, with which mixed-precision, resharding and offload policies, on which mesh.
 
 FSDP2 keeps this in private state (``FSDPModule._get_fsdp_state()`` and its parameter groups),
-which moves between torch releases. Every attribute is feature-detected: what this torch does
-not expose is recorded as ``None``, and a plan that cannot be read at all says why instead of
-failing the audit.
+which moves between torch releases. Every attribute is feature-detected. The mixed-precision
+policy is read where each torch keeps it: the parameter group's ``mp_policy`` (torch 2.6 to
+2.14), else each ``FSDPParam``'s (2.15 moved it there), else the state's ``_mp_policy`` (what
+``fully_shard`` was given). A policy found nowhere is recorded as unread (``unread``), never as
+``None``: an unread dtype is not an unset one, so it is never compared and the report says so.
+A plan that cannot be read at all says why instead of failing the audit.
 """
 
 from __future__ import annotations
@@ -70,10 +73,25 @@ def _state_groups(state: Any, module_names: dict[int, str]) -> list[FsdpGroupRec
         return [
             FsdpGroupRecord(modules=modules, params=(), **_mp(getattr(state, "_mp_policy", None)))
         ]
-    return [_group_record(g, modules, module_names) for g in param_groups]
+    return [_group_record(g, state, modules, module_names) for g in param_groups]
 
 
-def _group_record(group: Any, modules: tuple[str, ...], module_names: dict[int, str]):
+MP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+
+def _mp_policy(group: Any, state: Any) -> Any:
+    """The group's MixedPrecisionPolicy wherever this torch keeps it; None when nowhere."""
+    policy = getattr(group, "mp_policy", None)  # torch 2.6-2.14: on the parameter group
+    if policy is not None:
+        return policy
+    for fsdp_param in getattr(group, "fsdp_params", None) or ():  # 2.15: on each FSDPParam
+        policy = getattr(fsdp_param, "mp_policy", None)
+        if policy is not None:
+            return policy
+    return getattr(state, "_mp_policy", None)  # the policy fully_shard was given
+
+
+def _group_record(group: Any, state: Any, modules: tuple[str, ...], module_names: dict[int, str]):
     params = tuple(_param_name(p, module_names) for p in getattr(group, "fsdp_params", ()))
     mesh_info = getattr(group, "mesh_info", None)
     mesh = getattr(mesh_info, "mesh", None)
@@ -81,7 +99,7 @@ def _group_record(group: Any, modules: tuple[str, ...], module_names: dict[int, 
     return FsdpGroupRecord(
         modules=modules,
         params=params,
-        **_mp(getattr(group, "mp_policy", None)),
+        **_mp(_mp_policy(group, state)),
         reshard_after_forward=_reshard(group, mesh_info),
         offload=None if offload is None else type(offload).__name__,
         pin_memory=_optional_bool(getattr(offload, "pin_memory", None)),
@@ -100,13 +118,18 @@ def _param_name(fsdp_param: Any, module_names: dict[int, str]) -> str:
 
 def _mp(policy: Any) -> dict[str, Any]:
     if policy is None:
-        return {}
-    return {
-        "param_dtype": _dtype(getattr(policy, "param_dtype", None)),
-        "reduce_dtype": _dtype(getattr(policy, "reduce_dtype", None)),
-        "output_dtype": _dtype(getattr(policy, "output_dtype", None)),
-        "cast_forward_inputs": _optional_bool(getattr(policy, "cast_forward_inputs", None)),
-    }
+        return {"unread": MP_FIELDS}
+    out: dict[str, Any] = {}
+    unread = []
+    for name in MP_FIELDS:
+        if not hasattr(policy, name):
+            unread.append(name)
+            continue
+        value = getattr(policy, name)
+        out[name] = _optional_bool(value) if name == "cast_forward_inputs" else _dtype(value)
+    if unread:
+        out["unread"] = tuple(unread)
+    return out
 
 
 def _reshard(group: Any, mesh_info: Any) -> bool | int | None:

@@ -46,6 +46,10 @@ def loads(tmp_path_factory: pytest.TempPathFactory, llama_checkpoint: Path) -> d
             ]
             for rank in (0, 1)
         },
+        # The torchtitan-style model (tests/workers/fused_qkv.py), filled with 7.0, then loaded.
+        **{f"fused-{v}": [*HAZARD, "--fused", v] for v in ("fused", "plain", "extra-entry")},
+        "fused-fused-dcp": [*HAZARD, "--fused", "fused", "--method", "dcp"],
+        "fused-dcp-own": [*HAZARD, "--fused", "fused", "--loader", "dcp"],
         # Last: it refuses on every rank.
         "buffer-mismatch": [*HAZARD, "--extra-buffer-on-rank", "1"],
     }
@@ -224,6 +228,61 @@ def test_buffers_too_big_to_ride_with_the_check_are_broadcast_after_it(loads: di
         assert record["verify"]["passed"] is True
     assert rank1["buffers"]["big_table"] == [float(i) for i in range(20_000)]
     assert rank1["buffers"] == rank0["buffers"]
+
+
+QKV = "layers.0.attention.qkv"
+
+
+@pytest.mark.parametrize("case", ["fused-fused", "fused-fused-dcp", "fused-plain"])
+def test_a_state_dict_made_by_hooks_loads_through_them(loads: dict, case: str) -> None:
+    # torchtitan's FusedQKVLinear saves its fused wqkv as wq/wk/wv (a state-dict post-hook) and
+    # fuses them back on load (a load_state_dict pre-hook): every entry lands, on both paths.
+    # "fused-plain" is the clean twin: three separate projections, no hooks.
+    result, records = loads[case]
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    hooked = case != "fused-plain"
+    for record in records:
+        assert record["still_seven"] == []  # no tensor left as it was before the load
+        assert record["load"]["params_loaded"] == 21
+        assert record["load"]["through_hooks"] == (12 if hooked else 0)
+        assert record["verify"]["passed"] is True, record["verify"]
+    rank0 = records[0]
+    assert f"{QKV}.wq.weight" in rank0["source_keys"]
+    assert rank0["differ_from_source"] == []  # its own state dict reads back the source
+
+
+def test_an_entry_no_tensor_takes_is_refused_on_every_rank(loads: dict) -> None:
+    result, records = loads["fused-extra-entry"]
+    assert result.codes == [3, 3], result.output(0) + result.output(1)
+    [message] = {record["error"]["message"] for record in records}  # the same on every rank
+    assert all(record["error"]["type"] == "StateDictMismatchError" for record in records)
+    assert "load" not in records[0] and "nothing was loaded" in message
+    assert (
+        "ranks 0,1: the model's state dict has entries that no tensor of the model takes, even "
+        f"through its load_state_dict pre-hooks: {QKV}.r_dim, layers.1.attention.qkv.r_dim"
+    ) in message
+    assert "wq" not in message  # the fused entries are placed; only the stray one is named
+
+
+def test_verify_names_the_loader_when_hooked_entries_were_not_placed(loads: dict) -> None:
+    # DCP's set_model_state_dict on this model fails on its fused tensors (torch 2.13: its
+    # load hook hands FSDP a plain tensor), leaving them as they were: verify says the loader
+    # did not place them, not that the source lacks them.
+    result, records = loads["fused-dcp-own"]
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    rank0 = records[0]
+    assert "mixed torch.Tensor and DTensor" in rank0["dcp_error"]
+    mismatches = rank0["verify"]["mismatches"]
+    fused = {m["name"] for m in mismatches}
+    assert fused == {
+        f"layers.{i}.attention.qkv.wqkv.{p}" for i in (0, 1) for p in ("weight", "bias")
+    }
+    for m in mismatches:
+        assert m["reason"].startswith("not placed by the loader"), m
+        assert "not in the source" not in m["reason"]
+    [weight] = [m for m in mismatches if m["name"] == f"{QKV}.wqkv.weight"]
+    assert weight["ranks"] == [0, 1]
+    assert f"{QKV}.wq.weight" in weight["reason"] and "layers.1." not in weight["reason"]
 
 
 # --- pure parts, in process ---------------------------------------------------------------------

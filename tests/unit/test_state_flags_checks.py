@@ -474,6 +474,62 @@ def test_fsdp_plan_reads_the_live_policies(one_rank_group):
     assert device_exceptions(rank) == []
 
 
+def _sharded_with_bf16():
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)), mp_policy=mp)
+    state = model._get_fsdp_state()
+    return model, state, state._fsdp_param_groups[0]
+
+
+def test_fsdp_plan_reads_the_policy_where_torch_2_15_keeps_it(one_rank_group):
+    # torch 2.15 keeps the policy on each FSDPParam and the module's state, not on the
+    # parameter group: this real group, without its mp_policy, is laid out as 2.15 lays it.
+    from fsdpcheck.model.fsdp_plan import fsdp_plan
+
+    model, _, group = _sharded_with_bf16()
+    del group.mp_policy
+    [record] = fsdp_plan(model).groups
+    assert (record.param_dtype, record.unread) == ("bfloat16", ())
+    for fsdp_param in group.fsdp_params:  # nor on the parameters: the state's is read
+        del fsdp_param.mp_policy
+    [record] = fsdp_plan(model).groups
+    assert (record.param_dtype, record.unread) == ("bfloat16", ())
+
+
+def test_an_unreadable_policy_is_unread_never_equal_and_said(one_rank_group):
+    from fsdpcheck.checks.wrap_plan import unread_note, wrap_plan_findings
+    from fsdpcheck.model.fsdp_plan import fsdp_plan
+
+    model, state, group = _sharded_with_bf16()
+    readable = fsdp_plan(model)
+    del group.mp_policy
+    for fsdp_param in group.fsdp_params:
+        del fsdp_param.mp_policy
+    del state._mp_policy  # a torch that keeps it somewhere fsdpcheck does not know
+    hidden = fsdp_plan(model)
+    [record] = hidden.groups
+    assert record.param_dtype is None  # not "unset": unread
+    assert record.unread == ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    assert record.reshard_after_forward is True  # the rest of the plan is still read
+    assert from_dict(FsdpPlanRecord, json.loads(dumps(hidden))) == hidden
+    # Unread on both ranks: nothing compared equal, and the report says so.
+    assert wrap_plan_findings(0, hidden, [1], hidden) == []
+    [note] = unread_note({0: hidden, 1: hidden})
+    assert "param_dtype, reduce_dtype, output_dtype, cast_forward_inputs on ranks 0,1" in note
+    assert "not compared" in note
+    # Its clean twin: read on every rank, no note.
+    assert readable.groups[0].unread == () and unread_note({0: readable, 1: readable}) == ()
+    # Read on one rank only: that rank's bfloat16 is not paired with an unread "unset".
+    assert wrap_plan_findings(0, readable, [1], hidden) == []
+    assert "on rank 1" in unread_note({0: readable, 1: hidden})[0]
+
+
 def test_every_finding_kind_has_a_readme_entry():
     from pathlib import Path
 
@@ -509,7 +565,8 @@ def test_fsdp_plan_survives_private_state_it_does_not_know():
             raise AttributeError("_fsdp_param_groups moved")
 
     bare = fsdp_plan(Bare(2, 2))
-    assert bare == FsdpPlanRecord(groups=(FsdpGroupRecord(modules=(), params=()),))
+    unread = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    assert bare == FsdpPlanRecord(groups=(FsdpGroupRecord(modules=(), params=(), unread=unread),))
     broken = fsdp_plan(Broken(2, 2))
     assert broken.groups == () and "moved" in broken.unavailable
     # An unreadable plan is never a finding, and never splits ranks by itself.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import fused_qkv
 import torch
 from recorded import main_with_cases, run_recorded, worker_parser
 from torch import nn
@@ -36,6 +37,42 @@ def _dcp_only(model: nn.Module, source: dict | None) -> None:
     set_model_state_dict(model, dict(source) if source is not None else {}, options=options)
 
 
+def _fused(args, ctx, record: dict) -> None:
+    """The torchtitan-style model (tests/workers/fused_qkv.py): every parameter filled with 7.0
+    on every rank, each block and the root fully_shard-ed, then rank 0's full state dict (its
+    own ``state_dict()``, split by its hooks, of other weights) loaded."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = fused_qkv.build(args.fused)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(7.0)
+    for layer in model.layers:
+        fully_shard(layer, mesh=ctx.mesh)
+    fully_shard(model, mesh=ctx.mesh)
+    source = fused_qkv.build(args.fused, seed=1).state_dict() if ctx.rank == 0 else None
+    record["source_keys"] = sorted(source) if source is not None else None
+    if args.loader == "dcp":  # DCP's own loader, as a training script calls it
+        try:
+            _dcp_only(model, source)
+        except Exception as exc:
+            record["dcp_error"] = f"{type(exc).__name__}: {exc}"
+    else:
+        loaded = load_full_state_dict(model, source, group=ctx.side_channel, method=args.method)
+        record["load"] = to_dict(loaded)
+    record["verify"] = to_dict(verify_load(model, source, group=ctx.side_channel))
+    # Read back through the model's own state dict (its hooks split wqkv again), full tensors.
+    state = {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v
+        for k, v in model.state_dict().items()
+    }
+    record["still_seven"] = sorted(k for k, v in state.items() if bool((v == 7.0).all()))
+    if source is not None:
+        record["differ_from_source"] = sorted(
+            k for k in source if k not in state or not torch.equal(state[k], source[k])
+        )
+
+
 def main(argv: list[str]) -> int:
     parser = worker_parser()
     parser.add_argument("--extra-buffer-on-rank", type=int, default=None)
@@ -46,6 +83,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--odd-params", action="store_true", help="(3, 4) and (1, 4) params")
     parser.add_argument("--odd-on-meta", action="store_true", help="rank 0's odd params too")
     parser.add_argument("--loader", choices=("safe", "dcp"), default="safe")
+    parser.add_argument(
+        "--fused", choices=fused_qkv.VARIANTS, default=None, help="the torchtitan-style model"
+    )
+    parser.add_argument("--method", choices=("bucketed", "dcp"), default="bucketed")
     parser.add_argument("--tamper", default=None, help="rank 1 adds 1.0 to this param's shard")
     parser.add_argument(
         "--tamper-one", default=None, help="flips the lowest bit of one element of this param"
@@ -62,6 +103,9 @@ def main(argv: list[str]) -> int:
     ctx = distributed.init("gloo", args.timeout)
 
     def work(record: dict) -> None:
+        if args.fused:
+            _fused(args, ctx, record)
+            return
         built = build(resolve(args.model, rank=ctx.rank), rank=ctx.rank, init=args.init)
         model, source = built.model, built.full_state_dict
         real = built.materialised
