@@ -389,7 +389,10 @@ class ModuleStateRecord:
     global_hooks: tuple[str, ...] = ()
 
     def by_name(self) -> dict[str, ModuleKind]:
-        return {name: self.kinds[index] for name, index in self.modules}
+        """Each module's kind (an index no kind has, from a damaged record, names none)."""
+        return {
+            name: self.kinds[index] for name, index in self.modules if 0 <= index < len(self.kinds)
+        }
 
 
 @dataclass(frozen=True)

@@ -149,24 +149,18 @@ def device_findings(
 def _meta_findings(
     ref_rank: int, ref: RankRecord, groups: Sequence[tuple[Sequence[int], RankRecord]]
 ) -> list[Finding]:
-    """One finding per group that left tensors on meta (:func:`left_on_meta`) which another
-    group holds on a real device: the reference group for every other group; for the
-    reference group itself, the first other group that holds them."""
+    """One finding per other group where one side left tensors on meta
+    (:func:`left_on_meta`) that the other side holds on a real device."""
     findings = []
+    ref_left, ref_real = left_on_meta(ref), _real_devices(ref)
     for ranks, record in groups:
-        left = left_on_meta(record)
-        if not left:
-            continue
         if ref_rank in ranks:
-            against = [(r, rec) for r, rec in groups if ref_rank not in r]
-        else:
-            against = [((ref_rank,), ref)]
-        for their_ranks, theirs in against:
-            real = _real_devices(theirs)
-            shown = [(name, real[name]) for name in left if name in real]
-            if shown:
-                findings.append(_meta_finding(ref_rank, ranks, their_ranks, record, shown))
-                break
+            continue
+        theirs = _real_devices(record)
+        left = [(n, ref_real[n], ranks, (ref_rank,)) for n in left_on_meta(record) if n in ref_real]
+        left += [(n, theirs[n], (ref_rank,), ranks) for n in ref_left if n in theirs]
+        if left:
+            findings.append(_meta_finding(ref_rank, ranks, record, left))
     return findings
 
 
@@ -180,15 +174,16 @@ def _real_devices(record: RankRecord) -> dict[str, str]:
 def _meta_finding(
     ref_rank: int,
     ranks: Sequence[int],
-    their_ranks: Sequence[int],
     record: RankRecord,
-    shown: list[tuple[str, str]],
+    left: list[tuple[str, str, Sequence[int], Sequence[int]]],
 ) -> Finding:
-    who, them = ranks_label(ranks), ranks_label(their_ranks)
-    text = ", ".join(f"{name} (on {device} on {them})" for name, device in shown[:_LISTED])
-    if len(shown) > _LISTED:
-        text += f"; and {len(shown) - _LISTED} more"
-    verb = "holds" if len(ranks) == 1 else "hold"
+    """``left``: (name, the real side's device, the ranks on meta, the ranks holding it)."""
+    text = "; ".join(
+        f"{ranks_label(on_meta)} left {name} on meta ({device} on {ranks_label(real)})"
+        for name, device, on_meta, real in left[:_LISTED]
+    )
+    if len(left) > _LISTED:
+        text += f"; and {len(left) - _LISTED} more"
     snapshot = Snapshot.POST_WRAP if record.post_wrap is not None else Snapshot.PRE_WRAP
     return Finding(
         kind=FindingKind.DEVICE,
@@ -196,13 +191,14 @@ def _meta_finding(
         reference_rank=ref_rank,
         snapshot=snapshot,
         cause=Cause.LOADING,
-        summary=f"{FindingKind.DEVICE.phrase}: {who} {verb} real parameters but left {text} on "
-        "meta: no load fills a tensor that is in no state dict (a non-persistent buffer after "
-        "load_state_dict(assign=True)), and the first forward there fails",
-        tensors=tuple(name for name, _ in shown),
+        summary=f"{FindingKind.DEVICE.phrase}: {text}, beside real parameters: no load fills "
+        "a tensor that is in no state dict (a non-persistent buffer after "
+        "load_state_dict(assign=True)), and the first forward on meta fails",
+        tensors=tuple(dict.fromkeys(name for name, *_ in left)),
         details={
             "left_on_meta": [
-                {"name": n, "other": d, "other_ranks": list(their_ranks)} for n, d in shown
+                {"name": n, "ranks": list(on_meta), "device": d, "real_on": list(real)}
+                for n, d, on_meta, real in left
             ]
         },
     )

@@ -56,9 +56,9 @@ def _kind_differences(name: str, a: ModuleKind, b: ModuleKind) -> list[dict[str,
     def entry(what: str, x: Any, y: Any) -> dict[str, Any]:
         return {"module": name, "class": a.cls, "what": what, "reference": x, "other": y}
 
+    if a.cls != b.cls:  # another module altogether: its settings are another class's
+        return [entry("class", a.cls, b.cls)]
     out = []
-    if a.cls != b.cls:
-        out.append(entry("class", a.cls, b.cls))
     if a.training != b.training:
         out.append(entry("training", a.training, b.training))
     if a.hooks != b.hooks:

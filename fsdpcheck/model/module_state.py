@@ -197,6 +197,17 @@ def _autocast(device: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
     return enabled, dtype
 
 
+def _matmul_fp32_precision() -> str:
+    """The new API's word (torch >= 2.9); ``"none"`` defers to the legacy switch, so it reads
+    as what that switch says: a process that set and restored the precision reads ``"ieee"``
+    where one that never touched it reads ``"none"``, with the same kernels."""
+    matmul = torch.backends.cuda.matmul
+    value = matmul.fp32_precision
+    if value == "none":
+        return "tf32" if matmul.allow_tf32 else "ieee"
+    return value
+
+
 def numerics_record() -> NumericsRecord:
     """This process's numerics switches, read now (none of them needs a GPU to read)."""
     cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
@@ -204,7 +215,7 @@ def numerics_record() -> NumericsRecord:
         ("default_dtype", torch.get_default_dtype),
         ("float32_matmul_precision", torch.get_float32_matmul_precision),
         ("cuda.matmul.allow_tf32", lambda: cuda.matmul.allow_tf32),
-        ("cuda.matmul.fp32_precision", lambda: cuda.matmul.fp32_precision),
+        ("cuda.matmul.fp32_precision", _matmul_fp32_precision),
         (
             "cuda.matmul.allow_fp16_reduced_precision_reduction",
             lambda: cuda.matmul.allow_fp16_reduced_precision_reduction,
