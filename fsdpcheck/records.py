@@ -360,6 +360,52 @@ class TieRecord:
     snapshot: Snapshot  # PRE_WRAP, POST_WRAP or LOAD
     shared: tuple[tuple[str, ...], ...] = ()  # groups of two or more names on one storage
     expected: tuple[tuple[str, str], ...] = ()  # (tied name, its source)
+    # The buffer side of ties: groups of names (buffers, and parameters sharing with a buffer)
+    # on one storage, any view of it: a write to one is seen through the others.
+    buffers: tuple[tuple[str, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class ModuleKind:
+    """What modules hold beyond their tensors that changes what they compute: the module's own
+    class (FSDP2's ``FSDP<class>`` left out), its ``training`` flag, its hooks as
+    ``"<kind>:<qualified name>"`` in the order they run (FSDP2's and TP's own left out: the wrap
+    plan and placements compare them), and its non-tensor scalar attributes (``eps``, ``p``,
+    head counts, ``scaling``, an activation function's qualified name) as ``(name, text)``,
+    sorted. Never an address, a device or a rank."""
+
+    cls: str
+    training: bool = True
+    hooks: tuple[str, ...] = ()
+    settings: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class ModuleStateRecord:
+    """Every module's :class:`ModuleKind`, each distinct kind stored once: ``modules`` is
+    ``(qualified module name, index into kinds)`` in ``named_modules()`` order, so a model of
+    a hundred alike layers holds a few kinds, not a hundred. ``global_hooks``: hooks registered
+    for every module (``register_module_forward_hook`` and the like)."""
+
+    kinds: tuple[ModuleKind, ...] = ()
+    modules: tuple[tuple[str, int], ...] = ()
+    global_hooks: tuple[str, ...] = ()
+
+    def by_name(self) -> dict[str, ModuleKind]:
+        """Each module's kind (an index no kind has, from a damaged record, names none)."""
+        return {
+            name: self.kinds[index] for name, index in self.modules if 0 <= index < len(self.kinds)
+        }
+
+
+@dataclass(frozen=True)
+class NumericsRecord:
+    """Process-wide switches that change what kernels compute, as ``(name, text)`` in a fixed
+    order: TF32 and reduced-precision matmul, cuDNN, deterministic algorithms, the default
+    dtype, the SDPA backends enabled, autocast per device type. A switch this torch does not
+    have reads ``"unavailable"``."""
+
+    flags: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -481,6 +527,8 @@ class RankRecord:
     checkpoint: CheckpointRecord | None = None  # what the rank resumed from (None: not given)
     launch: LaunchRecord | None = None  # how the rank was started (None: not recorded)
     wrappers: WrapperRecord | None = None  # checkpointed and compiled modules (None: not read)
+    modules: ModuleStateRecord | None = None  # training flags, hooks, settings (None: not read)
+    numerics: NumericsRecord | None = None  # process-wide numerics switches (None: not read)
 
     def non_finite_tensors(self) -> tuple[NonFinite, ...]:
         """Every tensor this rank holds NaN or Inf in: its fingerprints' counts, then those

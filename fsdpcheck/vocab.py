@@ -254,6 +254,11 @@ class Cause(_Described):
         "unknown",
         "seen after wrapping; no pre-wrap fingerprint to tell construction from wrapping",
     )
+    SET_UP = (
+        "set-up",
+        "the ranks built or set up their modules or process differently: a mode (eval), a hook, "
+        "a module setting, a numerics switch",
+    )
 
 
 class FindingKind(_Described):
@@ -332,6 +337,12 @@ class FindingKind(_Described):
         "a tensor sits on a device the job cannot use, or on different device types",
         "tensors on the wrong device",
     )
+    MODULE_STATE = (
+        "module-state",
+        "a module's training flag, hooks, class or non-tensor settings (eps, dropout p, "
+        "activation, attention scaling) differ between ranks",
+        "module state differs",
+    )
     CONFIG = "config", "the resolved model config differs between ranks", "model config differs"
     HASH_SEED = (
         "hash-seed",
@@ -339,6 +350,12 @@ class FindingKind(_Described):
         "tensor order depends on PYTHONHASHSEED",
     )
     ENV = "env", "library or interpreter versions differ between ranks", "software versions differ"
+    NUMERICS = (
+        "numerics",
+        "process-wide numerics switches differ: TF32, cuDNN, deterministic algorithms, the "
+        "default dtype, SDPA backends, autocast",
+        "numerics settings differ",
+    )
     VERIFY = (
         "verify",
         "after the project's loader ran, a rank's tensor differs from rank 0's source",
@@ -368,7 +385,8 @@ class FindingKind(_Described):
     )
     TIE = (
         "tie",
-        "parameters the config ties hold separate storage, or ranks tie different names",
+        "parameters the config ties hold separate storage, or ranks tie different names "
+        "(parameters, or buffers that share storage with another buffer or a parameter)",
         "tied weights differ",
     )
     STEP = (

@@ -32,6 +32,7 @@ from fsdpcheck.checks.hash_seed import ProbeResult, probe_finding
 from fsdpcheck.checks.launch import launch_findings
 from fsdpcheck.checks.layout import LAYOUT_KINDS, layout_findings
 from fsdpcheck.checks.loaded import load_findings, verify_findings
+from fsdpcheck.checks.module_state import module_state_findings, numerics_findings
 from fsdpcheck.checks.non_finite import non_finite_findings
 from fsdpcheck.checks.observed import Observation, with_observations
 from fsdpcheck.checks.step import StepRecord, divergence_finding, non_finite_finding
@@ -145,6 +146,14 @@ def _config(p: Pair) -> list[Finding]:
     return config_findings(p.ref_rank, p.ref.config, p.group.ranks, p.other.config)
 
 
+def _module_state(p: Pair) -> list[Finding]:
+    return module_state_findings(p.ref_rank, p.ref, p.group.ranks, p.other)
+
+
+def _numerics(p: Pair) -> list[Finding]:
+    return numerics_findings(p.ref_rank, p.ref, p.group.ranks, p.other)
+
+
 def _devices(e: Evidence) -> list[Finding]:
     records = e.gathered.records
     reference = reference_group(e.groups, records)
@@ -242,9 +251,11 @@ CHECKS: tuple[Check, ...] = _checks(
     # name, kinds, needs, run, walk
     ("layout", LAYOUT_KINDS, {N.PRE_WRAP, N.POST_WRAP}, layout_findings, "fingerprints"),
     ("env", (K.ENV,), (), env_findings, "fingerprints"),
+    ("numerics", (K.NUMERICS,), (), _numerics, "fingerprints"),
     ("wrapper", (K.WRAPPER,), (), _wrappers, "fingerprints"),
     ("wrap-plan", (K.WRAP_PLAN,), {N.POST_WRAP}, _wrap_plan, "plan"),
     ("config", (K.CONFIG,), (), _config, "plan"),
+    ("module-state", (K.MODULE_STATE,), (), _module_state, "plan"),
     ("device", (K.DEVICE,), {N.PRE_WRAP, N.POST_WRAP}, _devices, ""),
     ("checkpoint", (K.CHECKPOINT,), (), _checkpoint, ""),
     ("launch", (K.LAUNCH,), (), _launch, ""),

@@ -100,10 +100,25 @@ def device_exceptions(record: RankRecord) -> list[dict[str, Any]]:
     return out
 
 
+def left_on_meta(record: RankRecord) -> list[str]:
+    """Tensors still on ``meta`` in this rank's latest fingerprint once its parameters are
+    materialised (one or more of them real): what a load with ``assign=True`` leaves behind
+    (non-persistent buffers are in no state dict), which the first forward on this rank fails
+    on. A rank whose parameters are all on meta has not been loaded yet (ranks > 0 under
+    ``--init rank0``, a script that checks before its loader): nothing is left behind there."""
+    latest = record.post_wrap or record.pre_wrap
+    if latest is None or all(t.device == "meta" for t in latest.params):
+        return []
+    return [t.name for _, t in _tensors(latest) if t.device == "meta"]
+
+
 def misplaced(record: RankRecord) -> tuple[str, ...]:
-    """``name:device`` of each device exception: what a rank puts in ``RankRecord.misplaced``,
-    so that its group digest separates it from ranks whose tensors are where they belong."""
-    return tuple(f"{e['name']}:{e['device']}" for e in device_exceptions(record))
+    """``name:device`` of each device exception and ``name:meta`` of each tensor left on meta
+    (:func:`left_on_meta`): what a rank puts in ``RankRecord.misplaced``, so that its group
+    digest separates it from ranks whose tensors are where they belong (devices themselves are
+    not in the group digest: ranks on meta before a load must not split off)."""
+    wrong = [f"{e['name']}:{e['device']}" for e in device_exceptions(record)]
+    return (*wrong, *(f"{name}:meta" for name in left_on_meta(record)))
 
 
 def device_findings(
@@ -123,11 +138,70 @@ def device_findings(
             findings.append(_exceptions_finding(ref_rank, ranks, wrong, after))
     ref = next((rec for ranks, rec in groups if ref_rank in ranks), None)
     if ref is not None:
+        findings.extend(_meta_findings(ref_rank, ref, groups))
         for ranks, record in others:
             finding = _cross_rank(ref_rank, ref, ranks, record)
             if finding is not None:
                 findings.append(finding)
     return findings
+
+
+def _meta_findings(
+    ref_rank: int, ref: RankRecord, groups: Sequence[tuple[Sequence[int], RankRecord]]
+) -> list[Finding]:
+    """One finding per other group where one side left tensors on meta
+    (:func:`left_on_meta`) that the other side holds on a real device."""
+    findings = []
+    ref_left, ref_real = left_on_meta(ref), _real_devices(ref)
+    for ranks, record in groups:
+        if ref_rank in ranks:
+            continue
+        theirs = _real_devices(record)
+        left = [(n, ref_real[n], ranks, (ref_rank,)) for n in left_on_meta(record) if n in ref_real]
+        left += [(n, theirs[n], (ref_rank,), ranks) for n in ref_left if n in theirs]
+        if left:
+            findings.append(_meta_finding(ref_rank, ranks, record, left))
+    return findings
+
+
+def _real_devices(record: RankRecord) -> dict[str, str]:
+    latest = record.post_wrap or record.pre_wrap
+    if latest is None:
+        return {}
+    return {t.name: t.device for _, t in _tensors(latest) if t.device != "meta"}
+
+
+def _meta_finding(
+    ref_rank: int,
+    ranks: Sequence[int],
+    record: RankRecord,
+    left: list[tuple[str, str, Sequence[int], Sequence[int]]],
+) -> Finding:
+    """``left``: (name, the real side's device, the ranks on meta, the ranks holding it)."""
+    text = "; ".join(
+        f"{ranks_label(on_meta)} left {name} on meta ({device} on {ranks_label(real)})"
+        for name, device, on_meta, real in left[:_LISTED]
+    )
+    if len(left) > _LISTED:
+        text += f"; and {len(left) - _LISTED} more"
+    snapshot = Snapshot.POST_WRAP if record.post_wrap is not None else Snapshot.PRE_WRAP
+    return Finding(
+        kind=FindingKind.DEVICE,
+        ranks=tuple(ranks),
+        reference_rank=ref_rank,
+        snapshot=snapshot,
+        cause=Cause.LOADING,
+        summary=f"{FindingKind.DEVICE.phrase}: {text}, beside real parameters: no load fills "
+        "a tensor that is in no state dict (a non-persistent buffer after "
+        "load_state_dict(assign=True)), and the first forward on meta fails",
+        tensors=tuple(dict.fromkeys(name for name, *_ in left)),
+        details={
+            "left_on_meta": [
+                {"name": n, "ranks": list(on_meta), "device": d, "real_on": list(real)}
+                for n, d, on_meta, real in left
+            ]
+        },
+    )
 
 
 def _tensors(fp: Fingerprint):

@@ -82,7 +82,12 @@ def _different(
 ) -> Finding | None:
     for tie in ties:
         theirs = ref.get(tie.snapshot)
-        if theirs is None or set(theirs.shared) == set(tie.shared):
+        if theirs is None:
+            continue
+        if set(theirs.shared) == set(tie.shared):
+            found = _different_buffers(group, ties, tie, theirs, ref_rank)
+            if found is not None:
+                return found
             continue
         only_ref = sorted(set(theirs.shared) - set(tie.shared))
         only_other = sorted(set(tie.shared) - set(theirs.shared))
@@ -107,3 +112,37 @@ def _different(
             },
         )
     return None
+
+
+def _different_buffers(
+    group: Group, ties: Sequence[TieRecord], tie: TieRecord, theirs: TieRecord, ref_rank: int
+) -> Finding | None:
+    """Buffers that share storage (with a buffer or a parameter) on one side only: a buffer
+    that is a view on one rank and a copy on another sees writes there only."""
+    if set(theirs.buffers) == set(tie.buffers):
+        return None
+    only_ref = sorted(set(theirs.buffers) - set(tie.buffers))
+    only_other = sorted(set(tie.buffers) - set(theirs.buffers))
+    who = ranks_label(group.ranks)
+    parts = []
+    if only_ref:
+        shown = "; ".join(", ".join(s) for s in only_ref)
+        parts.append(f"only rank {ref_rank} shares storage between {shown}")
+    if only_other:
+        shown = "; ".join(", ".join(s) for s in only_other)
+        parts.append(f"only {who} share storage between {shown}")
+    return Finding(
+        kind=FindingKind.TIE,
+        ranks=tuple(group.ranks),
+        reference_rank=ref_rank,
+        snapshot=tie.snapshot,
+        cause=_cause(tie.snapshot, ties),
+        summary=f"tied buffers differ on {who} from rank {ref_rank}'s ({tie.snapshot}): "
+        + "; ".join(parts)
+        + ": a write through one is seen through the others on one side only",
+        tensors=tuple(dict.fromkeys(n for s in (*only_ref, *only_other) for n in s)),
+        details={
+            "only_reference_buffers": [list(s) for s in only_ref],
+            "only_other_buffers": [list(s) for s in only_other],
+        },
+    )

@@ -22,6 +22,7 @@ from fsdpcheck.records import (
     Fingerprint,
     FsdpPlanRecord,
     Gathered,
+    ModuleStateRecord,
     RankRecord,
     TensorRecord,
     WrapperRecord,
@@ -100,6 +101,14 @@ def canonical_record(record: RankRecord, keep: Set[str] = frozenset()) -> RankRe
         )
         return replace(p, groups=groups)
 
+    def modules(m: ModuleStateRecord | None) -> ModuleStateRecord | None:
+        # A wrapper module and the module it wraps share a canonical name: the wrapped one,
+        # met after its wrapper, is what the name stands for.
+        if m is None:
+            return None
+        last = {name(n): i for n, i in m.modules}
+        return replace(m, modules=tuple(last.items()))
+
     def misplaced(entry: str) -> str:
         tensor, sep, device = entry.rpartition(":")
         return f"{name(tensor)}{sep}{device}" if sep else name(entry)
@@ -115,11 +124,13 @@ def canonical_record(record: RankRecord, keep: Set[str] = frozenset()) -> RankRe
                 t,
                 shared=tuple(tuple(sorted(names(g))) for g in t.shared),
                 expected=tuple((name(a), name(b)) for a, b in t.expected),
+                buffers=tuple(tuple(sorted(names(g))) for g in t.buffers),
             )
             for t in record.ties
         ),
         uninitialized=tuple(replace(p, name=name(p.name)) for p in record.uninitialized),
         non_finite=tuple(replace(n, name=name(n.name)) for n in record.non_finite),
+        modules=modules(record.modules),
     )
 
 

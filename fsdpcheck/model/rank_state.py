@@ -16,6 +16,7 @@ from fsdpcheck.checks.value import replica_keys, sibling_key
 from fsdpcheck.model.config_record import config_record
 from fsdpcheck.model.fingerprint import fingerprint
 from fsdpcheck.model.fsdp_plan import fsdp_plan
+from fsdpcheck.model.module_state import module_state, numerics_record
 from fsdpcheck.model.state import buffer_problems, buffer_reference, mesh_records, tie_record
 from fsdpcheck.model.wrappers import wrapper_record
 from fsdpcheck.records import (
@@ -108,7 +109,8 @@ def model_record(model: nn.Module, env: EnvRecord, *, param_values: bool = False
 
 
 def with_state(record: RankRecord, model: Any, config: Any) -> RankRecord:
-    """``record`` with ``fsdp_plan``, ``config``, ``wrappers`` and ``misplaced`` filled in.
+    """``record`` with ``fsdp_plan``, ``config``, ``wrappers``, ``modules``, ``numerics`` and
+    ``misplaced`` filled in.
 
     None of them may fail a rank: each reads only what is there (a plan that torch does not
     expose says so inside the record) and is left out when it cannot be read. A record that
@@ -127,4 +129,12 @@ def with_state(record: RankRecord, model: Any, config: Any) -> RankRecord:
         record = replace(record, wrappers=wrapper_record(model))
     except Exception:  # a wrapper that cannot be walked: the names still are compared raw
         log.debug("the wrappers could not be read", exc_info=True)
+    try:
+        record = replace(record, modules=module_state(model))
+    except Exception:  # a module that cannot be walked: its tensors are still compared
+        log.debug("the modules' state could not be read", exc_info=True)
+    try:
+        record = replace(record, numerics=numerics_record())
+    except Exception:  # each switch reads on its own; this is the last line of defence
+        log.debug("the numerics switches could not be read", exc_info=True)
     return replace(record, misplaced=misplaced(record))

@@ -109,8 +109,55 @@ def _embedding_pair(model: nn.Module) -> tuple[str, str] | None:
     return prefix(where[id(out)]), prefix(where[id(inp)])
 
 
+def shared_buffers(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Groups of names on one storage that hold a buffer: buffers that are views of another
+    buffer or of a parameter, any view (a write through one is seen through the others), or
+    one buffer under two names. On meta, where there is no storage, a view still knows its
+    base. Sorted, so equal groups compare equal."""
+    parent: dict[str, str] = {}
+
+    def find(name: str) -> str:
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    owner: dict[Any, str] = {}
+    buffers: set[str] = set()
+    named = [(n, _local(p)) for n, p in model.named_parameters(remove_duplicate=False)]
+    for name, buf in model.named_buffers(remove_duplicate=False):
+        named.append((name, buf))
+        buffers.add(name)
+    for name, tensor in named:
+        parent.setdefault(name, name)
+        for key in _buffer_storage_keys(tensor):
+            if key in owner:
+                parent[find(name)] = find(owner[key])
+            else:
+                owner[key] = name
+    groups: dict[str, list[str]] = {}
+    for name in parent:
+        groups.setdefault(find(name), []).append(name)
+    return tuple(
+        sorted(tuple(sorted(g)) for g in groups.values() if len(g) > 1 and buffers & set(g))
+    )
+
+
+def _buffer_storage_keys(tensor: torch.Tensor) -> list[Any]:
+    base = tensor._base if tensor._base is not None else tensor
+    keys: list[Any] = [("object", id(tensor)), ("base", id(base))]
+    if tensor.device.type != "meta" and tensor.numel() > 0:
+        keys.append(("storage", str(tensor.device), tensor.untyped_storage().data_ptr()))
+    return keys
+
+
 def tie_record(model: nn.Module, stage: str) -> TieRecord:
-    return TieRecord(snapshot=stage, shared=shared_parameters(model), expected=expected_ties(model))
+    return TieRecord(
+        snapshot=stage,
+        shared=shared_parameters(model),
+        expected=expected_ties(model),
+        buffers=shared_buffers(model),
+    )
 
 
 # ---------------------------------------------------------------- meshes

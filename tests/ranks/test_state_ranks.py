@@ -32,6 +32,13 @@ def states(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "tied": ["--case", "tied"],
         "replica-drift": ["--case", "replica-drift", "--model", "hazard"],
         "per-rank-seeds": ["--case", "audits", "--audit", "hazard:all::2,1:rank"],
+        **{
+            case: ["--case", case, "--model", "tiny-llama"]
+            for case in (
+                "meta-assign", "meta-assign-rebuilt", "eval", "hook", "buffer-copy", "eps",
+                "numerics", "same-state",
+            )
+        },
         "no-false-alarms": ["--case", "audits", *_each("--audit", NO_FALSE_ALARMS)],
     }  # fmt: skip
     root = tmp_path_factory.mktemp("states")
@@ -134,3 +141,60 @@ def test_a_refused_load_is_not_consistent(tmp_path: Path) -> None:
     report = read_report(out)
     assert report["verdict"] == "inconsistent" and report["load"]["outcome"] == "refused"
     assert _kinds(report) == ["verify"] and "refused" in report["findings"][0]["summary"]
+
+
+# ---------------------------------------------------------------- state that changes training
+
+
+def test_a_buffer_left_on_meta_by_an_assign_load_is_named(states: dict) -> None:
+    # Rank 1 built on meta, load_state_dict(sd, assign=True): the non-persistent inv_freq is in
+    # no state dict, so it stays on meta; rank 1's first forward fails.
+    codes, report = states["meta-assign"]
+    assert codes == [1, 1] and report["verdict"] == "inconsistent"
+    (finding,) = report["findings"]
+    assert (finding["kind"], finding["ranks"], finding["cause"]) == ("device", [1], "loading")
+    assert finding["tensors"] == [
+        "model.rotary_emb.inv_freq",
+        "model.rotary_emb.original_inv_freq",
+    ]
+    assert "rank 1 left model.rotary_emb.inv_freq on meta (cpu on rank 0)" in finding["summary"]
+
+
+def test_the_assign_load_with_its_buffers_rebuilt_is_consistent(states: dict) -> None:
+    codes, report = states["meta-assign-rebuilt"]
+    assert codes == [0, 0] and report["verdict"] == "consistent", report["findings"]
+
+
+@pytest.mark.parametrize(
+    ("case", "kind", "said"),
+    [
+        ("eval", "module-state", "is in training mode on rank 0 but in eval mode on rank 1"),
+        ("hook", "module-state", "model.layers.0.mlp has hooks none on rank 0 but "),
+        ("eps", "module-state", "model.norm setting eps is 1e-05 on rank 0 but 0.1 on rank 1"),
+        ("buffer-copy", "tie", "only rank 0 shares storage between model.rotary_emb.inv_freq"),
+        ("numerics", "numerics", "is False on rank 0 but True on rank 1"),
+    ],
+)
+def test_state_set_up_on_one_rank_only_is_named(
+    states: dict, case: str, kind: str, said: str
+) -> None:
+    codes, report = states[case]
+    assert codes == [1, 1] and report["verdict"] == "inconsistent"
+    (finding,) = report["findings"]
+    assert (finding["kind"], finding["ranks"]) == (kind, [1])
+    assert said in finding["summary"], finding["summary"]
+
+
+def test_the_hook_is_named_by_its_qualified_name_and_the_numerics_by_switch(states: dict) -> None:
+    (hook,) = states["hook"][1]["findings"]
+    (diff,) = hook["details"]["differences"]
+    assert diff["other"] == ["forward:__main__._scale_output"]  # the script's own
+    (numerics,) = states["numerics"][1]["findings"]
+    names = {d["name"]: d["other"] for d in numerics["details"]["differences"]}
+    assert names == {"default_dtype": "torch.float64", "deterministic_algorithms": "True"}
+
+
+def test_the_same_set_up_on_every_wrapped_rank_is_consistent(states: dict) -> None:
+    # A LayerNorm, a buffer view and a forward hook on every rank, all wrapped by FSDP2.
+    codes, report = states["same-state"]
+    assert codes == [0, 0] and report["verdict"] == "consistent", report["findings"]

@@ -104,9 +104,11 @@ def test_a_check_runs_only_when_what_it_needs_is_there():
     assert [c.name for c in CHECKS if c.ready(bare)] == [
         "layout",
         "env",
+        "numerics",
         "wrapper",
         "wrap-plan",
         "config",
+        "module-state",
         "device",
         "checkpoint",
         "launch",

@@ -31,7 +31,10 @@ from fsdpcheck.records import (
     FsdpPlanRecord,
     LaunchRecord,
     MeshRecord,
+    ModuleKind,
+    ModuleStateRecord,
     NonFinite,
+    NumericsRecord,
     RankError,
     RankRecord,
     Renamed,
@@ -89,6 +92,7 @@ def _base(rank: int) -> RankRecord:
             stage,
             shared=(("embed.weight", "head.weight"),),
             expected=(("head.weight", "embed.weight"),),
+            buffers=(("rope.cos", "rope.inv_freq"),),
         )
         for stage in (Snapshot.PRE_WRAP, Snapshot.POST_WRAP)
     )
@@ -118,6 +122,17 @@ def _base(rank: int) -> RankRecord:
             saved_ranks=3,
         ),
         launch=LaunchRecord(("train.py", "--lr", "1e-4"), {"NCCL_ALGO": "Ring"}),
+        modules=ModuleStateRecord(
+            kinds=(
+                ModuleKind("acme.Model", True, ("forward:acme.scale",), (("scaling", "0.25"),)),
+                ModuleKind("torch.nn.LayerNorm", True, (), (("eps", "1e-05"),)),
+            ),
+            modules=(("", 0), ("norm", 1), ("final_norm", 1)),
+            global_hooks=("forward:acme.trace",),
+        ),
+        numerics=NumericsRecord(
+            (("default_dtype", "torch.float32"), ("deterministic_algorithms", "False"))
+        ),
     )
 
 

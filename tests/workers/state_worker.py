@@ -13,6 +13,15 @@ Cases (``--case``; each rank writes ``{"report": rank 0's report(s), else null}`
 - ``tied``: the same without the re-assignment (the clean twin).
 - ``replica-drift``: every rank builds real, wraps on a (2, 1) HSDP mesh (the two ranks are
   replicas), then rank 1's loader writes other values into its local shard of one parameter.
+- ``meta-assign``: rank 1 builds on meta and loads rank 0's values with
+  ``load_state_dict(sd, assign=True)``: its non-persistent ``inv_freq`` stays on meta.
+  ``meta-assign-rebuilt``: the same, then rank 1 rebuilds its rotary embedding (the clean twin).
+- ``eval``, ``hook``, ``buffer-copy``, ``eps``, ``numerics``: every rank builds real and wraps; on
+  rank 1 only: ``model.eval()``; a forward hook scaling one MLP's output; a buffer that is a copy
+  where rank 0's is a view of ``inv_freq``; the final norm a ``LayerNorm(eps=0.1)`` where rank 0's
+  is ``LayerNorm(eps=1e-5)``; deterministic algorithms and a float64 default dtype (set after the
+  build, restored after the check). The clean twins are ``tied`` and ``same-state`` (the norm,
+  the view and the hook on every rank alike).
 - ``audits``: ``run_audit`` once per ``--audit`` spec ``MODEL:INIT[:DTYPE[:MESH[:SEED]]]`` in this
   one process group; ``SEED`` ``rank`` means this rank's number (per-rank initial values).
 """
@@ -20,8 +29,11 @@ Cases (``--case``; each rank writes ``{"report": rank 0's report(s), else null}`
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -92,6 +104,45 @@ def _replica_drift(model_name: str) -> nn.Module:
     return model
 
 
+def _meta_assign(model_name: str, *, rebuild: bool) -> nn.Module:
+    source = _build(model_name, real=True).state_dict()  # every rank: rank 0's values (seed 0)
+    if dist.get_rank() == 0:
+        return _build(model_name, real=True)
+    model = _build(model_name, real=False)
+    model.load_state_dict(source, assign=True)
+    if rebuild:  # non-persistent buffers are in no state dict: recompute them
+        rotary = model.model.rotary_emb
+        model.model.rotary_emb = type(rotary)(config=model.config)
+    return model
+
+
+def _scale_output(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output * 2
+
+
+def _set_up(model_name: str, case: str) -> nn.Module:
+    """Every rank builds real and wraps; rank 1 (or, for ``same-state``, every rank) sets one
+    thing up its own way first."""
+    model = _build(model_name, real=True)
+    odd = dist.get_rank() == 1 or case == "same-state"
+    hidden = model.config.hidden_size
+    rotary = model.model.rotary_emb
+    view = rotary.inv_freq[:2]
+    shared = case in ("buffer-copy", "same-state")
+    if shared:  # rank 0's is a view of inv_freq; rank 1's a copy of it
+        head = view.clone() if case == "buffer-copy" and odd else view
+        rotary.register_buffer("inv_freq_head", head, persistent=False)
+    if case in ("eps", "same-state"):
+        eps = 0.1 if case == "eps" and odd else 1e-5
+        model.model.norm = nn.LayerNorm(hidden, eps=eps)
+    if odd and case == "eval":
+        model.eval()
+    if odd and case in ("hook", "same-state"):
+        model.model.layers[0].mlp.register_forward_hook(_scale_output)
+    _wrap(model)
+    return model
+
+
 def _audit(spec: str) -> dict:
     from fsdpcheck.audit import AuditOptions, run_audit
 
@@ -123,10 +174,33 @@ def _run(case: str, model_name: str, audits: list[str]) -> tuple[int, object]:
         "untied": lambda: _tie_case(model_name, untie=True),
         "tied": lambda: _tie_case(model_name, untie=False),
         "replica-drift": lambda: _replica_drift(model_name),
+        "meta-assign": lambda: _meta_assign(model_name, rebuild=False),
+        "meta-assign-rebuilt": lambda: _meta_assign(model_name, rebuild=True),
+        **{
+            name: functools.partial(_set_up, model_name, name)
+            for name in ("eval", "hook", "buffer-copy", "eps", "numerics", "same-state")
+        },
     }
     model = cases[case]()
-    result = fsdpcheck.check_model(model, timeout=60)
+    with _numerics(case == "numerics" and dist.get_rank() == 1):
+        result = fsdpcheck.check_model(model, timeout=60)
     return result.exit_code, to_dict(result.report) if result.report is not None else None
+
+
+@contextlib.contextmanager
+def _numerics(switch: bool) -> Iterator[None]:
+    """Deterministic algorithms on and a float64 default dtype, restored after."""
+    if not switch:
+        yield
+        return
+    dtype = torch.get_default_dtype()
+    torch.use_deterministic_algorithms(True)
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(dtype)
+        torch.use_deterministic_algorithms(False)
 
 
 def main(argv: list[str]) -> int:

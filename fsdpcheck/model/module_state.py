@@ -1,0 +1,244 @@
+"""What a live model and its process hold beyond their tensors that changes what a forward
+computes: each module's ``training`` flag, hooks and non-tensor settings
+(:class:`ModuleStateRecord`), and the process-wide numerics switches (:class:`NumericsRecord`).
+
+Collectors only; the cross-rank comparison is :mod:`fsdpcheck.checks.module_state`. Nothing
+recorded here may differ per process on a clean job (DESIGN fact 11): no addresses (callables by
+qualified name), no devices, no ranks, no paths.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdpcheck.model.wrap import model_class
+from fsdpcheck.records import ModuleKind, ModuleStateRecord, NumericsRecord
+
+log = logging.getLogger(__name__)
+
+# (kind, the module's dict of hooks). Each dict maps a handle id to the hook, in the order the
+# hooks run.
+_HOOK_DICTS = (
+    ("forward-pre", "_forward_pre_hooks"),
+    ("forward", "_forward_hooks"),
+    ("backward-pre", "_backward_pre_hooks"),
+    ("backward", "_backward_hooks"),
+    ("state-dict-pre", "_state_dict_pre_hooks"),
+    ("state-dict", "_state_dict_hooks"),
+    ("load-state-dict-pre", "_load_state_dict_pre_hooks"),
+    ("load-state-dict-post", "_load_state_dict_post_hooks"),
+)
+_GLOBAL_HOOKS = (
+    ("forward-pre", "_global_forward_pre_hooks"),
+    ("forward", "_global_forward_hooks"),
+    ("backward-pre", "_global_backward_pre_hooks"),
+    ("backward", "_global_backward_hooks"),
+)
+# Hooks that wrapping itself installs, the same on every rank that wraps alike: FSDP2's and
+# tensor parallelism's (the wrap-plan and placement checks compare how each rank wrapped).
+_OWN_HOOKS = ("torch.distributed.",)
+_MAX_TEXT = 200  # a setting's text stays short whatever the attribute holds
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def qualified_name(obj: Any) -> str:
+    """``module.qualname`` of a function, a bound method's function, a partial's function, or a
+    callable object's class: never an address."""
+    seen = 0
+    while seen < 8:  # unwrap partials, bound methods and torch's hook wrappers
+        seen += 1
+        if isinstance(obj, functools.partial):
+            obj = obj.func
+        elif isinstance(obj, types.MethodType):
+            obj = obj.__func__
+        elif type(obj).__name__ == "_WrappedHook" and hasattr(obj, "hook"):
+            obj = obj.hook
+        else:
+            break
+    target = obj if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)) else None
+    if target is None and isinstance(obj, type):
+        target = obj
+    if target is None:
+        target = type(obj)
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", "?")
+    return f"{module}.{name}" if module else name
+
+
+def _hooks(module: nn.Module) -> tuple[str, ...]:
+    out = []
+    for kind, attribute in _HOOK_DICTS:
+        for hook in (getattr(module, attribute, None) or {}).values():
+            name = qualified_name(hook)
+            if not name.startswith(_OWN_HOOKS):
+                out.append(f"{kind}:{name}")
+    return tuple(out)
+
+
+def global_hooks() -> tuple[str, ...]:
+    from torch.nn.modules import module as torch_module
+
+    out = []
+    for kind, attribute in _GLOBAL_HOOKS:
+        for hook in (getattr(torch_module, attribute, None) or {}).values():
+            name = qualified_name(hook)
+            if not name.startswith(_OWN_HOOKS):
+                out.append(f"{kind}:{name}")
+    return tuple(out)
+
+
+def _per_process(name: str) -> bool:
+    # A module that keeps its device or its rank holds what differs per process by nature.
+    return name == "device" or name.endswith("rank")
+
+
+def _setting(value: Any) -> str | None:
+    """The text a setting is compared by; None for what is not a setting (tensors, modules,
+    configs and other objects: compared elsewhere, or with no stable value)."""
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, _SCALARS):
+        if isinstance(value, str) and ("/" in value or "\\" in value):
+            return None  # a path: where a rank reads from, per node by design
+        return repr(value)[:_MAX_TEXT]
+    if isinstance(value, (tuple, list)) and all(isinstance(v, _SCALARS) for v in value):
+        if any(isinstance(v, str) and "/" in v for v in value):
+            return None
+        return repr(tuple(value))[:_MAX_TEXT]
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, functools.partial)):
+        return qualified_name(value)  # an activation chosen as a function (F.gelu)
+    return None
+
+
+def _settings(module: nn.Module) -> tuple[tuple[str, str], ...]:
+    out = []
+    for name, value in vars(module).items():
+        if name.startswith("_") or name == "training" or _per_process(name):
+            continue
+        text = _setting(value)
+        if text is not None:
+            out.append((name, text))
+    return tuple(sorted(out))
+
+
+def _class_name(module: nn.Module) -> str:
+    return qualified_name(model_class(module))
+
+
+def module_kind(module: nn.Module) -> ModuleKind:
+    return ModuleKind(
+        cls=_class_name(module),
+        training=bool(module.training),
+        hooks=_hooks(module),
+        settings=_settings(module),
+    )
+
+
+def module_state(model: nn.Module) -> ModuleStateRecord:
+    """Every module of ``model`` (shared modules once, under their first name)."""
+    kinds: dict[ModuleKind, int] = {}
+    modules = []
+    for name, module in model.named_modules():
+        kind = module_kind(module)
+        modules.append((name, kinds.setdefault(kind, len(kinds))))
+    return ModuleStateRecord(
+        kinds=tuple(kinds), modules=tuple(modules), global_hooks=global_hooks()
+    )
+
+
+# ---------------------------------------------------------------- process-wide numerics
+
+_UNAVAILABLE = "unavailable"
+
+
+def _read(get: Callable[[], Any]) -> str:
+    try:
+        with warnings.catch_warnings():
+            # Newer torch warns when the old TF32 switches are read next to the new API.
+            warnings.simplefilter("ignore")
+            value = get()
+    except Exception:
+        # A switch this torch build does not have: said, and equal only to another such.
+        log.debug("numerics switch not readable here", exc_info=True)
+        return _UNAVAILABLE
+    return str(value)
+
+
+def _autocast(device: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(enabled, dtype) readers for ``device``: torch >= 2.4 takes the device type; older
+    releases had one function per device."""
+
+    def enabled() -> Any:
+        try:
+            return torch.is_autocast_enabled(device)
+        except TypeError:
+            old = torch.is_autocast_cpu_enabled if device == "cpu" else torch.is_autocast_enabled
+            return old()
+
+    def dtype() -> Any:
+        get = getattr(torch, "get_autocast_dtype", None)
+        if get is not None:
+            return get(device)
+        if device == "cpu":
+            return torch.get_autocast_cpu_dtype()
+        return torch.get_autocast_gpu_dtype()
+
+    return enabled, dtype
+
+
+def _matmul_fp32_precision() -> str:
+    """The new API's word (torch >= 2.9); ``"none"`` defers to the legacy switch, so it reads
+    as what that switch says: a process that set and restored the precision reads ``"ieee"``
+    where one that never touched it reads ``"none"``, with the same kernels."""
+    matmul = torch.backends.cuda.matmul
+    value = matmul.fp32_precision
+    if value == "none":
+        return "tf32" if matmul.allow_tf32 else "ieee"
+    return value
+
+
+def numerics_record() -> NumericsRecord:
+    """This process's numerics switches, read now (none of them needs a GPU to read)."""
+    cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
+    readers: list[tuple[str, Callable[[], Any]]] = [
+        ("default_dtype", torch.get_default_dtype),
+        ("float32_matmul_precision", torch.get_float32_matmul_precision),
+        ("cuda.matmul.allow_tf32", lambda: cuda.matmul.allow_tf32),
+        ("cuda.matmul.fp32_precision", _matmul_fp32_precision),
+        (
+            "cuda.matmul.allow_fp16_reduced_precision_reduction",
+            lambda: cuda.matmul.allow_fp16_reduced_precision_reduction,
+        ),
+        (
+            "cuda.matmul.allow_bf16_reduced_precision_reduction",
+            lambda: cuda.matmul.allow_bf16_reduced_precision_reduction,
+        ),
+        ("cudnn.enabled", lambda: cudnn.enabled),
+        ("cudnn.benchmark", lambda: cudnn.benchmark),
+        ("cudnn.deterministic", lambda: cudnn.deterministic),
+        ("cudnn.allow_tf32", lambda: cudnn.allow_tf32),
+        ("deterministic_algorithms", torch.are_deterministic_algorithms_enabled),
+        (
+            "deterministic_algorithms_warn_only",
+            torch.is_deterministic_algorithms_warn_only_enabled,
+        ),
+        ("sdpa.flash", lambda: cuda.flash_sdp_enabled()),
+        ("sdpa.mem_efficient", lambda: cuda.mem_efficient_sdp_enabled()),
+        ("sdpa.math", lambda: cuda.math_sdp_enabled()),
+        ("sdpa.cudnn", lambda: cuda.cudnn_sdp_enabled()),
+    ]
+    for device in ("cpu", "cuda"):
+        enabled, dtype = _autocast(device)
+        readers += [(f"autocast.{device}", enabled), (f"autocast.{device}.dtype", dtype)]
+    return NumericsRecord(flags=tuple((name, _read(get)) for name, get in readers))
