@@ -80,8 +80,14 @@ def run_audit(
     progress: Callable[[str], None] | None = None,
     publish: Callable[[Report], None] | None = None,
     preflight: Callable[[], str] | None = None,
+    owns_process: bool = False,
 ) -> AuditResult:
     """Run the audit on this rank; every rank of the job must call it.
+
+    A library call never ends its process: where a peer never arrives, dies or is stuck past
+    ``options.timeout``, every rank still alive returns exit 3 naming it (a rank the others gave
+    up on, once its own work is done). ``owns_process=True`` only where fsdpcheck owns the
+    process (its CLI): such a stuck rank is then ended at once with exit 3 by the abort watch.
 
     ``preflight`` (given on every rank or on none) runs on rank 0 right after the ranks meet:
     a non-empty answer (say, an output path rank 0 cannot write) ends the run on every rank
@@ -91,14 +97,17 @@ def run_audit(
     rank 0 with the finished report *before* the other ranks are released: launchers such as
     torchrun stop every rank as soon as one exits non-zero, so the report must be out first.
     """
-    ctx = distributed.init(
-        options.backend,
-        options.timeout,
-        mesh_shape=options.mesh,
-        mesh_names=options.mesh_dims,
-        tp=options.tp,
-        ep=options.ep,
-    )
+    try:
+        ctx = liveness.join(
+            options.backend,
+            options.timeout,
+            mesh_shape=options.mesh,
+            mesh_names=options.mesh_dims,
+            tp=options.tp,
+            ep=options.ep,
+        )
+    except liveness.NeverMet as exc:
+        return never_met(exc, options, publish)
     try:
         if preflight is not None:
             refused = _preflight(options, ctx, preflight, publish)
@@ -110,7 +119,7 @@ def run_audit(
             def on_abort(errors: list[RankError]) -> None:
                 publish(error_report(errors, ctx.world_size, options))
 
-        with liveness.AbortWatch(ctx, on_abort) as watch:
+        with liveness.AbortWatch(ctx, on_abort, end_process=owns_process) as watch:
             state = _RankState(ctx, progress=progress if ctx.rank == 0 else None, publish=publish)
             return _audit(options, state, watch)
     finally:
@@ -142,12 +151,25 @@ def _preflight(
     return AuditResult(ctx.rank, code, report, None, problem)
 
 
+def never_met(
+    exc: liveness.NeverMet,
+    options: AuditOptions | None = None,
+    publish: Callable[[Report], None] | None = None,
+) -> AuditResult:
+    """The ranks never met on the side channel: exit 3 on this rank, naming who never arrived
+    (rank 0 has the report)."""
+    try:
+        return ended(exc.ctx, exc.errors, None, options, publish, stage=Stage.LAUNCH)
+    finally:
+        distributed.shutdown(exc.ctx)
+
+
 def check_model(
     model: Any,
     *,
     checkpoint: str | os.PathLike[str] | None = None,
     timeout: float = 60.0,
-    end_on_abort: bool = True,
+    end_on_abort: bool | None = None,
     rank0_checkpoint: bool = False,
 ) -> AuditResult:
     """Check a training script's own model: every rank calls it, after building (and optionally
@@ -168,16 +190,28 @@ def check_model(
     a rank that passes a ``checkpoint`` of its own records that one instead (a script that
     loads its own weights), so the broadcast runs on every rank whatever each one passes.
 
-    ``end_on_abort``: a rank the others gave up on (slower than ``timeout``) is ended with exit
-    3 rather than left to go on alone; False (a hook's "warn" mode) returns the same error
-    result on it instead, once its own wait runs out."""
+    It never ends the process (a training script's, a Ray actor's): a peer that never arrives
+    (died or stuck before the check, or the store's host gone), dies or is stuck past
+    ``timeout`` makes every rank still alive return exit 3 naming it; a rank the others gave up
+    on returns the same once its own work is done. ``end_on_abort`` is accepted for old
+    callers and ignored (it used to end such a rank)."""
     from fsdpcheck.model.rank_state import model_record
 
-    ctx = distributed.init("auto", timeout)
+    if end_on_abort is not None:
+        import warnings
+
+        warnings.warn(
+            "check_model(end_on_abort=) is ignored: a library call never ends its process; "
+            "it returns exit 3 naming the stuck rank",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    try:
+        ctx = liveness.join("auto", timeout)
+    except liveness.NeverMet as exc:
+        return never_met(exc)
     try:
         with liveness.AbortWatch(ctx) as watch:
-            if not end_on_abort:
-                watch.disarm()
             state = _RankState(ctx)
             if rank0_checkpoint:
                 checkpoint = _rank0_checkpoint(ctx, checkpoint)
@@ -320,6 +354,8 @@ def _conclude(
 
     ctx, stages = state.ctx, state.stages
     try:
+        if watch.aborted is not None:  # the others gave up on this rank: nobody will gather
+            return ended(ctx, watch.aborted, stages.error, options, state.publish)
         with stages.timed(Stage.GATHER):
             gathered = gather_records(
                 record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size
@@ -382,9 +418,24 @@ def give_up(
     failure, if it had one; else it gave up waiting in ``stage``."""
     errors = liveness.diagnose_peers(ctx, exc, own=own)
     liveness.signal_abort(ctx, errors)
+    return ended(ctx, errors, own, options, publish, stage=stage)
+
+
+def ended(
+    ctx: distributed.DistContext,
+    errors: list[RankError],
+    own: RankError | None,
+    options: AuditOptions | None = None,
+    publish: Callable[[Report], None] | None = None,
+    *,
+    stage: Stage = Stage.GATHER,
+) -> AuditResult:
+    """The run is over without a report of findings: exit 3 on this rank, ``errors`` (which
+    name the rank responsible) in rank 0's error report (published) and as the headline."""
     report = error_report(errors, ctx.world_size, options) if ctx.rank == 0 else None
     if report is not None and publish is not None:
         publish(report)
+    own = own or next((e for e in errors if e.rank == ctx.rank), None)
     own = own or RankError(ctx.rank, stage, f"gave up: {errors[0].message}", ErrorKind.RUNTIME)
     return AuditResult(ctx.rank, ExitCode.RUNTIME, report, own, errors[0].message)
 

@@ -267,6 +267,7 @@ def audit(
                 progress=status.update,
                 publish=publish,
                 preflight=lambda: outputs.check(distributed=True),
+                owns_process=True,  # a rank the others gave up on is ended, not left behind
             )
     except FsdpcheckError as exc:  # raised before any gather: bad input, unreachable rendezvous
         log.debug("rank %d: the audit refused to start", rank, exc_info=True)

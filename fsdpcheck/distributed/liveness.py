@@ -14,6 +14,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from fsdpcheck.distributed import setup
 from fsdpcheck.distributed.setup import DistContext
 from fsdpcheck.records import RankError, from_dict, to_dict
 from fsdpcheck.vocab import STAGE_ORDER, ErrorKind, ExitCode, Stage
@@ -63,22 +64,116 @@ def heartbeat_interval(world_size: int) -> float:
     return max(1.0, world_size / 512)
 
 
+def aborted_run(ctx: DistContext) -> list[RankError] | None:
+    """The abort mark's errors when the other ranks already gave up on this run, else None."""
+    if ctx.store is None:
+        return None
+    try:
+        if ctx.store.check([_ABORT_KEY]):
+            return _abort_errors(ctx.store.get(_ABORT_KEY))
+    except Exception:  # the store's host is gone: the join that follows says so
+        log.debug("could not read the abort mark", exc_info=True)
+    return None
+
+
+class NeverMet(Exception):
+    """The ranks never met on the side channel; ``errors`` name who is missing, ``ctx`` is
+    this rank's context so far (to shut down)."""
+
+    def __init__(self, ctx: DistContext, errors: list[RankError]):
+        super().__init__(errors[0].message)
+        self.ctx = ctx
+        self.errors = errors
+
+
+def join(backend: str, timeout: float, **mesh: Any) -> DistContext:
+    """Collective: :func:`setup.init` with this rank's arrival marked in the store first, so
+    that a side channel that cannot be built (a peer died or is stuck before the check, or the
+    store's host is gone) names who never arrived: raises :class:`NeverMet` after at most
+    ``timeout``. A rank that arrives after the others gave up on it learns so at once."""
+    store = None
+
+    def arrive(ctx: DistContext) -> None:
+        nonlocal store
+        store = ctx.store
+        mark_stage(ctx, Stage.LAUNCH)
+        errors = aborted_run(ctx)
+        if errors:
+            raise NeverMet(ctx, errors)
+
+    try:
+        return setup.init(backend, timeout, arrive=arrive, **mesh)
+    except setup.JoinError as exc:
+        errors = arrival_errors(exc.ctx, store, exc.cause)
+        exc.ctx.store = store
+        signal_abort(exc.ctx, errors)  # a rank that arrives late is told at once
+        raise NeverMet(exc.ctx, errors) from exc.cause
+
+
+def arrival_errors(ctx: DistContext, store: Any, exc: BaseException) -> list[RankError]:
+    """Who never arrived, from the arrival marks in ``store``; when the store cannot be read
+    its host is gone (rank 0, unless a launcher's agent hosts it)."""
+    cause = collective_cause(exc)
+    if store is None:  # no marks to read: say only what this rank saw
+        message = f"rank {ctx.rank} could not meet the other ranks: {cause}"
+        return [RankError(ctx.rank, Stage.LAUNCH, message, ErrorKind.RUNTIME)]
+    keys = [_STAGE_KEY.format(r) for r in range(ctx.world_size)]
+    try:
+        marks = _read_many(store, keys, None)
+    except Exception:
+        log.debug("arrival marks unreadable: the store's host is gone", exc_info=True)
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        host, named = ("the launcher's agent", -1) if agent else ("rank 0", 0)
+        message = (
+            f"the rendezvous store's host ({host}, at {where}) is unreachable: it died or ended "
+            f"before the check (rank {ctx.rank} saw: {cause})"
+        )
+        return [RankError(named, Stage.LAUNCH, message, ErrorKind.RUNTIME)]
+    missing = [r for r, mark in enumerate(marks) if mark is None and r != ctx.rank]
+    errors = [
+        RankError(
+            r,
+            Stage.LAUNCH,
+            f"rank {r} never arrived: it did not reach the check within --timeout "
+            f"{ctx.timeout:g}s (it died or is stuck before it; rank {ctx.rank} saw: {cause})",
+            ErrorKind.RUNTIME,
+        )
+        for r in missing
+    ]
+    if not errors:
+        message = f"rank {ctx.rank} could not build the side channel: {cause}"
+        errors.append(RankError(ctx.rank, Stage.LAUNCH, message, ErrorKind.RUNTIME))
+    return errors
+
+
 class AbortWatch:
-    """A daemon thread that beats this rank's heartbeat and ends the rank when the run is over.
+    """A daemon thread that beats this rank's heartbeat and watches for the end of the run.
 
     The heartbeat lets a rank that gives up tell a dead peer from a slow one. The abort mark
     covers a rank stuck in its own work (a stalled filesystem, a deadlocked import) that never
-    reaches the gather: when the others give up they leave the mark, and this thread exits the
-    process with code 3 instead of leaving it behind. It also exits when the store's host
-    (rank 0, or the launcher's agent) has been gone for a whole timeout.
+    reaches the gather: when the others give up they leave the mark. Where fsdpcheck owns the
+    process (its CLI, ``end_process=True``) this thread then exits it with code 3 instead of
+    leaving it behind, and also when the store's host (rank 0, or the launcher's agent) has
+    been gone for a whole timeout. In a library call (a training script, a Ray actor) the
+    process is the caller's: the watch only records the errors (:attr:`aborted`), and the call
+    returns exit 3 once its own work is done.
     """
 
-    def __init__(self, ctx: DistContext, on_abort: Callable[[list[RankError]], None] | None = None):
+    def __init__(
+        self,
+        ctx: DistContext,
+        on_abort: Callable[[list[RankError]], None] | None = None,
+        *,
+        end_process: bool = False,
+    ):
         self._ctx = ctx
         self._on_abort = on_abort
+        self._end_process = end_process
         self._interval = heartbeat_interval(ctx.world_size)
         self._done = threading.Event()
         self._armed = True
+        self.aborted: list[RankError] | None = None  # what the abort mark said, once seen
         self._thread = threading.Thread(target=self._run, name="fsdpcheck-abort-watch", daemon=True)
 
     def __enter__(self) -> AbortWatch:
@@ -126,6 +221,11 @@ class AbortWatch:
                 return
 
     def _abort(self, errors: list[RankError]) -> None:
+        if not self._end_process:  # the caller's process: the call returns exit 3 instead
+            if self.aborted is None:
+                log.info("rank %d: the run is over: %s", self._ctx.rank, errors[0].message)
+                self.aborted = errors
+            return
         sys.stderr.write(f"fsdpcheck: rank {self._ctx.rank} aborting: {errors[0].message}\n")
         sys.stderr.flush()
         if self._on_abort is not None:

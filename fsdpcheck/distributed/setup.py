@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,6 +45,17 @@ class DistContext:
         return torch.device("cpu")
 
 
+class JoinError(RuntimeError):
+    """The side channel or the mesh could not be built: a peer never arrived, or the store's
+    host is gone. ``ctx`` is this rank's context so far (its store, no side channel, no mesh),
+    for the caller to name who is missing and to shut down."""
+
+    def __init__(self, ctx: DistContext, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.ctx = ctx
+        self.cause = cause
+
+
 def resolve_backend(requested: str) -> Backend:
     """The backend ``requested`` runs on here: ``auto`` is nccl with CUDA, else gloo."""
     if requested not in Backend._value2member_map_:
@@ -69,11 +81,15 @@ def init(
     mesh_names: tuple[str, ...] | None = None,
     tp: int | None = None,
     ep: int | None = None,
+    arrive: Callable[[DistContext], None] | None = None,
 ) -> DistContext:
     """Join (or reuse) the default process group, create the gloo side channel and the mesh.
 
     Everything that can be checked without a peer is checked first, so bad input never leaves
-    another rank waiting in a rendezvous.
+    another rank waiting in a rendezvous. ``arrive`` is called with the context so far (its
+    store, no side channel) right before the first collective, to leave this rank's mark;
+    what it raises goes on up. A side channel or mesh that cannot be built (a peer never
+    came, the store's host is gone) raises :class:`JoinError` after at most ``timeout``.
     """
     found = None
     owns = not dist.is_initialized()
@@ -109,30 +125,35 @@ def init(
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())
         spec = _mesh_spec(world_size=world_size, rank=rank, **asked)
-    side_channel = dist.new_group(backend="gloo", timeout=wait)
-    # Every rank builds the mesh here, before any stage can fail, because building a 2-D mesh
-    # is itself a collective.
-    from torch.distributed.device_mesh import init_device_mesh
-
-    names = spec.names or (("replicate", "shard") if len(spec.sizes) == 2 else None)
-    mesh = init_device_mesh(device_type, spec.sizes, mesh_dim_names=names)
-    from fsdpcheck.model.parallel import ep_meshes
-
-    views = ep_meshes(mesh)  # flattening a mesh dim is a collective too
-    log.info("rank %d of %d on %s, mesh %s %s", rank, world_size, backend, spec.sizes, names)
-    return DistContext(
+    ctx = DistContext(
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
         backend=backend,
         device_type=device_type,
         timeout=timeout,
-        side_channel=side_channel,
+        side_channel=None,
         owns_default_group=owns,
-        mesh=mesh,
         store=_default_store(),
-        ep_meshes=views,
     )
+    if arrive is not None:
+        arrive(ctx)
+    try:
+        ctx.side_channel = dist.new_group(backend="gloo", timeout=wait)
+        # Every rank builds the mesh here, before any stage can fail, because building a 2-D
+        # mesh is itself a collective.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = spec.names or (("replicate", "shard") if len(spec.sizes) == 2 else None)
+        ctx.mesh = init_device_mesh(device_type, spec.sizes, mesh_dim_names=names)
+        from fsdpcheck.model.parallel import ep_meshes
+
+        ctx.ep_meshes = ep_meshes(ctx.mesh)  # flattening a mesh dim is a collective too
+    except Exception as exc:  # a peer never came, or the store's host is gone
+        log.debug("rank %d: the side channel could not be built", rank, exc_info=True)
+        raise JoinError(ctx, exc) from exc
+    log.info("rank %d of %d on %s, mesh %s %s", rank, world_size, backend, spec.sizes, names)
+    return ctx
 
 
 def _mesh_spec(

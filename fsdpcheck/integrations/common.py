@@ -56,8 +56,8 @@ def run_check(
 
     ``json_path`` is checked on every rank before the check begins, so a path the report cannot
     be written to fails every rank alike (exit 2, in either mode) instead of rank 0 alone after
-    the check while the others train on. With ``"warn"`` no rank is ended by the check when its
-    peers give up on it (a rank slower than ``timeout``): it returns, and warns, like them.
+    the check while the others train on. No rank is ended by the check when its peers give up on
+    it (a rank slower than ``timeout``): it returns exit 3, and raises or warns, like them.
 
     ``checkpoint``: what the framework resumed from (see :func:`local_checkpoint`), forwarded to
     ``check_model(checkpoint=)``: ranks that resumed different saves are a ``checkpoint``
@@ -70,7 +70,6 @@ def run_check(
         model,
         checkpoint=local_checkpoint(checkpoint),
         timeout=timeout,
-        end_on_abort=on_failure == "raise",
         rank0_checkpoint=rank0_checkpoint,
     )
     return act_on(result, on_failure=on_failure, json_path=json_path, where=where)

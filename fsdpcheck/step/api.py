@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fsdpcheck.audit import AuditResult, decide, give_up
+from fsdpcheck.audit import AuditResult, decide, give_up, never_met
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.distributed.environment import env_record
@@ -34,7 +34,10 @@ def check_step(model: Any, step: Callable[[], Any], *, timeout: float = 60.0) ->
     divergence the step did not complete (FSDP2 modules may be left unsharded): do not train
     on from it. Reuses the script's process group; the watch's exchanges go over a gloo side
     channel bounded by ``timeout``."""
-    ctx = distributed.init("auto", timeout)
+    try:
+        ctx = liveness.join("auto", timeout)
+    except liveness.NeverMet as exc:  # a peer never arrived: named, exit 3
+        return never_met(exc)
     try:
         with liveness.AbortWatch(ctx) as watch:
             env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)

@@ -118,10 +118,12 @@ def test_audit_names_the_stale_config_key_on_one_node(tmp_path: Path, hf_home: P
 def test_reproduce_builds_each_rank_from_its_own_node(tmp_path: Path, hf_home: Path) -> None:
     # A stale node: rank 1's config.json has another intermediate_size, so its MLP weights have
     # other shapes. Each loader job's rank 1 must build what audit rank 1 built (its own
-    # directory and config), so that what is observed is what was predicted. Two loaders, as
-    # --loader chooses (every one runs under torchrun in tests/cli/test_torchrun.py).
+    # directory and config), so that what is observed is what was predicted (issue 30: with
+    # rank 0's config, accelerate's state-dict-order was observed as silent-corruption where
+    # the ranks' real shapes make it hang). Two loaders, as --loader chooses (every one runs
+    # under torchrun in tests/cli/test_torchrun.py).
     homes = _per_rank_homes(tmp_path, hf_home, rope_theta=None, intermediate_size=96)
-    chosen = ["sorted-names", "ddp-sync"]
+    chosen = ["sorted-names", "state-dict-order"]
     args = ["--reproduce", "--timeout", "300", *(a for name in chosen for a in ("--loader", name))]
     codes, report = _audit_per_node(tmp_path, homes, *args, init="rank0", timeout=420)
     assert codes == [1, 1]
@@ -129,6 +131,7 @@ def test_reproduce_builds_each_rank_from_its_own_node(tmp_path: Path, hf_home: P
     assert config["details"]["differences"][0]["path"] == "intermediate_size"
     rows = {row["name"]: row for row in report["loaders"]}
     assert rows["sorted-names"]["verdict"] == "refused"
+    assert rows["state-dict-order"]["verdict"] == "hang"  # gloo aborts rank 1: 32768 vs 24576 bytes
     assert report["options"]["loaders"] == chosen
     for name, row in rows.items():
         if name not in chosen:  # predicted, not run
