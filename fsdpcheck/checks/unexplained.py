@@ -1,7 +1,8 @@
 """``unexplained``: the last resort behind the verdict.
 
 ``consistent`` means that every pair of ranks that must agree agrees in every field fsdpcheck
-compares (every field of the per-rank record but those in :data:`fsdpcheck.records.INFORMATIONAL`).
+compares (every field of the per-rank record that :data:`fsdpcheck.records.AGREEMENT` does not
+declare per-process or informational).
 The checks before this one each explain one kind of difference; a record that differs from the
 reference's while no finding names its ranks gets this finding, naming the fields, so that no
 difference ever ends ``consistent`` unexplained. Pure.
@@ -17,7 +18,7 @@ from fsdpcheck.checks.groups import reference_group, speakers
 from fsdpcheck.checks.value import is_sharded
 from fsdpcheck.records import (
     COMPARED_AS,
-    INFORMATIONAL,
+    NOT_COMPARED,
     Finding,
     Gathered,
     Group,
@@ -94,7 +95,7 @@ def _compared(record: Any) -> list[dataclasses.Field]:
     return [
         f
         for f in dataclasses.fields(record)
-        if f"{name}.{f.name}" not in INFORMATIONAL and f"{name}.{f.name}" not in _NOT_WALKED
+        if f"{name}.{f.name}" not in NOT_COMPARED and f"{name}.{f.name}" not in _NOT_WALKED
     ]
 
 
