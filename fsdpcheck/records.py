@@ -542,9 +542,9 @@ class RankRecord:
         return (*found, *self.non_finite)
 
     def group_digest(self) -> str:
-        """Equal for ranks that must be treated alike: every field but the values, devices and
-        those not compared (:data:`AGREEMENT`; same layouts, versions, state flags, wrap plan, config,
-        ties and buffer problems, no error). Values and devices are the value digests' (see
+        """Equal for ranks that must be treated alike: every field :data:`AGREEMENT` declares
+        every-rank (same layouts, versions, state flags, wrap plan, config, launch, ties and
+        buffer problems, no error). Values and devices are the value digests' (see
         :func:`fsdpcheck.checks.value.value_digests`): ranks on meta hold none."""
         if self.error is not None:
             error = self.error
