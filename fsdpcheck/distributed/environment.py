@@ -156,10 +156,7 @@ PER_RANK = "<per-rank>"
 RANK_WORD = "<rank>"
 HOST_WORD = "<host>"
 PID_WORD = "<pid>"
-ADDRESS = "0x<address>"
 RAY_WORKER = "<ray worker>"
-# A memory address as Python and C extensions print them (``<function f at 0x7f3a...>``).
-_ADDRESS = re.compile(r"\b0x[0-9a-f]{8,16}\b")
 # A digit run that names something: right after a letter (``r1``, ``rank1``), after a letter and
 # ``-``, ``_`` or ``:`` (``report-1``, ``rank_1``, ``cuda:1``), opening a path component
 # (``out/1/``), or a file or directory name of its own (``1.json``, ``1/report.json``); not
@@ -208,7 +205,9 @@ class _PerProcess:
         self.pid = str(os.getpid())
 
     def __call__(self, word: str) -> str:
-        word = _ADDRESS.sub(ADDRESS, word)
+        from fsdpcheck.model.config_record import without_addresses
+
+        word = without_addresses(word)
         for host in self.hosts:
             word = re.sub(rf"(?<![\w.-]){re.escape(host)}(?![\w-])", HOST_WORD, word)
         word = re.sub(rf"(?<!\d){self.pid}(?!\d)", PID_WORD, word)
