@@ -157,15 +157,20 @@ RANK_WORD = "<rank>"
 HOST_WORD = "<host>"
 PID_WORD = "<pid>"
 RAY_WORKER = "<ray worker>"
-# A digit run that names something: right after a letter (``r1``, ``rank1``), after a letter and
-# ``-``, ``_`` or ``:`` (``report-1``, ``rank_1``, ``cuda:1``), opening a path component
-# (``out/1/``), or a file or directory name of its own (``1.json``, ``1/report.json``); not
-# inside a decimal, a version or an exponent (``0.1``, ``3.1``, ``1e-3``), and not followed by a
-# letter (``8B``). A bare number (``--seed 0``, ``--mesh 2,1``) is a value.
-_NAMED_NUMBER = re.compile(
-    r"(?:(?<=[A-Za-z])|(?<=[A-Za-z][-_:])|(?<=/))(?<![0-9][eE])(?<![0-9][eE][-+])"
-    r"(\d+)(?![0-9A-Za-z])(?!\.\d)"
-    r"|^(\d+)(?=/|\.[A-Za-z])"
+# Where a digit run is a rank's own number rather than a value: after a word that names a rank
+# (``r1.json``, ``rank_1/``, ``node0``, ``worker-1``, ``cuda:1``); as a file's or directory's
+# whole name (``1.json``, ``out/1/``); or ending a file name after ``-`` or ``_`` (srun's
+# ``report-%t.json``, ``log_1.txt``; not a directory's: ``pytest-0/`` is no rank's). Never a
+# bare number (``--seed 0``, ``--mesh 2,1``), one inside a decimal, version or exponent
+# (``0.1``, ``3.1``, ``1e-3``), one followed by a letter (``8B``), nor any other digit in a
+# name (``gpt2``, ``Llama-3-8B``, a ``run0/`` directory).
+_END = r"(?![0-9A-Za-z])(?!\.\d)"
+_OWN_NUMBER = re.compile(
+    r"(?<![A-Za-z])(?:rank|r|node|proc|process|task|worker|gpu|cuda|device|dev|local|host)"
+    rf"[-_:]?(\d+){_END}"
+    r"|(?:^|(?<=/))(\d+)(?=/|\.[A-Za-z])|(?<=/)(\d+)$"
+    r"|(?<=[A-Za-z][-_])(?<![0-9][eE][-+])(\d+)(?=\.[A-Za-z]|$)",
+    re.IGNORECASE,
 )
 # Ray's worker process: its command line is Ray's (default_worker.py --worker-id=...
 # --runtime-env-hash=... --worker-launch-time-ms=...), never the user's program.
@@ -213,9 +218,14 @@ class _PerProcess:
         word = re.sub(rf"(?<!\d){self.pid}(?!\d)", PID_WORD, word)
         if not self.numbers:
             return word
-        return _NAMED_NUMBER.sub(
-            lambda m: RANK_WORD if int(m.group(m.lastindex)) in self.numbers else m.group(0), word
-        )
+        return _OWN_NUMBER.sub(self._own, word)
+
+    def _own(self, match: re.Match[str]) -> str:
+        digits = match.group(match.lastindex or 0)
+        if int(digits) not in self.numbers:
+            return match.group(0)
+        start = match.start(match.lastindex or 0) - match.start()
+        return match.group(0)[:start] + RANK_WORD
 
 
 def launch_argv(argv: Sequence[str], per_process: _PerProcess | None = None) -> list[str]:

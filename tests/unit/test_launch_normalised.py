@@ -84,6 +84,8 @@ def test_a_number_that_is_a_value_of_its_own_stays_as_it_is() -> None:
     """Coincidental digits on rank 1: a mesh, a seed, an exponent, a version, a model id."""
     argv = ["train.py", "--mesh", "2,1", "--seed", "1", "--lr", "1e-1", "--v", "v1.0.1"]
     argv += ["--model", "meta-llama/Llama-3.1-8B", "--port=29501", "--warmup", "0.1"]
+    # Digits in names that are no rank's: a model, a numbered run directory, a date.
+    argv += ["--base", "gpt2", "--out", "/tmp/pytest-1/run1/test_an1/x.json", "--day", "2024-01-01"]
     record = launch_record(argv, torchrun(1), rank=1)
     assert list(record.argv) == argv  # nothing of it is rank 1's own
     _consistent({r: (argv, torchrun(r)) for r in range(2)})
