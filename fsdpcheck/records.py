@@ -112,7 +112,7 @@ AGREEMENT: Mapping[str, Agreement] = _declare(
     # Normalised before any digest (fsdpcheck.distributed.environment.launch_record): the
     # rank's own numbers, host, pid and memory addresses become placeholders, per-host
     # variables and the launcher's own arguments (a Ray worker's) are left out.
-    LaunchRecord={_EVERY: "argv env"},
+    LaunchRecord={_EVERY: "argv env", _PROCESS: "numbers"},
     WrapperRecord={_EVERY: "modules renamed"},
     WrappedModule={_EVERY: "name how"},
     Renamed={_EVERY: "level names keys"},
@@ -447,6 +447,11 @@ class CheckpointRecord:
     index: str | None = None
 
 
+# What a rank's own rank, local rank or node rank became in its launch record (r1.json →
+# r<rank>.json on rank 1): written by fsdpcheck.distributed.environment, read by checks.launch.
+RANK_WORD = "<rank>"
+
+
 @dataclass(frozen=True)
 class LaunchRecord:
     """How a rank was started: its command line (secret-looking values redacted, the program
@@ -455,6 +460,9 @@ class LaunchRecord:
 
     argv: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    # This process's own rank, local rank and node rank: where argv or env say <rank>, the rank
+    # had one of these there (for the launch check to compare ranks word by word).
+    numbers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -5,20 +5,28 @@ runs other code paths with the same model: nothing in the tensors shows it until
 or diverges. Each rank records its command line (secret-looking values redacted) and an
 allowlist of launch variables (:class:`fsdpcheck.records.LaunchRecord`); this check names the
 argument positions and variable names that differ from the reference. Pure.
+
+Each rank replaced its own rank numbers with ``<rank>`` before any digest
+(:func:`fsdpcheck.distributed.environment.launch_record`), so ``r0.json`` and ``r1.json`` are one
+word. Where a constant number happens to be one rank's own (``step_0.pt`` on rank 0), the two
+records differ; here they are compared word by word, and ``<rank>`` on one side matches a
+number on the other that is among the first side's own numbers: the raw words were equal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Collection, Mapping, Sequence
 from difflib import SequenceMatcher
 from typing import Any
 
 from fsdpcheck.checks.groups import reference_group, usable_groups
-from fsdpcheck.records import Finding, Group, LaunchRecord, RankRecord
+from fsdpcheck.records import RANK_WORD, Finding, Group, LaunchRecord, RankRecord
 from fsdpcheck.text import name_list, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 _UNSET = "<unset>"
+_PARTS = re.compile(r"(<rank>|\d+)")
 
 
 def launch_findings(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> list[Finding]:
@@ -37,7 +45,8 @@ def launch_findings(groups: Sequence[Group], records: Mapping[int, RankRecord]) 
         other = records[group.representative].launch
         if group is reference or other is None:
             continue
-        argv, env = argv_differences(ref.argv, other.argv), env_differences(ref, other)
+        argv = argv_differences(ref.argv, other.argv, ref.numbers, other.numbers)
+        env = env_differences(ref, other)
         if argv or env:
             differing.append({"ranks": list(group.ranks), "argv": argv, "env": env})
     if not differing:
@@ -67,16 +76,55 @@ def launch_findings(groups: Sequence[Group], records: Mapping[int, RankRecord]) 
     ]
 
 
-def argv_differences(ref: Sequence[str], other: Sequence[str]) -> list[dict[str, Any]]:
+def launch_alike(a: LaunchRecord, b: LaunchRecord) -> bool:
+    """The two ranks were started alike: every word and variable the same, up to each rank's
+    own numbers."""
+    return not argv_differences(a.argv, b.argv, a.numbers, b.numbers) and not env_differences(a, b)
+
+
+def argv_differences(
+    ref: Sequence[str],
+    other: Sequence[str],
+    ref_numbers: Collection[int] = (),
+    other_numbers: Collection[int] = (),
+) -> list[dict[str, Any]]:
     """Each run of arguments where the command lines differ, by its position in ``other``: an
     extra flag is one difference, not a shift of every argument after it. ``reference`` and
-    ``other`` are the words each side has there (empty: none)."""
+    ``other`` are the words each side has there (empty: none). Words alike up to each side's
+    own numbers (:func:`words_alike`) do not differ."""
     matcher = SequenceMatcher(a=list(ref), b=list(other), autojunk=False)
     return [
         {"position": j1, "reference": list(ref[i1:i2]), "other": list(other[j1:j2])}
         for tag, i1, i2, j1, j2 in matcher.get_opcodes()
         if tag != "equal"
+        and not (
+            i2 - i1 == j2 - j1
+            and all(
+                words_alike(x, ref_numbers, y, other_numbers)
+                for x, y in zip(ref[i1:i2], other[j1:j2], strict=True)
+            )
+        )
     ]
+
+
+def words_alike(a: str, a_numbers: Collection[int], b: str, b_numbers: Collection[int]) -> bool:
+    """``a`` (from a rank whose own numbers are ``a_numbers``) and ``b`` could have been one
+    word: equal but where one says ``<rank>`` and the other has a number that is among the
+    first one's own."""
+    if a == b:
+        return True
+    left, right = _PARTS.split(a), _PARTS.split(b)
+    if len(left) != len(right):
+        return False
+    for x, y in zip(left, right, strict=True):
+        if x == y:
+            continue
+        if x == RANK_WORD and y.isdigit() and int(y) in a_numbers:
+            continue
+        if y == RANK_WORD and x.isdigit() and int(x) in b_numbers:
+            continue
+        return False
+    return True
 
 
 def env_differences(ref: LaunchRecord, other: LaunchRecord) -> list[dict[str, Any]]:
@@ -85,7 +133,12 @@ def env_differences(ref: LaunchRecord, other: LaunchRecord) -> list[dict[str, An
     return [
         {"key": key, "reference": ref.env.get(key, _UNSET), "other": other.env.get(key, _UNSET)}
         for key in keys
-        if ref.env.get(key, _UNSET) != other.env.get(key, _UNSET)
+        if not words_alike(
+            str(ref.env.get(key, _UNSET)),
+            ref.numbers,
+            str(other.env.get(key, _UNSET)),
+            other.numbers,
+        )
     ]
 
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdpcheck.checks.groups import reference_group, speakers
+from fsdpcheck.checks.launch import launch_alike
 from fsdpcheck.checks.value import is_sharded
 from fsdpcheck.records import (
     COMPARED_AS,
@@ -22,6 +23,7 @@ from fsdpcheck.records import (
     Finding,
     Gathered,
     Group,
+    LaunchRecord,
     RankRecord,
     TensorRecord,
     to_dict,
@@ -79,6 +81,9 @@ def _walk(a: Any, b: Any, path: str, out: list[str], replicas: bool, peers: bool
         return
     if isinstance(a, TensorRecord) and isinstance(b, TensorRecord):
         _tensor(a, b, path, out, replicas, peers)
+    elif isinstance(a, LaunchRecord) and isinstance(b, LaunchRecord):
+        if not launch_alike(a, b):  # up to each rank's own numbers, as the launch check
+            out.append(path)
     elif dataclasses.is_dataclass(a) and type(a) is type(b):
         _fields(a, b, path, out, replicas, peers)
     elif isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from importlib import metadata
 
-from fsdpcheck.records import EnvRecord, LaunchRecord
+from fsdpcheck.records import RANK_WORD, EnvRecord, LaunchRecord
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,6 @@ _PER_RANK_FLAG = re.compile(
     re.IGNORECASE,
 )
 PER_RANK = "<per-rank>"
-RANK_WORD = "<rank>"
 HOST_WORD = "<host>"
 PID_WORD = "<pid>"
 RAY_WORKER = "<ray worker>"
@@ -195,7 +194,9 @@ def launch_record(
     environ = os.environ if environ is None else environ
     per_process = _PerProcess(own_numbers(environ, rank, local_rank))
     return LaunchRecord(
-        argv=tuple(launch_argv(argv, per_process)), env=launch_env(environ, per_process)
+        argv=tuple(launch_argv(argv, per_process)),
+        env=launch_env(environ, per_process),
+        numbers=tuple(sorted(per_process.numbers)),
     )
 
 

@@ -139,3 +139,21 @@ def test_addresses_host_and_pid_are_placeholders() -> None:
     record = launch_record(argv, {"NCCL_X": f"/tmp/{host}/r1"}, rank=1)
     assert record.argv[2:] == ("<function f at 0x<address>>", "--tag=<host>/<pid>")
     assert record.env == {"NCCL_X": "/tmp/<host>/r<rank>"}
+
+
+def test_a_constant_that_looks_like_one_ranks_own_number_is_no_finding() -> None:
+    """``step_0.pt`` is every rank's checkpoint: rank 0 records ``step_<rank>.pt`` (its own
+    0), rank 1 ``step_0.pt``. Word by word they were one word: no launch or unexplained
+    finding. The same word where rank 1 really had another step is found."""
+    argv = ["train.py", "--resume", "ckpt/step_0.pt", "--json", "r{r}.json"]
+    script = {r: {"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(2)}  # no node rank
+    started = {r: ([w.format(r=r) for w in argv], script[r]) for r in range(2)}
+    report, records = _report(started)
+    assert records[0].launch.argv[2] == "ckpt/step_<rank>.pt"
+    assert records[1].launch.argv[2] == "ckpt/step_0.pt"
+    assert report.verdict == Verdict.CONSISTENT, [f.summary for f in report.findings]
+    other = {
+        **started,
+        1: (["train.py", "--resume", "ckpt/step_2.pt", "--json", "r1.json"], torchrun(1)),
+    }
+    assert "step_2.pt" in _launch_finding(other).summary
