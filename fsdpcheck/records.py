@@ -450,6 +450,7 @@ class CheckpointRecord:
 # What a rank's own rank, local rank or node rank became in its launch record (r1.json →
 # r<rank>.json on rank 1): written by fsdpcheck.distributed.environment, read by checks.launch.
 RANK_WORD = "<rank>"
+HOST_WORD = "<host>"  # ... and its host name (EnvRecord.host)
 
 
 @dataclass(frozen=True)

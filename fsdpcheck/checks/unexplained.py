@@ -23,7 +23,6 @@ from fsdpcheck.records import (
     Finding,
     Gathered,
     Group,
-    LaunchRecord,
     RankRecord,
     TensorRecord,
     to_dict,
@@ -70,6 +69,8 @@ def record_differences(
     that differs. Values and devices count only where both ranks hold values (not on ``meta``);
     local shards only between HSDP replicas (``replicas``)."""
     out: list[str] = []
+    if a.launch is not None and b.launch is not None and launch_alike(a, b):
+        b = dataclasses.replace(b, launch=a.launch)  # alike up to each rank's own words
     _walk(a, b, "", out, replicas, peers)
     return out
 
@@ -81,9 +82,6 @@ def _walk(a: Any, b: Any, path: str, out: list[str], replicas: bool, peers: bool
         return
     if isinstance(a, TensorRecord) and isinstance(b, TensorRecord):
         _tensor(a, b, path, out, replicas, peers)
-    elif isinstance(a, LaunchRecord) and isinstance(b, LaunchRecord):
-        if not launch_alike(a, b):  # up to each rank's own numbers, as the launch check
-            out.append(path)
     elif dataclasses.is_dataclass(a) and type(a) is type(b):
         _fields(a, b, path, out, replicas, peers)
     elif isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from importlib import metadata
 
-from fsdpcheck.records import RANK_WORD, EnvRecord, LaunchRecord
+from fsdpcheck.records import HOST_WORD, RANK_WORD, EnvRecord, LaunchRecord
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,6 @@ _PER_RANK_FLAG = re.compile(
     re.IGNORECASE,
 )
 PER_RANK = "<per-rank>"
-HOST_WORD = "<host>"
 PID_WORD = "<pid>"
 RAY_WORKER = "<ray worker>"
 # Where a digit run is a rank's own number rather than a value: after a word that names a rank
@@ -182,17 +181,19 @@ def launch_record(
     *,
     rank: int | None = None,
     local_rank: int | None = None,
+    host: str | None = None,
 ) -> LaunchRecord:
     """How this process was started: ``sys.argv`` and the allowlisted environment (by default),
     safe to put in a report, with what differs per process by nature normalised away: this
     process's own rank, local rank and node rank (``rank``, ``local_rank`` and the launcher's
-    variables) where they name something in an argument or a value, its host name, its pid and
+    variables) where they name something in an argument or a value, its host name, its pid (as
+    ``pid1234``) and
     memory addresses."""
     from fsdpcheck.distributed.launcher import own_numbers
 
     argv = list(sys.argv if argv is None else argv)
     environ = os.environ if environ is None else environ
-    per_process = _PerProcess(own_numbers(environ, rank, local_rank))
+    per_process = _PerProcess(own_numbers(environ, rank, local_rank), host)
     return LaunchRecord(
         argv=tuple(launch_argv(argv, per_process)),
         env=launch_env(environ, per_process),
@@ -203,9 +204,9 @@ def launch_record(
 class _PerProcess:
     """Replaces, in one word, what is this process's own: its numbers, host, pid, addresses."""
 
-    def __init__(self, numbers: frozenset[int] = frozenset()) -> None:
+    def __init__(self, numbers: frozenset[int] = frozenset(), host: str | None = None) -> None:
         self.numbers = numbers
-        host = socket.gethostname()
+        host = host or socket.gethostname()
         names = {host, host.split(".")[0]}
         self.hosts = sorted((h for h in names if len(h) >= 2), key=len, reverse=True)
         self.pid = str(os.getpid())
@@ -216,7 +217,9 @@ class _PerProcess:
         word = without_addresses(word)
         for host in self.hosts:
             word = re.sub(rf"(?<![\w.-]){re.escape(host)}(?![\w-])", HOST_WORD, word)
-        word = re.sub(rf"(?<!\d){self.pid}(?!\d)", PID_WORD, word)
+        # Only where a word names it as a pid: in a container pids are small numbers that any
+        # value (--steps 100) can equal.
+        word = re.sub(rf"(?<![A-Za-z])(pid[-_:.]?){self.pid}(?!\d)", rf"\g<1>{PID_WORD}", word)
         if not self.numbers:
             return word
         return _OWN_NUMBER.sub(self._own, word)

@@ -135,9 +135,15 @@ def test_a_ray_workers_own_arguments_are_not_compared_but_its_variables_are() ->
 
 def test_addresses_host_and_pid_are_placeholders() -> None:
     host, pid = socket.gethostname(), os.getpid()
-    argv = ["train.py", "--hook", "<function f at 0x7f3a1c2b4d60>", f"--tag={host}/{pid}"]
+    argv = ["train.py", "--hook", "<function f at 0x7f3a1c2b4d60>", f"--tag={host}/pid{pid}"]
+    argv += ["--steps", str(pid)]  # a value that equals the pid is a value
     record = launch_record(argv, {"NCCL_X": f"/tmp/{host}/r1"}, rank=1)
-    assert record.argv[2:] == ("<function f at 0x<address>>", "--tag=<host>/<pid>")
+    assert record.argv[2:] == (
+        "<function f at 0x<address>>",
+        "--tag=<host>/pid<pid>",
+        "--steps",
+        str(pid),
+    )
     assert record.env == {"NCCL_X": "/tmp/<host>/r<rank>"}
 
 
@@ -157,3 +163,31 @@ def test_a_constant_that_looks_like_one_ranks_own_number_is_no_finding() -> None
         1: (["train.py", "--resume", "ckpt/step_2.pt", "--json", "r1.json"], torchrun(1)),
     }
     assert "step_2.pt" in _launch_finding(other).summary
+
+
+def test_a_host_name_is_per_host_and_a_constant_host_is_a_constant() -> None:
+    """Two nodes: each rank's log folder named after its host is alike; rank 0's host given to
+    every rank (``--dist-url tcp://node-a:29500``) is alike too, though only node-a's ranks
+    wrote it ``<host>``; another address on one rank is found."""
+
+    def report(urls: dict[int, str]):
+        records = {}
+        for rank, host in enumerate(("node-a", "node-b")):
+            argv = ["train.py", "--log", f"logs/{host}/r{rank}.log", "--dist-url", urls[rank]]
+            base = state_record(rank, pre=([], [tensor("w", (4,))]))
+            launch = launch_record(argv, torchrun(rank, local=0, node=rank), rank=rank, host=host)
+            records[rank] = replace(base, env=replace(base.env, host=host), launch=launch)
+        return assemble(AuditOutcome(gathered_from(records)), None), records
+
+    same = "tcp://node-a:29500"
+    clean, records = report({0: same, 1: same})
+    assert records[0].launch.argv[2:] == (
+        "logs/<host>/r<rank>.log",
+        "--dist-url",
+        "tcp://<host>:29500",
+    )
+    assert records[1].launch.argv[4] == same
+    assert clean.verdict == Verdict.CONSISTENT, [f.summary for f in clean.findings]
+    skewed, _ = report({0: same, 1: "tcp://node-c:29500"})
+    [finding] = [f for f in skewed.findings if f.kind == FindingKind.LAUNCH]
+    assert finding.ranks == (1,) and "node-c" in finding.summary
