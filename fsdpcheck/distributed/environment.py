@@ -186,9 +186,8 @@ def launch_record(
     """How this process was started: ``sys.argv`` and the allowlisted environment (by default),
     safe to put in a report, with what differs per process by nature normalised away: this
     process's own rank, local rank and node rank (``rank``, ``local_rank`` and the launcher's
-    variables) where they name something in an argument or a value, its host name, its pid (as
-    ``pid1234``) and
-    memory addresses."""
+    variables) where they name something in an argument or a value, its host name, its pid
+    (as ``pid1234``) and memory addresses."""
     from fsdpcheck.distributed.launcher import own_numbers
 
     argv = list(sys.argv if argv is None else argv)
