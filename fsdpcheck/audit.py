@@ -223,7 +223,11 @@ def check_model(
                 record = RankRecord(env=env, error=state.stages.error)
             else:
                 resumed = checkpoint_record(checkpoint) if checkpoint is not None else None
-                record = replace(record, checkpoint=resumed, launch=launch_record())
+                record = replace(
+                    record,
+                    checkpoint=resumed,
+                    launch=launch_record(rank=ctx.rank, local_rank=ctx.local_rank),
+                )
             return _conclude(None, state, record, watch, built=None)
     finally:
         distributed.shutdown(ctx)
@@ -322,7 +326,11 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         source=SourceRecord(built.info.spec, built.info.path, built.info.dtype) if built else None,
     )
     if record.error is None:
-        record = replace(record, checkpoint=resumed, launch=launch_record())
+        record = replace(
+            record,
+            checkpoint=resumed,
+            launch=launch_record(rank=ctx.rank, local_rank=ctx.local_rank),
+        )
     return _conclude(options, state, record, watch, built, probing)
 
 

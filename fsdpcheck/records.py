@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Any, Literal, TypeVar
 
 from fsdpcheck.vocab import (
+    Agreement,
     BufferReason,
     Cause,
     ErrorKind,
@@ -37,41 +38,89 @@ from fsdpcheck.vocab import (
 
 SCHEMA = "fsdpcheck.report/2"
 
-# The per-rank record's fields that may differ between ranks that agree, as "Class.field": who
-# and where a rank is, and hints. Every other field of RankRecord and the records it holds is
-# compared: it is in the group digest, or, for values and devices, in the value digests (see
-# fsdpcheck.checks.value.value_digests). tests/unit/test_invariant.py mutates each field in turn.
-INFORMATIONAL = frozenset(
-    {
-        "EnvRecord.rank",  # who the rank is in its job
-        "EnvRecord.local_rank",
-        "EnvRecord.world_size",
-        "EnvRecord.host",
-        "EnvRecord.hash_seed",  # order under other seeds is the probe's question (hash-seed)
-        "TensorRecord.local_shape",  # uneven shards: the last rank may hold fewer rows
-        "TensorRecord.head",  # the first values, a hint: the digest carries the values
-        "BufferProblem.got",  # garbage differs per rank; the problem itself is compared
-        "BufferProblem.expected",
-        "RankRecord.shard_key",  # which ranks are replicas: who is compared, not what they hold
-        "RankRecord.peer_key",  # ... for unsharded tensors: the same set of meshes
-        "RankRecord.sibling_key",  # ... for local shards of what tensor parallelism left whole
-        # Where this rank's DTensors live, as a list (expert groups differ by design); what of it
-        # must agree is compared per parameter (IN_MESH_LAYOUT).
-        "RankRecord.meshes",
-        "TensorRecord.mesh",
-        "MeshRecord.id",
-        "MeshRecord.coordinate",
-        "MeshRecord.family",  # which meshes are TP siblings: who is compared, as shard_key
-        # Where a rank built from: a child job standing for the rank builds the same; per-node
-        # paths differ by design, and what the files hold is compared (config, tensors).
-        "SourceRecord.model",
-        "SourceRecord.path",
-        "SourceRecord.dtype",
-        # The checkpoint path as the rank was given it: a LATEST file and a step directory
-        # that resolve to one place are the same resume (the resolved path is compared).
-        "CheckpointRecord.given",
+
+def _declare(**classes: Mapping[Agreement, str]) -> dict[str, Agreement]:
+    return {
+        f"{cls}.{name}": agreement
+        for cls, by_agreement in classes.items()
+        for agreement, names in by_agreement.items()
+        for name in names.split()
     }
+
+
+_EVERY, _REPLICAS = Agreement.EVERY_RANK, Agreement.REPLICAS
+_PROCESS, _INFO = Agreement.PER_PROCESS, Agreement.INFORMATIONAL
+
+# The one model of what may differ between ranks: every field of the per-rank record and of the
+# records it holds, as "Class.field", declared as one of fsdpcheck.vocab.Agreement. The group
+# digest (compared), the value digests and mesh layout, and the last-resort check (unexplained)
+# all read it; tests/unit/test_invariant.py fails on a field it does not declare, and mutates
+# each declared field in turn. docs/checks.md has it as a table, with why.
+AGREEMENT: Mapping[str, Agreement] = _declare(
+    RankRecord={
+        _EVERY: "env pre_wrap post_wrap error fsdp_plan config misplaced ties uninitialized "
+        "non_finite source checkpoint launch wrappers",
+        # Which ranks are replicas and where this rank's DTensors live: who is compared with
+        # whom, not what they hold (expert groups, HSDP shard groups differ by design). What of
+        # the meshes must agree is compared per parameter (the REPLICAS fields of MeshRecord).
+        _PROCESS: "shard_key peer_key sibling_key meshes",
+    },
+    EnvRecord={
+        _EVERY: "backend python torch transformers accelerate nccl cuda",
+        _PROCESS: "rank local_rank host",
+        # The world size is one number for one process group; the hash seed's order under
+        # other seeds is the probe's question (hash-seed), not a difference by itself.
+        _INFO: "world_size hash_seed",
+    },
+    Fingerprint={_EVERY: "snapshot buffers params state_dict_keys aliases"},
+    TensorRecord={
+        _EVERY: "name shape dtype persistent placements requires_grad non_finite",
+        # Values and devices only where both ranks hold values (on meta there are none), and
+        # shards only between replicas of one shard (fsdpcheck.checks.value.value_digests).
+        _REPLICAS: "digest device",
+        # Uneven shards (the last rank may hold fewer rows); the mesh by this rank's id for it.
+        _PROCESS: "local_shape mesh",
+        _INFO: "head",  # the first values, a hint: the digest carries the values
+    },
+    MeshRecord={
+        # Per parameter: shape and dim names always; the global ranks where the mesh spans the
+        # job, else between ranks that share it (each sub-mesh's rank list differs by design).
+        _REPLICAS: "shape dim_names ranks",
+        _PROCESS: "id coordinate family",
+    },
+    NonFinite={_EVERY: "name snapshot count buffer"},
+    RankError={_EVERY: "rank stage message kind"},  # an error is its own group
+    FsdpGroupRecord={
+        _EVERY: "modules params param_dtype reduce_dtype output_dtype cast_forward_inputs "
+        "reshard_after_forward offload pin_memory mesh_shape mesh_dim_names mesh_device_type"
+    },
+    FsdpPlanRecord={_EVERY: "groups unavailable"},
+    ConfigRecord={_EVERY: "digest canonical"},  # canonical: no paths, no addresses
+    TieRecord={_EVERY: "snapshot shared expected"},
+    BufferProblem={
+        _EVERY: "name snapshot reason",
+        _INFO: "got expected",  # garbage differs per rank; the problem itself is compared
+    },
+    # Where a rank built from: per-node paths differ by design, and what the files hold is
+    # compared (config, tensors); a child job standing for the rank builds the same.
+    SourceRecord={_PROCESS: "path", _INFO: "model dtype"},
+    CheckpointRecord={
+        _EVERY: "path step metadata shard_files saved_ranks problem index",
+        # As the rank was given it: a LATEST root and its step directory are one resume.
+        _INFO: "given",
+    },
+    # Normalised before any digest (fsdpcheck.distributed.environment.launch_record): the
+    # rank's own numbers, host, pid and memory addresses become placeholders, per-host
+    # variables and the launcher's own arguments (a Ray worker's) are left out.
+    LaunchRecord={_EVERY: "argv env", _PROCESS: "numbers"},
+    WrapperRecord={_EVERY: "modules renamed"},
+    WrappedModule={_EVERY: "name how"},
+    Renamed={_EVERY: "level names keys"},
 )
+
+# Never compared: the fields that may differ between ranks that agree.
+NOT_COMPARED = frozenset(k for k, a in AGREEMENT.items() if a in (_PROCESS, _INFO))
+
 
 T = TypeVar("T")
 
@@ -134,15 +183,16 @@ def _is_word(hint: Any) -> bool:
     return isinstance(hint, type) and issubclass(hint, Enum)
 
 
-# Compared, but through the value digests (fsdpcheck.checks.value.value_digests), where both ranks
-# hold values: on meta a tensor has neither, and ranks > 0 of --init rank0 must not split off.
-IN_VALUE_DIGEST = frozenset({"TensorRecord.digest", "TensorRecord.device"})
-
-# Compared per parameter through the mesh it lives on (mesh_layout, in the group digest; named by
-# the placement check), not as the list RankRecord.meshes: the shape and dim names always; the
-# global ranks where the mesh spans the job, and else between ranks that share the mesh (a
-# sub-mesh's rank list differs per rank by design: each HSDP shard group, TP sibling, EP group).
-IN_MESH_LAYOUT = frozenset({"MeshRecord.shape", "MeshRecord.dim_names", "MeshRecord.ranks"})
+# The REPLICAS fields, by where they are compared: through the value digests
+# (fsdpcheck.checks.value.value_digests), where both ranks hold values (on meta a tensor has
+# neither, and ranks > 0 of --init rank0 must not split off); per parameter through the mesh it
+# lives on (mesh_layout, in the group digest; named by the placement check).
+IN_VALUE_DIGEST = frozenset(
+    k for k, a in AGREEMENT.items() if a is _REPLICAS and k.startswith("TensorRecord.")
+)
+IN_MESH_LAYOUT = frozenset(
+    k for k, a in AGREEMENT.items() if a is _REPLICAS and k.startswith("MeshRecord.")
+)
 
 # Fields compared by what they say rather than their raw value: a non-finite count of None (the
 # values were not read, e.g. on meta) and of 0 both say "no NaN or Inf seen", and how many NaN
@@ -152,7 +202,7 @@ COMPARED_AS: Mapping[str, Callable[[Any], Any]] = {"TensorRecord.non_finite": bo
 
 def compared(record: Any) -> Any:
     """:func:`to_dict` of ``record`` without the fields the group digest leaves out:
-    :data:`INFORMATIONAL`, :data:`IN_VALUE_DIGEST` and a rank's error (an error is its own
+    :data:`NOT_COMPARED`, :data:`IN_VALUE_DIGEST` and a rank's error (an error is its own
     digest)."""
     if isinstance(record, Enum):
         return record.value
@@ -161,7 +211,7 @@ def compared(record: Any) -> Any:
         return {
             f.name: compared(COMPARED_AS.get(f"{name}.{f.name}", _same)(getattr(record, f.name)))
             for f in dataclasses.fields(record)
-            if f"{name}.{f.name}" not in INFORMATIONAL | IN_VALUE_DIGEST
+            if AGREEMENT.get(f"{name}.{f.name}", _EVERY) is _EVERY
             and f"{name}.{f.name}" != "RankRecord.error"
         }
     if isinstance(record, (list, tuple)):
@@ -446,6 +496,12 @@ class CheckpointRecord:
     index: str | None = None
 
 
+# What a rank's own rank, local rank or node rank became in its launch record (r1.json →
+# r<rank>.json on rank 1): written by fsdpcheck.distributed.environment, read by checks.launch.
+RANK_WORD = "<rank>"
+HOST_WORD = "<host>"  # ... and its host name (EnvRecord.host)
+
+
 @dataclass(frozen=True)
 class LaunchRecord:
     """How a rank was started: its command line (secret-looking values redacted, the program
@@ -454,6 +510,9 @@ class LaunchRecord:
 
     argv: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    # This process's own rank, local rank and node rank: where argv or env say <rank>, the rank
+    # had one of these there (for the launch check to compare ranks word by word).
+    numbers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -543,9 +602,9 @@ class RankRecord:
         return (*found, *self.non_finite)
 
     def group_digest(self) -> str:
-        """Equal for ranks that must be treated alike: every field but the values, devices and
-        those in :data:`INFORMATIONAL` (same layouts, versions, state flags, wrap plan, config,
-        ties and buffer problems, no error). Values and devices are the value digests' (see
+        """Equal for ranks that must be treated alike: every field :data:`AGREEMENT` declares
+        every-rank (same layouts, versions, state flags, wrap plan, config, launch, ties and
+        buffer problems, no error). Values and devices are the value digests' (see
         :func:`fsdpcheck.checks.value.value_digests`): ranks on meta hold none."""
         if self.error is not None:
             error = self.error

@@ -34,6 +34,24 @@ class _Described(Word):
         return member
 
 
+class Agreement(_Described):
+    """What may differ between ranks, for each field of the per-rank record
+    (:data:`fsdpcheck.records.AGREEMENT`)."""
+
+    EVERY_RANK = ("every-rank", "must agree on every rank: in the group digest")
+    REPLICAS = (
+        "replicas",
+        "must agree between the ranks the meshes pair (replicas of one shard, ranks on one "
+        "mesh): in the value digests and the per-parameter mesh layout",
+    )
+    PER_PROCESS = (
+        "per-process",
+        "differs per process by nature (who and where the rank is, its place on the meshes): "
+        "never compared",
+    )
+    INFORMATIONAL = ("informational", "a hint or what a rank was given: never compared")
+
+
 class ExitCode(IntEnum):
     CONSISTENT = 0
     FINDINGS = 1

@@ -1,7 +1,8 @@
 """``unexplained``: the last resort behind the verdict.
 
 ``consistent`` means that every pair of ranks that must agree agrees in every field fsdpcheck
-compares (every field of the per-rank record but those in :data:`fsdpcheck.records.INFORMATIONAL`).
+compares (every field of the per-rank record that :data:`fsdpcheck.records.AGREEMENT` does not
+declare per-process or informational).
 The checks before this one each explain one kind of difference; a record that differs from the
 reference's while no finding names its ranks gets this finding, naming the fields, so that no
 difference ever ends ``consistent`` unexplained. Pure.
@@ -14,10 +15,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdpcheck.checks.groups import reference_group, speakers
+from fsdpcheck.checks.launch import launch_alike
 from fsdpcheck.checks.value import is_sharded
 from fsdpcheck.records import (
     COMPARED_AS,
-    INFORMATIONAL,
+    NOT_COMPARED,
     Finding,
     Gathered,
     Group,
@@ -67,6 +69,8 @@ def record_differences(
     that differs. Values and devices count only where both ranks hold values (not on ``meta``);
     local shards only between HSDP replicas (``replicas``)."""
     out: list[str] = []
+    if a.launch is not None and b.launch is not None and launch_alike(a, b):
+        b = dataclasses.replace(b, launch=a.launch)  # alike up to each rank's own words
     _walk(a, b, "", out, replicas, peers)
     return out
 
@@ -94,7 +98,7 @@ def _compared(record: Any) -> list[dataclasses.Field]:
     return [
         f
         for f in dataclasses.fields(record)
-        if f"{name}.{f.name}" not in INFORMATIONAL and f"{name}.{f.name}" not in _NOT_WALKED
+        if f"{name}.{f.name}" not in NOT_COMPARED and f"{name}.{f.name}" not in _NOT_WALKED
     ]
 
 

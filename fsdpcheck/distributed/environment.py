@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from importlib import metadata
 
-from fsdpcheck.records import EnvRecord, LaunchRecord
+from fsdpcheck.records import HOST_WORD, RANK_WORD, EnvRecord, LaunchRecord
 
 log = logging.getLogger(__name__)
 
@@ -146,31 +146,105 @@ PER_HOST_VARIABLES = frozenset(
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 # A flag whose name says it holds a secret: its value never enters a record.
 _SECRET_FLAG = re.compile(r"token|key|secret|passw|credential|auth", re.IGNORECASE)
-# Flags a launcher sets to each rank's own value (torch.distributed.launch, deepspeed).
-_PER_RANK_FLAGS = frozenset({"--local-rank", "--local_rank"})
+# Flags whose value is the process's own number (torch.distributed.launch and deepspeed pass
+# --local_rank; launcher scripts pass --rank, --node-rank, ...).
+_PER_RANK_FLAG = re.compile(
+    r"^--?((local|node|global|group|machine)[-_]?)?rank$|^--?(proc|process|task)[-_]?id$",
+    re.IGNORECASE,
+)
 PER_RANK = "<per-rank>"
+PID_WORD = "<pid>"
+RAY_WORKER = "<ray worker>"
+# Where a digit run is a rank's own number rather than a value: after a word that names a rank
+# (``r1.json``, ``rank_1/``, ``node0``, ``worker-1``, ``cuda:1``); as a file's or directory's
+# whole name (``1.json``, ``out/1/``); or ending a file name after ``-`` or ``_`` (srun's
+# ``report-%t.json``, ``log_1.txt``; not a directory's: ``pytest-0/`` is no rank's). Never a
+# bare number (``--seed 0``, ``--mesh 2,1``), one inside a decimal, version or exponent
+# (``0.1``, ``3.1``, ``1e-3``), one followed by a letter (``8B``), nor any other digit in a
+# name (``gpt2``, ``Llama-3-8B``, a ``run0/`` directory).
+_END = r"(?![0-9A-Za-z])(?!\.\d)"
+_OWN_NUMBER = re.compile(
+    r"(?<![A-Za-z])(?:rank|r|node|proc|process|task|worker|gpu|cuda|device|dev|local|host)"
+    rf"[-_:]?(\d+){_END}"
+    r"|(?:^|(?<=/))(\d+)(?=/|\.[A-Za-z])|(?<=/)(\d+)$"
+    r"|(?<=[A-Za-z][-_])(?<![0-9][eE][-+])(\d+)(?=\.[A-Za-z]|$)",
+    re.IGNORECASE,
+)
+# Ray's worker process: its command line is Ray's (default_worker.py --worker-id=...
+# --runtime-env-hash=... --worker-launch-time-ms=...), never the user's program.
+_RAY_WORKER = re.compile(r"(^|[/\\])ray[/\\]_private[/\\]workers[/\\]default_worker\.py$")
 
 
 def launch_record(
-    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    rank: int | None = None,
+    local_rank: int | None = None,
+    host: str | None = None,
 ) -> LaunchRecord:
     """How this process was started: ``sys.argv`` and the allowlisted environment (by default),
-    safe to put in a report."""
+    safe to put in a report, with what differs per process by nature normalised away: this
+    process's own rank, local rank and node rank (``rank``, ``local_rank`` and the launcher's
+    variables) where they name something in an argument or a value, its host name, its pid
+    (as ``pid1234``) and memory addresses."""
+    from fsdpcheck.distributed.launcher import own_numbers
+
     argv = list(sys.argv if argv is None else argv)
     environ = os.environ if environ is None else environ
-    return LaunchRecord(argv=tuple(launch_argv(argv)), env=launch_env(environ))
+    per_process = _PerProcess(own_numbers(environ, rank, local_rank), host)
+    return LaunchRecord(
+        argv=tuple(launch_argv(argv, per_process)),
+        env=launch_env(environ, per_process),
+        numbers=tuple(sorted(per_process.numbers)),
+    )
 
 
-def launch_argv(argv: Sequence[str]) -> list[str]:
+class _PerProcess:
+    """Replaces, in one word, what is this process's own: its numbers, host, pid, addresses."""
+
+    def __init__(self, numbers: frozenset[int] = frozenset(), host: str | None = None) -> None:
+        self.numbers = numbers
+        host = host or socket.gethostname()
+        names = {host, host.split(".")[0]}
+        self.hosts = sorted((h for h in names if len(h) >= 2), key=len, reverse=True)
+        self.pid = str(os.getpid())
+
+    def __call__(self, word: str) -> str:
+        from fsdpcheck.model.config_record import without_addresses
+
+        word = without_addresses(word)
+        for host in self.hosts:
+            word = re.sub(rf"(?<![\w.-]){re.escape(host)}(?![\w-])", HOST_WORD, word)
+        # Only where a word names it as a pid: in a container pids are small numbers that any
+        # value (--steps 100) can equal.
+        word = re.sub(rf"(?<![A-Za-z])(pid[-_:.]?){self.pid}(?!\d)", rf"\g<1>{PID_WORD}", word)
+        if not self.numbers:
+            return word
+        return _OWN_NUMBER.sub(self._own, word)
+
+    def _own(self, match: re.Match[str]) -> str:
+        digits = match.group(match.lastindex or 0)
+        if int(digits) not in self.numbers:
+            return match.group(0)
+        start = match.start(match.lastindex or 0) - match.start()
+        return match.group(0)[:start] + RANK_WORD
+
+
+def launch_argv(argv: Sequence[str], per_process: _PerProcess | None = None) -> list[str]:
     """``argv`` with the program by its base name (install paths differ per node), the values
-    of secret-looking flags and token-like words redacted, and per-rank flags' values masked."""
+    of secret-looking flags and token-like words redacted, per-rank flags' values masked and
+    per-process words normalised (:func:`launch_record`). A Ray worker's is ``<ray worker>``."""
     from fsdpcheck.model.config_record import REDACTED, secret_value
 
+    if argv and _RAY_WORKER.search(argv[0]):
+        return [RAY_WORKER]
+    own = per_process or _PerProcess()
     out: list[str] = []
     hide = ""  # the mask for the next word: the value of the flag before it
     for i, word in enumerate(argv):
         if i == 0:
-            out.append(os.path.basename(word))
+            out.append(own(os.path.basename(word)))
             continue
         if hide and not word.startswith("-"):
             out.append(hide)
@@ -178,30 +252,34 @@ def launch_argv(argv: Sequence[str]) -> list[str]:
             continue
         hide = ""
         if word.startswith("-"):
-            name, eq, _ = word.partition("=")
+            name, eq, value = word.partition("=")
             mask = _mask_for(name)
             if mask and eq:
                 out.append(f"{name}={mask}")
                 continue
             hide = mask
-            out.append(word)
+            out.append(f"{name}={own(value)}" if eq else word)
             continue
-        out.append(REDACTED if secret_value(word) else word)
+        out.append(REDACTED if secret_value(word) else own(word))
     return out
 
 
 def _mask_for(flag: str) -> str:
     from fsdpcheck.model.config_record import REDACTED
 
-    if flag in _PER_RANK_FLAGS:
+    if _PER_RANK_FLAG.match(flag):
         return PER_RANK
     return REDACTED if _SECRET_FLAG.search(flag.lstrip("-")) else ""
 
 
-def launch_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The allowlisted variables that are set, sorted; ``CUDA_VISIBLE_DEVICES`` as a count."""
+def launch_env(
+    environ: Mapping[str, str], per_process: _PerProcess | None = None
+) -> dict[str, str]:
+    """The allowlisted variables that are set, sorted; ``CUDA_VISIBLE_DEVICES`` as a count;
+    per-process words in values normalised (:func:`launch_record`)."""
     from fsdpcheck.model.config_record import REDACTED
 
+    own = per_process or _PerProcess()
     found: dict[str, str] = {}
     for key in sorted(environ):
         if key == VISIBLE_DEVICES:
@@ -209,5 +287,5 @@ def launch_env(environ: Mapping[str, str]) -> dict[str, str]:
         elif key in LAUNCH_VARIABLES or (
             key.startswith(LAUNCH_PREFIXES) and key not in PER_HOST_VARIABLES
         ):
-            found[key] = REDACTED if _SECRET_FLAG.search(key) else environ[key]
+            found[key] = REDACTED if _SECRET_FLAG.search(key) else own(environ[key])
     return found

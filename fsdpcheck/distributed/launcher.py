@@ -31,6 +31,31 @@ RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")
 # Variables a child job started by fsdpcheck itself must not inherit: it is a new job.
 FOREIGN = SLURM + OMPI + ("SLURM_NPROCS",)
 
+# The variables that hold this process's own numbers, whichever launcher set them (torchrun,
+# accelerate, srun, Open MPI, MPICH/Intel MPI/PMIx, MVAPICH, Lightning): per-process by nature.
+# A launcher script that puts them into arguments or paths (``--json r1.json``) makes those
+# words differ per rank; fsdpcheck.distributed.environment.launch_record normalises them.
+RANK_VARIABLES = (
+    "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
+)  # fmt: skip
+LOCAL_RANK_VARIABLES = (
+    "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+)  # fmt: skip
+NODE_RANK_VARIABLES = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
+
+
+def own_numbers(environ: Mapping[str, str], *known: int | None) -> frozenset[int]:
+    """This process's rank, local rank and node rank: ``known`` (the process group's own) and
+    every launcher variable above that holds an integer."""
+    found = {n for n in known if n is not None}
+    for name in (*RANK_VARIABLES, *LOCAL_RANK_VARIABLES, *NODE_RANK_VARIABLES):
+        raw = environ.get(name, "").strip()
+        if raw.isdigit():
+            found.add(int(raw))
+    return frozenset(found)
+
+
 SRUN_HINT = (
     'in the sbatch script: export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" '
     "| head -n 1) MASTER_PORT=29500"

@@ -2,26 +2,31 @@
 
 The schema is walked from the type hints of :class:`RankRecord` (never listed by hand): every
 field of every record it holds is changed on one rank of a synthetic 3-rank gather, and the
-verdict must not be ``consistent``; a field declared informational (``records.INFORMATIONAL``)
-is the clean twin: changing it must leave the verdict ``consistent``.
+verdict must not be ``consistent``; a field declared per-process or informational
+(``records.AGREEMENT``) is the clean twin: changing it must leave the verdict ``consistent``. A
+field the declaration does not name fails here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from enum import Enum
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
 
 from fsdpcheck.checks.gather_view import gathered_from
 from fsdpcheck.records import (
+    AGREEMENT,
     IN_MESH_LAYOUT,
-    INFORMATIONAL,
+    IN_VALUE_DIGEST,
+    NOT_COMPARED,
     BufferProblem,
     CheckpointRecord,
     ConfigRecord,
@@ -45,7 +50,7 @@ from fsdpcheck.records import (
     WrapperRecord,
 )
 from fsdpcheck.report import AuditOutcome, assemble
-from fsdpcheck.vocab import BufferReason, Snapshot, Verdict, Wrapper
+from fsdpcheck.vocab import Agreement, BufferReason, Snapshot, Verdict, Wrapper
 
 RANKS = (0, 1, 2)
 MUTATED = 1
@@ -259,11 +264,28 @@ BASE = {rank: _base(rank) for rank in RANKS}
 SWEEP = list(mutations(BASE[MUTATED]))
 
 
-def test_the_base_is_consistent_and_every_informational_field_exists() -> None:
+def test_the_base_is_consistent_and_every_field_is_declared_once() -> None:
     assert _verdict(BASE) == (Verdict.CONSISTENT, [])
-    assert INFORMATIONAL <= schema_fields(), INFORMATIONAL - schema_fields()
-    # The mesh fields the group digest compares per parameter are real and not informational.
-    assert IN_MESH_LAYOUT <= schema_fields() and not IN_MESH_LAYOUT & INFORMATIONAL
+    # A field added to the record (or one it holds) without a declaration fails here: say in
+    # records.AGREEMENT whether it must agree, and docs/checks.md why.
+    assert set(AGREEMENT) == schema_fields(), (
+        f"undeclared: {sorted(schema_fields() - set(AGREEMENT))}, "
+        f"no such field: {sorted(set(AGREEMENT) - schema_fields())}"
+    )
+    replicas = {k for k, a in AGREEMENT.items() if a is Agreement.REPLICAS}
+    assert replicas == IN_VALUE_DIGEST | IN_MESH_LAYOUT and not replicas & NOT_COMPARED
+
+
+def test_the_docs_table_is_the_declaration() -> None:
+    """docs/checks.md's table of what may differ between ranks is records.AGREEMENT: every
+    declared field once, with its agreement, and nothing else."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "checks.md").read_text()
+    table: dict[str, str] = {}
+    for cls, fields, agreement in re.findall(r"^\| `(\w+)` \| ([^|]+) \| ([a-z-]+) \|", text, re.M):
+        for name in re.findall(r"`(\w+)`", fields):
+            assert f"{cls}.{name}" not in table, f"{cls}.{name} twice"
+            table[f"{cls}.{name}"] = agreement
+    assert table == {k: a.value for k, a in AGREEMENT.items()}
 
 
 def test_the_sweep_reaches_every_field_of_the_schema() -> None:
@@ -289,7 +311,7 @@ def test_a_field_changed_on_one_rank_is_never_consistent(
     path: str, declared: str, mutated: RankRecord
 ) -> None:
     verdict, findings = _verdict({**BASE, MUTATED: mutated})
-    if declared in INFORMATIONAL or _not_compared(path):
+    if declared in NOT_COMPARED or _not_compared(path):
         assert verdict == Verdict.CONSISTENT, findings  # the clean twin
     else:
         assert verdict != Verdict.CONSISTENT, f"{path}: consistent"
@@ -309,7 +331,7 @@ def test_a_buffer_problem_on_one_rank_and_its_fields() -> None:
     for path, declared, mutated in mutations(problem, "problem"):
         record = replace(both[MUTATED], uninitialized=(mutated,))
         same = record.group_digest() == both[0].group_digest()
-        assert same == (declared in INFORMATIONAL), path
+        assert same == (declared in NOT_COMPARED), path
 
 
 def test_an_error_on_one_rank_is_never_consistent() -> None:
