@@ -59,7 +59,7 @@ _PROCESS, _INFO = Agreement.PER_PROCESS, Agreement.INFORMATIONAL
 AGREEMENT: Mapping[str, Agreement] = _declare(
     RankRecord={
         _EVERY: "env pre_wrap post_wrap error fsdp_plan config misplaced ties uninitialized "
-        "non_finite source checkpoint launch wrappers",
+        "non_finite source checkpoint launch wrappers modules numerics",
         # Which ranks are replicas and where this rank's DTensors live: who is compared with
         # whom, not what they hold (expert groups, HSDP shard groups differ by design). What of
         # the meshes must agree is compared per parameter (the REPLICAS fields of MeshRecord).
@@ -92,11 +92,17 @@ AGREEMENT: Mapping[str, Agreement] = _declare(
     RankError={_EVERY: "rank stage message kind"},  # an error is its own group
     FsdpGroupRecord={
         _EVERY: "modules params param_dtype reduce_dtype output_dtype cast_forward_inputs "
-        "reshard_after_forward offload pin_memory mesh_shape mesh_dim_names mesh_device_type"
+        "reshard_after_forward offload pin_memory mesh_shape mesh_dim_names mesh_device_type",
+        # Which policy fields this torch keeps nowhere fsdpcheck looks: unknown, not unset, and
+        # a property of the torch release (compared by the env check), not of the rank.
+        _INFO: "unread",
     },
     FsdpPlanRecord={_EVERY: "groups unavailable"},
     ConfigRecord={_EVERY: "digest canonical"},  # canonical: no paths, no addresses
-    TieRecord={_EVERY: "snapshot shared expected"},
+    TieRecord={_EVERY: "snapshot shared expected buffers"},
+    ModuleKind={_EVERY: "cls training hooks settings"},  # settings: no addresses, paths, ranks
+    ModuleStateRecord={_EVERY: "kinds modules global_hooks"},
+    NumericsRecord={_EVERY: "flags"},
     BufferProblem={
         _EVERY: "name snapshot reason",
         _INFO: "got expected",  # garbage differs per rank; the problem itself is compared
