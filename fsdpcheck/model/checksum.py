@@ -89,7 +89,9 @@ def _odd_hashes(seed: int, first: int, count: int, device: torch.device) -> torc
     """splitmix64 of ``seed + index * golden`` for ``count`` indices from ``first``, made odd.
     (Arithmetic shifts where splitmix has logical ones: still a fixed mix, the same on every
     device, which is all the weights need.)"""
-    return _odd_hashes_at(seed, torch.arange(first, first + count, dtype=torch.int64, device=device))
+    return _odd_hashes_at(
+        seed, torch.arange(first, first + count, dtype=torch.int64, device=device)
+    )
 
 
 def _odd_hashes_at(seed: int, index: torch.Tensor) -> torch.Tensor:
@@ -435,35 +437,66 @@ def _run(raw: torch.Tensor, start: int) -> tuple[tuple[int, int], list[tuple[int
 def _contiguous(raw: torch.Tensor, first_word: int) -> tuple[int, int]:
     """The share of whole words (``raw``: bytes, a multiple of 8) at word ``first_word`` of the
     whole tensor: the blocks it covers entirely by :func:`_span` (the checksum's own fast path,
-    threaded), the partial blocks at either end word by word."""
+    threaded), the rows of a block it covers in part by their row and column sums, the words of
+    a row cut at either end one by one."""
     count = raw.numel() // 8
-    per_block = _BLOCK_ROWS * _COLS
     last_word = first_word + count
-    first_full, last_full = -(-first_word // per_block), last_word // per_block
+    first_row, last_row = -(-first_word // _COLS), last_word // _COLS
     device = raw.device
-    if first_full >= last_full:
+    if first_row >= last_row:  # inside one row, or across one row boundary
         index = torch.arange(first_word, last_word, device=device)
         return _indexed(_words(raw, 0, count), index)
-    head, tail = first_full * per_block - first_word, last_full * per_block - first_word
-    totals = list(_indexed(_words(raw, 0, head), torch.arange(first_word, first_word + head)))
-    rest = torch.arange(first_word + tail, last_word, device=device)
-    parts = [_indexed(_words(raw, tail, count), rest)]
-    middle = raw[head * 8 : tail * 8]
-
-    def run(span: tuple[int, int]) -> tuple[int, int]:
-        a, b, _ = _span(middle, span[0], span[1], block_offset=first_full)
-        return a, b
-
-    spans = _spans(middle)
-    workers = worker_threads()
-    if device.type == "cpu" and workers > 1 and len(spans) > 1:
-        with ThreadPoolExecutor(workers, thread_name_prefix="fsdpcheck-checksum") as pool:
-            parts += pool.map(run, spans)
+    head, tail = first_row * _COLS - first_word, last_row * _COLS - first_word
+    parts = [
+        _indexed(_words(raw, 0, head), torch.arange(first_word, first_word + head)),
+        _indexed(_words(raw, tail, count), torch.arange(first_word + tail, last_word)),
+    ]
+    first_full, last_full = -(-first_row // _BLOCK_ROWS), last_row // _BLOCK_ROWS
+    if first_full >= last_full:  # no whole block: the rows, cut where a block starts
+        cut = min(max(first_full * _BLOCK_ROWS, first_row), last_row)
+        ranges = [(first_row, cut), (cut, last_row)]
     else:
-        parts += [run(span) for span in spans]
+        ranges = [(first_row, first_full * _BLOCK_ROWS), (last_full * _BLOCK_ROWS, last_row)]
+    for low, high in ranges:
+        if high > low:
+            at = low * _COLS - first_word
+            grid = _words(raw, at, at + (high - low) * _COLS).view(high - low, _COLS)
+            parts.append(_rows_in_block(grid, low))
+    if first_full < last_full:
+        at = (first_full * _BLOCK_ROWS * _COLS - first_word) * 8
+        middle = raw[at : at + (last_full - first_full) * _BLOCK_ROWS * _COLS * 8]
+
+        def run(span: tuple[int, int]) -> tuple[int, int]:
+            a, b, _ = _span(middle, span[0], span[1], block_offset=first_full)
+            return a, b
+
+        spans = _spans(middle)
+        workers = worker_threads()
+        if device.type == "cpu" and workers > 1 and len(spans) > 1:
+            with ThreadPoolExecutor(workers, thread_name_prefix="fsdpcheck-checksum") as pool:
+                parts += pool.map(run, spans)
+        else:
+            parts += [run(span) for span in spans]
+    totals = [0, 0]
     for sums in parts:
         totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
     return totals[0], totals[1]
+
+
+def _rows_in_block(grid: torch.Tensor, first_row: int) -> tuple[int, int]:
+    """The share of whole rows ``grid`` (int64, rows of ``_COLS`` words) from ``first_row`` of
+    the whole tensor's grid, all in one block: weighted row sums plus the block's multiplier
+    times the weighted column sums, as :func:`_span` weighs a block."""
+    rows, device = grid.shape[0], grid.device
+    block = first_row // _BLOCK_ROWS
+    result = []
+    for k in (0, 1):
+        values = grid if k == 0 else torch.bitwise_right_shift(grid, 32)
+        by_row = (values.sum(1) * _odd_hashes(_ROW_SEEDS[k], first_row, rows, device)).sum()
+        by_column = (values.sum(0) * _column_weights(k, device)).sum()
+        multiplier = _odd_hashes(_BLOCK_SEEDS[k], block, 1, device)[0]
+        result.append(int((by_row + multiplier * by_column).item()) & _MASK64)
+    return result[0], result[1]
 
 
 def _scattered(raw: torch.Tensor, starts: Sequence[int], length: int) -> tuple[int, int]:
@@ -497,8 +530,9 @@ def _indexed(words: torch.Tensor, index: torch.Tensor) -> tuple[int, int]:
     for k in (0, 1):
         values = words if k == 0 else torch.bitwise_right_shift(words, 32)
         multiplier = _odd_hashes_at(_BLOCK_SEEDS[k], block)
-        weight = _odd_hashes_at(_ROW_SEEDS[k], row) + multiplier * _column_weights(
-            k, words.device
-        )[column]
+        weight = (
+            _odd_hashes_at(_ROW_SEEDS[k], row)
+            + multiplier * _column_weights(k, words.device)[column]
+        )
         result.append(int((values * weight).sum().item()) & _MASK64)
     return result[0], result[1]
