@@ -15,6 +15,8 @@ _LAZY = {
     "broadcast_buffers": "fsdpcheck.loader.load",
     "BufferMismatchError": "fsdpcheck.loader.load",
     "verify_load": "fsdpcheck.loader.verify",
+    "state_digests": "fsdpcheck.loader.sync",
+    "compare_digests": "fsdpcheck.loader.sync",
     "save_fingerprint": "fsdpcheck.offline.files",
     "diff_fingerprints": "fsdpcheck.offline.diff",
     "configure_logging": "fsdpcheck.process",

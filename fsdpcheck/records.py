@@ -31,6 +31,7 @@ from fsdpcheck.vocab import (
     ModelKind,
     Snapshot,
     Stage,
+    SyncDifference,
     Verdict,
     Wrapper,
     WrapSource,
@@ -764,6 +765,49 @@ class VerifyResult:
     passed: bool
     checked: int  # parameters + buffers checked on every rank
     mismatches: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class TensorDigest:
+    """One tensor as a side of a weight sync holds it, whole: its shape, dtype and value
+    checksum (None: not read, see ``SyncDifference.UNREAD``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    digest: str | None
+
+
+@dataclass(frozen=True)
+class StateDigests:
+    """``fsdpcheck.state_digests``: every tensor by name, the same from shards as from whole
+    tensors. ``sharded``: how many were digested from DTensor shards (combined across ranks)."""
+
+    tensors: Mapping[str, TensorDigest]
+    sharded: int = 0
+
+
+@dataclass(frozen=True)
+class DigestDifference:
+    name: str
+    difference: SyncDifference
+    detail: str  # the two sides, as a sentence
+
+
+@dataclass(frozen=True)
+class DigestComparison:
+    """``fsdpcheck.compare_digests``: ``verdict`` ``consistent`` when every tensor agrees."""
+
+    verdict: Verdict
+    compared: int  # names on both sides
+    differences: tuple[DigestDifference, ...] = ()
+
+    @property
+    def consistent(self) -> bool:
+        return self.verdict == Verdict.CONSISTENT
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.CONSISTENT if self.consistent else ExitCode.FINDINGS
 
 
 @dataclass(frozen=True)

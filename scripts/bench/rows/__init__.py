@@ -17,6 +17,7 @@ from bench.rows.scale import row_scale
 from bench.rows.step import row_step
 from bench.rows.trainer import row_trainer
 from bench.rows.verdict import row_verdict
+from bench.rows.weight_sync import row_weight_sync
 from bench.settings import Settings
 
 RUNNERS: dict[str, Callable[[Settings], Row]] = {
@@ -32,5 +33,6 @@ RUNNERS: dict[str, Callable[[Settings], Row]] = {
     "probe": row_probe,
     "verdict": row_verdict,
     "step": row_step,
+    "weight-sync": row_weight_sync,
 }
 ROWS = tuple(RUNNERS)
