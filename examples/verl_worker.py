@@ -44,7 +44,9 @@ def get_device_id():
 
 # Copied from verl 0.8.0, verl/utils/fsdp_utils.py (Apache-2.0, Copyright 2024 Bytedance Ltd.
 # and/or its affiliates); only the torch < 2.7 branch (verl's own third_party copy) is left out.
-def fsdp2_load_full_state_dict(model: torch.nn.Module, full_state: dict, device_mesh=None, cpu_offload=None):  # noqa: E501
+def fsdp2_load_full_state_dict(
+    model: torch.nn.Module, full_state: dict, device_mesh=None, cpu_offload=None
+):  # noqa: E501
     """
     Loads the full state dict (could be only on rank 0) into the sharded model. This is done by broadcasting the
     parameters from rank 0 to all other ranks. This function modifies the model in-place.
@@ -63,7 +65,9 @@ def fsdp2_load_full_state_dict(model: torch.nn.Module, full_state: dict, device_
         model = model.to_empty(device=get_device_id())
 
     cpu_offload = cpu_offload is not None
-    options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload, broadcast_from_rank0=True)
+    options = StateDictOptions(
+        full_state_dict=True, cpu_offload=cpu_offload, broadcast_from_rank0=True
+    )
     set_model_state_dict(model, full_state, options=options)
 
     # rotary_emb is not in state_dict, so we need to broadcast it manually

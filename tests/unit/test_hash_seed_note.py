@@ -66,3 +66,20 @@ def test_the_note_reads_every_rank_from_the_gather_slots():
 def test_after_a_probe_the_note_points_to_its_result():
     [note] = hash_seed_note({}, {0: "random", 1: "random"}, probed=True)
     assert "--probe built this model under other seeds" in note
+
+
+def test_a_builder_function_is_named_so_a_child_interpreter_can_import_it():
+    import pytest
+
+    from fsdpcheck.errors import InputError
+    from fsdpcheck.model.builder import builder_spec
+    from fsdpcheck.model.hazard import HazardForCausalLM
+
+    assert (
+        builder_spec("examples/verl_worker.py:build_actor") == "examples/verl_worker.py:build_actor"
+    )
+    assert builder_spec(hash_seed_note) == "fsdpcheck.checks.hash_seed:hash_seed_note"
+    assert builder_spec(HazardForCausalLM) == "fsdpcheck.model.hazard:HazardForCausalLM"
+    for unimportable in (lambda: None, HazardForCausalLM.forward):
+        with pytest.raises(InputError, match="cannot be imported by a child process"):
+            builder_spec(unimportable)
