@@ -20,6 +20,7 @@ _LAZY = {
     "save_fingerprint": "fsdpcheck.offline.files",
     "diff_fingerprints": "fsdpcheck.offline.diff",
     "configure_logging": "fsdpcheck.process",
+    "probe": "fsdpcheck.children.probe:probe_builder",
 }
 
 
@@ -29,7 +30,8 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'fsdpcheck' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module), name)
+    module, _, attribute = module.partition(":")
+    value = getattr(importlib.import_module(module), attribute or name)
     globals()[name] = value
     return value
 

@@ -685,6 +685,9 @@ class Gathered:
     siblings: dict[int, str | None] | None = None
     # Per rank, where its experts sit and their digest (fsdpcheck.checks.expert); None: none.
     expert_keys: dict[int, ExpertKey | None] | None = None
+    # Per rank, its hash-seed tag (fsdpcheck.checks.hash_seed.seed_tag): 0 where hash
+    # randomisation is on; equal tags for equal PYTHONHASHSEED values.
+    seed_tags: dict[int, int] | None = None
 
     @property
     def errors(self) -> tuple[RankError, ...]:
