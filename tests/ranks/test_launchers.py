@@ -1,5 +1,10 @@
-"""Ranks started by srun or mpirun, as those launchers leave them: only their own variables
-(and MASTER_ADDR/MASTER_PORT), none of torchrun's. They must form one job, not lone ranks."""
+"""Ranks started by a launcher script (env://), srun, mpirun or ``accelerate launch``, as those
+launchers leave them: only their own variables (and MASTER_ADDR/MASTER_PORT), none of
+torchrun's, each rank writing its own report (``--json r$RANK.json``, srun's per-task names).
+They must form one job, not lone ranks; the clean job (every rank with PYTHONHASHSEED=0) is
+``consistent`` with exit 0, whatever differs per process by nature (rank numbers in argv and
+paths, DESIGN fact 11); its twin, rank 1 with another hash seed on the hash-order ``hazard``
+model, is one real ``buffer-order`` finding. Each launcher's twins run at the same time."""
 
 from __future__ import annotations
 
@@ -9,60 +14,138 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import QUIET_ENV, REPO
 
 from fsdpcheck.children.launch import free_port
 from fsdpcheck.distributed.launcher import FOREIGN
 
 RDV = ("MASTER_ADDR", "MASTER_PORT")
+AUDIT = ["audit", "--model", "hazard", "--no-load", "--timeout", "60"]
+BUFFER_ORDER = "buffer order differs at index 0"
 
 
-def _start(rank_vars: list[dict[str, str]], args: list[str]) -> list[subprocess.CompletedProcess]:
-    """Start one process per entry with exactly these launcher variables (nothing of torchrun)."""
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", *FOREIGN}
+def _start(
+    jobs: list[list[tuple[list[str], dict[str, str]]]],
+) -> list[list[subprocess.CompletedProcess]]:
+    """Start every job's processes at once, each with exactly these launcher variables (nothing
+    of torchrun's); a job is a list of (argv, env) pairs. Waits for all, kills what is left."""
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PYTHONHASHSEED", *FOREIGN}
     base = {k: v for k, v in os.environ.items() if k not in drop and k not in RDV}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "fsdpcheck", *args],
-            env={**base, **QUIET_ENV, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **extra},
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,
-        )
-        for extra in rank_vars
+    started = [
+        [
+            subprocess.Popen(
+                argv, env={**base, **QUIET_ENV, "OMP_NUM_THREADS": "1", **extra}, cwd=REPO,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            )
+            for argv, extra in job
+        ]
+        for job in jobs
     ]  # fmt: skip
-    out = []
+    done = []
     try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=150)
-            out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+        for job in started:
+            out = []
+            for proc in job:
+                stdout, stderr = proc.communicate(timeout=200)
+                out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+            done.append(out)
     finally:
-        for proc in procs:
+        for proc in (p for job in started for p in job):
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
                 proc.wait()
-    return out
+    return done
 
 
-def _two_ranks(tmp_path: Path, names: tuple[str, str, str]) -> None:
+# Each launcher's variables for rank r of 2 on one node, and the report path its users write.
+LAUNCHERS = {
+    "env": (
+        lambda r: {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)},
+        "r{rank}.json",
+    ),
+    "srun": (
+        lambda r: {
+            "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+            "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": "2", "SLURM_TASK_PID": str(9000 + r),
+        },
+        "report-task{rank}.json",  # what srun's %t names per task
+    ),
+    "mpirun": (
+        lambda r: {
+            "OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "OMPI_COMM_WORLD_NODE_RANK": "0", "PMIX_RANK": str(r),
+        },
+        "report.{rank}.json",
+    ),
+}  # fmt: skip
+# srun jobs are often multi-node HSDP: its twins run on a 2x1 mesh.
+EXTRA = {"srun": ["--mesh", "2,1"]}
+
+
+def _job(folder: Path, launcher: str, seeds: tuple[int, int]) -> list[tuple[list[str], dict]]:
+    variables, path = LAUNCHERS[launcher]
     rdv = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    ranks = [{names[0]: str(r), names[1]: "2", names[2]: str(r), **rdv} for r in range(2)]
-    report = tmp_path / "report.json"
-    args = ["audit", "--model", "hazard", "--no-load", "--timeout", "60", "--json", str(report)]
-    done = _start(ranks, args)
+    folder.mkdir(parents=True)
+    return [
+        (
+            [sys.executable, "-m", "fsdpcheck", *AUDIT, *EXTRA.get(launcher, []),
+             "--json", str(folder / path.format(rank=r))],
+            {**variables(r), **rdv, "PYTHONHASHSEED": str(seeds[r])},
+        )
+        for r in range(2)
+    ]  # fmt: skip
+
+
+def _read(folder: Path, launcher: str, done: list[subprocess.CompletedProcess]) -> dict:
+    """Rank 0's report, once each rank ended with the report's exit code."""
+    report = json.loads((folder / LAUNCHERS[launcher][1].format(rank=0)).read_text())
     for r, proc in enumerate(done):
-        assert proc.returncode == 0, f"rank {r}: {proc.stdout}{proc.stderr}"
-    data = json.loads(report.read_text())
-    assert data["world_size"] == 2 and data["verdict"] == "consistent"
-    assert sorted(e["rank"] for e in data["environment"]) == [0]  # one group of both ranks
-    assert [len(g["ranks"]) for g in data["groups"]] == [2]
+        assert proc.returncode == report["exit_code"], f"rank {r}: {proc.stdout}{proc.stderr}"
+    assert report["world_size"] == 2
+    assert sorted(e["rank"] for e in report["environment"]) == [0]  # one job of both ranks
     assert done[0].stdout.count("verdict:") == 1 and "verdict:" not in done[1].stdout
+    return report
 
 
-def test_srun_variables_alone_form_one_two_rank_job(tmp_path: Path) -> None:
-    _two_ranks(tmp_path, ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_a_launchers_clean_job_is_consistent_and_its_twin_with_another_hash_seed_is_not(
+    tmp_path: Path, launcher: str
+) -> None:
+    clean_dir, seeded_dir = tmp_path / "clean", tmp_path / "seeded"
+    clean, seeded = _start([_job(clean_dir, launcher, (0, 0)), _job(seeded_dir, launcher, (0, 1))])
+    report = _read(clean_dir, launcher, clean)
+    assert (report["verdict"], report["exit_code"]) == ("consistent", 0), report["findings"]
+    assert [len(g["ranks"]) for g in report["groups"]] == [2]
+    twin = _read(seeded_dir, launcher, seeded)
+    assert (twin["verdict"], twin["exit_code"]) == ("inconsistent", 1)
+    assert [f["kind"] for f in twin["findings"]] == ["buffer-order"], twin["findings"]
+    [finding] = twin["findings"]
+    assert finding["ranks"] == [1] and BUFFER_ORDER in finding["summary"]
 
 
-def test_mpirun_variables_alone_form_one_two_rank_job(tmp_path: Path) -> None:
-    _two_ranks(
-        tmp_path, ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
-    )
+def test_accelerate_launch_clean_is_consistent_and_vary_hash_seed_is_not(tmp_path: Path) -> None:
+    """``accelerate launch --cpu`` (its own torchrun underneath, plus ACCELERATE_* variables),
+    with no accelerate config file: the clean job, and ``--vary-hash-seed`` as its twin."""
+    launcher = str(Path(sys.executable).with_name("accelerate"))
+    home = {"HF_HOME": str(tmp_path / "hf-home"), "PYTHONHASHSEED": "0"}
+
+    def job(name: str, *extra: str) -> list[tuple[list[str], dict]]:
+        argv = [
+            launcher, "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), "-m", "fsdpcheck", *AUDIT, *extra,
+            "--json", str(tmp_path / f"{name}.json"),
+        ]  # fmt: skip
+        return [(argv, home)]
+
+    (clean,), (varied,) = _start([job("clean"), job("varied", "--vary-hash-seed")])
+    report = json.loads((tmp_path / "clean.json").read_text())
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert (report["verdict"], report["world_size"]) == ("consistent", 2), report["findings"]
+    twin = json.loads((tmp_path / "varied.json").read_text())
+    assert varied.returncode != 0 and twin["exit_code"] == 1
+    assert [f["kind"] for f in twin["findings"]] == ["buffer-order"], twin["findings"]
+    assert twin["findings"][0]["ranks"] == [1]
