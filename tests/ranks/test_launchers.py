@@ -3,8 +3,10 @@ launchers leave them: only their own variables (and MASTER_ADDR/MASTER_PORT), no
 torchrun's, each rank writing its own report (``--json r$RANK.json``, srun's per-task names).
 They must form one job, not lone ranks; the clean job (every rank with PYTHONHASHSEED=0) is
 ``consistent`` with exit 0, whatever differs per process by nature (rank numbers in argv and
-paths, DESIGN fact 11); its twin, rank 1 with another hash seed on the hash-order ``hazard``
-model, is one real ``buffer-order`` finding. Each launcher's twins run at the same time."""
+paths, DESIGN fact 11). Its twin's rank 1 differs twice, for real: another hash seed on the
+hash-order ``hazard`` model (one ``buffer-order`` finding) and ``NCCL_ALGO=Tree`` (one ``launch``
+finding naming that variable and no argument: the per-rank paths are still no difference).
+Each launcher's twins run at the same time."""
 
 from __future__ import annotations
 
@@ -85,15 +87,16 @@ LAUNCHERS = {
 EXTRA = {"srun": ["--mesh", "2,1"]}
 
 
-def _job(folder: Path, launcher: str, seeds: tuple[int, int]) -> list[tuple[list[str], dict]]:
+def _job(folder: Path, launcher: str, twin: bool) -> list[tuple[list[str], dict]]:
     variables, path = LAUNCHERS[launcher]
+    skew = {"PYTHONHASHSEED": "1", "NCCL_ALGO": "Tree"} if twin else {}
     rdv = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     folder.mkdir(parents=True)
     return [
         (
             [sys.executable, "-m", "fsdpcheck", *AUDIT, *EXTRA.get(launcher, []),
              "--json", str(folder / path.format(rank=r))],
-            {**variables(r), **rdv, "PYTHONHASHSEED": str(seeds[r])},
+            {**variables(r), **rdv, "PYTHONHASHSEED": "0", **(skew if r == 1 else {})},
         )
         for r in range(2)
     ]  # fmt: skip
@@ -110,20 +113,24 @@ def _read(folder: Path, launcher: str, done: list[subprocess.CompletedProcess]) 
 
 
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_a_launchers_clean_job_is_consistent_and_its_twin_with_another_hash_seed_is_not(
+def test_a_launchers_clean_job_is_consistent_and_its_skewed_twin_is_found(
     tmp_path: Path, launcher: str
 ) -> None:
-    clean_dir, seeded_dir = tmp_path / "clean", tmp_path / "seeded"
-    clean, seeded = _start([_job(clean_dir, launcher, (0, 0)), _job(seeded_dir, launcher, (0, 1))])
+    clean_dir, skewed_dir = tmp_path / "clean", tmp_path / "skewed"
+    clean, skewed = _start([_job(clean_dir, launcher, False), _job(skewed_dir, launcher, True)])
     report = _read(clean_dir, launcher, clean)
     assert (report["verdict"], report["exit_code"]) == ("consistent", 0), report["findings"]
     assert [len(g["ranks"]) for g in report["groups"]] == [2]
     assert sorted(e["rank"] for e in report["environment"]) == [0]
-    twin = _read(seeded_dir, launcher, seeded)
+    twin = _read(skewed_dir, launcher, skewed)
     assert (twin["verdict"], twin["exit_code"]) == ("inconsistent", 1)
-    assert [f["kind"] for f in twin["findings"]] == ["buffer-order"], twin["findings"]
-    [finding] = twin["findings"]
-    assert finding["ranks"] == [1] and BUFFER_ORDER in finding["summary"]
+    found = {f["kind"]: f for f in twin["findings"]}
+    assert sorted(found) == ["buffer-order", "launch"], twin["findings"]
+    assert found["buffer-order"]["ranks"] == [1]
+    assert BUFFER_ORDER in found["buffer-order"]["summary"]
+    [skew] = found["launch"]["details"]["groups"]
+    assert skew["ranks"] == [1] and skew["argv"] == [], skew
+    assert [d["key"] for d in skew["env"]] == ["NCCL_ALGO"]
 
 
 def test_accelerate_launch_clean_is_consistent_and_vary_hash_seed_is_not(tmp_path: Path) -> None:
