@@ -128,6 +128,21 @@ def test_a_torch_trainer_worker_built_with_another_rope_theta_is_found(trained) 
     _assert_rope_on_rank_1([checks[1] for checks in trained])
 
 
+def test_ray_workers_hash_randomly_unless_a_runtime_env_sets_the_seed(ray_session) -> None:
+    """What docs/ray.md says: no seed from Ray itself; one from ``runtime_env`` reaches the
+    interpreter (hash randomisation off)."""
+
+    @ray.remote(num_cpus=0)
+    def hashing() -> tuple:
+        import os
+
+        return os.environ.get("PYTHONHASHSEED"), sys.flags.hash_randomization
+
+    assert ray.get(hashing.remote(), timeout=120) == (None, 1)
+    seeded = hashing.options(runtime_env={"env_vars": {"PYTHONHASHSEED": "0"}})
+    assert ray.get(seeded.remote(), timeout=120) == ("0", 0)
+
+
 def test_every_example_here_is_run_by_this_module() -> None:
     """So the examples cannot rot: a new file in examples/ray/ needs a test here."""
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["torch_trainer.py", "verl_actors.py"]
