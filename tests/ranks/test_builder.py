@@ -19,9 +19,12 @@ from conftest import (
 BUILDERS = "tests/workers/builders.py"
 EXAMPLE = "examples/builders/llama_fsdp2.py:build"
 LORA = "examples/builders/llama_lora.py:build"
+TITAN = "examples/builders/torchtitan_style.py:build"
 CASES = {
     "example": EXAMPLE,
     "lora": LORA,
+    "torchtitan-style": TITAN,
+    "torchtitan-style-rope-on-rank-1": f"{BUILDERS}:torchtitan_style_rope_on_rank_1",
     "checkpointed": f"{BUILDERS}:checkpointed",
     "checkpointed-on-rank-0": f"{BUILDERS}:checkpointed_on_rank_0",
     "compiled": f"{BUILDERS}:compiled",
@@ -92,6 +95,29 @@ def test_the_lora_example_is_consistent_its_adapters_loaded_and_verified(audited
     assert report["verdict"] == "consistent"
     assert report["model"]["architecture"] == "PeftModelForCausalLM"
     assert report["load"]["outcome"] == "loaded" and report["verify"]["passed"] is True
+
+
+def test_a_torchtitan_style_model_is_consistent_every_checkpoint_entry_loaded(audited) -> None:
+    """Functions in its config dataclass are no difference between ranks; its checkpoint names
+    (``wq``/``wk``/``wv``) reach the fused ``wqkv`` through the model's own state-dict hooks,
+    so the load replaces every initialised weight and verifies."""
+    done = audited["torchtitan-style"]
+    report = done["report"]
+    assert done["exit_codes"] == [0, 0], report["findings"] + report["errors"]
+    assert report["verdict"] == "consistent"
+    assert report["model"]["architecture"] == "Transformer"
+    assert report["load"]["outcome"] == "loaded", report["load"]
+    assert report["verify"]["passed"] is True, report["verify"]
+
+
+def test_a_torchtitan_style_rank_with_another_rope_theta_is_found(audited) -> None:
+    done = audited["torchtitan-style-rope-on-rank-1"]
+    report = done["report"]
+    assert done["exit_codes"] == [1, 1], report["findings"] + report["errors"]
+    [config] = [f for f in report["findings"] if f["kind"] == "config"]
+    assert config["ranks"] == [1] and "rope_theta: 10000" in config["summary"]
+    kinds = {f["kind"] for f in report["findings"]}
+    assert kinds <= {"config", "value", "uninitialized"}, report["findings"]
 
 
 def test_checkpointing_or_compile_on_every_rank_is_consistent(audited) -> None:
