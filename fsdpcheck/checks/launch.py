@@ -142,6 +142,10 @@ def _numbers_alike(a: str, a_own: Own, b: str, b_own: Own) -> bool:
     left, right = _PARTS.split(a), _PARTS.split(b)
     if len(left) != len(right):
         return False
+    # A bare number is a value (``--seed 0`` vs ``--seed 1`` is a difference); a number inside a
+    # name where each side has one of its own numbers is that name per rank, whatever its form
+    # (``report.0.json`` and ``report.1.json``), beyond what the record's normalising saw.
+    in_name = len(left) > 1 and not (a.isdigit() or b.isdigit())
     for x, y in zip(left, right, strict=True):
         if x == y:
             continue
@@ -149,8 +153,14 @@ def _numbers_alike(a: str, a_own: Own, b: str, b_own: Own) -> bool:
             continue
         if y == RANK_WORD and x.isdigit() and int(x) in b_own.numbers:
             continue
+        if in_name and _own_number(x, a_own) and _own_number(y, b_own):
+            continue
         return False
     return True
+
+
+def _own_number(part: str, own: Own) -> bool:
+    return part.isdigit() and int(part) in own.numbers
 
 
 def env_differences(

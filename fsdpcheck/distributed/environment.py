@@ -158,7 +158,8 @@ RAY_WORKER = "<ray worker>"
 # Where a digit run is a rank's own number rather than a value: after a word that names a rank
 # (``r1.json``, ``rank_1/``, ``node0``, ``worker-1``, ``cuda:1``); as a file's or directory's
 # whole name (``1.json``, ``out/1/``); or ending a file name after ``-`` or ``_`` (srun's
-# ``report-%t.json``, ``log_1.txt``; not a directory's: ``pytest-0/`` is no rank's). Never a
+# ``report-%t.json``, ``log_1.txt``; not a directory's: ``pytest-0/`` is no rank's); between
+# dots after a name (``report.1.json``, ``trace.1``). Never a
 # bare number (``--seed 0``, ``--mesh 2,1``), one inside a decimal, version or exponent
 # (``0.1``, ``3.1``, ``1e-3``), one followed by a letter (``8B``), nor any other digit in a
 # name (``gpt2``, ``Llama-3-8B``, a ``run0/`` directory).
@@ -167,7 +168,8 @@ _OWN_NUMBER = re.compile(
     r"(?<![A-Za-z])(?:rank|r|node|proc|process|task|worker|gpu|cuda|device|dev|local|host)"
     rf"[-_:]?(\d+){_END}"
     r"|(?:^|(?<=/))(\d+)(?=/|\.[A-Za-z])|(?<=/)(\d+)$"
-    r"|(?<=[A-Za-z][-_])(?<![0-9][eE][-+])(\d+)(?=\.[A-Za-z]|$)",
+    r"|(?<=[A-Za-z][-_])(?<![0-9][eE][-+])(\d+)(?=\.[A-Za-z]|$)"
+    r"|(?<=[A-Za-z]\.)(\d+)(?=\.[A-Za-z]|$)",
     re.IGNORECASE,
 )
 # Ray's worker process: its command line is Ray's (default_worker.py --worker-id=...

@@ -67,8 +67,9 @@ AUDIT = ["/v/bin/fsdpcheck", "audit", "--model", "tiny-llama", "--mesh", "2,1", 
         ["--json", "out/{r}/report.json", "--log", "logs/rank_{r}.log"],
         ["--log", "report-0{r}.log"],  # srun's report-%2t, expanded per task
         ["--device", "cuda:{r}", "--local-rank={r}", "--node-rank", "0"],
+        ["--json", "report.{r}.json", "--trace", "trace.{r}"],  # an mpirun user's per-rank names
     ],
-    ids=["r1.json", "rank1-dir", "number-dir", "srun-%2t", "device"],
+    ids=["r1.json", "rank1-dir", "number-dir", "srun-%2t", "device", "dotted"],
 )
 def test_words_that_differ_only_by_each_ranks_own_number_are_alike(per_rank: list[str]) -> None:
     def argv(r: int) -> list[str]:
@@ -108,6 +109,9 @@ def test_a_real_launch_difference_is_still_found_with_per_rank_paths() -> None:
     # Another entry script on rank 1.
     other = {0: (argv(0), torchrun(0)), 1: (argv(1, script="/x/eval.py"), torchrun(1))}
     assert "[0] eval.py (rank 0: train.py)" in _launch_finding(other).summary
+    # A bare number is a value even where it equals each rank's own: a per-rank seed.
+    seeds = {r: ([*argv(r), "--seed", str(r)], torchrun(r)) for r in range(2)}
+    assert "[6] 1 (rank 0: 0)" in _launch_finding(seeds).summary
     # A per-rank path that names another rank's number is not this rank's own: found (rank 1
     # on node 0 may say r0: 0 is its node rank).
     wrong = {r: (argv(1 if r == 2 else r), torchrun(r)) for r in range(3)}

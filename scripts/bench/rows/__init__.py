@@ -33,6 +33,6 @@ RUNNERS: dict[str, Callable[[Settings], Row]] = {
     "probe": row_probe,
     "verdict": row_verdict,
     "step": row_step,
-    "weight-sync": row_weight_sync,
+    "weight_sync": row_weight_sync,
 }
 ROWS = tuple(RUNNERS)

@@ -14,7 +14,7 @@ GOAL = 2.0  # state_digests / one plain read (torch.sum) of the shards
 def row_weight_sync(s: Settings) -> Row:
     mb = 64 if s.quick else 1024
     row = Row(
-        "weight-sync",
+        "weight_sync",
         "weight-sync digests",
         f"`fsdpcheck.state_digests(model)` on FSDP2 shards ({mb} MiB of bfloat16 linear "
         f"layers, 2 ranks, gloo: each rank digests its own half, combined by position) against "
