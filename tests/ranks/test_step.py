@@ -18,6 +18,14 @@ CASES = [
     "labels-ignored",
     "hsdp",
     "hsdp-lr-rank1",
+    # issue 31: the full descriptor, agreement within each group, DTensor's collectives
+    "broadcast-self-root",
+    "reduce-sum-max",
+    "a2a-unpaired",
+    "collectives-agree",
+    "pp-subgroups",
+    "clip-all",
+    "clip-rank0",
 ]
 
 
@@ -44,7 +52,9 @@ def _only(report: dict, kind: str) -> dict:
     return report["findings"][0]
 
 
-@pytest.mark.parametrize("case", ["equal", "tower-all", "hsdp"])
+@pytest.mark.parametrize(
+    "case", ["equal", "tower-all", "hsdp", "collectives-agree", "pp-subgroups", "clip-all"]
+)
 def test_the_clean_twins_are_consistent_and_the_step_ran(ran, case):
     per_rank, report = _case(ran, case)
     assert [r["exit_code"] for r in per_rank] == [0, 0]
@@ -92,3 +102,43 @@ def test_hsdp_replicas_that_differ_after_the_step_are_a_value_finding(ran):
     found = _only(report, "value")
     assert found["ranks"] == [1] and found["snapshot"] == "step"
     assert "llama.model.embed_tokens.weight" in found["tensors"]
+
+
+@pytest.mark.parametrize(
+    ("case", "reason", "said"),
+    [
+        # today: both ranks issue it, each the root, and hang until the script's timeout
+        ("broadcast-self-root", "roots differ", ["root rank 0", "root rank 1"]),
+        # today: consistent, the tensor a mix of both ops
+        ("reduce-sum-max", "reduce ops differ", ["sum on rank 0, max on rank 1"]),
+        # today: gloo aborts rank 0 ("Received data size doesn't match")
+        (
+            "a2a-unpaired",
+            "splits do not pair",
+            ["rank 1 sends rank 0 4 elements, rank 0 expects 2"],
+        ),
+    ],
+)
+def test_a_collective_whose_members_disagree_beyond_its_size_is_named_before_it_is_issued(
+    ran, case, reason, said
+):
+    per_rank, report = _case(ran, case)
+    assert [r["exit_code"] for r in per_rank] == [1, 1]
+    found = _only(report, "step")
+    assert found["ranks"] == [1] and found["reference_rank"] == 0
+    assert reason in found["details"]["reason"]
+    assert found["details"]["group_ranks"] == [0, 1]
+    for text in said:
+        assert text in found["summary"], found["summary"]
+    assert "step_worker.py" in found["summary"]  # the script's line that issued it
+
+
+def test_a_grad_norm_over_dtensor_gradients_on_rank_0_only_is_named_before_it_is_issued(ran):
+    # Today: DTensor's all-reduce runs inside its own dispatch, unseen; rank 1's watch timed
+    # out and raised a raw RuntimeError out of check_step.
+    per_rank, report = _case(ran, "clip-rank0")
+    assert [r["exit_code"] for r in per_rank] == [1, 1]
+    found = _only(report, "step")
+    assert found["ranks"] == [0] and found["details"]["not_issued_by"] == [1]
+    assert "all-reduce at step_worker.py" in found["summary"]
+    assert "a DTensor redistribution" in found["summary"]

@@ -91,6 +91,64 @@ def case_step(case: str, rank: int, model: WithTower, optimizer):
     return step
 
 
+def collective_step(case: str, rank: int, model: WithTower, optimizer, stages):
+    """The cases of issue 31: a training step, then collectives whose descriptors must agree
+    across their group's members beyond op, size and dtype."""
+    plain = case_step("equal", rank, model, optimizer)
+
+    def step():
+        loss = plain()
+        t = torch.ones(4)
+        if case == "broadcast-self-root":  # each rank names itself the root
+            dist.broadcast(t, src=rank)
+        if case == "reduce-sum-max":
+            dist.all_reduce(t, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
+        if case in ("collectives-agree", "a2a-unpaired"):
+            # Uneven MoE-like splits: rank 0 sends 3 to itself and 1 to rank 1, expects 2 back;
+            # rank 1 sends 2 (unpaired: 4) to rank 0 and 2 to itself.
+            send = [[3, 1], [4 if case == "a2a-unpaired" else 2, 2]][rank]
+            recv = [[3, 2], [1, 2]][rank]
+            out = torch.empty(sum(recv))
+            dist.all_to_all_single(out, torch.ones(sum(send)), recv, send)
+        if case == "collectives-agree":
+            dist.broadcast(t, src=0)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if case == "pp-subgroups":
+            # Pipeline stages: each rank all-reduces its own layers' gradients over its own
+            # 1-rank data group, stage 1 holding more layers; then the loss over every rank.
+            for _ in range(2 + rank):
+                dist.all_reduce(torch.ones(3 + rank), group=stages[rank])
+            dist.all_reduce(t)
+        return loss
+
+    return step
+
+
+def clip_step(rank: int, model: WithTower, optimizer, everyone: bool):
+    """Rank 0 (or every rank) takes the grad norm of FSDP2's DTensor gradients for its log."""
+
+    def step():
+        ids, labels = batch(rank)
+        loss = model(ids, labels)
+        loss.backward()
+        if everyone or rank == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+COLLECTIVE_CASES = (
+    "broadcast-self-root",
+    "reduce-sum-max",
+    "collectives-agree",
+    "a2a-unpaired",
+    "pp-subgroups",
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -103,6 +161,8 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,))
     # HSDP: every rank a replica of the others (one shard each), as a 2-D job's replicate dim.
     hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    # Every rank creates every group, as new_group asks; each rank then uses only its own.
+    stages = [dist.new_group([r]) for r in range(world)]
     record = {}
     for case in args.cases:
         # "hsdp-lr-rank1": rank 1's optimizer was built with another learning rate.
@@ -110,9 +170,13 @@ def main() -> None:
         model, optimizer = build(hsdp if case.startswith("hsdp") else mesh, lr)
         before = {n: p.to_local().clone() for n, p in model.named_parameters()}
         start = time.monotonic()
-        result = fsdpcheck.check_step(
-            model, case_step(case, rank, model, optimizer), timeout=args.timeout
-        )
+        if case in COLLECTIVE_CASES:
+            step = collective_step(case, rank, model, optimizer, stages)
+        elif case.startswith("clip-"):
+            step = clip_step(rank, model, optimizer, everyone=case == "clip-all")
+        else:
+            step = case_step(case, rank, model, optimizer)
+        result = fsdpcheck.check_step(model, step, timeout=args.timeout)
         seconds = time.monotonic() - start
         # After a divergence FSDP2 may leave modules unsharded: plain parameters, not DTensors.
         changed = any(
