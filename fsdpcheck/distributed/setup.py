@@ -115,10 +115,20 @@ def init(
     from torch.distributed.device_mesh import init_device_mesh
 
     names = spec.names or (("replicate", "shard") if len(spec.sizes) == 2 else None)
-    mesh = init_device_mesh(device_type, spec.sizes, mesh_dim_names=names)
+    # A dim over fewer ranks than the world gets groups of its own: with the run's timeout,
+    # not the backend's 30 minutes (a whole-world dim reuses the default group, which has it).
+    override = {
+        (names[d] if names else d): group_options(device_type, timeout)
+        for d, size in enumerate(spec.sizes)
+        if size < world_size
+    }
+    mesh = init_device_mesh(
+        device_type, spec.sizes, mesh_dim_names=names, backend_override=override or None
+    )
     from fsdpcheck.model.parallel import ep_meshes
 
-    views = ep_meshes(mesh)  # flattening a mesh dim is a collective too
+    # flattening a mesh dim is a collective too
+    views = ep_meshes(mesh, group_options(device_type, timeout))
     log.info("rank %d of %d on %s, mesh %s %s", rank, world_size, backend, spec.sizes, names)
     return DistContext(
         rank=rank,
@@ -133,6 +143,18 @@ def init(
         store=_default_store(),
         ep_meshes=views,
     )
+
+
+def group_options(device_type: str, timeout: float) -> tuple[str, Any]:
+    """``(backend, options)`` for a group fsdpcheck builds through DeviceMesh, bounded by
+    ``timeout`` (``init_device_mesh``'s and ``_flatten``'s ``backend_override``)."""
+    if device_type == "cuda":
+        options: Any = dist.ProcessGroupNCCL.Options()
+        backend = "nccl"
+    else:
+        options, backend = dist.ProcessGroupGloo._Options(), "gloo"
+    options._timeout = timedelta(seconds=timeout)
+    return backend, options
 
 
 def _mesh_spec(

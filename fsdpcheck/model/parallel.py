@@ -221,7 +221,7 @@ def ep_size(mesh: Any) -> int:
     return int(mesh["ep"].size()) if "ep" in names else 1
 
 
-def ep_meshes(mesh: Any) -> EpMeshes | None:
+def ep_meshes(mesh: Any, override: Any = None) -> EpMeshes | None:
     """Collective on every rank of ``mesh``: the flattened ``dp_shard_ep`` dim and a one-rank
     tp mesh, for a mesh with an ``ep`` dim over more than one rank and no ``tp`` dim over more
     than one; None otherwise, or where this torch's DeviceMesh cannot flatten (then
@@ -234,7 +234,7 @@ def ep_meshes(mesh: Any) -> EpMeshes | None:
         log.info("DeviceMesh has no _flatten/_unflatten: --ep cannot be applied here")
         return None
     try:
-        dense, tp = _ep_views(mesh, layout)
+        dense, tp = _ep_views(mesh, layout, override)
     except Exception:  # private API: then --ep is refused with one paragraph, never a crash
         log.debug("DeviceMesh could not flatten: --ep cannot be applied", exc_info=True)
         return None
@@ -250,9 +250,11 @@ def ep_meshes(mesh: Any) -> EpMeshes | None:
     )
 
 
-def _ep_views(mesh: Any, layout: EpLayout) -> tuple[Any, Any]:
-    """(the mesh non-experts shard over, a tp mesh of this rank alone)."""
-    flat = mesh[layout.flatten]._flatten(FLAT_DIM)  # private API (torch >= 2.4), detected
+def _ep_views(mesh: Any, layout: EpLayout, override: Any = None) -> tuple[Any, Any]:
+    """(the mesh non-experts shard over, a tp mesh of this rank alone). ``override``: the
+    flattened dim's group ``(backend, options)``, so it carries the run's timeout."""
+    # private API (torch >= 2.4), detected
+    flat = mesh[layout.flatten]._flatten(FLAT_DIM, backend_override=override)
     dense = flat
     if layout.dense != (FLAT_DIM,):
         import warnings

@@ -26,6 +26,7 @@ CASES = [
     "pp-subgroups",
     "clip-all",
     "clip-rank0",
+    "submesh-timeout",
 ]
 
 
@@ -142,3 +143,10 @@ def test_a_grad_norm_over_dtensor_gradients_on_rank_0_only_is_named_before_it_is
     assert found["ranks"] == [0] and found["details"]["not_issued_by"] == [1]
     assert "all-reduce at step_worker.py" in found["summary"]
     assert "a DTensor redistribution" in found["summary"]
+
+
+def test_the_sub_mesh_groups_fsdpcheck_builds_carry_its_timeout(ran):
+    # Today the one-rank "dp_shard" groups carried gloo's default 30 minutes; the "dp_replicate" dim
+    # spans the world and reuses the script's own group (its timeout is the script's).
+    for rank in ran:
+        assert rank["submesh-timeout"]["timeouts"]["dp_shard"] == 7.0

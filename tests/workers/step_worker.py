@@ -165,6 +165,21 @@ def main() -> None:
     stages = [dist.new_group([r]) for r in range(world)]
     record = {}
     for case in args.cases:
+        if case == "submesh-timeout":  # the groups setup.init builds carry its timeout
+            from fsdpcheck.distributed import setup
+
+            ctx = setup.init(
+                "auto", 7.0, mesh_shape=(world, 1), mesh_names=("dp_replicate", "dp_shard")
+            )
+            timeouts = {
+                name: ctx.mesh.get_group(name)
+                ._get_backend(torch.device("cpu"))
+                .options._timeout.total_seconds()
+                for name in ("dp_replicate", "dp_shard")
+            }
+            setup.shutdown(ctx)
+            record[case] = {"timeouts": timeouts, "exit_code": 0}
+            continue
         # "hsdp-lr-rank1": rank 1's optimizer was built with another learning rate.
         lr = 1e-2 if case == "hsdp-lr-rank1" and rank == 1 else 1e-3
         model, optimizer = build(hsdp if case.startswith("hsdp") else mesh, lr)
