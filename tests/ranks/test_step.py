@@ -27,17 +27,23 @@ CASES = [
     "clip-all",
     "clip-rank0",
     "submesh-timeout",
+    "unseen-rank0",  # last: it ends the job (exit 3 on both ranks)
 ]
 
 
 @pytest.fixture(scope="module")
-def ran(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], object]:
     out = tmp_path_factory.mktemp("step")
     result, records = run_worker_ranks(
         "step_worker.py", out, ["--timeout", str(TIMEOUT), *CASES], timeout=300
     )
-    assert result.codes == [0, 0], result.output(0)[-3000:] + result.output(1)[-3000:]
-    return records
+    assert result.codes == [3, 3], result.output(0)[-3000:] + result.output(1)[-3000:]
+    return records, result
+
+
+@pytest.fixture(scope="module")
+def ran(job) -> list[dict]:
+    return job[0]
 
 
 def _case(records: list[dict], case: str) -> tuple[list[dict], dict]:
@@ -150,3 +156,16 @@ def test_the_sub_mesh_groups_fsdpcheck_builds_carry_its_timeout(ran):
     # spans the world and reuses the script's own group (its timeout is the script's).
     for rank in ran:
         assert rank["submesh-timeout"]["timeouts"]["dp_shard"] == 7.0
+
+
+def test_a_collective_the_watch_cannot_see_ends_every_rank_with_exit_3_naming_it(job):
+    # Today rank 1's watch raised a raw RuntimeError out of check_step. Rank 0 waits in its
+    # thread's all-reduce until rank 1 gives up and leaves; then its own check gives up too.
+    records, result = job
+    assert result.codes == [3, 3]
+    per_rank = [r["unseen-rank0"] for r in records]
+    assert [r["exit_code"] for r in per_rank] == [3, 3]
+    for rank in per_rank:
+        assert rank["seconds"] < BOUND
+        assert "rank 0 is stuck in stage 'step'" in rank["headline"], rank["headline"]
+    assert [e["rank"] for e in per_rank[0]["report"]["errors"]] == [0]

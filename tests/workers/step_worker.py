@@ -8,6 +8,7 @@ report."""
 import argparse
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -140,6 +141,18 @@ def clip_step(rank: int, model: WithTower, optimizer, everyone: bool):
     return step
 
 
+def unseen_step(rank: int, step):
+    def with_thread():
+        loss = step()
+        if rank == 0:
+            worker = threading.Thread(target=lambda: dist.all_reduce(torch.ones(2)), daemon=True)
+            worker.start()
+            worker.join()
+        return loss
+
+    return with_thread
+
+
 COLLECTIVE_CASES = (
     "broadcast-self-root",
     "reduce-sum-max",
@@ -191,7 +204,12 @@ def main() -> None:
             step = clip_step(rank, model, optimizer, everyone=case == "clip-all")
         else:
             step = case_step(case, rank, model, optimizer)
-        result = fsdpcheck.check_step(model, step, timeout=args.timeout)
+        timeout = args.timeout
+        if case == "unseen-rank0":
+            # Rank 0 issues an all-reduce from a thread of its own (the watch is thread-local):
+            # it waits there; rank 1's check times out and must end every rank with exit 3.
+            step, timeout = unseen_step(rank, step), 5.0
+        result = fsdpcheck.check_step(model, step, timeout=timeout)
         seconds = time.monotonic() - start
         # After a divergence FSDP2 may leave modules unsharded: plain parameters, not DTensors.
         changed = any(
@@ -205,10 +223,11 @@ def main() -> None:
             "params_changed": changed,
             "report": to_dict(result.report) if result.report is not None else None,
         }
+        # Written after every case: a rank the last case ends (exit 3) keeps the others.
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"rank{rank}.json").write_text(json.dumps(record))
         if result.exit_code == 3:  # a peer is gone: nothing more can run
             break
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(record))
     print(f"rank {rank} done", flush=True)
     if any(r["exit_code"] == 3 for r in record.values()):
         os._exit(3)
