@@ -332,6 +332,16 @@ def _consequence(
             f"{reason[0].upper()}{reason[1:]}: unwatched, gloo aborts the receiving rank "
             "(`Received data size doesn't match`), NCCL hangs or corrupts"
         )
+    if reason.startswith("the sends and receives do not pair"):
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, both stages wait until the "
+            "collective timeout"
+        )
+    if reason.startswith("the send does not match"):
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, gloo aborts the receiving rank "
+            "(`op.preamble.length <= op.nbytes`), NCCL hangs or corrupts"
+        )
     sizes = {(call.numel, call.sizes) for _, call in issued}
     if len(sizes) > 1:
         return (

@@ -24,13 +24,14 @@ sees it) and the ops :data:`UNWATCHED` lists. A divergence there is caught by th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,9 @@ _STATE = {_FINISHED: FINISHED, _RAISED: RAISED}
 _CONTEXT = 3  # agreed collectives kept for the report's context
 _SKIP_FRAMES = (os.sep + "torch" + os.sep, os.sep + "fsdpcheck" + os.sep)
 _DIVERGED = "diverged"  # a rank's end mark when it stopped at a divergence
+_AHEAD = "ahead"  # a point-to-point peer waiting in the watch itself: it compares the pair
+_BLOCKED = b"blocked:"  # a peer stuck in a batch of its own that this rank's batch cannot serve
+_DEADLOCK_GRACE = 0.5  # seconds a peer's batch wait must stay the same to count as stuck
 
 
 class StepDiverged(BaseException):
@@ -204,6 +208,8 @@ class CollectiveWatch(TorchDispatchMode):
         self._counts: dict[str, int] = {}  # collectives agreed per group (or p2p channel)
         self._stepping_aside: Any = None  # the DTensor op handed back to DTensor's dispatch
         self._in_dtensor = 0  # depth of DTensor dispatches the watch is inside
+        self._agreed_ahead = 0  # sends and receives of a batch agreed before it was issued
+        self._blocked_seen: dict[int, tuple[bytes, float]] = {}  # a peer's batch wait, since
         self.calls: list[CollectiveCall] = []  # agreed and issued, in order
         self.at: int | None = None  # where the ranks differed (the group's sequence number)
         self.doing: CollectiveCall | None = None  # this rank's collective there
@@ -228,6 +234,9 @@ class CollectiveWatch(TorchDispatchMode):
             if _on_dtensor(args, kwargs):
                 return self._through_dtensor(func, args, kwargs)
             return func(*args, **kwargs)
+        if self._agreed_ahead and spec[1] in (_SEND, _RECV):
+            self._agreed_ahead -= 1  # one of a batch the members agreed on as a whole
+            return func(*args, **kwargs)
         start = time.perf_counter()
         try:
             call = self._describe(func, spec, args, kwargs)
@@ -236,6 +245,57 @@ class CollectiveWatch(TorchDispatchMode):
             self.seconds += time.perf_counter() - start
         self.calls.append(call)
         return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def batches(self) -> Iterator[None]:
+        """While the step runs: ``batch_isend_irecv`` (a pipeline schedule's sends and
+        receives) agreed as a whole before any of it is issued: every descriptor of the batch
+        is left first, then each is paired, so two stages that each send before they receive
+        neither wait for each other nor commit a send the other will refuse."""
+        original = dist.distributed_c10d.batch_isend_irecv
+
+        def agreed_batch(p2p_op_list):
+            if not self.diverged and self._store is not None:
+                self._agree_batch(p2p_op_list)
+                self._agreed_ahead += len(p2p_op_list)
+            try:
+                return original(p2p_op_list)
+            finally:
+                self._agreed_ahead = 0
+
+        dist.distributed_c10d.batch_isend_irecv = agreed_batch
+        dist.batch_isend_irecv = agreed_batch
+        try:
+            yield
+        finally:
+            dist.distributed_c10d.batch_isend_irecv = original
+            dist.batch_isend_irecv = original
+
+    def _agree_batch(self, ops: list) -> None:
+        start = time.perf_counter()
+        try:
+            pending = []
+            for op in ops:
+                send = getattr(op.op, "__name__", "") in ("isend", "send")
+                group, ranks = self._group(op.group)
+                tensor = op.tensor
+                call = CollectiveCall(
+                    seq=len(self.calls),
+                    op="send" if send else "recv",
+                    group=group,
+                    group_ranks=ranks,
+                    numel=tensor.numel(),
+                    dtype=str(tensor.dtype).removeprefix("torch."),
+                    where=_script_line(),
+                    peer=int(op.peer),
+                    tag=int(op.tag or 0),
+                )
+                pending.append((call, *self._publish(call)))
+            for call, channel, n, wanted in pending:
+                self._settle(call, channel, n, self._collect(wanted, blocked=call))
+                self.calls.append(call)
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def _through_dtensor(self, func, args, kwargs):
         """DTensor redistributes inside its own dispatch, where this mode is off: hand the op
@@ -279,6 +339,11 @@ class CollectiveWatch(TorchDispatchMode):
         if self._store is None:
             self._agree_world(call, _CALL)
             return
+        channel, n, wanted = self._publish(call)
+        self._settle(call, channel, n, self._collect(wanted, p2p=call.peer is not None))
+
+    def _publish(self, call: CollectiveCall) -> tuple[str, int, dict[int, str]]:
+        """Leave this rank's descriptor; its channel, number there, and the peers' keys."""
         if call.peer is not None:  # point to point: the sender's and receiver's sides pair
             src, dst = (self._rank, call.peer) if call.op == "send" else (call.peer, self._rank)
             channel = f"p/{src}-{dst}"
@@ -290,70 +355,139 @@ class CollectiveWatch(TorchDispatchMode):
             n = self._counts.get(channel, 0)
             mine = f"{channel}/{n}/{self._rank}"
             theirs = {r: f"{channel}/{n}/{r}" for r in call.group_ranks if r != self._rank}
+        self._counts[channel] = n + 1
         payload = json.dumps(to_dict(call), separators=(",", ":"))
         try:
             self._store.set(f"step/{mine}", payload)
-            seen = self._collect({r: f"step/{k}" for r, k in theirs.items()})
-        except ChannelLost:
-            raise
         except Exception as exc:  # the store's host is gone
             log.debug("collective on %s: the store failed", channel, exc_info=True)
             raise ChannelLost(exc) from exc
         finally:
             self.exchanges += 1
             self.channel_bytes += len(payload)
+        return channel, n, {r: f"step/{k}" for r, k in theirs.items()}
+
+    def _settle(
+        self, call: CollectiveCall, channel: str, n: int, seen: dict[int, bytes | str]
+    ) -> None:
+        """Compare what the peers left with this rank's call; stop the step where they differ."""
         views, reason = [], ""
         for peer, got in sorted(seen.items()):
+            if got == _AHEAD:
+                continue
             if isinstance(got, str):
                 views.append(PeerView(peer, state=got))
+                continue
+            if got.startswith(_BLOCKED):
+                other = from_dict(CollectiveCall, json.loads(got[len(_BLOCKED) :]))
+                views.append(PeerView(peer, doing=other))
+                reason = reason or (
+                    f"the sends and receives do not pair: rank {self._rank} waits at its "
+                    f"{call.op} ({call.numel} {call.dtype}, {_with(call)}) while rank {peer} "
+                    f"waits at its {other.op} ({other.numel} {other.dtype}, {_with(other)}), "
+                    "each for the other (stages running different numbers of microbatches?)"
+                )
                 continue
             other = from_dict(CollectiveCall, json.loads(got))
             views.append(PeerView(peer, doing=other))
             if not reason:
                 reason = _pair_disagreement(call, self._rank, other, peer)
         if not reason and all(v.doing is not None for v in views):
-            self._counts[channel] = n + 1
             return
         self._stop(call, n, tuple(views), reason)
 
-    def _collect(self, keys: dict[int, str]) -> dict[int, bytes | str]:
+    def _collect(
+        self, keys: dict[int, str], *, p2p: bool = False, blocked: CollectiveCall | None = None
+    ) -> dict[int, bytes | str]:
         """Each peer's descriptor, or the state it ended its step in without issuing it;
-        polls the store until every peer answered or the timeout passed."""
+        polls the store until every peer answered or the timeout passed.
+
+        ``p2p``: a send or receive need not block where the peer is itself waiting in the
+        watch (two ranks that each send before they receive, as a ring exchange or a
+        pipeline's batched sends and receives do): then this side goes ahead and the peer,
+        arriving at its half later, finds this rank's descriptor and compares the pair. A pair
+        that never comes (a stage running fewer microbatches) leaves the other waiting here
+        until the timeout: exit 3, naming the stage that stopped answering.
+
+        ``blocked``: this rank's call in a batch, every descriptor of which is already left.
+        A peer that waits in a batch of its own for a while, for something this rank's batch
+        does not hold, while this rank waits for something its batch does not hold, never
+        answers: the pair is a deadlock of the schedule, returned as ``_BLOCKED`` + the
+        peer's call (two stages running different numbers of microbatches)."""
         got: dict[int, bytes | str] = {}
         pending = dict(keys)
         deadline = time.monotonic() + self._timeout
         pause = 0.0
-        while pending:
-            if self._store.check(list(pending.values())):
-                values = self._store.multi_get(list(pending.values()))
-                got.update(zip(pending, values, strict=True))
-                return got
-            for peer in list(pending):
-                # The end mark first: a peer leaves its descriptors before it, so an end
-                # mark with no descriptor after it means the peer never issued this one.
-                ended = f"step/end/{peer}"
-                if self._store.check([ended]):
-                    key = pending.pop(peer)
-                    got[peer] = (
-                        self._store.get(key)
-                        if self._store.check([key])
-                        else self._store.get(ended).decode()
-                    )
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                silent = tuple(sorted(pending))
-                raise ChannelLost(
-                    TimeoutError(
-                        f"{_ranks(silent)} issued nothing within {self._timeout:g}s where this "
-                        f"rank waited to agree on a collective with {_them(silent)} (stuck in "
-                        "a collective the watch cannot see, or gone)"
-                    ),
-                    silent,
+        waiting = False
+        try:
+            while pending:
+                if self._store.check(list(pending.values())):
+                    values = self._store.multi_get(list(pending.values()))
+                    got.update(zip(pending, values, strict=True))
+                    return got
+                if (p2p or blocked is not None) and not waiting:
+                    waiting = True
+                    mark = "1" if blocked is None else json.dumps(to_dict(blocked))
+                    self._store.set(f"step/wait/{self._rank}", mark)
+                self._poll(pending, got, p2p=p2p, deadline=deadline, blocked=blocked)
+                pause = min(max(pause * 2, 1e-4), 0.02)
+                if pending:
+                    time.sleep(pause)
+            return got
+        except ChannelLost:
+            raise
+        except Exception as exc:  # the store's host is gone
+            log.debug("waiting for %s: the store failed", sorted(keys), exc_info=True)
+            raise ChannelLost(exc) from exc
+        finally:
+            if waiting:
+                with contextlib.suppress(Exception):  # the store is gone: nothing to clear
+                    self._store.set(f"step/wait/{self._rank}", "0")
+
+    def _poll(
+        self,
+        pending: dict[int, str],
+        got: dict[int, bytes | str],
+        *,
+        p2p: bool,
+        deadline: float,
+        blocked: CollectiveCall | None = None,
+    ) -> None:
+        for peer in list(pending):
+            # The end mark first: a peer leaves its descriptors before it, so an end
+            # mark with no descriptor after it means the peer never issued this one.
+            ended = f"step/end/{peer}"
+            if self._store.check([ended]):
+                key = pending.pop(peer)
+                got[peer] = (
+                    self._store.get(key)
+                    if self._store.check([key])
+                    else self._store.get(ended).decode()
                 )
-            pause = min(max(pause * 2, 1e-4), 0.02)
-            time.sleep(pause)
-        return got
+            elif (p2p or blocked is not None) and self._store.check([f"step/wait/{peer}"]):
+                mark = self._store.get(f"step/wait/{peer}")
+                if p2p and mark == b"1":
+                    pending.pop(peer)
+                    got[peer] = _AHEAD
+                elif blocked is not None and mark not in (b"0", b"1"):
+                    # The same mark seen a while apart: the peer is still stuck there.
+                    now = time.monotonic()
+                    since = self._blocked_seen.get(peer)
+                    if since is None or since[0] != mark:
+                        self._blocked_seen[peer] = (mark, now)
+                    elif now - since[1] >= _DEADLOCK_GRACE:
+                        pending.pop(peer)
+                        got[peer] = _BLOCKED + mark
+        if pending and time.monotonic() > deadline:
+            silent = tuple(sorted(pending))
+            raise ChannelLost(
+                TimeoutError(
+                    f"{_ranks(silent)} issued nothing within {self._timeout:g}s where this "
+                    f"rank waited to agree on a collective with {_them(silent)} (stuck in "
+                    "a collective the watch cannot see, or gone)"
+                ),
+                silent,
+            )
 
     def _stop(self, call: CollectiveCall, n: int, views: tuple[PeerView, ...], reason: str) -> None:
         self.at, self.doing, self.peers, self.reason = n, call, views, reason
@@ -500,6 +634,10 @@ def _pair_disagreement(mine: CollectiveCall, me: int, other: CollectiveCall, pee
             )
         return ""
     return disagreement(mine, me, other, peer)
+
+
+def _with(call: CollectiveCall) -> str:
+    return f"{'to' if call.op == 'send' else 'from'} rank {call.peer}"
 
 
 def _bound(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -114,6 +114,18 @@ def collective_step(case: str, rank: int, model: WithTower, optimizer, stages):
         if case == "collectives-agree":
             dist.broadcast(t, src=0)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if case in ("p2p-ring", "p2p-size"):
+            # Each rank sends its peer a message and receives one, both posted before either
+            # waits (batch_isend_irecv); "p2p-size": rank 0 sends 4 elements, rank 1 expects 2.
+            peer = 1 - rank
+            size = 4 if case == "p2p-size" and rank == 0 else 2
+            inbox = torch.empty(2)
+            ops = [
+                dist.P2POp(dist.isend, torch.ones(size), peer),
+                dist.P2POp(dist.irecv, inbox, peer),
+            ]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
         if case == "pp-subgroups":
             # Pipeline stages: each rank all-reduces its own layers' gradients over its own
             # 1-rank data group, stage 1 holding more layers; then the loss over every rank.
@@ -153,12 +165,46 @@ def unseen_step(rank: int, step):
     return with_thread
 
 
+def pipeline_step(rank: int, world: int, fewer: bool):
+    """torch.distributed.pipelining, one stage per rank (GPipe, 4 microbatches), each stage a
+    Linear; ``fewer``: the last stage's schedule built for 2 microbatches (torchtitan#775)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    torch.manual_seed(rank)
+    stage_module = nn.Linear(8, 8)
+    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    last = rank == world - 1
+    micro = 2 if fewer and last else 4
+
+    def loss_fn(out, target):
+        return torch.nn.functional.mse_loss(out, target)
+
+    schedule = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(stage_module.parameters(), lr=0.1)
+    # The last stage's batch is sized for its own schedule: 2 microbatches of 2 rows each.
+    x, y = torch.ones(8, 8), torch.zeros(4 if fewer and last else 8, 8)
+
+    def step():
+        losses: list = []
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+        optimizer.step()
+        optimizer.zero_grad()
+        return torch.stack(losses).mean() if losses else None
+
+    return stage_module, step
+
+
 COLLECTIVE_CASES = (
     "broadcast-self-root",
     "reduce-sum-max",
     "collectives-agree",
     "a2a-unpaired",
     "pp-subgroups",
+    "p2p-ring",
+    "p2p-size",
 )
 
 
@@ -176,6 +222,7 @@ def main() -> None:
     hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     # Every rank creates every group, as new_group asks; each rank then uses only its own.
     stages = [dist.new_group([r]) for r in range(world)]
+    stages.append(dist.new_group(list(range(world))))  # the point-to-point cases' own group
     record = {}
     for case in args.cases:
         if case == "submesh-timeout":  # the groups setup.init builds carry its timeout
@@ -198,7 +245,10 @@ def main() -> None:
         model, optimizer = build(hsdp if case.startswith("hsdp") else mesh, lr)
         before = {n: p.to_local().clone() for n, p in model.named_parameters()}
         start = time.monotonic()
-        if case in COLLECTIVE_CASES:
+        if case.startswith("pipeline-"):
+            model, step = pipeline_step(rank, world, fewer=case == "pipeline-fewer-microbatches")
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        elif case in COLLECTIVE_CASES:
             step = collective_step(case, rank, model, optimizer, stages)
         elif case.startswith("clip-"):
             step = clip_step(rank, model, optimizer, everyone=case == "clip-all")
@@ -213,7 +263,10 @@ def main() -> None:
         seconds = time.monotonic() - start
         # After a divergence FSDP2 may leave modules unsharded: plain parameters, not DTensors.
         changed = any(
-            not hasattr(p, "to_local") or not torch.equal(before[n], p.to_local())
+            not hasattr(p, "to_local")
+            and (n not in before or not torch.equal(before[n], p))
+            or hasattr(p, "to_local")
+            and not torch.equal(before[n], p.to_local())
             for n, p in model.named_parameters()
         )
         record[case] = {
