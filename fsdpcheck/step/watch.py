@@ -112,6 +112,8 @@ UNWATCHED: dict[str, str] = {
     "_c10d_functional::wait_tensor": "not a collective (waits for one already agreed)",
     "_c10d_functional::batch_p2p_ops": "a compiled batch of sends and receives; eager "
     "batch_isend_irecv is watched op by op",
+    "_c10d_functional::_wrap_tensor_autograd": "not a collective (wraps a result for autograd)",
+    "_dtensor::mesh_get_process_group": "not a collective (looks a mesh's group up)",
 }
 _REDUCE_OPS = {int(v): n.lower() for n, v in dist.ReduceOp.RedOpType.__members__.items()}
 

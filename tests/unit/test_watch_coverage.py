@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 
 import torch
+import torch.distributed._functional_collectives  # noqa: F401  (registers its Python ops)
+import torch.distributed.tensor  # noqa: F401  (DTensor registers its own)
 
 from fsdpcheck.step.watch import UNWATCHED, WATCHED
 
