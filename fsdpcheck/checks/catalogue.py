@@ -35,7 +35,7 @@ from fsdpcheck.checks.loaded import load_findings, verify_findings
 from fsdpcheck.checks.module_state import module_state_findings, numerics_findings
 from fsdpcheck.checks.non_finite import non_finite_findings
 from fsdpcheck.checks.observed import Observation, with_observations
-from fsdpcheck.checks.step import StepRecord, divergence_finding, non_finite_finding
+from fsdpcheck.checks.step import StepRecord, divergence_findings, non_finite_finding
 from fsdpcheck.checks.ties import tie_findings
 from fsdpcheck.checks.unexplained import unexplained_findings
 from fsdpcheck.checks.uninitialized import uninitialized_findings
@@ -232,8 +232,7 @@ def _prediction(e: Evidence) -> list[Finding]:
 
 
 def _step(e: Evidence) -> list[Finding]:
-    found = divergence_finding(e.step)
-    return [] if found is None else [found]
+    return divergence_findings(e.step)
 
 
 def _non_finite_in_step(e: Evidence) -> list[Finding]:

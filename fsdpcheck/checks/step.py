@@ -21,27 +21,49 @@ from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 # What a rank was doing at a sequence number, besides issuing a collective.
 FINISHED = "finished"  # its step returned: it issues no more collectives
 RAISED = "raised"  # its step raised its own exception
+STOPPED = "stopped"  # it stopped at a divergence on another of its groups
 _LISTED = 3
 
 
 @dataclass(frozen=True)
 class CollectiveCall:
-    """One collective as the rank that issued it sees it, before it is issued."""
+    """One collective as the rank that issued it sees it, before it is issued: everything that
+    must agree across its group's members for it to be correct."""
 
-    seq: int  # this rank's count of watched collectives in the step, from 0
+    seq: int  # this rank's count of watched collectives on this group in the step, from 0
     op: str  # "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", ...
     group: str  # the process group's description ("default_pg", "mesh_shard", ...)
     group_ranks: tuple[int, ...]  # global ranks of the group
-    numel: int  # elements this rank sends (-1: not compared, e.g. an uneven all_to_all)
+    numel: int  # elements this rank sends (-1: not compared, e.g. an all_to_all)
     dtype: str
     module: str | None = None  # the FSDP module whose parameters move ("" the root), else None
     params: tuple[str, ...] = ()  # their names
     where: str = ""  # the script's line that issued it, when it is not FSDP's own
+    reduce_op: str = ""  # "sum", "max", ... for reductions
+    root: int | None = None  # broadcast / reduce / gather / scatter: the root, a global rank
+    sizes: tuple[int, ...] = ()  # each tensor's elements (coalesced ops list several)
+    dtypes: tuple[str, ...] = ()  # each tensor's dtype
+    # all_to_all: elements this rank sends to / expects from each member, in group order.
+    send: tuple[int, ...] = ()
+    recv: tuple[int, ...] = ()
+    peer: int | None = None  # point-to-point: the other rank (global)
+    tag: int = 0
 
     def key(self) -> tuple:
-        """What must agree across ranks: the group's description and size, not its members
-        (an HSDP shard group holds other ranks on every replica)."""
-        return (self.op, self.group, len(self.group_ranks), self.numel, self.dtype, self.module)
+        """What must agree across the group's members (all_to_all splits pair instead:
+        :func:`disagreement`)."""
+        return (
+            self.op,
+            self.group,
+            len(self.group_ranks),
+            self.numel,
+            self.dtype,
+            self.module,
+            self.reduce_op,
+            self.root,
+            self.sizes,
+            self.dtypes,
+        )
 
     def label(self) -> str:
         what = self.op.replace("_into_tensor", "").replace("_tensor", "").replace("_", "-")
@@ -51,8 +73,65 @@ class CollectiveCall:
         return f"{what} at {self.where}" if self.where else what
 
     def size_text(self) -> str:
-        size = f"{self.numel:,} elements" if self.numel >= 0 else "uneven sizes"
-        return f"{size} {self.dtype} on {self.group} ({len(self.group_ranks)} ranks)"
+        if self.send:
+            size = f"sends {list(self.send)}, expects {list(self.recv)} elements"
+        else:
+            size = f"{self.numel:,} elements" if self.numel >= 0 else "uneven sizes"
+        extra = "".join(
+            (
+                f", {self.reduce_op}" if self.reduce_op else "",
+                f", root rank {self.root}" if self.root is not None else "",
+            )
+        )
+        return f"{size} {self.dtype}{extra} on {self.group} ({len(self.group_ranks)} ranks)"
+
+
+def disagreement(a: CollectiveCall, a_rank: int, b: CollectiveCall, b_rank: int) -> str:
+    """Why ``a`` (issued by ``a_rank``) and ``b`` (by ``b_rank``) cannot be one collective; ``""``
+    when they can. Names the first field that differs, in the ranks' terms."""
+    if a.op != b.op:
+        return f"their ops differ ({a.op} on rank {a_rank}, {b.op} on rank {b_rank})"
+    if a.reduce_op != b.reduce_op:
+        return (
+            f"their reduce ops differ ({a.reduce_op} on rank {a_rank}, {b.reduce_op} on rank "
+            f"{b_rank})"
+        )
+    if a.root != b.root:
+        return (
+            f"their roots differ (rank {a_rank} names rank {a.root}, rank {b_rank} names rank "
+            f"{b.root})"
+        )
+    if a.send or b.send:
+        members = a.group_ranks
+        if a_rank in members and b_rank in members and len(a.send) == len(b.recv) == len(members):
+            i, j = members.index(a_rank), members.index(b_rank)
+            for src, dst, sent, expected in (
+                (a_rank, b_rank, a.send[j], b.recv[i]),
+                (b_rank, a_rank, b.send[i], a.recv[j]),
+            ):
+                if sent != expected:
+                    return (
+                        f"their splits do not pair (rank {src} sends rank {dst} {sent} "
+                        f"elements, rank {dst} expects {expected})"
+                    )
+    if a.key() != b.key():
+        if (a.numel, a.sizes) != (b.numel, b.sizes):
+            return "their sizes differ"
+        if (a.dtype, a.dtypes) != (b.dtype, b.dtypes):
+            return f"their dtypes differ ({a.dtype} on rank {a_rank}, {b.dtype} on rank {b_rank})"
+        return "they move other tensors"
+    if a.dtype != b.dtype:
+        return f"their dtypes differ ({a.dtype} on rank {a_rank}, {b.dtype} on rank {b_rank})"
+    return ""
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """What a rank saw a member of its group doing at the collective where they differed."""
+
+    rank: int
+    doing: CollectiveCall | None = None
+    state: str = ""  # FINISHED, RAISED or STOPPED when that member issued nothing there
 
 
 @dataclass(frozen=True)
@@ -89,58 +168,95 @@ class StepRecord:
     exchanges: int = 0
     channel_bytes: int = 0
     watch_seconds: float = 0.0
+    # The group where it stopped (its members; () when agreement ran over the whole world),
+    # what this rank saw each other member doing there, and why they could not proceed.
+    group_ranks: tuple[int, ...] = ()
+    peers: tuple[PeerView, ...] = ()
+    reason: str = ""
 
 
-def _what(record: StepRecord) -> tuple:
-    return record.doing.key() if record.doing is not None else (record.state,)
+Side = tuple  # (CollectiveCall | None, state): what one rank was doing where its group stopped
 
 
-def _doing_text(record: StepRecord) -> str:
-    if record.doing is not None:
-        return f"{record.doing.label()} ({record.doing.size_text()})"
-    return "had finished its step" if record.state == FINISHED else "had raised in its step"
+def _what(side: Side) -> tuple:
+    doing, state = side
+    return doing.key() + (doing.send, doing.recv) if doing is not None else (state,)
+
+
+def _doing_text(side: Side) -> str:
+    doing, state = side
+    if doing is not None:
+        return f"{doing.label()} ({doing.size_text()})"
+    return {
+        FINISHED: "had finished its step",
+        RAISED: "had raised in its step",
+        STOPPED: "had stopped at a divergence on another of its groups",
+    }.get(state, "issued nothing")
 
 
 def divergence_finding(records: Mapping[int, StepRecord]) -> Finding | None:
-    """The first collective where the ranks differ, named; ``None`` when they agreed.
+    """The first group whose members' collectives differ, named; ``None`` when they agreed."""
+    found = divergence_findings(records)
+    return found[0] if found else None
 
-    Ranks are grouped by what they were doing at that sequence number; the group holding the
-    lowest rank is the reference, every other rank is reported."""
+
+def divergence_findings(records: Mapping[int, StepRecord]) -> list[Finding]:
+    """One finding per group whose members differed at a collective, each naming the group.
+
+    A group's picture joins what each of its stopped members issued there and what each saw the
+    others doing; ranks doing the same thing are one side, the side holding the lowest rank (or
+    the ranks that had finished) is the reference. Ranks that stopped only because a peer they
+    needed had stopped elsewhere add nothing of their own."""
     diverged = {r: rec for r, rec in records.items() if rec.outcome == "diverged"}
-    if not diverged:
-        return None
-    at = min(rec.at for rec in diverged.values() if rec.at is not None)
+    primary = {r: rec for r, rec in diverged.items() if rec.state != STOPPED} or diverged
+    views: dict[tuple[int, ...], dict[int, Side]] = {}
+    first: dict[tuple[int, ...], StepRecord] = {}
+    for rank in sorted(primary):
+        rec = primary[rank]
+        view = views.setdefault(rec.group_ranks, {})
+        first.setdefault(rec.group_ranks, rec)
+        view[rank] = (rec.doing, rec.state)
+        for peer in rec.peers:
+            view.setdefault(peer.rank, (peer.doing, peer.state))
+    return [_group_finding(members, views[members], first[members]) for members in views]
+
+
+def _group_finding(members: tuple[int, ...], view: dict[int, Side], rec: StepRecord) -> Finding:
+    at = rec.at
     groups: dict[tuple, list[int]] = {}
-    for rank in sorted(diverged):
-        groups.setdefault(_what(diverged[rank]), []).append(rank)
+    for rank in sorted(view):
+        groups.setdefault(_what(view[rank]), []).append(rank)
     # Ranks that had finished are the reference for those that issue one more collective;
     # otherwise the lowest rank's side is.
-    ordered = sorted(
-        groups.values(), key=lambda ranks: (diverged[ranks[0]].state != FINISHED, ranks[0])
-    )
+    ordered = sorted(groups.values(), key=lambda ranks: (view[ranks[0]][1] != FINISHED, ranks[0]))
     reference = ordered[0]
     others = sorted(r for ranks in ordered[1:] for r in ranks)
-    sides = [(ranks, diverged[ranks[0]]) for ranks in ordered]
-    issued = [(ranks, rec) for ranks, rec in sides if rec.doing is not None]
-    idle = sorted(r for ranks, rec in sides if rec.doing is None for r in ranks)
-    parts = [f"{ranks_label(ranks)} {_doing_text(rec)}" for ranks, rec in sides]
-    summary = f"collective #{at} differs: " + "; ".join(parts)
-    summary += f". {_consequence(issued, idle)}"
-    tensors = tuple(dict.fromkeys(p for _, rec in issued for p in rec.doing.params))
+    sides = [(ranks, view[ranks[0]]) for ranks in ordered]
+    issued = [(ranks, side[0]) for ranks, side in sides if side[0] is not None]
+    idle = sorted(r for ranks, side in sides if side[0] is None for r in ranks)
+    reason = rec.reason or _reason(issued)
+    parts = [f"{ranks_label(ranks)} {_doing_text(side)}" for ranks, side in sides]
+    name = next((call.group for _, call in issued), "")
+    where = f" on {name} ({ranks_label(list(members))})" if members else ""
+    summary = f"collective #{at}{where} differs: " + "; ".join(parts)
+    summary += f". {_consequence(issued, idle, reason)}"
+    tensors = tuple(dict.fromkeys(p for _, call in issued for p in call.params))
     details: dict[str, Any] = {
         "seq": at,
+        "group": name,
+        "group_ranks": list(members),
+        "reason": reason,
         "ranks": {
-            ranks_label(ranks): {"doing": _doing_text(rec), **_call_details(rec)}
-            for ranks, rec in sides
+            ranks_label(ranks): {"doing": _doing_text(side), **_call_details(side)}
+            for ranks, side in sides
         },
         "issued_by": sorted(r for ranks, _ in issued for r in ranks),
         "not_issued_by": idle,
-        "modules": sorted({rec.doing.module for _, rec in issued if rec.doing.module is not None}),
+        "modules": sorted({call.module for _, call in issued if call.module is not None}),
         "caught": "before the collective was issued: no rank issued it",
     }
-    before = diverged[reference[0]].before
-    if before:
-        details["agreed_before"] = [c.label() for c in before]
+    if rec.before:
+        details["agreed_before"] = [c.label() for c in rec.before]
     return Finding(
         kind=FindingKind.STEP,
         ranks=tuple(others),
@@ -153,11 +269,20 @@ def divergence_finding(records: Mapping[int, StepRecord]) -> Finding | None:
     )
 
 
-def _call_details(record: StepRecord) -> dict[str, Any]:
-    call = record.doing
+def _reason(issued: Sequence[tuple[list[int], CollectiveCall]]) -> str:
+    for i, (ranks_a, a) in enumerate(issued):
+        for ranks_b, b in issued[i + 1 :]:
+            why = disagreement(a, ranks_a[0], b, ranks_b[0])
+            if why:
+                return why
+    return ""
+
+
+def _call_details(side: Side) -> dict[str, Any]:
+    call, state = side
     if call is None:
-        return {"state": record.state}
-    return {
+        return {"state": state}
+    details = {
         "op": call.op,
         "module": call.module,
         "params": list(call.params[:64]),
@@ -167,9 +292,22 @@ def _call_details(record: StepRecord) -> dict[str, Any]:
         "group_ranks": list(call.group_ranks),
         "where": call.where,
     }
+    if call.reduce_op:
+        details["reduce_op"] = call.reduce_op
+    if call.root is not None:
+        details["root"] = call.root
+    if len(call.sizes) > 1:
+        details["sizes"] = list(call.sizes)
+    if call.send or call.recv:
+        details["send"], details["recv"] = list(call.send), list(call.recv)
+    if call.peer is not None:
+        details["peer"], details["tag"] = call.peer, call.tag
+    return details
 
 
-def _consequence(issued: Sequence[tuple[list[int], StepRecord]], idle: Sequence[int]) -> str:
+def _consequence(
+    issued: Sequence[tuple[list[int], CollectiveCall]], idle: Sequence[int], reason: str
+) -> str:
     """What the unwatched job would have done there."""
     if idle:
         waiting = sorted(r for ranks, _ in issued for r in ranks)
@@ -179,12 +317,39 @@ def _consequence(issued: Sequence[tuple[list[int], StepRecord]], idle: Sequence[
             "micro-batch, or a module only some ranks run): unwatched, "
             f"{ranks_label(waiting)} would wait in it until the collective timeout"
         )
-    sizes = {rec.doing.numel for _, rec in issued}
+    if reason.startswith("their reduce ops"):
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, the reduction runs with each rank's own "
+            "op and the tensor ends as a mix of both, silently"
+        )
+    if reason.startswith("their roots"):
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, each root sends and no rank receives "
+            "its data, or ranks take another root's tensor; a hang until the collective timeout"
+        )
+    if reason.startswith("their splits"):
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, gloo aborts the receiving rank "
+            "(`Received data size doesn't match`), NCCL hangs or corrupts"
+        )
+    if reason.startswith("the sends and receives do not pair"):
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, both stages wait until the "
+            "collective timeout"
+        )
+    if reason.startswith("the send does not match"):
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, gloo aborts the receiving rank "
+            "(`op.preamble.length <= op.nbytes`), NCCL hangs or corrupts"
+        )
+    sizes = {(call.numel, call.sizes) for _, call in issued}
     if len(sizes) > 1:
         return (
             "their sizes differ (a module only some ranks run?): unwatched, gloo aborts the "
             "receiving rank (`op.preamble.length <= op.nbytes`), NCCL hangs or corrupts"
         )
+    if reason and not reason.startswith("they move"):
+        return f"{reason[0].upper()}{reason[1:]}: unwatched, they pair wrongly"
     return (
         "same sizes, other tensors: unwatched, they pair silently and exchange the wrong "
         "parameters or gradients"

@@ -293,6 +293,8 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 def collective_cause(exc: BaseException) -> str:
     """The useful part of a collective's error: gloo prefixes a source path and adds advice."""
+    cause = getattr(exc, "cause", None)  # the step watch's ChannelLost wraps the real error
+    exc = cause if isinstance(cause, BaseException) else exc
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
     first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]
@@ -370,6 +372,11 @@ def _diagnose(ctx: DistContext, exc: BaseException, *, own: RankError | None) ->
         for r, stage in sorted(stages.items())
         if r != ctx.rank and _stage_index(stage) < _stage_index(mine)
     ]
+    # Ranks the failed exchange itself names as silent (the step watch knows whom it waited
+    # for), when no stage mark tells them apart.
+    silent = [r for r in getattr(exc, "silent", ()) if r != ctx.rank and r not in dead]
+    if not dead and not behind and silent:
+        behind = [(r, stages.get(r) or mine) for r in silent]
     for r, stage in [] if dead else behind:
         message = (
             f"rank {r} is stuck in stage '{stage}' (rank {ctx.rank} gave up waiting at "

@@ -6,6 +6,7 @@ never depends on NCCL being healthy and never waits forever.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -145,15 +146,40 @@ def init(
         from torch.distributed.device_mesh import init_device_mesh
 
         names = spec.names or (("replicate", "shard") if len(spec.sizes) == 2 else None)
-        ctx.mesh = init_device_mesh(device_type, spec.sizes, mesh_dim_names=names)
+        # A dim over fewer ranks than the world gets groups of its own: with the run's timeout,
+        # not the backend's 30 minutes (a whole-world dim reuses the default group, which has it).
+        override = {
+            (names[d] if names else d): group_options(device_type, timeout)
+            for d, size in enumerate(spec.sizes)
+            if size < world_size
+        }
+        if override and "backend_override" in inspect.signature(init_device_mesh).parameters:
+            ctx.mesh = init_device_mesh(
+                device_type, spec.sizes, mesh_dim_names=names, backend_override=override
+            )
+        else:  # torch 2.6 builds sub-mesh groups with the default group's options only
+            ctx.mesh = init_device_mesh(device_type, spec.sizes, mesh_dim_names=names)
         from fsdpcheck.model.parallel import ep_meshes
 
-        ctx.ep_meshes = ep_meshes(ctx.mesh)  # flattening a mesh dim is a collective too
+        # flattening a mesh dim is a collective too
+        ctx.ep_meshes = ep_meshes(ctx.mesh, group_options(device_type, timeout))
     except Exception as exc:  # a peer never came, or the store's host is gone
         log.debug("rank %d: the side channel could not be built", rank, exc_info=True)
         raise JoinError(ctx, exc) from exc
     log.info("rank %d of %d on %s, mesh %s %s", rank, world_size, backend, spec.sizes, names)
     return ctx
+
+
+def group_options(device_type: str, timeout: float) -> tuple[str, Any]:
+    """``(backend, options)`` for a group fsdpcheck builds through DeviceMesh, bounded by
+    ``timeout`` (``init_device_mesh``'s and ``_flatten``'s ``backend_override``)."""
+    if device_type == "cuda":
+        options: Any = dist.ProcessGroupNCCL.Options()
+        backend = "nccl"
+    else:
+        options, backend = dist.ProcessGroupGloo._Options(), "gloo"
+    options._timeout = timedelta(seconds=timeout)
+    return backend, options
 
 
 def _mesh_spec(

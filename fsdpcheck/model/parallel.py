@@ -27,6 +27,7 @@ out expert parallelism: EP borrows its ranks from data parallelism. On a mesh
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -221,7 +222,7 @@ def ep_size(mesh: Any) -> int:
     return int(mesh["ep"].size()) if "ep" in names else 1
 
 
-def ep_meshes(mesh: Any) -> EpMeshes | None:
+def ep_meshes(mesh: Any, override: Any = None) -> EpMeshes | None:
     """Collective on every rank of ``mesh``: the flattened ``dp_shard_ep`` dim and a one-rank
     tp mesh, for a mesh with an ``ep`` dim over more than one rank and no ``tp`` dim over more
     than one; None otherwise, or where this torch's DeviceMesh cannot flatten (then
@@ -234,7 +235,7 @@ def ep_meshes(mesh: Any) -> EpMeshes | None:
         log.info("DeviceMesh has no _flatten/_unflatten: --ep cannot be applied here")
         return None
     try:
-        dense, tp = _ep_views(mesh, layout)
+        dense, tp = _ep_views(mesh, layout, override)
     except Exception:  # private API: then --ep is refused with one paragraph, never a crash
         log.debug("DeviceMesh could not flatten: --ep cannot be applied", exc_info=True)
         return None
@@ -250,9 +251,15 @@ def ep_meshes(mesh: Any) -> EpMeshes | None:
     )
 
 
-def _ep_views(mesh: Any, layout: EpLayout) -> tuple[Any, Any]:
-    """(the mesh non-experts shard over, a tp mesh of this rank alone)."""
-    flat = mesh[layout.flatten]._flatten(FLAT_DIM)  # private API (torch >= 2.4), detected
+def _ep_views(mesh: Any, layout: EpLayout, override: Any = None) -> tuple[Any, Any]:
+    """(the mesh non-experts shard over, a tp mesh of this rank alone). ``override``: the
+    flattened dim's group ``(backend, options)``, so it carries the run's timeout."""
+    # private API (torch >= 2.4), detected
+    flatten = mesh[layout.flatten]._flatten
+    if override is not None and "backend_override" in inspect.signature(flatten).parameters:
+        flat = flatten(FLAT_DIM, backend_override=override)
+    else:  # torch before 2.7: the flattened group takes the default group's options
+        flat = flatten(FLAT_DIM)
     dense = flat
     if layout.dense != (FLAT_DIM,):
         import warnings

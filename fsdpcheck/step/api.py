@@ -46,10 +46,11 @@ def check_step(model: Any, step: Callable[[], Any], *, timeout: float = 60.0) ->
                 outcome = conclude_step(ctx, model, env, record, seconds)
                 report = step_report(outcome, ctx.world_size) if outcome is not None else None
                 return decide(ctx, report)
-            except Exception as exc:  # a peer stopped answering: name it
+            # ChannelLost is a BaseException (a step's own ``except Exception`` must not
+            # swallow it): caught by name, or a side-channel timeout escapes as a raw error.
+            except (Exception, ChannelLost) as exc:  # a peer stopped answering: name it
                 log.debug("rank %d: check_step gave up", ctx.rank, exc_info=True)
                 watch.disarm()
-                cause = exc.cause if isinstance(exc, ChannelLost) else exc
-                return give_up(ctx, cause, None, stage=Stage.STEP)
+                return give_up(ctx, exc, None, stage=Stage.STEP)
     finally:
         distributed.shutdown(ctx)

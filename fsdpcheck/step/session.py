@@ -67,11 +67,18 @@ def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple
 
     Raises :class:`ChannelLost` when a peer stopped answering (the caller names it)."""
     liveness.mark_stage(ctx, Stage.STEP)
-    watch = CollectiveWatch(ctx.side_channel, ctx.world_size, fsdp_owners(model))
+    watch = CollectiveWatch(
+        ctx.side_channel,
+        ctx.world_size,
+        fsdp_owners(model),
+        store=ctx.store,
+        rank=ctx.rank,
+        timeout=ctx.timeout,
+    )
     returned, message = None, ""
     start = time.perf_counter()
     try:
-        with watch:
+        with watch, watch.batches():
             returned = step()
     except StepDiverged:
         log.debug("step unwound at collective #%s", watch.at)
@@ -98,6 +105,9 @@ def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple
         exchanges=watch.exchanges,
         channel_bytes=watch.channel_bytes,
         watch_seconds=round(watch.seconds, 6),
+        group_ranks=watch.group_ranks,
+        peers=watch.peers,
+        reason=watch.reason,
     )
     log.info("step %s after %d collectives in %.3f s", outcome, len(watch.calls), seconds)
     return record, seconds

@@ -1,28 +1,37 @@
-"""The collective watch: every collective a step issues is agreed on by every rank first.
+"""The collective watch: every collective a step issues is agreed on by its group's members first.
 
 A :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees each c10d collective (FSDP2's
 ``c10d._allgather_base_`` and ``c10d._reduce_scatter_base_``, a script's ``all_reduce`` or
-``broadcast``) before it reaches the backend. Each rank then exchanges a fixed-size descriptor
-of it (op, group, sizes, dtype, owning FSDP module) with every other rank over the gloo side
-channel, bounded by its timeout. Equal descriptors: the collective is issued. Any difference,
-or a rank that has finished (or raised in) its step while another issues one more: no rank
-issues it; each raises :class:`StepDiverged`, which unwinds the step on every rank alike.
+``broadcast``, the functional collectives tensor parallelism and DTensor issue) before it
+reaches the backend. It describes it in full (:class:`CollectiveCall`: op, reduce op, root as a
+global rank, the group's members, each tensor's size and dtype, and for an all_to_all what this
+rank sends each member and expects from each), and the members of that collective's own group,
+and only they, compare descriptors: each leaves its own in the rendezvous store and reads the
+others', bounded by the timeout. Ranks outside the group never wait for it, so disjoint groups
+(pipeline stages, TP and EP groups) that issue different numbers of collectives are clean.
+Equal descriptors (all_to_all splits that pair): the collective is issued. Any difference, or a
+member that has finished (or raised in, or stopped in) its step: no member issues it; each
+raises :class:`StepDiverged`, which unwinds its step, and every rank that later needs one of
+them stops too.
 
-Not seen: collectives a tensor subclass issues inside its own dispatch (DTensor's
-redistributions, e.g. ``clip_grad_norm_`` over DTensor gradients: the mode is off while a
-handler runs), point-to-point sends (no peer-symmetric descriptor), and collectives from other
-threads (the mode is thread-local; FSDP2 on CPU issues its own from the step's thread). A
-divergence there is caught only by the timeout of the next exchange.
+DTensor's redistributions (``clip_grad_norm_`` over FSDP2 gradients, tensor parallelism) issue
+functional collectives inside DTensor's own dispatch, where a mode is off: for an op on a
+DTensor the watch steps aside and lets DTensor run with the watch on again, so those are seen
+too. Not seen: collectives from other threads (the mode is thread-local; FSDP2 on CPU issues its
+own from the step's thread), compiled graphs (``torch.compile`` traces the step before the mode
+sees it) and the ops :data:`UNWATCHED` lists. A divergence there is caught by the timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,60 +39,109 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdpcheck.checks.step import FINISHED, RAISED, CollectiveCall
+from fsdpcheck.checks.step import (
+    FINISHED,
+    RAISED,
+    STOPPED,
+    CollectiveCall,
+    PeerView,
+    disagreement,
+)
 from fsdpcheck.distributed.wire import exchange_slots
+from fsdpcheck.records import from_dict, to_dict
 
 log = logging.getLogger(__name__)
 
-# c10d op → (the name users know, the argument holding what this rank sends; None: no size).
-_C10D = {
-    "_allgather_base_": ("all_gather_into_tensor", 1),
-    "allgather_": ("all_gather", 1),
-    "allgather_into_tensor_coalesced_": ("all_gather_into_tensor_coalesced", 1),
-    "_reduce_scatter_base_": ("reduce_scatter_tensor", 1),
-    "reduce_scatter_": ("reduce_scatter", 0),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter_tensor_coalesced", 1),
-    "allreduce_": ("all_reduce", 0),
-    "allreduce_coalesced_": ("all_reduce_coalesced", 0),
-    "broadcast_": ("broadcast", 0),
-    "reduce_": ("reduce", 0),
-    "alltoall_base_": ("all_to_all_single", None),
-    "alltoall_": ("all_to_all", None),
-    "gather_": ("gather", None),
-    "scatter_": ("scatter", None),
-    "barrier": ("barrier", None),
+# How a watched op is described: the name users know, its kind and the argument holding what
+# this rank sends (None: no size compared).
+_ALL, _A2A, _SEND, _RECV = "collective", "all_to_all", "send", "recv"
+WATCHED: dict[str, tuple[str, str, str | None]] = {
+    "c10d::_allgather_base_": ("all_gather_into_tensor", _ALL, "input_tensor"),
+    "c10d::allgather_": ("all_gather", _ALL, "input_tensors"),
+    "c10d::allgather_coalesced_": ("all_gather_coalesced", _ALL, "input_list"),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather_into_tensor_coalesced", _ALL, "inputs"),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter_tensor", _ALL, "input_tensor"),
+    "c10d::reduce_scatter_": ("reduce_scatter", _ALL, "output_tensors"),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter_tensor_coalesced", _ALL, "inputs"),
+    "c10d::allreduce_": ("all_reduce", _ALL, "tensors"),
+    "c10d::allreduce_coalesced_": ("all_reduce_coalesced", _ALL, "tensors"),
+    "c10d::broadcast_": ("broadcast", _ALL, "tensors"),
+    "c10d::reduce_": ("reduce", _ALL, "tensors"),
+    "c10d::alltoall_base_": ("all_to_all_single", _A2A, None),
+    "c10d::alltoall_": ("all_to_all", _A2A, None),
+    "c10d::gather_": ("gather", _ALL, "input_tensors"),
+    "c10d::gather_into_tensor_": ("gather_single", _ALL, "input_tensor"),  # torch 2.15
+    "c10d::scatter_": ("scatter", _ALL, "output_tensors"),
+    "c10d::barrier": ("barrier", _ALL, None),
+    "c10d::monitored_barrier_": ("monitored_barrier", _ALL, None),
+    "c10d::send": ("send", _SEND, "tensors"),
+    "c10d::recv_": ("recv", _RECV, "tensors"),
+    "_c10d_functional::all_reduce": ("all_reduce", _ALL, "input"),
+    "_c10d_functional::all_reduce_": ("all_reduce", _ALL, "input"),
+    "_c10d_functional::all_reduce_coalesced": ("all_reduce_coalesced", _ALL, "inputs"),
+    "_c10d_functional::all_reduce_coalesced_": ("all_reduce_coalesced", _ALL, "inputs"),
+    "_c10d_functional::all_gather_into_tensor": ("all_gather_into_tensor", _ALL, "input"),
+    "_c10d_functional::all_gather_into_tensor_out": ("all_gather_into_tensor", _ALL, "input"),
+    "_c10d_functional::all_gather_into_tensor_coalesced": (
+        "all_gather_into_tensor_coalesced",
+        _ALL,
+        "inputs",
+    ),
+    "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter_tensor", _ALL, "input"),
+    "_c10d_functional::reduce_scatter_tensor_out": ("reduce_scatter_tensor", _ALL, "input"),
+    "_c10d_functional::reduce_scatter_tensor_coalesced": (
+        "reduce_scatter_tensor_coalesced",
+        _ALL,
+        "inputs",
+    ),
+    "_c10d_functional::broadcast": ("broadcast", _ALL, "input"),
+    "_c10d_functional::broadcast_": ("broadcast", _ALL, "input"),
+    "_c10d_functional::all_to_all_single": ("all_to_all_single", _A2A, None),
+    "_c10d_functional::isend": ("send", _SEND, "tensor"),
+    "_c10d_functional::irecv": ("recv", _RECV, "tensor"),
+    "_c10d_functional_autograd::all_gather_into_tensor": ("all_gather_into_tensor", _ALL, "input"),
+    "_c10d_functional_autograd::reduce_scatter_tensor": ("reduce_scatter_tensor", _ALL, "input"),
+    "_c10d_functional_autograd::all_to_all_single": ("all_to_all_single", _A2A, None),
+    # An even reshard: its input may be uneven across ranks, so only op and order are compared.
+    "_dtensor::shard_dim_alltoall": ("shard_dim_alltoall", _ALL, None),
 }
-_FUNCTIONAL = {  # torch.distributed._functional_collectives on plain tensors: group by name
-    "all_reduce": ("all_reduce", 0),
-    "all_reduce_coalesced": ("all_reduce_coalesced", 0),
-    "all_gather_into_tensor": ("all_gather_into_tensor", 0),
-    "all_gather_into_tensor_coalesced": ("all_gather_into_tensor_coalesced", 0),
-    "reduce_scatter_tensor": ("reduce_scatter_tensor", 0),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor_coalesced", 0),
-    "broadcast": ("broadcast", 0),
-    "all_to_all_single": ("all_to_all_single", None),
+# Registered ops the watch leaves alone, and why (docs/checks.md lists them too).
+UNWATCHED: dict[str, str] = {
+    "c10d::recv_any_source_": "no peer to pair it with until it has received",
+    "c10d::check_for_nan": "not a collective (a local check)",
+    "_c10d_functional::wait_tensor": "not a collective (waits for one already agreed)",
+    "_c10d_functional::batch_p2p_ops": "a compiled batch of sends and receives; eager "
+    "batch_isend_irecv is watched op by op",
+    "_c10d_functional::_wrap_tensor_autograd": "not a collective (wraps a result for autograd)",
+    "_dtensor::mesh_get_process_group": "not a collective (looks a mesh's group up)",
 }
-_NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL}
+_REDUCE_OPS = {int(v): n.lower() for n, v in dist.ReduceOp.RedOpType.__members__.items()}
 
-# The descriptor: eight int64 words, the same size on every rank whatever it holds.
+# The world-wide fallback (no rendezvous store): eight int64 words, the same on every rank.
 _CALL, _FINISHED, _RAISED = 1, 2, 3
 SLOT_BYTES = 8 * 8
 _STATE = {_FINISHED: FINISHED, _RAISED: RAISED}
 _CONTEXT = 3  # agreed collectives kept for the report's context
 _SKIP_FRAMES = (os.sep + "torch" + os.sep, os.sep + "fsdpcheck" + os.sep)
+_DIVERGED = "diverged"  # a rank's end mark when it stopped at a divergence
+_AHEAD = "ahead"  # a point-to-point peer waiting in the watch itself: it compares the pair
+_BLOCKED = b"blocked:"  # a peer stuck in a batch of its own that this rank's batch cannot serve
+_DEADLOCK_GRACE = 0.5  # seconds a peer's batch wait must stay the same to count as stuck
 
 
 class StepDiverged(BaseException):
-    """The ranks' next collectives differ: raised on every rank to unwind its step. A
-    ``BaseException``, so that a step's own ``except Exception`` does not swallow it."""
+    """The members of a group differ at their next collective: raised on each of them (and on
+    every rank that then needs one of them) to unwind its step. A ``BaseException``, so that a
+    step's own ``except Exception`` does not swallow it."""
 
 
 class ChannelLost(BaseException):
-    """An exchange on the side channel failed (a peer died, or is stuck past the timeout)."""
+    """An exchange failed: a peer died, or is stuck past the timeout (``silent``: those ranks)."""
 
-    def __init__(self, cause: BaseException):
+    def __init__(self, cause: BaseException, silent: tuple[int, ...] = ()):
         super().__init__(str(cause))
         self.cause = cause
+        self.silent = silent
 
 
 @dataclass(frozen=True)
@@ -121,54 +179,154 @@ def _hash63(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
-class CollectiveWatch(TorchDispatchMode):
-    """Enter it around the step on every rank; call :meth:`finish` on every rank after it."""
+def _group_key(members: tuple[int, ...]) -> str:
+    return hashlib.blake2b(",".join(map(str, members)).encode(), digest_size=8).hexdigest()
 
-    def __init__(self, side_channel: Any, world_size: int, owners: Mapping[int, Owner]):
+
+class CollectiveWatch(TorchDispatchMode):
+    """Enter it around the step on every rank; call :meth:`finish` on every rank after it.
+
+    ``store`` (the run's rendezvous store) carries the descriptors among each group's members;
+    without one, every rank agrees on every collective over the world-wide ``side_channel``."""
+
+    def __init__(
+        self,
+        side_channel: Any,
+        world_size: int,
+        owners: Mapping[int, Owner],
+        *,
+        store: Any = None,
+        rank: int = 0,
+        timeout: float = 60.0,
+    ):
         super().__init__()
         self._channel = side_channel
         self._world = world_size
         self._owners = owners
+        self._store = store
+        self._rank = rank
+        self._timeout = timeout
         self._groups: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self._counts: dict[str, int] = {}  # collectives agreed per group (or p2p channel)
+        self._stepping_aside: Any = None  # the DTensor op handed back to DTensor's dispatch
+        self._in_dtensor = 0  # depth of DTensor dispatches the watch is inside
+        self._agreed_ahead = 0  # sends and receives of a batch agreed before it was issued
+        self._blocked_seen: dict[int, tuple[bytes, float]] = {}  # a peer's batch wait, since
         self.calls: list[CollectiveCall] = []  # agreed and issued, in order
-        self.at: int | None = None  # where the ranks differed
+        self.at: int | None = None  # where the ranks differed (the group's sequence number)
         self.doing: CollectiveCall | None = None  # this rank's collective there
-        self.state = ""  # FINISHED or RAISED: this rank issued nothing there
+        self.state = ""  # FINISHED or RAISED: this rank issued nothing there; STOPPED
+        self.group_ranks: tuple[int, ...] = ()  # the group where it stopped
+        self.peers: tuple[PeerView, ...] = ()  # what this rank saw its members doing there
+        self.reason = ""
         self.exchanges = 0
+        self.channel_bytes = 0
         self.seconds = 0.0
 
     @property
     def diverged(self) -> bool:
         return self.at is not None
 
-    @property
-    def channel_bytes(self) -> int:
-        """Bytes this rank sent on the side channel (its slot to every other rank)."""
-        return self.exchanges * SLOT_BYTES * (self._world - 1)
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        table = _NAMESPACES.get(func.namespace)
-        spec = table.get(func._opname) if table is not None else None
-        if spec is None or self.diverged:
+        spec = WATCHED.get(func._schema.name)
+        if self.diverged:
+            return func(*args, **kwargs)
+        if spec is None:
+            if _on_dtensor(args, kwargs):
+                return self._through_dtensor(func, args, kwargs)
+            return func(*args, **kwargs)
+        if self._agreed_ahead and spec[1] in (_SEND, _RECV):
+            self._agreed_ahead -= 1  # one of a batch the members agreed on as a whole
             return func(*args, **kwargs)
         start = time.perf_counter()
         try:
-            call = self._describe(func.namespace, spec, args)
-            self._agree(call, _CALL)
+            call = self._describe(func, spec, args, kwargs)
+            self._agree(call)
         finally:
             self.seconds += time.perf_counter() - start
         self.calls.append(call)
         return func(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def batches(self) -> Iterator[None]:
+        """While the step runs: ``batch_isend_irecv`` (a pipeline schedule's sends and
+        receives) agreed as a whole before any of it is issued: every descriptor of the batch
+        is left first, then each is paired, so two stages that each send before they receive
+        neither wait for each other nor commit a send the other will refuse."""
+        original = dist.distributed_c10d.batch_isend_irecv
+
+        def agreed_batch(p2p_op_list):
+            if not self.diverged and self._store is not None:
+                self._agree_batch(p2p_op_list)
+                self._agreed_ahead += len(p2p_op_list)
+            try:
+                return original(p2p_op_list)
+            finally:
+                self._agreed_ahead = 0
+
+        dist.distributed_c10d.batch_isend_irecv = agreed_batch
+        dist.batch_isend_irecv = agreed_batch
+        try:
+            yield
+        finally:
+            dist.distributed_c10d.batch_isend_irecv = original
+            dist.batch_isend_irecv = original
+
+    def _agree_batch(self, ops: list) -> None:
+        start = time.perf_counter()
+        try:
+            pending = []
+            for op in ops:
+                send = getattr(op.op, "__name__", "") in ("isend", "send")
+                group, ranks = self._group(op.group)
+                tensor = op.tensor
+                call = CollectiveCall(
+                    seq=len(self.calls),
+                    op="send" if send else "recv",
+                    group=group,
+                    group_ranks=ranks,
+                    numel=tensor.numel(),
+                    dtype=str(tensor.dtype).removeprefix("torch."),
+                    where=_script_line(),
+                    peer=int(op.peer),
+                    tag=int(op.tag or 0),
+                )
+                pending.append((call, *self._publish(call)))
+            for call, channel, n, wanted in pending:
+                self._settle(call, channel, n, self._collect(wanted, blocked=call))
+                self.calls.append(call)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _through_dtensor(self, func, args, kwargs):
+        """DTensor redistributes inside its own dispatch, where this mode is off: hand the op
+        to DTensor (``NotImplemented`` the second time it comes here) with the mode back on,
+        so the functional collectives it issues are agreed on like any other."""
+        if self._stepping_aside is func:
+            self._stepping_aside = None
+            return NotImplemented
+        self._stepping_aside = func
+        self._in_dtensor += 1
+        try:
+            with self:
+                return func(*args, **kwargs)
+        finally:
+            self._stepping_aside = None
+            self._in_dtensor -= 1
+
     def finish(self, raised: bool) -> None:
-        """Collective: tell the others this rank's step is over (returned or raised). A rank
-        still issuing collectives there makes every rank see the divergence."""
+        """Tell the others this rank's step is over (returned or raised): a member still
+        issuing a collective on one of its groups sees it and stops there. Without a store,
+        collective over the world."""
         if self.diverged:
             return
         start = time.perf_counter()
         try:
-            self._agree(None, _RAISED if raised else _FINISHED)
+            if self._store is not None:
+                self._mark_end(RAISED if raised else FINISHED)
+            else:
+                self._agree_world(None, _RAISED if raised else _FINISHED)
         except StepDiverged:
             pass
         finally:
@@ -177,18 +335,195 @@ class CollectiveWatch(TorchDispatchMode):
     def context(self) -> tuple[CollectiveCall, ...]:
         return tuple(self.calls[-_CONTEXT:])
 
-    # ------------------------------------------------------------ internals
+    # ------------------------------------------------------------ agreement in the group
 
-    def _agree(self, call: CollectiveCall | None, kind: int) -> None:
+    def _agree(self, call: CollectiveCall) -> None:
+        if self._store is None:
+            self._agree_world(call, _CALL)
+            return
+        channel, n, wanted = self._publish(call)
+        self._settle(call, channel, n, self._collect(wanted, p2p=call.peer is not None))
+
+    def _publish(self, call: CollectiveCall) -> tuple[str, int, dict[int, str]]:
+        """Leave this rank's descriptor; its channel, number there, and the peers' keys."""
+        if call.peer is not None:  # point to point: the sender's and receiver's sides pair
+            src, dst = (self._rank, call.peer) if call.op == "send" else (call.peer, self._rank)
+            channel = f"p/{src}-{dst}"
+            n = self._counts.get(channel, 0)
+            mine = f"{channel}/{n}/{'s' if call.op == 'send' else 'r'}"
+            theirs = {call.peer: f"{channel}/{n}/{'r' if call.op == 'send' else 's'}"}
+        else:
+            channel = f"c/{_group_key(call.group_ranks)}"
+            n = self._counts.get(channel, 0)
+            mine = f"{channel}/{n}/{self._rank}"
+            theirs = {r: f"{channel}/{n}/{r}" for r in call.group_ranks if r != self._rank}
+        self._counts[channel] = n + 1
+        payload = json.dumps(to_dict(call), separators=(",", ":"))
+        try:
+            self._store.set(f"step/{mine}", payload)
+        except Exception as exc:  # the store's host is gone
+            log.debug("collective on %s: the store failed", channel, exc_info=True)
+            raise ChannelLost(exc) from exc
+        finally:
+            self.exchanges += 1
+            self.channel_bytes += len(payload)
+        return channel, n, {r: f"step/{k}" for r, k in theirs.items()}
+
+    def _settle(
+        self, call: CollectiveCall, channel: str, n: int, seen: dict[int, bytes | str]
+    ) -> None:
+        """Compare what the peers left with this rank's call; stop the step where they differ."""
+        views, reason = [], ""
+        for peer, got in sorted(seen.items()):
+            if got == _AHEAD:
+                continue
+            if isinstance(got, str):
+                views.append(PeerView(peer, state=got))
+                continue
+            if got.startswith(_BLOCKED):
+                other = from_dict(CollectiveCall, json.loads(got[len(_BLOCKED) :]))
+                views.append(PeerView(peer, doing=other))
+                reason = reason or (
+                    f"the sends and receives do not pair: rank {self._rank} waits at its "
+                    f"{call.op} ({call.numel} {call.dtype}, {_with(call)}) while rank {peer} "
+                    f"waits at its {other.op} ({other.numel} {other.dtype}, {_with(other)}), "
+                    "each for the other (stages running different numbers of microbatches?)"
+                )
+                continue
+            other = from_dict(CollectiveCall, json.loads(got))
+            views.append(PeerView(peer, doing=other))
+            if not reason:
+                reason = _pair_disagreement(call, self._rank, other, peer)
+        if not reason and all(v.doing is not None for v in views):
+            return
+        self._stop(call, n, tuple(views), reason)
+
+    def _collect(
+        self, keys: dict[int, str], *, p2p: bool = False, blocked: CollectiveCall | None = None
+    ) -> dict[int, bytes | str]:
+        """Each peer's descriptor, or the state it ended its step in without issuing it;
+        polls the store until every peer answered or the timeout passed.
+
+        ``p2p``: a send or receive need not block where the peer is itself waiting in the
+        watch (two ranks that each send before they receive, as a ring exchange or a
+        pipeline's batched sends and receives do): then this side goes ahead and the peer,
+        arriving at its half later, finds this rank's descriptor and compares the pair. A pair
+        that never comes (a stage running fewer microbatches) leaves the other waiting here
+        until the timeout: exit 3, naming the stage that stopped answering.
+
+        ``blocked``: this rank's call in a batch, every descriptor of which is already left.
+        A peer that waits in a batch of its own for a while, for something this rank's batch
+        does not hold, while this rank waits for something its batch does not hold, never
+        answers: the pair is a deadlock of the schedule, returned as ``_BLOCKED`` + the
+        peer's call (two stages running different numbers of microbatches)."""
+        got: dict[int, bytes | str] = {}
+        pending = dict(keys)
+        deadline = time.monotonic() + self._timeout
+        pause = 0.0
+        waiting = False
+        try:
+            while pending:
+                if self._store.check(list(pending.values())):
+                    values = self._store.multi_get(list(pending.values()))
+                    got.update(zip(pending, values, strict=True))
+                    return got
+                if (p2p or blocked is not None) and not waiting:
+                    waiting = True
+                    mark = "1" if blocked is None else json.dumps(to_dict(blocked))
+                    self._store.set(f"step/wait/{self._rank}", mark)
+                self._poll(pending, got, p2p=p2p, deadline=deadline, blocked=blocked)
+                pause = min(max(pause * 2, 1e-4), 0.02)
+                if pending:
+                    time.sleep(pause)
+            return got
+        except ChannelLost:
+            raise
+        except Exception as exc:  # the store's host is gone
+            log.debug("waiting for %s: the store failed", sorted(keys), exc_info=True)
+            raise ChannelLost(exc) from exc
+        finally:
+            if waiting:
+                with contextlib.suppress(Exception):  # the store is gone: nothing to clear
+                    self._store.set(f"step/wait/{self._rank}", "0")
+
+    def _poll(
+        self,
+        pending: dict[int, str],
+        got: dict[int, bytes | str],
+        *,
+        p2p: bool,
+        deadline: float,
+        blocked: CollectiveCall | None = None,
+    ) -> None:
+        for peer in list(pending):
+            # The end mark first: a peer leaves its descriptors before it, so an end
+            # mark with no descriptor after it means the peer never issued this one.
+            ended = f"step/end/{peer}"
+            if self._store.check([ended]):
+                key = pending.pop(peer)
+                got[peer] = (
+                    self._store.get(key)
+                    if self._store.check([key])
+                    else self._store.get(ended).decode()
+                )
+            elif (p2p or blocked is not None) and self._store.check([f"step/wait/{peer}"]):
+                mark = self._store.get(f"step/wait/{peer}")
+                if p2p and mark == b"1":
+                    pending.pop(peer)
+                    got[peer] = _AHEAD
+                elif blocked is not None and mark not in (b"0", b"1"):
+                    # The same mark seen a while apart: the peer is still stuck there.
+                    now = time.monotonic()
+                    since = self._blocked_seen.get(peer)
+                    if since is None or since[0] != mark:
+                        self._blocked_seen[peer] = (mark, now)
+                    elif now - since[1] >= _DEADLOCK_GRACE:
+                        pending.pop(peer)
+                        got[peer] = _BLOCKED + mark
+        if pending and time.monotonic() > deadline:
+            silent = tuple(sorted(pending))
+            raise ChannelLost(
+                TimeoutError(
+                    f"{_ranks(silent)} issued nothing within {self._timeout:g}s where this "
+                    f"rank waited to agree on a collective with {_them(silent)} (stuck in "
+                    "a collective the watch cannot see, or gone)"
+                ),
+                silent,
+            )
+
+    def _stop(self, call: CollectiveCall, n: int, views: tuple[PeerView, ...], reason: str) -> None:
+        self.at, self.doing, self.peers, self.reason = n, call, views, reason
+        self.group_ranks = (
+            tuple(sorted((self._rank, call.peer))) if call.peer is not None else call.group_ranks
+        )
+        if not reason and any(v.state in (_DIVERGED, STOPPED) for v in views):
+            self.state = STOPPED
+            self.peers = tuple(
+                PeerView(v.rank, v.doing, STOPPED if v.state == _DIVERGED else v.state)
+                for v in views
+            )
+        self._mark_end(STOPPED if self.state == STOPPED else _DIVERGED)
+        log.info("collective #%d on %s differs across its members; unwinding", n, call.group)
+        raise StepDiverged(f"collective #{n} on {call.group} differs across its members")
+
+    def _mark_end(self, state: str) -> None:
+        try:
+            self._store.set(f"step/end/{self._rank}", state)
+        except Exception:  # the peers' own timeouts end their wait
+            log.debug("could not leave the end mark", exc_info=True)
+
+    def _agree_world(self, call: CollectiveCall | None, kind: int) -> None:
+        """Without a store: every rank's fixed-size descriptor digest to every rank."""
         seq = len(self.calls)
         words = [kind, seq, 0, 0, 0, 0, 0, 0]
         if call is not None:
+            key = repr((*call.key(), call.send, call.recv, call.peer, call.tag))
             words[2:] = [
                 _hash63(call.op),
                 _hash63(call.group),
                 len(call.group_ranks),
                 call.numel,
-                _hash63(call.dtype),
+                _hash63(key),
                 _hash63(call.module) if call.module is not None else -1,
             ]
         mine = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
@@ -199,6 +534,7 @@ class CollectiveWatch(TorchDispatchMode):
             raise ChannelLost(exc) from exc
         finally:
             self.exchanges += 1
+            self.channel_bytes += SLOT_BYTES * (self._world - 1)
         if all(slot == mine for slot in slots):
             return
         self.at, self.doing = seq, call
@@ -206,17 +542,35 @@ class CollectiveWatch(TorchDispatchMode):
         log.info("collective #%d differs across ranks; unwinding the step", seq)
         raise StepDiverged(f"collective #{seq} differs across ranks")
 
+    # ------------------------------------------------------------ the descriptor
+
     def _describe(
-        self, namespace: str, spec: tuple[str, int | None], args: tuple
+        self, func: Any, spec: tuple[str, str, str | None], args: tuple, kwargs: dict
     ) -> CollectiveCall:
-        op, sent = spec
-        group, ranks = self._group(namespace, args)
-        numel, dtype = -1, ""
-        if sent is not None and sent < len(args):
-            tensors = _tensors(args[sent])
-            numel = sum(t.numel() for t in tensors)
-            dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
+        op, kind, sent = spec
+        bound = _bound(func, args, kwargs)
+        pg = self._process_group(bound)
+        group, ranks = self._group(pg)
+        tensors = _tensors(bound.get(sent)) if sent is not None else []
+        sizes = tuple(t.numel() for t in tensors)
+        dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in tensors)
+        numel, dtype = (sum(sizes), dtypes[0]) if tensors else (-1, "")
+        send, recv = _splits(op, bound, len(ranks)) if kind == _A2A else ((), ())
+        if kind == _A2A:
+            dtype = _a2a_dtype(bound)
+        root = None
+        for name in ("root_rank", "src"):
+            if kind == _ALL and isinstance(bound.get(name), int):
+                root = _global(pg, bound[name])
+        peer, tag = None, 0
+        if kind in (_SEND, _RECV):
+            local = bound.get("dst", bound.get("src"))
+            peer = _global(pg, int(local)) if local is not None else None
+            tag = int(bound.get("tag", 0) or 0)
         owner = self._owner()
+        where = "" if owner is not None else _script_line()
+        if where and self._in_dtensor:
+            where += " (a DTensor redistribution)"
         return CollectiveCall(
             seq=len(self.calls),
             op=op,
@@ -226,28 +580,37 @@ class CollectiveWatch(TorchDispatchMode):
             dtype=dtype,
             module=owner.module if owner is not None else None,
             params=owner.params if owner is not None else (),
-            where="" if owner is not None else _script_line(),
+            where=where,
+            reduce_op=_reduce_op(bound.get("reduce_op")),
+            root=root,
+            sizes=sizes if len(sizes) > 1 else (),
+            dtypes=dtypes if len(set(dtypes)) > 1 else (),
+            send=send,
+            recv=recv,
+            peer=peer,
+            tag=tag,
         )
 
-    def _group(self, namespace: str, args: tuple) -> tuple[str, tuple[int, ...]]:
-        # A functional collective names its group last: earlier strings are its reduce op
-        # ("sum", as tensor parallelism's all_reduce passes it).
-        names = [a for a in args if isinstance(a, str)] if namespace == "_c10d_functional" else []
-        for arg in (*args, *names[-1:]):
-            pg = None
+    def _process_group(self, bound: dict[str, Any]) -> Any:
+        for name in ("process_group", "group_name"):
+            arg = bound.get(name)
             if isinstance(arg, torch.ScriptObject):
-                pg = dist.ProcessGroup.unbox(arg)
-            elif isinstance(arg, str) and names and arg is names[-1]:
-                pg = dist.distributed_c10d._resolve_process_group(arg)
-            if pg is None:
-                continue
-            known = self._groups.get(id(pg))
-            if known is None:
-                desc = getattr(pg, "group_desc", "") or "group"
-                known = (desc, tuple(dist.get_process_group_ranks(pg)))
-                self._groups[id(pg)] = known
-            return known
-        return "default_pg", tuple(range(self._world))
+                return dist.ProcessGroup.unbox(arg)
+            if isinstance(arg, dist.ProcessGroup):
+                return arg
+            if isinstance(arg, str):
+                return dist.distributed_c10d._resolve_process_group(arg)
+        return None
+
+    def _group(self, pg: Any) -> tuple[str, tuple[int, ...]]:
+        if pg is None:
+            return "default_pg", tuple(range(self._world))
+        known = self._groups.get(id(pg))
+        if known is None:
+            desc = getattr(pg, "group_desc", "") or "group"
+            known = (desc, tuple(dist.get_process_group_ranks(pg)))
+            self._groups[id(pg)] = known
+        return known
 
     def _owner(self) -> Owner | None:
         """The FSDPParamGroup on the Python stack (unshard, post_backward...), if any."""
@@ -260,12 +623,109 @@ class CollectiveWatch(TorchDispatchMode):
         return None
 
 
+def _pair_disagreement(mine: CollectiveCall, me: int, other: CollectiveCall, peer: int) -> str:
+    if mine.peer is not None:  # a send against its receive
+        if mine.op == other.op or other.peer != me:
+            return f"rank {me} {mine.op}s where rank {peer} {other.op}s"
+        if (mine.numel, mine.dtype, mine.tag) != (other.numel, other.dtype, other.tag):
+            sender, receiver = (mine, other) if mine.op == "send" else (other, mine)
+            return (
+                f"the send does not match its receive (sends {sender.numel} {sender.dtype} "
+                f"tag {sender.tag}; the receiver expects {receiver.numel} {receiver.dtype} "
+                f"tag {receiver.tag})"
+            )
+        return ""
+    return disagreement(mine, me, other, peer)
+
+
+def _with(call: CollectiveCall) -> str:
+    return f"{'to' if call.op == 'send' else 'from'} rank {call.peer}"
+
+
+def _bound(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The op's arguments by their schema names."""
+    bound = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args):
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+    return bound
+
+
+def _global(pg: Any, local: int) -> int:
+    if pg is None:
+        return local
+    try:
+        return dist.get_global_rank(pg, local)
+    except Exception:  # not a rank of the group: compared as given, the divergence shows it
+        log.debug("rank %d is not in the group", local, exc_info=True)
+        return local
+
+
+def _reduce_op(arg: Any) -> str:
+    if isinstance(arg, str):
+        return arg.lower()
+    if isinstance(arg, torch.ScriptObject):
+        try:
+            return _REDUCE_OPS.get(int(arg.op()), str(arg.op()))
+        except Exception:  # a PREMUL_SUM or other op we cannot read: compared as unknown
+            log.debug("unreadable reduce op", exc_info=True)
+            return "unknown"
+    return ""
+
+
+def _splits(op: str, bound: dict[str, Any], members: int) -> tuple[tuple[int, ...], ...]:
+    """Elements this rank sends each member and expects from each, in group order."""
+    if op == "all_to_all":
+        return (
+            tuple(t.numel() for t in _tensors(bound.get("input_tensors"))),
+            tuple(t.numel() for t in _tensors(bound.get("output_tensors"))),
+        )
+    source = bound.get("input")
+    target = bound.get("output", source)
+
+    def each(tensor: Any, splits: Any) -> tuple[int, ...]:
+        if not isinstance(tensor, torch.Tensor):
+            return ()
+        row = tensor[0].numel() if tensor.dim() and tensor.shape[0] else 1
+        if splits:
+            return tuple(int(s) * row for s in splits)
+        return (tensor.numel() // max(members, 1),) * members
+
+    return each(source, bound.get("input_split_sizes")), each(
+        target, bound.get("output_split_sizes")
+    )
+
+
+def _a2a_dtype(bound: dict[str, Any]) -> str:
+    tensors = _tensors(bound.get("input", bound.get("input_tensors")))
+    return str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
+
+
+def _on_dtensor(args: tuple, kwargs: dict) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(
+        isinstance(a, DTensor) or (isinstance(a, (list, tuple)) and _on_dtensor(tuple(a), {}))
+        for a in (*args, *kwargs.values())
+    )
+
+
 def _tensors(arg: Any) -> list[torch.Tensor]:
     if isinstance(arg, torch.Tensor):
         return [arg]
     if isinstance(arg, (list, tuple)):
         return [t for item in arg for t in _tensors(item)]
     return []
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+def _them(ranks: tuple[int, ...]) -> str:
+    return "it" if len(ranks) == 1 else "them"
 
 
 def _script_line() -> str:

@@ -18,17 +18,35 @@ CASES = [
     "labels-ignored",
     "hsdp",
     "hsdp-lr-rank1",
+    # issue 31: the full descriptor, agreement within each group, DTensor's collectives
+    "broadcast-self-root",
+    "reduce-sum-max",
+    "a2a-unpaired",
+    "collectives-agree",
+    "pp-subgroups",
+    "clip-all",
+    "clip-rank0",
+    "submesh-timeout",
+    "p2p-ring",
+    "p2p-size",
+    "pipeline-clean",
+    "unseen-rank0",  # last: it ends the job (exit 3 on both ranks)
 ]
 
 
 @pytest.fixture(scope="module")
-def ran(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], object]:
     out = tmp_path_factory.mktemp("step")
     result, records = run_worker_ranks(
         "step_worker.py", out, ["--timeout", str(TIMEOUT), *CASES], timeout=300
     )
-    assert result.codes == [0, 0], result.output(0)[-3000:] + result.output(1)[-3000:]
-    return records
+    assert result.codes == [3, 3], result.output(0)[-3000:] + result.output(1)[-3000:]
+    return records, result
+
+
+@pytest.fixture(scope="module")
+def ran(job) -> list[dict]:
+    return job[0]
 
 
 def _case(records: list[dict], case: str) -> tuple[list[dict], dict]:
@@ -44,7 +62,19 @@ def _only(report: dict, kind: str) -> dict:
     return report["findings"][0]
 
 
-@pytest.mark.parametrize("case", ["equal", "tower-all", "hsdp"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "equal",
+        "tower-all",
+        "hsdp",
+        "collectives-agree",
+        "pp-subgroups",
+        "clip-all",
+        "p2p-ring",  # each rank sends before it receives: no wait on each other
+        "pipeline-clean",  # torch.distributed.pipelining, GPipe over 2 stages
+    ],
+)
 def test_the_clean_twins_are_consistent_and_the_step_ran(ran, case):
     per_rank, report = _case(ran, case)
     assert [r["exit_code"] for r in per_rank] == [0, 0]
@@ -92,3 +122,74 @@ def test_hsdp_replicas_that_differ_after_the_step_are_a_value_finding(ran):
     found = _only(report, "value")
     assert found["ranks"] == [1] and found["snapshot"] == "step"
     assert "llama.model.embed_tokens.weight" in found["tensors"]
+
+
+@pytest.mark.parametrize(
+    ("case", "reason", "said"),
+    [
+        # today: both ranks issue it, each the root, and hang until the script's timeout
+        ("broadcast-self-root", "roots differ", ["root rank 0", "root rank 1"]),
+        # today: consistent, the tensor a mix of both ops
+        ("reduce-sum-max", "reduce ops differ", ["sum on rank 0, max on rank 1"]),
+        # today: gloo aborts rank 0 ("Received data size doesn't match")
+        (
+            "a2a-unpaired",
+            "splits do not pair",
+            ["rank 1 sends rank 0 4 elements, rank 0 expects 2"],
+        ),
+    ],
+)
+def test_a_collective_whose_members_disagree_beyond_its_size_is_named_before_it_is_issued(
+    ran, case, reason, said
+):
+    per_rank, report = _case(ran, case)
+    assert [r["exit_code"] for r in per_rank] == [1, 1]
+    found = _only(report, "step")
+    assert found["ranks"] == [1] and found["reference_rank"] == 0
+    assert reason in found["details"]["reason"]
+    assert found["details"]["group_ranks"] == [0, 1]
+    for text in said:
+        assert text in found["summary"], found["summary"]
+    assert "step_worker.py" in found["summary"]  # the script's line that issued it
+
+
+def test_a_send_whose_receive_expects_another_size_is_named_before_either_is_issued(ran):
+    # Today: not watched; gloo aborts the receiver.
+    per_rank, report = _case(ran, "p2p-size")
+    assert [r["exit_code"] for r in per_rank] == [1, 1]
+    found = _only(report, "step")
+    assert "the send does not match its receive" in found["details"]["reason"]
+    assert "sends 4 float32" in found["summary"] and "expects 2 float32" in found["summary"]
+    sides = found["details"]["ranks"]
+    assert sides["rank 0"]["peer"] == 1 and sides["rank 1"]["peer"] == 0
+
+
+def test_a_grad_norm_over_dtensor_gradients_on_rank_0_only_is_named_before_it_is_issued(ran):
+    # Today: DTensor's all-reduce runs inside its own dispatch, unseen; rank 1's watch timed
+    # out and raised a raw RuntimeError out of check_step.
+    per_rank, report = _case(ran, "clip-rank0")
+    assert [r["exit_code"] for r in per_rank] == [1, 1]
+    found = _only(report, "step")
+    assert found["ranks"] == [0] and found["details"]["not_issued_by"] == [1]
+    assert "all-reduce at step_worker.py" in found["summary"]
+    assert "a DTensor redistribution" in found["summary"]
+
+
+def test_the_sub_mesh_groups_fsdpcheck_builds_carry_its_timeout(ran):
+    # Today the one-rank "dp_shard" groups carried gloo's default 30 minutes; the "dp_replicate" dim
+    # spans the world and reuses the script's own group (its timeout is the script's).
+    for rank in ran:
+        assert rank["submesh-timeout"]["timeouts"]["dp_shard"] == 7.0
+
+
+def test_a_collective_the_watch_cannot_see_ends_every_rank_with_exit_3_naming_it(job):
+    # Today rank 1's watch raised a raw RuntimeError out of check_step. Rank 0 waits in its
+    # thread's all-reduce until rank 1 gives up and leaves; then its own check gives up too.
+    records, result = job
+    assert result.codes == [3, 3]
+    per_rank = [r["unseen-rank0"] for r in records]
+    assert [r["exit_code"] for r in per_rank] == [3, 3]
+    for rank in per_rank:
+        assert rank["seconds"] < BOUND
+    # Named by the rank that gave up first: rank 1 (rank 0 stuck), as seen in every run here.
+    assert "rank 0 is stuck in stage 'step'" in per_rank[1]["headline"], per_rank[1]["headline"]

@@ -200,7 +200,9 @@ def main() -> int:
             result = fsdpcheck.check_step(*STEP_CASES[case](), timeout=60)
         else:
             result = fsdpcheck.check_model(CASES[case](), timeout=60)
-        if result.exit_code == 3:
+        # A step case whose step raises on a rank ends with exit 3 by design; only a lost
+        # peer elsewhere fails the job.
+        if result.exit_code == 3 and case not in STEP_CASES:
             code = 3
         if result.report is not None:
             reports[case] = to_dict(result.report)

@@ -8,6 +8,7 @@ report."""
 import argparse
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -91,6 +92,122 @@ def case_step(case: str, rank: int, model: WithTower, optimizer):
     return step
 
 
+def collective_step(case: str, rank: int, model: WithTower, optimizer, stages):
+    """The cases of issue 31: a training step, then collectives whose descriptors must agree
+    across their group's members beyond op, size and dtype."""
+    plain = case_step("equal", rank, model, optimizer)
+
+    def step():
+        loss = plain()
+        t = torch.ones(4)
+        if case == "broadcast-self-root":  # each rank names itself the root
+            dist.broadcast(t, src=rank)
+        if case == "reduce-sum-max":
+            dist.all_reduce(t, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
+        if case in ("collectives-agree", "a2a-unpaired"):
+            # Uneven MoE-like splits: rank 0 sends 3 to itself and 1 to rank 1, expects 2 back;
+            # rank 1 sends 2 (unpaired: 4) to rank 0 and 2 to itself.
+            send = [[3, 1], [4 if case == "a2a-unpaired" else 2, 2]][rank]
+            recv = [[3, 2], [1, 2]][rank]
+            out = torch.empty(sum(recv))
+            dist.all_to_all_single(out, torch.ones(sum(send)), recv, send)
+        if case == "collectives-agree":
+            dist.broadcast(t, src=0)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if case in ("p2p-ring", "p2p-size"):
+            # Each rank sends its peer a message and receives one, both posted before either
+            # waits (batch_isend_irecv); "p2p-size": rank 0 sends 4 elements, rank 1 expects 2.
+            peer = 1 - rank
+            size = 4 if case == "p2p-size" and rank == 0 else 2
+            inbox = torch.empty(2)
+            ops = [
+                dist.P2POp(dist.isend, torch.ones(size), peer),
+                dist.P2POp(dist.irecv, inbox, peer),
+            ]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        if case == "pp-subgroups":
+            # Pipeline stages: each rank all-reduces its own layers' gradients over its own
+            # 1-rank data group, stage 1 holding more layers; then the loss over every rank.
+            for _ in range(2 + rank):
+                dist.all_reduce(torch.ones(3 + rank), group=stages[rank])
+            dist.all_reduce(t)
+        return loss
+
+    return step
+
+
+def clip_step(rank: int, model: WithTower, optimizer, everyone: bool):
+    """Rank 0 (or every rank) takes the grad norm of FSDP2's DTensor gradients for its log."""
+
+    def step():
+        ids, labels = batch(rank)
+        loss = model(ids, labels)
+        loss.backward()
+        if everyone or rank == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def unseen_step(rank: int, step):
+    def with_thread():
+        loss = step()
+        if rank == 0:
+            worker = threading.Thread(target=lambda: dist.all_reduce(torch.ones(2)), daemon=True)
+            worker.start()
+            worker.join()
+        return loss
+
+    return with_thread
+
+
+def pipeline_step(rank: int, world: int, fewer: bool):
+    """torch.distributed.pipelining, one stage per rank (GPipe, 4 microbatches), each stage a
+    Linear; ``fewer``: the last stage's schedule built for 2 microbatches (torchtitan#775)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    torch.manual_seed(rank)
+    stage_module = nn.Linear(8, 8)
+    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    last = rank == world - 1
+    micro = 2 if fewer and last else 4
+
+    def loss_fn(out, target):
+        return torch.nn.functional.mse_loss(out, target)
+
+    schedule = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(stage_module.parameters(), lr=0.1)
+    # The last stage's batch is sized for its own schedule: 2 microbatches of 2 rows each.
+    x, y = torch.ones(8, 8), torch.zeros(4 if fewer and last else 8, 8)
+
+    def step():
+        losses: list = []
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+        optimizer.step()
+        optimizer.zero_grad()
+        return torch.stack(losses).mean() if losses else None
+
+    return stage_module, step
+
+
+COLLECTIVE_CASES = (
+    "broadcast-self-root",
+    "reduce-sum-max",
+    "collectives-agree",
+    "a2a-unpaired",
+    "pp-subgroups",
+    "p2p-ring",
+    "p2p-size",
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -103,20 +220,53 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,))
     # HSDP: every rank a replica of the others (one shard each), as a 2-D job's replicate dim.
     hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    # Every rank creates every group, as new_group asks; each rank then uses only its own.
+    stages = [dist.new_group([r]) for r in range(world)]
+    stages.append(dist.new_group(list(range(world))))  # the point-to-point cases' own group
     record = {}
     for case in args.cases:
+        if case == "submesh-timeout":  # the groups setup.init builds carry its timeout
+            from fsdpcheck.distributed import setup
+
+            ctx = setup.init(
+                "auto", 7.0, mesh_shape=(world, 1), mesh_names=("dp_replicate", "dp_shard")
+            )
+            timeouts = {
+                name: ctx.mesh.get_group(name)
+                ._get_backend(torch.device("cpu"))
+                .options._timeout.total_seconds()
+                for name in ("dp_replicate", "dp_shard")
+            }
+            setup.shutdown(ctx)
+            record[case] = {"timeouts": timeouts, "exit_code": 0}
+            continue
         # "hsdp-lr-rank1": rank 1's optimizer was built with another learning rate.
         lr = 1e-2 if case == "hsdp-lr-rank1" and rank == 1 else 1e-3
         model, optimizer = build(hsdp if case.startswith("hsdp") else mesh, lr)
         before = {n: p.to_local().clone() for n, p in model.named_parameters()}
         start = time.monotonic()
-        result = fsdpcheck.check_step(
-            model, case_step(case, rank, model, optimizer), timeout=args.timeout
-        )
+        if case.startswith("pipeline-"):
+            model, step = pipeline_step(rank, world, fewer=case == "pipeline-fewer-microbatches")
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        elif case in COLLECTIVE_CASES:
+            step = collective_step(case, rank, model, optimizer, stages)
+        elif case.startswith("clip-"):
+            step = clip_step(rank, model, optimizer, everyone=case == "clip-all")
+        else:
+            step = case_step(case, rank, model, optimizer)
+        timeout = args.timeout
+        if case == "unseen-rank0":
+            # Rank 0 issues an all-reduce from a thread of its own (the watch is thread-local):
+            # it waits there; rank 1's check times out and must end every rank with exit 3.
+            step, timeout = unseen_step(rank, step), 5.0
+        result = fsdpcheck.check_step(model, step, timeout=timeout)
         seconds = time.monotonic() - start
         # After a divergence FSDP2 may leave modules unsharded: plain parameters, not DTensors.
         changed = any(
-            not hasattr(p, "to_local") or not torch.equal(before[n], p.to_local())
+            not hasattr(p, "to_local")
+            and (n not in before or not torch.equal(before[n], p))
+            or hasattr(p, "to_local")
+            and not torch.equal(before[n], p.to_local())
             for n, p in model.named_parameters()
         )
         record[case] = {
@@ -126,10 +276,11 @@ def main() -> None:
             "params_changed": changed,
             "report": to_dict(result.report) if result.report is not None else None,
         }
+        # Written after every case: a rank the last case ends (exit 3) keeps the others.
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"rank{rank}.json").write_text(json.dumps(record))
         if result.exit_code == 3:  # a peer is gone: nothing more can run
             break
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(record))
     print(f"rank {rank} done", flush=True)
     if any(r["exit_code"] == 3 for r in record.values()):
         os._exit(3)
