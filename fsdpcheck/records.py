@@ -432,7 +432,8 @@ class ModuleKind:
     sorted. Never an address, a device or a rank."""
 
     cls: str
-    training: bool = True
+    # None where nothing the module computes depends on it (model/module_state.mode_matters)
+    training: bool | None = True
     hooks: tuple[str, ...] = ()
     settings: tuple[tuple[str, str], ...] = ()
 

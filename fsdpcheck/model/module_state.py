@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
 import logging
 import types
 import warnings
@@ -136,10 +137,64 @@ def _class_name(module: nn.Module) -> str:
     return qualified_name(model_class(module))
 
 
+# Attributes that say how much randomness a module adds in training mode (HF attention's
+# ``attention_dropout``, ``hidden_dropout_prob``, ``drop_path_rate``, a router's jitter).
+_RATE_WORDS = ("dropout", "drop_prob", "drop_path", "drop_rate", "jitter")
+
+
+def mode_matters(module: nn.Module) -> bool:
+    """Whether ``module``'s forward depends on its ``training`` flag: dropout with ``p > 0``,
+    batch and instance norms (running statistics), a module whose own code reads
+    ``self.training`` with a non-zero dropout-like rate or gradient checkpointing on (the
+    recompute issues FSDP2's all-gathers again), or reads it with no rate to say what for.
+    A model loaded with ``from_pretrained`` is in eval mode and one built with ``from_config``
+    in training mode: where no module's forward depends on it, that is no difference."""
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    if isinstance(module, nn.modules.batchnorm._NormBase):
+        return True
+    if not _reads_training(type(module)):
+        return False
+    own = vars(module)
+    if own.get("gradient_checkpointing") is True:
+        return True
+    rates = [
+        value
+        for name, value in own.items()
+        if isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and any(word in name.lower() for word in _RATE_WORDS)
+    ]
+    if rates or "gradient_checkpointing" in own:
+        return any(rate > 0 for rate in rates)
+    return True
+
+
+@functools.lru_cache(maxsize=512)
+def _reads_training(cls: type) -> bool:
+    """Whether a ``forward`` or ``__call__`` of ``cls`` (or a base class outside torch.nn)
+    reads ``self.training``; True where the source cannot be read (unknown: assume it does)."""
+    for base in cls.__mro__:
+        if base is nn.Module or base.__module__.startswith("torch.nn."):
+            continue
+        for attribute in ("forward", "__call__"):
+            method = base.__dict__.get(attribute)
+            if method is None:
+                continue
+            try:
+                source = inspect.getsource(method)
+            except (OSError, TypeError):
+                log.debug("no source for %s.%s", base.__qualname__, attribute, exc_info=True)
+                return True
+            if "self.training" in source:
+                return True
+    return False
+
+
 def module_kind(module: nn.Module) -> ModuleKind:
     return ModuleKind(
         cls=_class_name(module),
-        training=bool(module.training),
+        training=bool(module.training) if mode_matters(module) else None,
         hooks=_hooks(module),
         settings=_settings(module),
     )

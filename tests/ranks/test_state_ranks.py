@@ -35,8 +35,8 @@ def states(tmp_path_factory: pytest.TempPathFactory) -> dict:
         **{
             case: ["--case", case, "--model", "tiny-llama"]
             for case in (
-                "meta-assign", "meta-assign-rebuilt", "eval", "hook", "buffer-copy", "eps",
-                "numerics", "same-state",
+                "meta-assign", "meta-assign-rebuilt", "eval", "eval-no-dropout", "hook",
+                "buffer-copy", "eps", "numerics", "same-state",
             )
         },
         "no-false-alarms": ["--case", "audits", *_each("--audit", NO_FALSE_ALARMS)],
@@ -168,7 +168,7 @@ def test_the_assign_load_with_its_buffers_rebuilt_is_consistent(states: dict) ->
 @pytest.mark.parametrize(
     ("case", "kind", "said"),
     [
-        ("eval", "module-state", "is in training mode on rank 0 but in eval mode on rank 1"),
+        ("eval", "module-state", "self_attn is in training mode on rank 0 but in eval mode on"),
         ("hook", "module-state", "model.layers.0.mlp has hooks none on rank 0 but "),
         ("eps", "module-state", "model.norm setting eps is 1e-05 on rank 0 but 0.1 on rank 1"),
         ("buffer-copy", "tie", "only rank 0 shares storage between model.rotary_emb.inv_freq"),
@@ -192,6 +192,13 @@ def test_the_hook_is_named_by_its_qualified_name_and_the_numerics_by_switch(stat
     (numerics,) = states["numerics"][1]["findings"]
     names = {d["name"]: d["other"] for d in numerics["details"]["differences"]}
     assert names == {"default_dtype": "torch.float64", "deterministic_algorithms": "True"}
+
+
+def test_eval_mode_where_no_module_depends_on_it_is_consistent(states: dict) -> None:
+    # A checkpoint loaded with from_pretrained is in eval mode, a from_config build in training
+    # mode: with every dropout rate 0 the ranks compute the same (the clean twin of "eval").
+    codes, report = states["eval-no-dropout"]
+    assert codes == [0, 0] and report["verdict"] == "consistent", report["findings"]
 
 
 def test_the_same_set_up_on_every_wrapped_rank_is_consistent(states: dict) -> None:

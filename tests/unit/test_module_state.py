@@ -39,11 +39,11 @@ class Rope(nn.Module):
 
 
 class Tiny(nn.Module):
-    def __init__(self, eps: float = 1e-5) -> None:
+    def __init__(self, eps: float = 1e-5, p: float = 0.1) -> None:
         super().__init__()
         self.embed = nn.Embedding(16, 8)
         self.norm = nn.LayerNorm(8, eps=eps)
-        self.drop = nn.Dropout(0.1)
+        self.drop = nn.Dropout(p)
         self.proj = nn.Linear(8, 8)
         self.rope = Rope()
 
@@ -136,16 +136,39 @@ def test_a_module_in_eval_mode_on_one_rank_is_a_module_state_finding():
     report = _report(_tiny(), other)
     (finding,) = report.findings
     assert (finding.kind, finding.ranks, finding.cause) == ("module-state", (1,), "set-up")
-    assert "the model is in training mode on rank 0 but in eval mode on rank 1" in finding.summary
-    assert {d["module"] for d in finding.details["differences"]} == {
-        "",
-        "embed",
-        "norm",
-        "drop",
-        "proj",
-        "rope",
-    }
+    assert "drop is in training mode on rank 0 but in eval mode on rank 1" in finding.summary
+    # Only the dropout computes otherwise in eval mode; a module that never reads its flag
+    # (embedding, norm, linear, the container) is no difference.
+    assert [d["module"] for d in finding.details["differences"]] == ["drop"]
     assert _report(_tiny(), _tiny()).verdict == Verdict.CONSISTENT  # the clean twin
+
+
+def test_eval_mode_where_nothing_depends_on_it_is_no_difference():
+    # from_pretrained leaves a model in eval mode, from_config in training mode: with no
+    # dropout (p = 0) nothing computes otherwise.
+    other = _tiny(p=0.0)
+    other.eval()
+    assert _report(_tiny(p=0.0), other).verdict == Verdict.CONSISTENT
+
+
+def test_the_flag_matters_where_a_modules_own_code_reads_it():
+    class Gated(nn.Module):  # reads self.training, says nothing of a rate: assumed to matter
+        def forward(self, x):
+            return x * 2 if self.training else x
+
+    class Attention(nn.Module):  # reads it for dropout at rate 0: nothing changes
+        def __init__(self, rate: float) -> None:
+            super().__init__()
+            self.attention_dropout = rate
+
+        def forward(self, x):
+            return nn.functional.dropout(x, self.attention_dropout if self.training else 0.0)
+
+    from fsdpcheck.model.module_state import mode_matters
+
+    assert mode_matters(Gated()) and mode_matters(Attention(0.1))
+    assert not mode_matters(Attention(0.0)) and not mode_matters(nn.Linear(2, 2))
+    assert mode_matters(nn.BatchNorm1d(2)) and not mode_matters(nn.Dropout(0.0))
 
 
 def test_a_forward_hook_on_one_rank_is_named_by_module_and_qualified_name():

@@ -56,7 +56,14 @@ def main() -> None:
         record["stall-before"] = called(model, timeout)
     else:
         gone = int(scenario.removeprefix("exit-"))
-        if rank() == gone:
+        # The peer dies once both ranks are through init_process_group: under load, rank 0
+        # leaving first used to cut rank 1's own gloo handshake short (a test race, not the
+        # check's failure).
+        store = dist.distributed_c10d._get_default_store()
+        if rank() != gone:
+            store.set(f"through-init-{rank()}", "1")
+        else:
+            store.wait([f"through-init-{1 - gone}"])
             os._exit(0)  # a peer that dies just before the check
         record[scenario] = called(model, timeout)
     write(out, record)  # the process went on after every call

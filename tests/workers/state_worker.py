@@ -135,8 +135,12 @@ def _set_up(model_name: str, case: str) -> nn.Module:
     if case in ("eps", "same-state"):
         eps = 0.1 if case == "eps" and odd else 1e-5
         model.model.norm = nn.LayerNorm(hidden, eps=eps)
-    if odd and case == "eval":
-        model.eval()
+    if case == "eval":  # every rank's attention drops out: eval on rank 1 computes otherwise
+        for module in model.modules():
+            if hasattr(module, "attention_dropout"):
+                module.attention_dropout = 0.1
+    if odd and case in ("eval", "eval-no-dropout"):
+        model.eval()  # eval-no-dropout: as from_pretrained leaves it, nothing depends on it
     if odd and case in ("hook", "same-state"):
         model.model.layers[0].mlp.register_forward_hook(_scale_output)
     _wrap(model)
@@ -178,7 +182,9 @@ def _run(case: str, model_name: str, audits: list[str]) -> tuple[int, object]:
         "meta-assign-rebuilt": lambda: _meta_assign(model_name, rebuild=True),
         **{
             name: functools.partial(_set_up, model_name, name)
-            for name in ("eval", "hook", "buffer-copy", "eps", "numerics", "same-state")
+            for name in (
+                "eval", "eval-no-dropout", "hook", "buffer-copy", "eps", "numerics", "same-state"
+            )
         },
     }
     model = cases[case]()
