@@ -82,6 +82,10 @@ def build(
     else:
         with torch.device("meta"), _default_dtype(torch_dtype):
             model = _from_config(config, trust_remote_code)
+    # from_pretrained leaves a model in eval mode, from_config in training mode: under --init
+    # rank0 only rank 0 reads the checkpoint, and the module-state check would name the mode
+    # fsdpcheck chose. One mode on every rank, the checkpoint's (no dropout in a forward).
+    model.eval()
     info = ModelInfo(
         spec=resolved.spec,
         kind=resolved.kind,

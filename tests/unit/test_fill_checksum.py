@@ -184,6 +184,25 @@ def test_fill_keeps_the_modules_real_buffers_and_is_the_same_on_every_rank(spec:
     assert len(digests) == len({id(p) for p in params.values() if p.numel() > 64})
 
 
+def test_every_rank_builds_a_checkpoint_model_in_one_mode(tmp_path) -> None:
+    # --init rank0 (the default): rank 0 reads the checkpoint (from_pretrained: eval mode), the
+    # others build on meta (from_config: training mode). The module-state check must not see
+    # that as a rank whose model trains otherwise (it did: exit 1 on every clean hub audit).
+    from transformers import AutoModelForCausalLM
+
+    from fsdpcheck.checks.module_state import module_differences
+    from fsdpcheck.model.module_state import module_state
+    from fsdpcheck.model.presets import PRESETS
+
+    AutoModelForCausalLM.from_config(PRESETS["tiny-llama"].make_config()).save_pretrained(tmp_path)
+    resolved = resolve(str(tmp_path), rank=0)
+    rank0 = build(resolved, rank=0, init="rank0")
+    assert rank0.info.init_values == "checkpoint"
+    others = [build(resolved, rank=1, init="rank0"), build(resolve("tiny-llama", rank=0), rank=0)]
+    assert module_differences(module_state(rank0.model), module_state(others[0].model)) == []
+    assert {b.model.training for b in (rank0, *others)} == {False}
+
+
 def test_fill_keeps_tied_weights_tied() -> None:
     resolved = resolve("tiny-gemma3", rank=0)
     model = build(resolved, rank=0, init="rank0").model
