@@ -183,7 +183,13 @@ def _run(case: str, model_name: str, audits: list[str]) -> tuple[int, object]:
         **{
             name: functools.partial(_set_up, model_name, name)
             for name in (
-                "eval", "eval-no-dropout", "hook", "buffer-copy", "eps", "numerics", "same-state"
+                "eval",
+                "eval-no-dropout",
+                "hook",
+                "buffer-copy",
+                "eps",
+                "numerics",
+                "same-state",
             )
         },
     }
