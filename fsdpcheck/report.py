@@ -68,6 +68,11 @@ class AuditOutcome:
     reproduce_failure: str | None = None  # why --reproduce ran no job at all
 
 
+# The findings a per-process hash seed can cause (a set iterated while registering tensors).
+_ORDER_KINDS = frozenset(
+    {FindingKind.BUFFER_ORDER, FindingKind.PARAM_ORDER, FindingKind.STATE_DICT_ORDER}
+)
+
 def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
     """The report: findings, loader predictions and one verdict."""
     gathered = outcome.gathered
@@ -120,6 +125,7 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
                 gathered.seed_tags or {},
                 {r: rec.env.hash_seed for r, rec in records.items()},
                 probed=outcome.probe is not None,
+                orders_differ=any(f.kind in _ORDER_KINDS for f in findings),
             ),
             *outcome.notes,
         ),

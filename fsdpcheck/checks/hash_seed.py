@@ -192,12 +192,17 @@ def seed_tag(hash_seed: str) -> int:
 
 
 def hash_seed_note(
-    tags: Mapping[int, int], seeds: Mapping[int, str], *, probed: bool = False
+    tags: Mapping[int, int],
+    seeds: Mapping[int, str],
+    *,
+    probed: bool = False,
+    orders_differ: bool = False,
 ) -> tuple[str, ...]:
     """A warning when the ranks run with no common PYTHONHASHSEED: some have hash randomisation
     on, or their fixed seeds differ. ``tags``: every rank's :func:`seed_tag` (from the gather);
     ``seeds``: the exact seeds of the ranks whose records rank 0 holds. ``probed``: the probe
-    already built the model under other seeds (its result is in the report)."""
+    already built the model under other seeds (its result is in the report); ``orders_differ``:
+    this run already found tensor orders that differ (the seeds may be why)."""
     tags = dict(tags) or {rank: seed_tag(seed) for rank, seed in seeds.items()}
     for rank, seed in seeds.items():
         tags.setdefault(rank, seed_tag(seed))
@@ -227,10 +232,15 @@ def hash_seed_note(
         else "check the model with `fsdpcheck probe --model M`, `audit --probe 8` (with --model "
         "or --builder) or `fsdpcheck.probe(build)` from a script or Ray driver"
     )
+    when = (
+        "between ranks: the order findings of this run may come from it"
+        if orders_differ
+        else "between ranks on another run, even though this run agrees"
+    )
     return (
         f"no common hash seed: {who}, so a model that iterates a set of strings while "
-        "registering its tensors can order them differently between ranks on another run, even "
-        f"though this run agrees; {check}, or set one PYTHONHASHSEED on every rank",
+        f"registering its tensors can order them differently {when}; {check}, or set one "
+        "PYTHONHASHSEED on every rank",
     )
 
 

@@ -83,3 +83,15 @@ def test_a_builder_function_is_named_so_a_child_interpreter_can_import_it():
     for unimportable in (lambda: None, HazardForCausalLM.forward):
         with pytest.raises(InputError, match="cannot be imported by a child process"):
             builder_spec(unimportable)
+
+
+def test_where_this_run_found_orders_that_differ_the_note_says_they_may_come_from_it():
+    # The README's demo: seeds 0 and 1, and the two RoPE buffers in another order on rank 1.
+    records = {0: _record(0, "0"), 1: _record(1, "1")}
+    swapped = replace(records[1].pre_wrap, buffers=tuple(reversed(records[1].pre_wrap.buffers)))
+    records[1] = replace(records[1], pre_wrap=swapped)
+    report = assemble(AuditOutcome(gathered_from(records)), None)
+    assert "buffer-order" in [f.kind for f in report.findings]
+    [note] = [w for w in report.warnings if w.startswith("no common hash seed")]
+    assert "the order findings of this run may come from it" in note
+    assert "even though this run agrees" not in note
