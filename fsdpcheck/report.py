@@ -73,6 +73,7 @@ _ORDER_KINDS = frozenset(
     {FindingKind.BUFFER_ORDER, FindingKind.PARAM_ORDER, FindingKind.STATE_DICT_ORDER}
 )
 
+
 def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
     """The report: findings, loader predictions and one verdict."""
     gathered = outcome.gathered
