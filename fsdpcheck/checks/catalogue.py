@@ -34,8 +34,8 @@ from fsdpcheck.checks.layout import LAYOUT_KINDS, layout_findings
 from fsdpcheck.checks.loaded import load_findings, verify_findings
 from fsdpcheck.checks.module_state import module_state_findings, numerics_findings
 from fsdpcheck.checks.non_finite import non_finite_findings
-from fsdpcheck.checks.optimizer import optimizer_findings
 from fsdpcheck.checks.observed import Observation, with_observations
+from fsdpcheck.checks.optimizer import optimizer_findings
 from fsdpcheck.checks.step import StepRecord, divergence_finding, non_finite_finding
 from fsdpcheck.checks.ties import tie_findings
 from fsdpcheck.checks.unexplained import unexplained_findings

@@ -97,7 +97,9 @@ def differences(ref: OptimizerRecord | None, other: OptimizerRecord | None) -> l
                 out.append(_diff("scheduler", name, a, b))
     if ref.checkpoint_entries != other.checkpoint_entries:
         out.append(
-            _diff("optimizer", "checkpoint entries", ref.checkpoint_entries, other.checkpoint_entries)
+            _diff(
+                "optimizer", "checkpoint entries", ref.checkpoint_entries, other.checkpoint_entries
+            )
         )
     return out
 

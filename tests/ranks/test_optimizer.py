@@ -54,7 +54,12 @@ def test_a_per_rank_lr_is_an_optimizer_finding(runs: dict) -> None:
     (finding,) = report["findings"]
     assert (finding["kind"], finding["ranks"], finding["reference_rank"]) == ("optimizer", [1], 0)
     (diff,) = finding["details"]["differences"]
-    assert diff == {"where": "param group 0", "field": "lr", "reference": "0.0001", "other": "0.0002"}
+    assert diff == {
+        "where": "param group 0",
+        "field": "lr",
+        "reference": "0.0001",
+        "other": "0.0002",
+    }
     codes, report = runs["lr-same"]
     assert codes == [0, 0] and report["verdict"] == "consistent", report["findings"]
 

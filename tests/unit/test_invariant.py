@@ -146,9 +146,7 @@ def _base(rank: int) -> RankRecord:
         ),
         optimizer=OptimizerRecord(
             cls="AdamW",
-            groups=(
-                ParamGroupRecord(0, ("embed.weight", "norm.weight"), (("lr", "0.0001"),)),
-            ),
+            groups=(ParamGroupRecord(0, ("embed.weight", "norm.weight"), (("lr", "0.0001"),)),),
             states=(
                 OptimizerState(
                     "embed.weight",

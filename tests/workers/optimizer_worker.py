@@ -79,7 +79,10 @@ def _resume(out: Path, *, restore: bool):
     opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
     if restore:
-        state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, opt)}
+        state = {
+            "model": get_model_state_dict(fresh),
+            "optim": get_optimizer_state_dict(fresh, opt),
+        }
         dcp.load(state, checkpoint_id=str(ckpt))
         set_model_state_dict(fresh, state["model"])
         set_optimizer_state_dict(fresh, opt, state["optim"])
