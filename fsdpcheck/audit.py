@@ -255,13 +255,24 @@ def _with_optimizer(
     """``record`` with the rank's optimizer; a failure to read it is the rank's error."""
     from fsdpcheck.model.optimizer_state import optimizer_record
 
-    path = resumed.path if resumed is not None and resumed.index == METADATA else None
+    path = _optimizer_checkpoint(resumed)
     found = state.stages.run(
         Stage.FINGERPRINT, lambda: optimizer_record(model, optimizer, scheduler, path)
     )
     if found is None:
         return RankRecord(env=record.env, error=state.stages.error)
     return replace(record, optimizer=found)
+
+
+def _optimizer_checkpoint(resumed: CheckpointRecord | None) -> str | None:
+    """The DCP directory that holds the resumed optimizer's state: the checkpoint itself, or an
+    HF Trainer / accelerate checkpoint's ``optimizer_0`` (FSDP's sharded state dict)."""
+    if resumed is None or resumed.path is None:
+        return None
+    if resumed.index == METADATA:
+        return resumed.path
+    inner = os.path.join(resumed.path, "optimizer_0")
+    return inner if os.path.isfile(os.path.join(inner, METADATA)) else None
 
 
 def _rank0_checkpoint(

@@ -578,7 +578,7 @@ class OptimizerRecord:
     states: tuple[OptimizerState, ...] = ()
     scheduler: SchedulerRecord | None = None
     resumed: tuple[ResumeMismatch, ...] = ()
-    # Optimizer entries the checkpoint holds that were compared (None: no checkpoint read).
+    # The checkpoint's optimizer entries compared with this optimizer's (None: none read).
     checkpoint_entries: int | None = None
 
 

@@ -82,6 +82,9 @@ def optimizer_record(
 ) -> OptimizerRecord:
     """This rank's ``optimizer`` (and ``scheduler``) as a record; with ``checkpoint`` (a resolved
     DCP directory), every place the loaded state falls short of the checkpoint's."""
+    # accelerate's AcceleratedOptimizer / AcceleratedScheduler hold the torch ones.
+    optimizer = _unwrapped(optimizer, "optimizer")
+    scheduler = _unwrapped(scheduler, "scheduler") if scheduler is not None else None
     names = param_names(model, optimizer)
     groups, states = [], []
     for g, group in enumerate(optimizer.param_groups):
@@ -107,8 +110,17 @@ def optimizer_record(
     )
     if checkpoint is None:
         return record
-    resumed, entries = against_checkpoint(model, optimizer, scheduler, checkpoint, names)
+    resumed, entries = against_checkpoint(optimizer, scheduler, checkpoint, names)
     return replace(record, resumed=resumed, checkpoint_entries=entries)
+
+
+def _unwrapped(obj: Any, attribute: str) -> Any:
+    inner = getattr(obj, attribute, None)
+    if attribute == "optimizer" and isinstance(inner, torch.optim.Optimizer):
+        return inner
+    if attribute == "scheduler" and inner is not None and hasattr(inner, "last_epoch"):
+        return inner
+    return obj
 
 
 def scheduler_record(scheduler: Any) -> SchedulerRecord:
@@ -143,15 +155,15 @@ def _saved_entries(stored: Mapping[str, Any]) -> dict[tuple[str, str], str]:
 
 
 def against_checkpoint(
-    model: Any,
     optimizer: Any,
     scheduler: Any,
     path: str,
     names: Mapping[int, str],
 ) -> tuple[tuple[ResumeMismatch, ...], int]:
-    """(where the loaded state falls short of the checkpoint's, how many optimizer entries the
-    checkpoint holds): a moment absent or all zero where the saved one is non-zero, a step count
-    other than the saved one, a scheduler that never stepped where the saved optimizer did."""
+    """(where the loaded state falls short of the checkpoint's, how many of the checkpoint's
+    optimizer entries were compared: those of this optimizer's parameters): a moment absent or
+    all zero where the saved one is non-zero, a step count other than the saved one, a
+    scheduler that never stepped where the saved optimizer did."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -200,7 +212,7 @@ def against_checkpoint(
         mismatches.append(
             ResumeMismatch("", "last_epoch", text(int(scheduler.last_epoch)), text(saved_step))
         )
-    return tuple(mismatches), len(saved)
+    return tuple(mismatches), len(wanted)
 
 
 def _template(param: torch.Tensor, meta: Any, key: str) -> torch.Tensor:
