@@ -30,7 +30,10 @@ def optimizer_findings(groups: Sequence[Group], gathered: Gathered) -> list[Find
     checkpoint: one finding each."""
     records = gathered.records
     findings = _record_findings(groups, records)
-    findings += _value_findings(gathered)
+    # State values of ranks whose optimizer already differs (another step, another lr) differ
+    # as a consequence: that finding says why.
+    named = {r for f in findings for r in f.ranks}
+    findings += [f for f in _value_findings(gathered) if not set(f.ranks) <= named]
     for group in usable_groups(groups, records):
         found = records[group.representative].optimizer
         if found is not None and found.resumed:

@@ -166,3 +166,10 @@ def test_shards_that_are_no_replicas_are_not_compared() -> None:
     # The unsharded moment still differs between peers; the shards are each rank's own.
     (finding,) = _report(records).findings
     assert finding.details["differences"] == [{"param": "w", "key": "exp_avg_sq"}]
+
+
+def test_state_values_of_a_rank_already_named_are_not_told_twice() -> None:
+    # Another lr steps to other values: the settings finding says why.
+    report = _report({0: _record(0), 1: _record(1, lr="0.0002", digest="x"), 2: _record(2)})
+    (finding,) = report.findings
+    assert finding.ranks == (1,) and "lr 0.0002" in finding.summary
