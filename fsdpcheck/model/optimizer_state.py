@@ -176,9 +176,11 @@ def against_checkpoint(
     numbered = {id(p): str(i) for i, p in enumerate(params)}  # optimizer.state_dict()'s ids
     payload: dict[str, torch.Tensor] = {}
     wanted: list[tuple[Any, str, str]] = []  # (parameter, state key, checkpoint key)
+    saved_as = _saved_names(saved, [names[id(p)] for p in params])
     for p in params:
         for key in (*MOMENTS, "step"):
-            ckpt_key = saved.get((names[id(p)], key)) or saved.get((numbered[id(p)], key))
+            name = saved_as.get(names[id(p)], names[id(p)])
+            ckpt_key = saved.get((name, key)) or saved.get((numbered[id(p)], key))
             meta = stored.get(ckpt_key) if ckpt_key else None
             if not isinstance(meta, TensorStorageMetadata):
                 continue
@@ -213,6 +215,21 @@ def against_checkpoint(
             ResumeMismatch("", "last_epoch", text(int(scheduler.last_epoch)), text(saved_step))
         )
     return tuple(mismatches), len(wanted)
+
+
+def _saved_names(saved: Mapping[tuple[str, str], str], names: list[str]) -> dict[str, str]:
+    """Parameter name → the name the checkpoint saved it under, where that is the name with a
+    prefix (a Lightning module's ``model.``, checked on ``pl_module.model``) and no other saved
+    name ends the same way."""
+    stored = {param for param, _ in saved}
+    out = {}
+    for name in names:
+        if name in stored:
+            continue
+        longer = [s for s in stored if s.endswith("." + name)]
+        if len(longer) == 1:
+            out[name] = longer[0]
+    return out
 
 
 def _template(param: torch.Tensor, meta: Any, key: str) -> torch.Tensor:

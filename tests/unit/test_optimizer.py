@@ -173,3 +173,21 @@ def test_state_values_of_a_rank_already_named_are_not_told_twice() -> None:
     report = _report({0: _record(0), 1: _record(1, lr="0.0002", digest="x"), 2: _record(2)})
     (finding,) = report.findings
     assert finding.ranks == (1,) and "lr 0.0002" in finding.summary
+
+
+def test_a_checkpoint_that_saved_the_parameters_under_a_prefix_is_matched(tmp_path: Path) -> None:
+    """A framework that saved the whole module (Lightning: ``model.0.weight``) while the check
+    looks at the inner model (``0.weight``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, opt, _ = _trained()
+    outer = nn.Module()
+    outer.model = model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"optim": get_optimizer_state_dict(outer, opt)}, checkpoint_id=str(tmp_path))
+        fresh = torch.optim.AdamW(model.parameters())
+        short = optimizer_record(model, fresh, None, str(tmp_path))
+    assert short.checkpoint_entries == 12
+    assert ("0.weight", "exp_avg") in {(m.param, m.field) for m in short.resumed}
