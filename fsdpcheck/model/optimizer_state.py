@@ -67,7 +67,9 @@ def _state_tensor(key: str, value: torch.Tensor) -> OptimizerTensor:
 
 def param_names(model: Any, optimizer: Any) -> dict[int, str]:
     """id(parameter) → its name: the model's, else ``#group.index`` in the optimizer."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters():  # a tied parameter by its first name
+        names.setdefault(id(p), n)
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
             names.setdefault(id(p), f"#{g}.{i}")
