@@ -389,7 +389,7 @@ class FindingKind(_Described):
         "the optimizer differs between ranks (param-group settings such as lr, step counts, "
         "which parameters hold state, state values between replicas), or a resume left its "
         "state short of the checkpoint's (moments absent or zero, another step, the scheduler)",
-        "optimizers differ",
+        "optimizers differ or were not restored",
     )
     EXPERT = (
         "expert",
