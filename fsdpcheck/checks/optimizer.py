@@ -65,8 +65,7 @@ def _record_findings(groups: Sequence[Group], records: Mapping[int, RankRecord])
                 reference_rank=ref_rank,
                 snapshot=Snapshot.LOAD if on_state else Snapshot.POST_WRAP,
                 cause=Cause.LOADING if on_state else Cause.SET_UP,
-                summary=f"optimizers differ on {who} from rank {ref_rank}'s: "
-                f"{shown}{more}",
+                summary=f"optimizers differ on {who} from rank {ref_rank}'s: {shown}{more}",
                 tensors=_params(diffs),
                 details={"count": len(diffs), "differences": diffs[:16]},
             )
