@@ -191,3 +191,26 @@ def test_a_checkpoint_that_saved_the_parameters_under_a_prefix_is_matched(tmp_pa
         short = optimizer_record(model, fresh, None, str(tmp_path))
     assert short.checkpoint_entries == 12
     assert ("0.weight", "exp_avg") in {(m.param, m.field) for m in short.resumed}
+
+
+def test_a_compiled_rank_names_its_optimizer_state_canonically() -> None:
+    """torch.compile on rank 1 alone puts ``_orig_mod.`` in its parameter names: the ``wrapper``
+    check says so; the optimizer, paired by canonical names, holds the same state."""
+    from fsdpcheck.records import Renamed, WrappedModule, WrapperRecord
+    from fsdpcheck.vocab import Wrapper
+
+    compiled = _record(1)
+    optimizer = compiled.optimizer
+    compiled = replace(
+        compiled,
+        wrappers=WrapperRecord(
+            modules=(WrappedModule("", Wrapper.COMPILE),), renamed=(Renamed("_orig_mod", 1, 0),)
+        ),
+        optimizer=replace(
+            optimizer,
+            groups=(replace(optimizer.groups[0], params=("_orig_mod.w",)),),
+            states=(replace(optimizer.states[0], param="_orig_mod.w"),),
+        ),
+    )
+    report = _report({0: _record(0), 1: compiled, 2: _record(2)})
+    assert [f.kind for f in report.findings] == ["wrapper"], report.findings
