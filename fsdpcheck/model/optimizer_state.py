@@ -176,39 +176,27 @@ def against_checkpoint(
         return (), 0
     params = [p for group in optimizer.param_groups for p in group["params"]]
     numbered = {id(p): str(i) for i, p in enumerate(params)}  # optimizer.state_dict()'s ids
-    payload: dict[str, torch.Tensor] = {}
-    wanted: list[tuple[Any, str, str]] = []  # (parameter, state key, checkpoint key)
+    wanted: list[tuple[Any, str, str, Any]] = []  # (parameter, state key, checkpoint key, meta)
     saved_as = _saved_names(saved, [names[id(p)] for p in params])
     for p in params:
         for key in (*MOMENTS, "step"):
             name = saved_as.get(names[id(p)], names[id(p)])
             ckpt_key = saved.get((name, key)) or saved.get((numbered[id(p)], key))
             meta = stored.get(ckpt_key) if ckpt_key else None
-            if not isinstance(meta, TensorStorageMetadata):
-                continue
-            payload[ckpt_key] = _template(p, meta, key)
-            wanted.append((p, key, ckpt_key))
-    if payload:
-        dcp.load(payload, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            if isinstance(meta, TensorStorageMetadata):
+                wanted.append((p, key, ckpt_key, meta))
     mismatches: list[ResumeMismatch] = []
     steps: list[float] = []
-    for p, key, ckpt_key in wanted:
-        held = _local(payload[ckpt_key])
-        mine = (optimizer.state.get(p) or {}).get(key)
-        if key == "step":
-            saved_step = float(held.item())
-            steps.append(saved_step)
-            loaded = float(mine.item()) if isinstance(mine, torch.Tensor) else mine
-            if loaded is None or not math.isclose(float(loaded), saved_step):
-                shown = "absent" if loaded is None else text(float(loaded))
-                mismatches.append(ResumeMismatch(names[id(p)], key, shown, text(saved_step)))
-            continue
-        if not bool(held.count_nonzero()):
-            continue  # nothing to bring back
-        if mine is None:
-            mismatches.append(ResumeMismatch(names[id(p)], key, "absent", "non-zero"))
-        elif not bool(_local(mine).count_nonzero()):
-            mismatches.append(ResumeMismatch(names[id(p)], key, "all zero", "non-zero"))
+    for batch in _batches(wanted):
+        payload = {ckpt_key: _template(p, meta, key) for p, key, ckpt_key, meta in batch}
+        dcp.load(payload, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        for p, key, ckpt_key, _ in batch:
+            held = _local(payload[ckpt_key])
+            if key == "step":
+                steps.append(float(held.item()))
+            found = _short(held, (optimizer.state.get(p) or {}).get(key), key)
+            if found is not None:
+                mismatches.append(ResumeMismatch(names[id(p)], key, *found))
     saved_step = max(steps, default=0.0)
     if scheduler is not None and saved_step > 0 and getattr(scheduler, "last_epoch", 0) <= 0:
         # A scheduler stepped with the optimizer sits at its step; one still at 0 where the saved
@@ -217,6 +205,43 @@ def against_checkpoint(
             ResumeMismatch("", "last_epoch", text(int(scheduler.last_epoch)), text(saved_step))
         )
     return tuple(mismatches), len(wanted)
+
+
+# Saved state read at once, at most (bytes of this rank's slices): a model's worth of moments
+# never sits in memory beside the optimizer's own.
+_BATCH_BYTES = 256 << 20
+
+
+def _batches(wanted: list[tuple[Any, str, str, Any]]):
+    batch: list[tuple[Any, str, str, Any]] = []
+    size = 0
+    for entry in wanted:
+        p, key, _, meta = entry
+        numel = _local(p).numel() if key != "step" else 1
+        size += numel * meta.properties.dtype.itemsize
+        batch.append(entry)
+        if size >= _BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _short(held: torch.Tensor, mine: Any, key: str) -> tuple[str, str] | None:
+    """(loaded, saved) where this rank's ``mine`` falls short of the saved ``held``."""
+    if key == "step":
+        saved = float(held.item())
+        loaded = float(mine.item()) if isinstance(mine, torch.Tensor) else mine
+        if loaded is None or not math.isclose(float(loaded), saved):
+            return ("absent" if loaded is None else text(float(loaded))), text(saved)
+        return None
+    if not bool(held.count_nonzero()):
+        return None  # nothing to bring back
+    if mine is None:
+        return "absent", "non-zero"
+    if not bool(_local(mine).count_nonzero()):
+        return "all zero", "non-zero"
+    return None
 
 
 def _saved_names(saved: Mapping[tuple[str, str], str], names: list[str]) -> dict[str, str]:

@@ -214,3 +214,22 @@ def test_a_compiled_rank_names_its_optimizer_state_canonically() -> None:
     )
     report = _report({0: _record(0), 1: compiled, 2: _record(2)})
     assert [f.kind for f in report.findings] == ["wrapper"], report.findings
+
+
+def test_the_checkpoint_is_read_in_bounded_batches(tmp_path: Path, monkeypatch) -> None:
+    """One entry per dcp.load (a budget of one byte): the same comparison as all at once."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from fsdpcheck.model import optimizer_state
+
+    model, opt, _ = _trained()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path))
+        whole = optimizer_record(model, torch.optim.AdamW(model.parameters()), None, str(tmp_path))
+        monkeypatch.setattr(optimizer_state, "_BATCH_BYTES", 1)
+        batched = optimizer_record(
+            model, torch.optim.AdamW(model.parameters()), None, str(tmp_path)
+        )
+    assert batched == whole and len(whole.resumed) == 12
