@@ -16,7 +16,7 @@ from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.distributed.environment import env_record, launch_record, torch_threads
 from fsdpcheck.errors import FsdpcheckError, InputError
-from fsdpcheck.model.resume import checkpoint_record, resume_problem
+from fsdpcheck.model.resume import METADATA, checkpoint_record, resume_problem
 from fsdpcheck.options import AuditOptions
 from fsdpcheck.pipeline import Stages, build_from
 from fsdpcheck.records import (
@@ -171,6 +171,8 @@ def check_model(
     timeout: float = 60.0,
     end_on_abort: bool | None = None,
     rank0_checkpoint: bool = False,
+    optimizer: Any = None,
+    scheduler: Any = None,
 ) -> AuditResult:
     """Check a training script's own model: every rank calls it, after building (and optionally
     wrapping) the model, before its loader, after it, or both. Reuses the script's process
@@ -189,6 +191,13 @@ def check_model(
     differs is named; a path only the other ranks were given is not, since nothing loaded it);
     a rank that passes a ``checkpoint`` of its own records that one instead (a script that
     loads its own weights), so the broadcast runs on every rank whatever each one passes.
+
+    ``optimizer`` (and ``scheduler``, an lr scheduler): every rank records its param groups'
+    settings, which parameters hold state, its step counts, shapes, dtypes and digests (read
+    only: nothing is stepped or initialised); ranks that differ, or replicas whose state values
+    differ, are an ``optimizer`` finding. With a DCP ``checkpoint`` that holds optimizer state:
+    moments absent or all zero where the checkpoint's are not, another step count, a scheduler
+    still at step 0: each an ``optimizer`` finding.
 
     It never ends the process (a training script's, a Ray actor's): a peer that never arrives
     (died or stuck before the check, or the store's host gone), dies or is stuck past
@@ -228,9 +237,42 @@ def check_model(
                     checkpoint=resumed,
                     launch=launch_record(rank=ctx.rank, local_rank=ctx.local_rank),
                 )
+                if optimizer is not None:
+                    record = _with_optimizer(state, record, model, optimizer, scheduler, resumed)
             return _conclude(None, state, record, watch, built=None)
     finally:
         distributed.shutdown(ctx)
+
+
+def _with_optimizer(
+    state: _RankState,
+    record: RankRecord,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    resumed: CheckpointRecord | None,
+) -> RankRecord:
+    """``record`` with the rank's optimizer; a failure to read it is the rank's error."""
+    from fsdpcheck.model.optimizer_state import optimizer_record
+
+    path = _optimizer_checkpoint(resumed)
+    found = state.stages.run(
+        Stage.FINGERPRINT, lambda: optimizer_record(model, optimizer, scheduler, path)
+    )
+    if found is None:
+        return RankRecord(env=record.env, error=state.stages.error)
+    return replace(record, optimizer=found)
+
+
+def _optimizer_checkpoint(resumed: CheckpointRecord | None) -> str | None:
+    """The DCP directory that holds the resumed optimizer's state: the checkpoint itself, or an
+    HF Trainer / accelerate checkpoint's ``optimizer_0`` (FSDP's sharded state dict)."""
+    if resumed is None or resumed.path is None:
+        return None
+    if resumed.index == METADATA:
+        return resumed.path
+    inner = os.path.join(resumed.path, "optimizer_0")
+    return inner if os.path.isfile(os.path.join(inner, METADATA)) else None
 
 
 def _rank0_checkpoint(

@@ -60,7 +60,7 @@ _PROCESS, _INFO = Agreement.PER_PROCESS, Agreement.INFORMATIONAL
 AGREEMENT: Mapping[str, Agreement] = _declare(
     RankRecord={
         _EVERY: "env pre_wrap post_wrap error fsdp_plan config misplaced ties uninitialized "
-        "non_finite source checkpoint launch wrappers modules numerics",
+        "non_finite source checkpoint launch wrappers modules numerics optimizer",
         # Which ranks are replicas and where this rank's DTensors live: who is compared with
         # whom, not what they hold (expert groups, HSDP shard groups differ by design). What of
         # the meshes must agree is compared per parameter (the REPLICAS fields of MeshRecord).
@@ -123,6 +123,18 @@ AGREEMENT: Mapping[str, Agreement] = _declare(
     WrapperRecord={_EVERY: "modules renamed"},
     WrappedModule={_EVERY: "name how"},
     Renamed={_EVERY: "level names keys"},
+    OptimizerRecord={_EVERY: "cls groups states scheduler resumed checkpoint_entries"},
+    ParamGroupRecord={_EVERY: "index params hyper"},
+    OptimizerState={_EVERY: "param group scalars tensors"},
+    OptimizerTensor={
+        _EVERY: "key shape dtype placements",
+        # Like a parameter's: between replicas of one shard, or every peer where unsharded
+        # (fsdpcheck.checks.value.value_digests); uneven shards differ in size by design.
+        _REPLICAS: "digest",
+        _PROCESS: "local_shape",
+    },
+    SchedulerRecord={_EVERY: "cls last_epoch step_count lrs"},
+    ResumeMismatch={_EVERY: "param field loaded saved"},
 )
 
 # Never compared: the fields that may differ between ranks that agree.
@@ -195,7 +207,9 @@ def _is_word(hint: Any) -> bool:
 # neither, and ranks > 0 of --init rank0 must not split off); per parameter through the mesh it
 # lives on (mesh_layout, in the group digest; named by the placement check).
 IN_VALUE_DIGEST = frozenset(
-    k for k, a in AGREEMENT.items() if a is _REPLICAS and k.startswith("TensorRecord.")
+    k
+    for k, a in AGREEMENT.items()
+    if a is _REPLICAS and k.startswith(("TensorRecord.", "OptimizerTensor."))
 )
 IN_MESH_LAYOUT = frozenset(
     k for k, a in AGREEMENT.items() if a is _REPLICAS and k.startswith("MeshRecord.")
@@ -504,6 +518,72 @@ class CheckpointRecord:
     index: str | None = None
 
 
+@dataclass(frozen=True)
+class ParamGroupRecord:
+    """One optimizer param group: its parameters by name and every other setting by name, as
+    text that compares exactly (``repr`` of a float; a tensor lr as its value)."""
+
+    index: int
+    params: tuple[str, ...]
+    hyper: tuple[tuple[str, str], ...]  # (key, text), sorted by key
+
+
+@dataclass(frozen=True)
+class OptimizerTensor:
+    """One tensor of a parameter's optimizer state (``exp_avg``, ``momentum_buffer``)."""
+
+    key: str
+    shape: tuple[int, ...]  # global (a DTensor's whole)
+    dtype: str
+    placements: tuple[str, ...] | None = None  # a DTensor's (FSDP2: sharded like its parameter)
+    local_shape: tuple[int, ...] | None = None  # this rank's shard
+    digest: str | None = None  # of this rank's local values
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """A parameter's optimizer state on one rank (absent: the parameter has none)."""
+
+    param: str  # its name in model.named_parameters() ("#group.index" where the model lacks it)
+    group: int
+    scalars: tuple[tuple[str, str], ...] = ()  # (key, text): ``step`` and other single values
+    tensors: tuple[OptimizerTensor, ...] = ()
+
+
+@dataclass(frozen=True)
+class SchedulerRecord:
+    """An lr scheduler's position: what resumes must carry on."""
+
+    cls: str
+    last_epoch: int
+    step_count: int | None = None  # ``_step_count``
+    lrs: tuple[str, ...] = ()  # ``get_last_lr()``, as text
+
+
+@dataclass(frozen=True)
+class ResumeMismatch:
+    """Where the loaded optimizer (or scheduler) differs from the checkpoint's."""
+
+    param: str  # the parameter ("" for the scheduler)
+    field: str  # exp_avg, step, last_epoch, ...
+    loaded: str  # "absent", "all zero", "3"
+    saved: str  # "non-zero", "100"
+
+
+@dataclass(frozen=True)
+class OptimizerRecord:
+    """A rank's optimizer (``check_model(optimizer=)``): param groups, per-parameter state and
+    the lr scheduler; with a checkpoint, where the loaded state falls short of the saved one."""
+
+    cls: str
+    groups: tuple[ParamGroupRecord, ...] = ()
+    states: tuple[OptimizerState, ...] = ()
+    scheduler: SchedulerRecord | None = None
+    resumed: tuple[ResumeMismatch, ...] = ()
+    # The checkpoint's optimizer entries compared with this optimizer's (None: none read).
+    checkpoint_entries: int | None = None
+
+
 # What a rank's own rank, local rank or node rank became in its launch record (r1.json →
 # r<rank>.json on rank 1): written by fsdpcheck.distributed.environment, read by checks.launch.
 RANK_WORD = "<rank>"
@@ -596,6 +676,7 @@ class RankRecord:
     wrappers: WrapperRecord | None = None  # checkpointed and compiled modules (None: not read)
     modules: ModuleStateRecord | None = None  # training flags, hooks, settings (None: not read)
     numerics: NumericsRecord | None = None  # process-wide numerics switches (None: not read)
+    optimizer: OptimizerRecord | None = None  # check_model(optimizer=) (None: not given)
 
     def non_finite_tensors(self) -> tuple[NonFinite, ...]:
         """Every tensor this rank holds NaN or Inf in: its fingerprints' counts, then those

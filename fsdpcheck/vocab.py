@@ -394,6 +394,13 @@ class FindingKind(_Described):
         "a tensor that must be identical on every rank (or HSDP replica) holds other values",
         "values differ",
     )
+    OPTIMIZER = (
+        "optimizer",
+        "the optimizer differs between ranks (param-group settings such as lr, step counts, "
+        "which parameters hold state, state values between replicas), or a resume left its "
+        "state short of the checkpoint's (moments absent or zero, another step, the scheduler)",
+        "optimizers differ or were not restored",
+    )
     EXPERT = (
         "expert",
         "expert-parallel slots hold identical experts (collapsed), or the experts held in all "

@@ -35,6 +35,7 @@ from fsdpcheck.checks.loaded import load_findings, verify_findings
 from fsdpcheck.checks.module_state import module_state_findings, numerics_findings
 from fsdpcheck.checks.non_finite import non_finite_findings
 from fsdpcheck.checks.observed import Observation, with_observations
+from fsdpcheck.checks.optimizer import optimizer_findings
 from fsdpcheck.checks.step import StepRecord, divergence_findings, non_finite_finding
 from fsdpcheck.checks.ties import tie_findings
 from fsdpcheck.checks.unexplained import unexplained_findings
@@ -201,6 +202,10 @@ def _values(e: Evidence) -> list[Finding]:
     )
 
 
+def _optimizer(e: Evidence) -> list[Finding]:
+    return optimizer_findings(e.groups, e.gathered)
+
+
 def _experts(e: Evidence) -> list[Finding]:
     return expert_findings(e.gathered)
 
@@ -262,6 +267,7 @@ CHECKS: tuple[Check, ...] = _checks(
     ("uninitialized", (K.UNINITIALIZED,), (), _uninitialized, ""),
     ("non-finite", (K.NON_FINITE,), (), _non_finite, ""),
     ("value", (K.VALUE,), {N.VALUES}, _values, ""),
+    ("optimizer", (K.OPTIMIZER,), (), _optimizer, ""),
     ("expert", (K.EXPERT,), (), _experts, ""),
     ("load", (K.VERIFY,), {N.LOAD}, _load, ""),
     ("verify", (K.VERIFY,), {N.VERIFY}, _verify, ""),

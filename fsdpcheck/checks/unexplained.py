@@ -23,6 +23,7 @@ from fsdpcheck.records import (
     Finding,
     Gathered,
     Group,
+    OptimizerTensor,
     RankRecord,
     TensorRecord,
     to_dict,
@@ -32,6 +33,8 @@ from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 _LISTED = 3
 _MAX_FIELDS = 50  # details stay bounded whatever the model's size
+# Records with a values digest (compared between replicas or peers, where both hold values).
+_VALUED = (TensorRecord, OptimizerTensor)
 _NOT_WALKED = frozenset({"RankRecord.error"})  # a rank's failure is the report's error
 
 
@@ -80,7 +83,7 @@ def _walk(a: Any, b: Any, path: str, out: list[str], replicas: bool, peers: bool
         if (a is None) != (b is None):
             out.append(path)
         return
-    if isinstance(a, TensorRecord) and isinstance(b, TensorRecord):
+    if isinstance(a, _VALUED) and type(a) is type(b):
         _tensor(a, b, path, out, replicas, peers)
     elif dataclasses.is_dataclass(a) and type(a) is type(b):
         _fields(a, b, path, out, replicas, peers)
@@ -107,12 +110,10 @@ def _fields(a: Any, b: Any, path: str, out: list[str], replicas: bool, peers: bo
         _walk(getattr(a, f.name), getattr(b, f.name), _join(path, f.name), out, replicas, peers)
 
 
-def _tensor(
-    a: TensorRecord, b: TensorRecord, path: str, out: list[str], replicas: bool, peers: bool
-) -> None:
+def _tensor(a: Any, b: Any, path: str, out: list[str], replicas: bool, peers: bool) -> None:
     for f in _compared(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
-        normalise = COMPARED_AS.get(f"TensorRecord.{f.name}")
+        normalise = COMPARED_AS.get(f"{type(a).__name__}.{f.name}")
         if normalise is not None:
             x, y = normalise(x), normalise(y)
         if f.name == "device" and "meta" in (x, y):

@@ -150,6 +150,12 @@ def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
                 continue  # what tensor parallelism left whole: sibling_digest's
             entry = (fp.snapshot, "param", t.name, t.device, t.digest)
             (replica if is_sharded(t) else shared).append(entry)
+    # Optimizer state like its parameter's values: among replicas where sharded, else peers.
+    for state in record.optimizer.states if record.optimizer is not None else ():
+        for t in state.tensors:
+            if t.digest is not None:
+                entry = ("optimizer", state.param, t.key, t.digest)
+                (replica if is_sharded(t) else shared).append(entry)
     return (
         short_digest(repr(shared)) if shared else None,
         short_digest(repr(replica)) if replica else None,

@@ -23,6 +23,7 @@ from fsdpcheck.records import (
     FsdpPlanRecord,
     Gathered,
     ModuleStateRecord,
+    OptimizerRecord,
     RankRecord,
     TensorRecord,
     WrapperRecord,
@@ -109,6 +110,16 @@ def canonical_record(record: RankRecord, keep: Set[str] = frozenset()) -> RankRe
         last = {name(n): i for n, i in m.modules}
         return replace(m, modules=tuple(last.items()))
 
+    def optimizer(o: OptimizerRecord | None) -> OptimizerRecord | None:
+        if o is None:
+            return None
+        return replace(
+            o,
+            groups=tuple(replace(g, params=names(g.params)) for g in o.groups),
+            states=tuple(replace(st, param=name(st.param)) for st in o.states),
+            resumed=tuple(replace(m, param=name(m.param) if m.param else "") for m in o.resumed),
+        )
+
     def misplaced(entry: str) -> str:
         tensor, sep, device = entry.rpartition(":")
         return f"{name(tensor)}{sep}{device}" if sep else name(entry)
@@ -131,6 +142,7 @@ def canonical_record(record: RankRecord, keep: Set[str] = frozenset()) -> RankRe
         uninitialized=tuple(replace(p, name=name(p.name)) for p in record.uninitialized),
         non_finite=tuple(replace(n, name=name(n.name)) for n in record.non_finite),
         modules=modules(record.modules),
+        optimizer=optimizer(record.optimizer),
     )
 
 

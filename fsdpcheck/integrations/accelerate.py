@@ -2,7 +2,7 @@
 
     model = accelerator.prepare(model)      # FSDP2 (fsdp_version=2): prepare(model, optimizer)
     accelerator.load_state(resume_dir)       # a resume: check after it, and say from where
-    check_prepared(accelerator, model, checkpoint=resume_dir)
+    check_prepared(accelerator, model, checkpoint=resume_dir, optimizer=optimizer)
 
 The Accelerator keeps no record of the directory ``load_state`` read, so the checkpoint a
 resume came from is compared across ranks only when it is passed as ``checkpoint=``.
@@ -36,13 +36,17 @@ def check_prepared(
     timeout: float = 60.0,
     json_path: str | Path | None = None,
     checkpoint: str | os.PathLike[str] | None = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
 ) -> Any:
     """Collective (every process calls it): :func:`fsdpcheck.check_model` on the model that
     ``accelerator.prepare`` returned, unwrapped from DDP (FSDP2 shards in place, so its
     parameters stay DTensors and the check sees the wrapped layout). Returns the AuditResult;
     a failure raises :class:`ModelCheckFailed` or, with ``on_failure="warn"``, warns.
     ``checkpoint``: the directory this rank's ``accelerator.load_state`` read (call it after
-    that load): ranks that resumed different saves are a ``checkpoint`` finding."""
+    that load): ranks that resumed different saves are a ``checkpoint`` finding. ``optimizer``,
+    ``scheduler``: what ``prepare`` returned for them (checked as ``check_model(optimizer=)``;
+    after ``load_state``, held to ``checkpoint``'s DCP ``optimizer_0`` directory, if any)."""
     try:
         import accelerate  # noqa: F401  (the extra; the accelerator itself is the caller's)
     except ImportError as exc:
@@ -55,6 +59,8 @@ def check_prepared(
         json_path=json_path,
         where="after accelerator.prepare",
         checkpoint=checkpoint,
+        optimizer=optimizer,
+        scheduler=scheduler,
     )
 
 

@@ -50,6 +50,8 @@ def run_check(
     where: str,
     checkpoint: str | os.PathLike[str] | None = None,
     rank0_checkpoint: bool = False,
+    optimizer: Any = None,
+    scheduler: Any = None,
 ) -> Any:
     """Collective: every rank must call it. Returns the AuditResult when the ranks agree;
     otherwise raises :class:`ModelCheckFailed` or warns, the same on every rank.
@@ -62,7 +64,8 @@ def run_check(
     ``checkpoint``: what the framework resumed from (see :func:`local_checkpoint`), forwarded to
     ``check_model(checkpoint=)``: ranks that resumed different saves are a ``checkpoint``
     finding. ``rank0_checkpoint``: the framework loaded rank 0's path on every rank (see
-    ``check_model``)."""
+    ``check_model``). ``optimizer``, ``scheduler``: what the framework steps with, forwarded to
+    ``check_model`` (an ``optimizer`` finding)."""
     from fsdpcheck.audit import check_model
 
     _check_json_path(json_path, where)
@@ -71,6 +74,8 @@ def run_check(
         checkpoint=local_checkpoint(checkpoint),
         timeout=timeout,
         rank0_checkpoint=rank0_checkpoint,
+        optimizer=optimizer,
+        scheduler=scheduler,
     )
     return act_on(result, on_failure=on_failure, json_path=json_path, where=where)
 

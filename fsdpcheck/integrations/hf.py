@@ -9,7 +9,12 @@ ranks too (``check_model(checkpoint=)``): the callback's ``checkpoint=``, else
 ``args.resume_from_checkpoint`` (the ``TrainingArguments`` field scripts pass on to
 ``trainer.train(resume_from_checkpoint=...)``) once the Trainer has restored a step from it.
 The Trainer keeps the path it resolved itself (``train(resume_from_checkpoint=True)``) to
-itself, out of a callback's reach: pass that one as ``checkpoint=``. The first training step
+itself, out of a callback's reach: pass that one as ``checkpoint=``. The Trainer's optimizer
+and lr scheduler (the callback's ``optimizer`` and ``lr_scheduler``) are checked too: the
+Trainer creates them, and loads them from a checkpoint it resumes from, before
+``on_train_begin``; their state is held to the checkpoint's where it holds a DCP
+``optimizer_0`` directory (FSDP's sharded state dict), never to a pickled ``optimizer.pt``. The
+first training step
 itself (opt-in)::
 
     trainer = Trainer(...)
@@ -85,6 +90,8 @@ class FsdpcheckCallback(TrainerCallback):
             json_path=self.json_path,
             where="Trainer on_train_begin",
             checkpoint=self.checkpoint or _resumed_from(args, state),
+            optimizer=kwargs.get("optimizer"),
+            scheduler=kwargs.get("lr_scheduler"),
         )
         return control
 

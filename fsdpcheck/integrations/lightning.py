@@ -16,6 +16,10 @@ is compared across ranks too (``check_model(checkpoint=)``); the callback's ``ch
 overrides it. The sharding strategies load rank 0's ``ckpt_path`` on every rank (they
 broadcast it): under them each rank records what it finds at rank 0's path, so a node whose
 copy differs is named, and a path only another rank was given, which nothing loaded, is not.
+The optimizer and lr scheduler (``trainer.optimizers``, ``trainer.lr_scheduler_configs``, where
+there is one of each) are checked too; Lightning restores their state after ``on_fit_start``, so
+under DDP the check sees them as built, and under the sharding strategies as loaded (held to
+``ckpt_path`` where it is a DCP directory).
 Built on ``pytorch_lightning`` when it is installed, else on
 ``lightning.pytorch``. Needs ``pip install 'fsdpcheck[lightning]'``.
 """
@@ -121,6 +125,8 @@ class FsdpcheckCallback(Callback):
             # The same on every rank (the strategy), whatever checkpoint= each rank was given:
             # the broadcast is a collective.
             rank0_checkpoint=self._after_setup,
+            optimizer=_only(getattr(trainer, "optimizers", None) or ()),
+            scheduler=_only([c.scheduler for c in getattr(trainer, "lr_scheduler_configs", ())]),
         )
         if self.check_first_step:
             self._watch_first_step(pl_module, model)
@@ -161,3 +167,10 @@ class FsdpcheckCallback(Callback):
             return returned[0] if returned else None
 
         pl_module.optimizer_step = first_step
+
+
+def _only(items: Any) -> Any:
+    """The one item of ``items``; None where there are none or several (check_model takes one
+    optimizer)."""
+    items = list(items)
+    return items[0] if len(items) == 1 else None

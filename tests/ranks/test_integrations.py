@@ -264,3 +264,10 @@ def test_hf_trainer_forwards_the_checkpoint_each_rank_resumed_from(tmp_path_fact
     [group] = finding["details"]["groups"]
     assert [d["field"] for d in group["differences"]][:3] == ["path", "step", "metadata"]
     assert "checkpoint-2 (step 2, trainer_state.json " in finding["summary"]
+    # The callback forwards the Trainer's optimizer and scheduler, loaded by then: rank 1's
+    # took one more step.
+    [optim] = [f for f in stale["findings"] if f["kind"] == "optimizer"]
+    assert (optim["ranks"], optim["reference_rank"]) == ([1], 0)
+    fields = {(d["where"], d["field"]) for d in optim["details"]["differences"]}
+    assert ("scheduler", "last_epoch") in fields
+    assert ("parameter model.embed_tokens.weight", "step") in fields

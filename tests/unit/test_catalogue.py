@@ -115,6 +115,7 @@ def test_a_check_runs_only_when_what_it_needs_is_there():
         "tie",
         "uninitialized",
         "non-finite",
+        "optimizer",
         "expert",
         "unexplained",
     ]

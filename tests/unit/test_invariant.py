@@ -40,9 +40,15 @@ from fsdpcheck.records import (
     ModuleStateRecord,
     NonFinite,
     NumericsRecord,
+    OptimizerRecord,
+    OptimizerState,
+    OptimizerTensor,
+    ParamGroupRecord,
     RankError,
     RankRecord,
     Renamed,
+    ResumeMismatch,
+    SchedulerRecord,
     SourceRecord,
     TensorRecord,
     TieRecord,
@@ -137,6 +143,23 @@ def _base(rank: int) -> RankRecord:
         ),
         numerics=NumericsRecord(
             (("default_dtype", "torch.float32"), ("deterministic_algorithms", "False"))
+        ),
+        optimizer=OptimizerRecord(
+            cls="AdamW",
+            groups=(ParamGroupRecord(0, ("embed.weight", "norm.weight"), (("lr", "0.0001"),)),),
+            states=(
+                OptimizerState(
+                    "embed.weight",
+                    0,
+                    scalars=(("step", "3.0"),),
+                    tensors=(
+                        OptimizerTensor("exp_avg", (4, 2), "float32", ("S(0)",), (2, 2), "e1"),
+                        OptimizerTensor("exp_avg_sq", (4, 2), "float32", None, None, "e2"),
+                    ),
+                ),
+            ),
+            scheduler=SchedulerRecord("LambdaLR", 3, 4, ("0.0001",)),
+            checkpoint_entries=3,
         ),
     )
 
@@ -303,6 +326,8 @@ def test_the_sweep_reaches_every_field_of_the_schema() -> None:
     elsewhere |= {f"BufferProblem.{f.name}" for f in dataclasses.fields(BufferProblem)}
     # Likewise a tensor counted non-finite after the load (its fingerprint's count is swept).
     elsewhere |= {f"NonFinite.{f.name}" for f in dataclasses.fields(NonFinite)}
+    # ... and a resume that fell short of its checkpoint (an optimizer finding on every rank).
+    elsewhere |= {f"ResumeMismatch.{f.name}" for f in dataclasses.fields(ResumeMismatch)}
     assert schema_fields() - elsewhere <= reached, schema_fields() - elsewhere - reached
 
 
@@ -331,6 +356,21 @@ def test_a_buffer_problem_on_one_rank_and_its_fields() -> None:
     for path, declared, mutated in mutations(problem, "problem"):
         record = replace(both[MUTATED], uninitialized=(mutated,))
         same = record.group_digest() == both[0].group_digest()
+        assert same == (declared in NOT_COMPARED), path
+
+
+def test_a_resume_mismatch_on_every_rank_and_its_fields() -> None:
+    """A resume that reset the optimizer on every rank alike is a finding though all agree."""
+    mismatch = ResumeMismatch("embed.weight", "exp_avg", "absent", "non-zero")
+
+    def short(record: RankRecord, found: ResumeMismatch) -> RankRecord:
+        return replace(record, optimizer=replace(record.optimizer, resumed=(found,)))
+
+    both = {r: short(BASE[r], mismatch) for r in RANKS}
+    verdict, summaries = _verdict(both)
+    assert verdict == Verdict.INCONSISTENT and "not restored" in summaries[0], summaries
+    for path, declared, mutated in mutations(mismatch, "mismatch"):
+        same = short(BASE[MUTATED], mutated).group_digest() == both[0].group_digest()
         assert same == (declared in NOT_COMPARED), path
 
 

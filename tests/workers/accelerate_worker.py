@@ -27,10 +27,15 @@ accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
 record = {"distributed_type": str(accelerator.distributed_type), "is_fsdp2": accelerator.is_fsdp2}
 
 
-def check(model, on_failure: str, json_path: Path):
+def check(model, on_failure: str, json_path: Path, optimizer=None):
     def run():
         return check_prepared(
-            accelerator, model, on_failure=on_failure, timeout=30, json_path=json_path
+            accelerator,
+            model,
+            on_failure=on_failure,
+            timeout=30,
+            json_path=json_path,
+            optimizer=optimizer,
         ).exit_code
 
     return run
@@ -54,7 +59,8 @@ def check_fsdp2(model, optimizer, on_failure: str, json_path: Path):
         return loss
 
     def run():
-        exit_code = check(model, on_failure, json_path)()
+        # The prepared optimizer (accelerate's wrapper) too: the same on both ranks.
+        exit_code = check(model, on_failure, json_path, optimizer)()
         stepped = check_first_step(
             accelerator,
             model,
