@@ -607,14 +607,6 @@ class MemoryRecord:
     model_bytes: int | None = None
     shard_bytes: int | None = None
 
-    def growth(self) -> int | None:
-        """The most the build, wrap and load added above the RSS the build started from (their
-        peaks, against the first stage's start); None without stages (check_model)."""
-        if not self.stages:
-            return None
-        base = self.stages[0].start
-        return max(0, max(s.peak for s in self.stages) - base)
-
 
 @dataclass(frozen=True)
 class RankRecord:

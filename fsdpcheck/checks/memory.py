@@ -1,10 +1,12 @@
 """``memory``: a rank that held about the full model in host memory where rank-0 loading was
 asked, or far more than the other ranks (pure: per-rank memory records in, findings out).
 
-What is compared is what the build, wrap and load added above the RSS the build started from
-(imports and the interpreter cost every rank alike); from ``check_model``, which cannot see
-where the script's stages began, each rank's process peak against the other ranks' (rank 0's
-under rank-0 loading, where it held the full model and the others about their shards)."""
+What is compared is what a rank *held* for the model above what it held before: in the audit,
+the peak of its build and wrap (and load) stages above the RSS its build started from, so that
+imports and the interpreter (the same on every rank) stay out; from ``check_model``, which
+cannot see where the script's build began, its process peak above its RSS at the check plus
+the shards it holds at the check (after the load a rank holds its shards above its start; a
+peak higher than that held more, and let it go)."""
 
 from __future__ import annotations
 
@@ -13,85 +15,62 @@ from collections.abc import Sequence
 
 from fsdpcheck.records import Finding, MemoryRecord
 from fsdpcheck.text import ranks_label
-from fsdpcheck.vocab import Cause, FindingKind, MemoryPeak, Snapshot
+from fsdpcheck.vocab import Cause, FindingKind, Snapshot, Stage
 
 MIB = 2**20
 # Below this a model never makes a finding: allocator noise and import-time differences are
 # of this order, and a small model cannot stall a host.
 FLOOR = 64 * MIB
-# A rank > 0 of a rank-0 load "held the full model" when it held more than its own shard plus
-# this share of the rest: about the full model, with room for a transfer bucket.
+# A rank > 0 of a rank-0 load "held the full model" when it held its own shards plus more than
+# this share of the rest; "far above the others" is this share of the model above their median.
 SHARE = 0.5
-OUTLIER_FACTOR = 2.0  # "far above the other ranks": more than twice their median growth ...
+OUTLIER_FACTOR = 2.0  # ... and more than twice their median
 
 
 def memory_findings(memory: Sequence[MemoryRecord], *, rank0_load: bool) -> list[Finding]:
     """``rank0_load``: the job loads rank 0's weights into every rank (``--init rank0``, a
     builder's rank-0 state dict, ``check_model(rank0_load=True)``), so a rank > 0 should never
     hold the full model. ``--init all`` materialises it on every rank by design: only a rank far
-    above the others is found there."""
-    by_rank = {m.rank: m for m in memory if _measured(m)}
+    above the others is found there. Rank 0 is never found: it may hold more by design (the
+    full model under rank-0 loading, a script's logging and evaluation)."""
+    by_rank = {m.rank: m for m in memory if held(m) is not None}
     full = max((m.model_bytes or 0 for m in by_rank.values()), default=0)
     if full < FLOOR:
         return []
     found: list[Finding] = []
-    named: set[int] = set()
-    if rank0_load and 0 in by_rank:
-        for rank, m in sorted(by_rank.items()):
-            finding = _held_full(m, by_rank[0], full) if rank else None
-            if finding is not None:
-                found.append(finding)
-                named.add(rank)
     for rank, m in sorted(by_rank.items()):
-        if rank in named or (rank0_load and rank == 0):  # rank 0 holds the full model there
+        if rank == 0:
             continue
-        others = [o for r, o in by_rank.items() if r != rank and not (rank0_load and r == 0)]
-        finding = _outlier(m, others, full)
+        finding = _held_full(m, full) if rank0_load else None
+        if finding is None:
+            others = [o for r, o in by_rank.items() if r != rank and not (rank0_load and r == 0)]
+            finding = _outlier(m, others, full)
         if finding is not None:
             found.append(finding)
     return found
 
 
-def _measured(m: MemoryRecord) -> bool:
-    return m.growth() is not None or m.process_peak is not None
+def held(m: MemoryRecord, *, before_load: bool = False) -> int | None:
+    """What the rank held for the model at its peak, in bytes (None: not measured).
 
-
-def _expected_gap(m: MemoryRecord, full: int) -> int:
-    """What a rank > 0 of a rank-0 load saves against holding the full model: the model less
-    its own shards (nothing where it holds a whole replica, as HSDP's replicate dim does)."""
-    shard = m.shard_bytes if m.shard_bytes is not None else 0
-    return max(0, full - shard)
-
-
-def _held_full(m: MemoryRecord, reference: MemoryRecord, full: int) -> Finding | None:
-    gap = _expected_gap(m, full)
-    if gap < FLOOR:  # its shard is about the model: holding it all is no waste
+    ``before_load``: the audit's build and wrap stages only. Its own load stages a rank's shards
+    through a transfer buffer of up to a shard (at 2 ranks, shard and buffer make the model);
+    a rank that built the full model shows it before any transfer."""
+    if m.stages:
+        peaks = [s.peak for s in m.stages if not (before_load and s.stage == Stage.LOAD)]
+        return max(0, max(peaks, default=0) - m.stages[0].start)
+    if m.process_peak is None or m.current is None:
         return None
-    shard = full - gap
-    growth = m.growth()
-    if growth is not None:
-        if growth < shard + SHARE * gap:
-            return None
-        held = growth
-        how = f"its build, wrap and load added {_size(growth)} to its host memory"
-        details = {"bytes": growth, "stages": _stage_growth(m)}
-    else:
-        if reference.process_peak is None or m.process_peak is None:
-            return None
-        below = reference.process_peak - m.process_peak
-        if below > SHARE * gap:
-            return None
-        held = full - max(0, below) + shard  # rank 0's peak taken as the full model + a shard
-        where = f"only {_size(below)} below" if below >= 0 else "above"
-        how = (
-            f"its host memory peaked at {_size(m.process_peak)}, {where} rank 0's "
-            f"{_size(reference.process_peak)}, where a rank > 0 sits about {_size(gap)} lower"
-        )
-        details = {
-            "bytes": m.process_peak,
-            "reference_peak": reference.process_peak,
-            "below_reference": below,
-        }
+    return max(0, m.process_peak - m.current) + (m.shard_bytes or 0)
+
+
+def _held_full(m: MemoryRecord, full: int) -> Finding | None:
+    shard = min(full, m.shard_bytes or 0)
+    gap = full - shard  # what holding its shards saves against holding the full model
+    bytes_held = held(m, before_load=True)
+    if gap < FLOOR or bytes_held is None or bytes_held < shard + SHARE * gap:
+        return None  # HSDP's replicate dim holds the whole model: never one
+    when = "its build and wrap" if m.stages else "its process, at its peak,"
     return Finding(
         kind=FindingKind.MEMORY,
         ranks=(m.rank,),
@@ -99,37 +78,22 @@ def _held_full(m: MemoryRecord, reference: MemoryRecord, full: int) -> Finding |
         snapshot=Snapshot.LOAD,
         cause=Cause.LOADING,
         summary=(
-            f"rank {m.rank} held about the full model ({_size(full)}) under rank-0 loading, "
-            f"where it should hold its shards ({_size(shard)}): {how}"
+            f"rank {m.rank} held {_size(bytes_held)} of host memory for a {_size(full)} model "
+            f"under rank-0 loading, where it should hold its shards ({_size(shard)}): "
+            f"{when} held about the full model"
         ),
-        details={
-            **details,
-            "held": held,
-            "model_bytes": full,
-            "shard_bytes": shard,
-            "method": m.method.value,
-            "rule": "rank0-load",
-        },
+        details=_details(m, bytes_held, full, shard, "rank0-load"),
     )
 
 
 def _outlier(m: MemoryRecord, others: list[MemoryRecord], full: int) -> Finding | None:
-    growth = m.growth()
-    if growth is not None:
-        pool = [g for g in (o.growth() for o in others) if g is not None]
-        what = "growth over build, wrap and load"
-    else:
-        growth = m.process_peak
-        pool = [o.process_peak for o in others if o.process_peak is not None]
-        what = "process peak"
-    if growth is None or not pool:
+    bytes_held = held(m)
+    pool = [h for h in (held(o) for o in others) if h is not None]
+    if bytes_held is None or not pool:
         return None
     median = int(statistics.median(pool))
-    excess = growth - median
-    # Growth doubles the others' (stages: both start from the same imports); the excess, in
-    # bytes, is half a model at least, and never less than the floor.
-    doubled = m.method == MemoryPeak.PROCESS or growth > OUTLIER_FACTOR * median
-    if not doubled or excess < max(FLOOR, SHARE * full):
+    excess = bytes_held - median
+    if bytes_held <= OUTLIER_FACTOR * median or excess < max(FLOOR, SHARE * full):
         return None
     label = ranks_label([o.rank for o in others])
     return Finding(
@@ -139,22 +103,26 @@ def _outlier(m: MemoryRecord, others: list[MemoryRecord], full: int) -> Finding 
         snapshot=Snapshot.LOAD,
         cause=Cause.LOADING,
         summary=(
-            f"rank {m.rank}'s host memory {what} was {_size(growth)}, {_size(excess)} above "
-            f"the median of {label} ({_size(median)}); the model is {_size(full)}"
+            f"rank {m.rank} held {_size(bytes_held)} of host memory for a {_size(full)} model, "
+            f"{_size(excess)} above the median of {label} ({_size(median)})"
         ),
-        details={
-            "bytes": growth,
-            "median_others": median,
-            "model_bytes": full,
-            "method": m.method.value,
-            "rule": "outlier",
-            **({"stages": _stage_growth(m)} if m.stages else {}),
-        },
+        details={**_details(m, bytes_held, full, m.shard_bytes, "outlier"), "median": median},
     )
 
 
-def _stage_growth(m: MemoryRecord) -> dict[str, int]:
-    return {s.stage.value: s.growth for s in m.stages}
+def _details(m: MemoryRecord, bytes_held: int, full: int, shard: int | None, rule: str) -> dict:
+    details = {
+        "bytes": bytes_held,
+        "model_bytes": full,
+        "shard_bytes": shard,
+        "method": m.method.value,
+        "rule": rule,
+    }
+    if m.stages:
+        details["stages"] = {s.stage.value: s.growth for s in m.stages}
+    else:
+        details["process_peak"], details["current"] = m.process_peak, m.current
+    return details
 
 
 def _size(n: int) -> str:
