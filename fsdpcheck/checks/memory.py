@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Sequence
 
 from fsdpcheck.records import Finding, MemoryRecord
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import ranks_label, size_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot, Stage
 
 MIB = 2**20
@@ -78,8 +78,9 @@ def _held_full(m: MemoryRecord, full: int) -> Finding | None:
         snapshot=Snapshot.LOAD,
         cause=Cause.LOADING,
         summary=(
-            f"rank {m.rank} held {_size(bytes_held)} of host memory for a {_size(full)} model "
-            f"under rank-0 loading, where it should hold its shards ({_size(shard)}): "
+            f"rank {m.rank} held {size_label(bytes_held)} of host memory for a "
+            f"{size_label(full)} model under rank-0 loading, where it should hold its shards "
+            f"({size_label(shard)}): "
             f"{when} held about the full model"
         ),
         details=_details(m, bytes_held, full, shard, "rank0-load"),
@@ -103,8 +104,9 @@ def _outlier(m: MemoryRecord, others: list[MemoryRecord], full: int) -> Finding 
         snapshot=Snapshot.LOAD,
         cause=Cause.LOADING,
         summary=(
-            f"rank {m.rank} held {_size(bytes_held)} of host memory for a {_size(full)} model, "
-            f"{_size(excess)} above the median of {label} ({_size(median)})"
+            f"rank {m.rank} held {size_label(bytes_held)} of host memory for a "
+            f"{size_label(full)} model, {size_label(excess)} above the median of {label} "
+            f"({size_label(median)})"
         ),
         details={**_details(m, bytes_held, full, m.shard_bytes, "outlier"), "median": median},
     )
@@ -123,7 +125,3 @@ def _details(m: MemoryRecord, bytes_held: int, full: int, shard: int | None, rul
     else:
         details["process_peak"], details["current"] = m.process_peak, m.current
     return details
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / MIB:.0f} MiB"

@@ -164,3 +164,14 @@ def test_model_bytes_and_the_process_record() -> None:
     record = process_memory(2, model)
     assert record.method == MemoryPeak.PROCESS and record.rank == 2 and not record.stages
     assert record.process_peak >= record.current > 0
+
+
+def test_the_console_shows_one_cell_per_group() -> None:
+    from fsdpcheck.console import memory_cell
+
+    records = [_staged(0, GIB, GIB // 2, 0), _staged(1, 0, 0, 96 * MIB)]
+    assert memory_cell(records, (0, 1)) == "+96 MiB … +1.50 GiB (rank 0)"
+    assert memory_cell(records, (1,)) == "+96 MiB"
+    assert memory_cell(records, (5,)) == "-"
+    cuda = MemoryRecord(2, MemoryPeak.PROCESS, process_peak=BASE, current=BASE, cuda_peak=GIB)
+    assert memory_cell([cuda], (2,)) == "+0 MiB; CUDA peak 1.00 GiB"
