@@ -199,8 +199,9 @@ def check_model(
     where it uses CUDA); nothing is reset. ``rank0_load=True`` (the same on every rank): the
     script reads the full weights on rank 0 only and every other rank gets its shards from it
     (``cpu_ram_efficient_loading``, a rank-0 ``set_model_state_dict`` broadcast), so a rank > 0
-    whose peak came within half a model of rank 0's held about the full model too: a ``memory``
-    finding. Without it, only a rank far above the others is one.
+    whose peak stood about a model above what it holds at the check (its shards) held the full
+    model: a ``memory`` finding. Without it, only a rank far above the others is one. Call it
+    after the load: a full copy the rank still holds at the check is not seen.
 
     It never ends the process (a training script's, a Ray actor's): a peer that never arrives
     (died or stuck before the check, or the store's host gone), dies or is stuck past

@@ -41,7 +41,7 @@ def memory_findings(memory: Sequence[MemoryRecord], *, rank0_load: bool) -> list
     for rank, m in sorted(by_rank.items()):
         if rank == 0:
             continue
-        finding = _held_full(m, full) if rank0_load else None
+        finding = _held_full(m, by_rank.get(0), full) if rank0_load else None
         if finding is None:
             others = [o for r, o in by_rank.items() if r != rank and not (rank0_load and r == 0)]
             finding = _outlier(m, others, full)
@@ -64,12 +64,19 @@ def held(m: MemoryRecord, *, before_load: bool = False) -> int | None:
     return max(0, m.process_peak - m.current) + (m.shard_bytes or 0)
 
 
-def _held_full(m: MemoryRecord, full: int) -> Finding | None:
+def _held_full(m: MemoryRecord, reference: MemoryRecord | None, full: int) -> Finding | None:
     shard = min(full, m.shard_bytes or 0)
     gap = full - shard  # what holding its shards saves against holding the full model
     bytes_held = held(m, before_load=True)
     if gap < FLOOR or bytes_held is None or bytes_held < shard + SHARE * gap:
         return None  # HSDP's replicate dim holds the whole model: never one
+    if m.stages:
+        # The build stage also pays for imports the first build makes (transformers, the
+        # model's module), alike on every rank: held about what rank 0, which built the full
+        # model, held, too.
+        ref = held(reference, before_load=True) if reference is not None else None
+        if ref is None or ref - bytes_held >= SHARE * gap:
+            return None
     when = "its build and wrap" if m.stages else "its process, at its peak,"
     return Finding(
         kind=FindingKind.MEMORY,

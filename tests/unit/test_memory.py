@@ -175,3 +175,20 @@ def test_the_console_shows_one_cell_per_group() -> None:
     assert memory_cell(records, (5,)) == "-"
     cuda = MemoryRecord(2, MemoryPeak.PROCESS, process_peak=BASE, current=BASE, cuda_peak=GIB)
     assert memory_cell([cuda], (2,)) == "+0 MiB; CUDA peak 1.00 GiB"
+
+
+def test_imports_made_inside_the_first_build_are_paid_alike() -> None:
+    # The first build imports transformers and the model's module (about 120 MiB, as torchrun
+    # audit --model tiny-llama measured) on every rank: a 128 MiB model on meta on rank 1 is
+    # still no finding, its full copy still is.
+    imports, model = 120 * MIB, 128 * MIB
+    clean = [
+        _staged(0, imports + model, model // 2, 0, full=model, shard=model // 2),
+        _staged(1, imports, 0, model, full=model, shard=model // 2),
+    ]
+    assert memory_findings(clean, rank0_load=True) == []
+    buggy = [clean[0], _staged(1, imports + model, model // 2, 0, full=model, shard=model // 2)]
+    (finding,) = memory_findings(buggy, rank0_load=True)
+    assert finding.ranks == (1,) and finding.details["bytes"] == imports + model + model // 2
+    # Without rank 0's numbers there is nothing to hold the build's imports against.
+    assert memory_findings(buggy[1:], rank0_load=True) == []
