@@ -135,12 +135,8 @@ def memory_cell(memory: Sequence[MemoryRecord], ranks: Sequence[int]) -> str:
     if not held_by:
         return "-"
     top = max(held_by, key=lambda r: held_by[r])
-    low, high = min(held_by.values()), held_by[top]
-    cell = (
-        f"+{size_label(high)}"
-        if low == high
-        else f"+{size_label(low)} … +{size_label(high)} (rank {top})"
-    )
+    low, high = size_label(min(held_by.values())), size_label(held_by[top])
+    cell = f"+{high}" if low == high else f"+{low} … +{high} (rank {top})"
     cuda = [m.cuda_peak for m in mine if m.cuda_peak is not None]
     cuda += [s.cuda_peak for m in mine for s in m.stages if s.cuda_peak is not None]
     return cell + (f"; CUDA peak {size_label(max(cuda))}" if cuda else "")
