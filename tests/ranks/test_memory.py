@@ -2,14 +2,16 @@
 during a rank-0 load is a ``memory`` finding naming it and the bytes; its clean twin (that rank
 on meta, receiving only its shards) is consistent. One 2-rank job of
 tests/workers/memory_worker.py runs every case: a training script's own load then
-``check_model(rank0_load=True)``, and ``audit --builder``."""
+``check_model(rank0_load=True)``, and ``audit --builder``. One torchrun launch audits a 120 MB
+Llama as a user does (``--init rank0``, the default), the clean stack the rule must stay quiet
+on: its first build imports transformers and the model's module inside the build stage."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from conftest import QUIET_ENV, REPO, launch
+from conftest import QUIET_ENV, REPO, launch, read_report, run_plain, torchrun_fsdpcheck
 
 MODEL_BYTES = 6 * 4096 * 2048 * 4  # the worker's model, float32
 MIB = 2**20
@@ -70,3 +72,32 @@ def test_every_rank_s_memory_is_in_the_report(cases) -> None:
     script = cases["script-meta"]["report"]["memory"]
     assert [m["method"] for m in script] == ["process", "process"]
     assert all(m["process_peak"] >= m["current"] > 0 and not m["stages"] for m in script)
+
+
+def test_the_stock_rank0_audit_of_a_model_above_the_floor_stays_consistent(tmp_path) -> None:
+    from transformers import LlamaConfig
+
+    model = tmp_path / "llama"
+    config = LlamaConfig(
+        vocab_size=16000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
+    config.save_pretrained(model)  # no weights: rank 0 fills, rank 1 builds on meta
+    out = tmp_path / "report.json"
+    argv = torchrun_fsdpcheck(2, "audit", "--model", str(model), "--json", str(out))
+    proc = run_plain(argv, env={**QUIET_ENV, "OMP_NUM_THREADS": "1"}, timeout=240)
+    report = read_report(out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["verdict"] == "consistent" and report["findings"] == []
+    memory = {m["rank"]: m for m in report["memory"]}
+    full = memory[0]["model_bytes"]
+    assert full > 64 * MIB
+    build = {r: m["stages"][0]["peak"] - m["stages"][0]["start"] for r, m in memory.items()}
+    assert build[0] >= 0.9 * full  # rank 0 held the model it filled ...
+    assert build[1] < build[0] - 0.5 * full  # ... rank 1, on meta, only what both imported
+    assert "memory held" in proc.stdout
