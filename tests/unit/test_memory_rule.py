@@ -192,3 +192,17 @@ def test_imports_made_inside_the_first_build_are_paid_alike() -> None:
     assert finding.ranks == (1,) and finding.details["bytes"] == imports + model + model // 2
     # Without rank 0's numbers there is nothing to hold the build's imports against.
     assert memory_findings(buggy[1:], rank0_load=True) == []
+
+
+def test_where_the_peak_cannot_be_reset_the_record_says_lifetime(monkeypatch) -> None:
+    # A kernel or sandbox that refuses /proc/self/clear_refs: ru_maxrss, never reset, gives a
+    # lower bound (at least what the stage still holds at its end), and the record says so.
+    from fsdpcheck.model import memory
+
+    monkeypatch.setattr(memory, "_reset_peak", lambda: False)
+    stages = Stages(0)
+    held = stages.run(Stage.BUILD, lambda: torch.ones(128 * MIB // 4))
+    record = stages.memory.record(0)
+    assert record.method == MemoryPeak.LIFETIME
+    assert record.stages[0].growth >= 100 * MIB
+    del held
