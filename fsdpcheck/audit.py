@@ -24,6 +24,7 @@ from fsdpcheck.records import (
     EnvRecord,
     Gathered,
     LoadOutcome,
+    MemoryRecord,
     ModelInfo,
     RankError,
     RankRecord,
@@ -64,6 +65,9 @@ class _RankState:
     wrap_plan: WrapPlan | None = None
     env: EnvRecord | None = None
     checkpoint: CheckpointRecord | None = None  # --resume: what this rank found there
+    # The memory check: rank 0's weights are loaded into every rank (ranks > 0 hold shards).
+    rank0_load: bool = False
+    script_model: Any = None  # check_model: the script's model (its memory, read at the end)
     # Each stage is marked for liveness (what a peer's diagnosis reads) and shown on progress.
     stages: Stages = field(init=False)
 
@@ -173,6 +177,7 @@ def check_model(
     rank0_checkpoint: bool = False,
     optimizer: Any = None,
     scheduler: Any = None,
+    rank0_load: bool = False,
 ) -> AuditResult:
     """Check a training script's own model: every rank calls it, after building (and optionally
     wrapping) the model, before its loader, after it, or both. Reuses the script's process
@@ -198,6 +203,13 @@ def check_model(
     differ, are an ``optimizer`` finding. With a DCP ``checkpoint`` that holds optimizer state:
     moments absent or all zero where the checkpoint's are not, another step count, a scheduler
     still at step 0: each an ``optimizer`` finding.
+    Every rank records its host memory: the process's peak so far and its RSS now (and CUDA's
+    where it uses CUDA); nothing is reset. ``rank0_load=True`` (the same on every rank): the
+    script reads the full weights on rank 0 only and every other rank gets its shards from it
+    (``cpu_ram_efficient_loading``, a rank-0 ``set_model_state_dict`` broadcast), so a rank > 0
+    whose peak stood about a model above what it holds at the check (its shards) held the full
+    model: a ``memory`` finding. Without it, only a rank far above the others is one. Call it
+    after the load: a full copy the rank still holds at the check is not seen.
 
     It never ends the process (a training script's, a Ray actor's): a peer that never arrives
     (died or stuck before the check, or the store's host gone), dies or is stuck past
@@ -221,7 +233,7 @@ def check_model(
         return never_met(exc)
     try:
         with liveness.AbortWatch(ctx) as watch:
-            state = _RankState(ctx)
+            state = _RankState(ctx, rank0_load=rank0_load, script_model=model)
             if rank0_checkpoint:
                 checkpoint = _rank0_checkpoint(ctx, checkpoint)
             env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
@@ -236,6 +248,7 @@ def check_model(
                     record,
                     checkpoint=resumed,
                     launch=launch_record(rank=ctx.rank, local_rank=ctx.local_rank),
+                    memory=_own_memory(None, state, None),
                 )
                 if optimizer is not None:
                     record = _with_optimizer(state, record, model, optimizer, scheduler, resumed)
@@ -316,8 +329,10 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
         # (with --resume, the checkpoint's are: every rank's own values are overwritten).
         has_state = _rank0_has_state(built, ctx)  # collective: on every rank, always
         values = not has_state and options.resume is None
+        state.rank0_load = has_state and options.resume is None
     else:
         built, _ = build_from(options, ctx.rank, stages)
+        state.rank0_load = options.init == Init.RANK0 and options.resume is None
     # A builder may return its model already sharded: then there is nothing left to wrap.
     prewrapped = built is not None and options.builder is not None and is_wrapped(built.model)
     # Buffers are checked against the config after the load (state-after-load), not here.
@@ -372,8 +387,25 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
             record,
             checkpoint=resumed,
             launch=launch_record(rank=ctx.rank, local_rank=ctx.local_rank),
+            memory=_own_memory(options, state, built),  # build and wrap, so far
         )
     return _conclude(options, state, record, watch, built, probing)
+
+
+def _own_memory(
+    options: AuditOptions | None, state: _RankState, built: BuiltModel | None
+) -> MemoryRecord | None:
+    """This rank's memory: the audit's measured stages, or the script's process so far."""
+    from fsdpcheck.model.memory import process_memory
+
+    try:
+        if options is None:
+            return process_memory(state.ctx.rank, state.script_model)
+        model = built.model if built is not None else None
+        return state.stages.memory.record(state.ctx.rank, model)
+    except Exception:  # a number fsdpcheck could not read must not cost the audit
+        log.debug("rank %d: memory not read", state.ctx.rank, exc_info=True)
+        return None
 
 
 def _resume_record(options: AuditOptions, rank: int) -> CheckpointRecord:
@@ -400,7 +432,7 @@ def _conclude(
 
     ``options`` None: :func:`check_model`, which only checks (the script loads its own weights).
     """
-    from fsdpcheck.distributed.gather import gather_records
+    from fsdpcheck.distributed.gather import gather_memory, gather_records
 
     ctx, stages = state.ctx, state.stages
     try:
@@ -417,6 +449,16 @@ def _conclude(
             load, verified, after = _load_stage(options, state, built, gathered)
             if outcome is not None:
                 outcome = replace(outcome, load=load, verify=verified, after_load=after)
+        # Collective, on every rank: after the load, so that its peak is in.
+        memory = gather_memory(
+            _own_memory(options, state, built),
+            ctx.side_channel,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+        )
+        if outcome is not None:
+            outcome = replace(outcome, memory=memory or (), rank0_load=state.rank0_load)
+            if options is not None:
                 outcome = _rank0_extras(outcome, options, probing, state.progress)
         report = assemble(outcome, options) if outcome is not None else None
         if options is not None and options.step:  # collective: one synthetic step, watched

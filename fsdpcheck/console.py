@@ -6,7 +6,7 @@ Only the CLI calls this, on rank 0; library modules never print."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,9 +15,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from fsdpcheck.records import LoadOutcome, RankError, RankRecord, Report
+from fsdpcheck.checks.memory import held
+from fsdpcheck.records import LoadOutcome, MemoryRecord, RankError, RankRecord, Report
 from fsdpcheck.report import report_headline
-from fsdpcheck.text import int_ranges, ranks_label
+from fsdpcheck.text import int_ranges, ranks_label, size_label
 from fsdpcheck.vocab import (
     FindingKind,
     LoaderVerdict,
@@ -69,17 +70,23 @@ def render(report: Report, console: Console, *, title: str = "fsdpcheck audit") 
 
     if report.groups:
         table = Table(title="rank groups (identical fingerprints)", title_justify="left")
-        for column in ("group", "ranks", "hosts", "hash seed", "digest"):
+        columns = ["group", "ranks", "hosts", "hash seed", "digest"]
+        if report.memory:
+            columns.append("memory held")
+        for column in columns:
             table.add_column(column)
         seeds = {env.rank: env.hash_seed for env in report.environment}
         for i, group in enumerate(report.groups):
-            table.add_row(
+            row = [
                 str(i),
                 int_ranges(group.ranks),
                 ", ".join(group.hosts),
                 seeds.get(group.ranks[0], "?"),
                 group.digest[:12],
-            )
+            ]
+            if report.memory:
+                row.append(memory_cell(report.memory, group.ranks))
+            table.add_row(*row)
         console.print(table)
 
     for finding in report.findings:
@@ -118,6 +125,21 @@ def render(report: Report, console: Console, *, title: str = "fsdpcheck audit") 
     headline = report_headline(report)
     if headline:
         console.print(escape(headline), highlight=False)
+
+
+def memory_cell(memory: Sequence[MemoryRecord], ranks: Sequence[int]) -> str:
+    """The host memory the group's ranks held for the model (the least and the most, with its
+    rank), and CUDA's highest peak where they used CUDA: ``+96 MiB … +1.50 GiB (rank 0)``."""
+    mine = [m for m in memory if m.rank in set(ranks)]
+    held_by = {m.rank: h for m in mine if (h := held(m)) is not None}
+    if not held_by:
+        return "-"
+    top = max(held_by, key=lambda r: held_by[r])
+    low, high = size_label(min(held_by.values())), size_label(held_by[top])
+    cell = f"+{high}" if low == high else f"+{low} … +{high} (rank {top})"
+    cuda = [m.cuda_peak for m in mine if m.cuda_peak is not None]
+    cuda += [s.cuda_peak for m in mine for s in m.stages if s.cuda_peak is not None]
+    return cell + (f"; CUDA peak {size_label(max(cuda))}" if cuda else "")
 
 
 _LOADER_STYLE = {

@@ -7,12 +7,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.faults import maybe_inject
+from fsdpcheck.model.memory import MEASURED, StageMeter
 from fsdpcheck.model.resolve import resolve
 from fsdpcheck.options import BuildSpec
 from fsdpcheck.records import RankError
@@ -40,6 +41,8 @@ class Stages:
     # A child job has no gather to reach: it records the error and lets the exception go on up,
     # so that its own classifier sees the real exception.
     raising: bool = False
+    # Host (and CUDA) memory over the stages that hold the model (build, wrap, load).
+    memory: StageMeter = field(default_factory=StageMeter)
 
     def enter(self, stage: Stage) -> None:
         self.current = stage
@@ -53,8 +56,9 @@ class Stages:
         self.enter(stage)
         start = time.perf_counter()
         try:
-            maybe_inject(self.rank, stage)
-            yield
+            with self.memory.measure(stage) if stage in MEASURED else nullcontext():
+                maybe_inject(self.rank, stage)
+                yield
         finally:
             self.timings[stage] = round(time.perf_counter() - start, 4)
 

@@ -28,6 +28,7 @@ from fsdpcheck.vocab import (
     LoaderVerdict,
     LoadMethod,
     LoadStatus,
+    MemoryPeak,
     ModelKind,
     Snapshot,
     Stage,
@@ -65,6 +66,9 @@ AGREEMENT: Mapping[str, Agreement] = _declare(
         # whom, not what they hold (expert groups, HSDP shard groups differ by design). What of
         # the meshes must agree is compared per parameter (the REPLICAS fields of MeshRecord).
         _PROCESS: "shard_key peer_key sibling_key meshes",
+        # Host and CUDA memory differ per rank by nature (rank 0 holds the full model under
+        # rank-0 loading); the memory check reads the numbers, they are never compared raw.
+        _INFO: "memory",
     },
     EnvRecord={
         _EVERY: "backend python torch transformers accelerate nccl cuda",
@@ -135,6 +139,11 @@ AGREEMENT: Mapping[str, Agreement] = _declare(
     },
     SchedulerRecord={_EVERY: "cls last_epoch step_count lrs"},
     ResumeMismatch={_EVERY: "param field loaded saved"},
+    MemoryRecord={
+        _INFO: "rank method stages process_peak current cuda_peak cuda_current model_bytes "
+        "shard_bytes"
+    },
+    StageMemory={_INFO: "stage start peak end cuda_start cuda_peak"},
 )
 
 # Never compared: the fields that may differ between ranks that agree.
@@ -643,6 +652,45 @@ class ExpertKey:
 
 
 @dataclass(frozen=True)
+class StageMemory:
+    """One rank's memory over one stage (build, wrap, load), in bytes: host RSS on entering,
+    its peak over the stage and on leaving; CUDA allocated on entering and its peak (None where
+    the rank did not use CUDA)."""
+
+    stage: Stage
+    start: int
+    peak: int
+    end: int
+    cuda_start: int | None = None
+    cuda_peak: int | None = None
+
+    @property
+    def growth(self) -> int:
+        """What the stage itself added at its peak, above what the rank held before it
+        (imports and the interpreter cost every rank alike, and stay out)."""
+        return max(0, self.peak - self.start)
+
+
+@dataclass(frozen=True)
+class MemoryRecord:
+    """One rank's memory over the audit's build, wrap and load stages (``stages``), or, from
+    ``check_model``, the process's peak so far and its RSS at the check (it cannot see where the
+    script's own stages began). ``method`` says how the peaks were read. ``model_bytes``: the
+    model in full (every tensor's global numel x element size); ``shard_bytes``: what this rank
+    holds of it after wrapping (its local shards)."""
+
+    rank: int
+    method: MemoryPeak
+    stages: tuple[StageMemory, ...] = ()
+    process_peak: int | None = None  # check_model: host peak RSS over the process's life so far
+    current: int | None = None  # check_model: host RSS at the check
+    cuda_peak: int | None = None  # check_model: torch.cuda.max_memory_allocated so far
+    cuda_current: int | None = None
+    model_bytes: int | None = None
+    shard_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class RankRecord:
     """Everything one rank contributes to the gather."""
 
@@ -677,6 +725,7 @@ class RankRecord:
     modules: ModuleStateRecord | None = None  # training flags, hooks, settings (None: not read)
     numerics: NumericsRecord | None = None  # process-wide numerics switches (None: not read)
     optimizer: OptimizerRecord | None = None  # check_model(optimizer=) (None: not given)
+    memory: MemoryRecord | None = None  # host and CUDA memory so far (None: not read)
 
     def non_finite_tensors(self) -> tuple[NonFinite, ...]:
         """Every tensor this rank holds NaN or Inf in: its fingerprints' counts, then those
@@ -943,3 +992,4 @@ class Report:
     # Ranks whose tensors were all on meta when gathered: their values were not compared.
     not_compared: tuple[int, ...] = ()
     checkpoint: CheckpointRecord | None = None  # the reference rank's resume checkpoint
+    memory: tuple[MemoryRecord, ...] = ()  # every rank's, in rank order (empty: not measured)

@@ -22,6 +22,7 @@ from fsdpcheck.records import (
     Gathered,
     Group,
     LoadOutcome,
+    MemoryRecord,
     ModelInfo,
     RankError,
     RankRecord,
@@ -66,6 +67,8 @@ class AuditOutcome:
     after_load: Gathered | None = None  # every rank's ties and buffer problems after the load
     probe_failure: str | None = None  # why --probe K gave no result (its deadline, an exception)
     reproduce_failure: str | None = None  # why --reproduce ran no job at all
+    memory: tuple[MemoryRecord, ...] = ()  # every rank's, gathered after the load
+    rank0_load: bool = False  # rank 0's weights are loaded into every rank (the memory check)
 
 
 # The findings a per-process hash seed can cause (a set iterated while registering tensors).
@@ -88,6 +91,8 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         probe=outcome.probe,
         loaders=loaders,
         observed=outcome.observed,
+        memory=outcome.memory,
+        rank0_load=outcome.rank0_load,
     )
     findings = run_checks(evidence)
     errors = gathered.errors
@@ -135,6 +140,7 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         timings=dict(outcome.timings),
         not_compared=_not_compared(gathered),
         checkpoint=_checkpoint(groups, records),
+        memory=outcome.memory,
     )
 
 

@@ -32,3 +32,8 @@ def name_list(names: Sequence[str], limit: int = 8) -> str:
     """The first ``limit`` names, then how many more."""
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def size_label(n: int) -> str:
+    """Bytes as ``96 MiB`` or ``1.50 GiB``."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.0f} MiB"

@@ -95,6 +95,20 @@ class Stage(Word):
 STAGE_ORDER = tuple(Stage)
 
 
+class MemoryPeak(Word):
+    """How a rank's peak host memory was read (``MemoryRecord.method``)."""
+
+    # VmHWM of /proc/self/status, reset to the current RSS before each stage (/proc/self/
+    # clear_refs): the stage's own peak.
+    STAGE = "stage"
+    # getrusage's ru_maxrss, which cannot be reset: where a stage set no new process peak, its
+    # peak is only known to be at least its start and end RSS (a lower bound).
+    LIFETIME = "lifetime"
+    # check_model: the process's peak so far (VmHWM, else ru_maxrss) and its RSS now, read
+    # without resetting anything (the script owns the process).
+    PROCESS = "process"
+
+
 class Snapshot(Word):
     """When a fingerprint was taken, or where a finding was seen."""
 
@@ -449,6 +463,12 @@ class FindingKind(_Described):
         "launch",
         "ranks were started with different command-line arguments or launch variables",
         "launch flags differ",
+    )
+    MEMORY = (
+        "memory",
+        "a rank held about the full model in host memory where rank-0 loading was asked, or "
+        "far more than the other ranks, while building, wrapping or loading",
+        "a rank held the full model",
     )
     UNEXPLAINED = (
         "unexplained",

@@ -32,6 +32,7 @@ from fsdpcheck.checks.hash_seed import ProbeResult, probe_finding
 from fsdpcheck.checks.launch import launch_findings
 from fsdpcheck.checks.layout import LAYOUT_KINDS, layout_findings
 from fsdpcheck.checks.loaded import load_findings, verify_findings
+from fsdpcheck.checks.memory import memory_findings
 from fsdpcheck.checks.module_state import module_state_findings, numerics_findings
 from fsdpcheck.checks.non_finite import non_finite_findings
 from fsdpcheck.checks.observed import Observation, with_observations
@@ -49,6 +50,7 @@ from fsdpcheck.records import (
     Group,
     LoaderPrediction,
     LoadOutcome,
+    MemoryRecord,
     VerifyResult,
 )
 from fsdpcheck.vocab import FindingKind, LoadMethod, Snapshot, Word
@@ -70,6 +72,7 @@ class Need(Word):
     STEP = "step"  # check_step, audit --step: every rank's record of its watched step
     TRACES = "traces"  # explain: every rank's Flight Recorder trace of a job that already ran
     FINDINGS = "findings"  # every finding of the checks before it (always there)
+    MEMORY = "memory"  # every rank's host (and CUDA) memory over build, wrap and load
 
 
 _ALWAYS = frozenset({Need.PRE_WRAP, Need.POST_WRAP, Need.FINDINGS})
@@ -89,6 +92,8 @@ class Evidence:
     step: Mapping[int, StepRecord] | None = None  # by rank
     traces: Mapping[int, RankTrace] | None = None  # by rank; the records are fingerprints
     findings: Sequence[Finding] = ()  # for a check that needs Need.FINDINGS: those before it
+    memory: Sequence[MemoryRecord] = ()  # every rank's, gathered after the load
+    rank0_load: bool = False  # the job loads rank 0's weights: ranks > 0 hold only shards
 
     @cached_property
     def groups(self) -> list[Group]:
@@ -104,6 +109,7 @@ class Evidence:
             Need.OBSERVED: bool(self.observed),
             Need.STEP: self.step is not None,
             Need.TRACES: self.traces is not None,
+            Need.MEMORY: bool(self.memory),
         }
         return need in _ALWAYS or present[need]
 
@@ -219,6 +225,10 @@ def _verify(e: Evidence) -> list[Finding]:
     return verify_findings(e.verify, "the resume (dcp.load)" if resumed else "the sorted loader")
 
 
+def _memory(e: Evidence) -> list[Finding]:
+    return memory_findings(e.memory, rank0_load=e.rank0_load)
+
+
 def _probe(e: Evidence) -> list[Finding]:
     found = probe_finding(e.probe)
     return [] if found is None else [found]
@@ -275,6 +285,7 @@ CHECKS: tuple[Check, ...] = _checks(
     ("uninitialized-after-load", (K.UNINITIALIZED,), {N.AFTER_LOAD}, _uninitialized, ""),
     ("non-finite-after-load", (K.NON_FINITE,), {N.AFTER_LOAD}, _non_finite, ""),
     ("value-after-load", (K.VALUE,), {N.AFTER_LOAD, N.VALUES}, _values, ""),
+    ("memory", (K.MEMORY,), {N.MEMORY}, _memory, ""),
     ("hash-seed", (K.HASH_SEED,), {N.PROBE}, _probe, ""),
     ("prediction", (K.PREDICTION,), {N.OBSERVED}, _prediction, ""),
     ("step", (K.STEP,), {N.STEP}, _step, ""),

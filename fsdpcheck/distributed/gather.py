@@ -17,7 +17,17 @@ import torch.distributed as dist
 from fsdpcheck.checks.expert import expert_key
 from fsdpcheck.checks.hash_seed import seed_tag
 from fsdpcheck.checks.value import sibling_digest, value_digests, value_senders
-from fsdpcheck.records import ExpertKey, Gathered, RankRecord, from_dict, to_dict
+from fsdpcheck.model.memory import MEASURED
+from fsdpcheck.records import (
+    ExpertKey,
+    Gathered,
+    MemoryRecord,
+    RankRecord,
+    StageMemory,
+    from_dict,
+    to_dict,
+)
+from fsdpcheck.vocab import MemoryPeak
 
 log = logging.getLogger(__name__)
 
@@ -230,3 +240,61 @@ def _recv_record(src: int, group: object) -> RankRecord:
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(payload, src=src, group=group)
     return from_dict(RankRecord, json.loads(payload.numpy().tobytes()))
+
+
+# gather_memory's fixed slot, int64 words (-1: None): the method, the record's own numbers,
+# then per measured stage whether it ran and its numbers.
+_METHODS = tuple(MemoryPeak)
+_RECORD_FIELDS = ("process_peak", "current", "cuda_peak", "cuda_current", "model_bytes")
+_RECORD_FIELDS += ("shard_bytes",)
+_STAGE_FIELDS = ("start", "peak", "end", "cuda_start", "cuda_peak")
+MEMORY_WORDS = 2 + len(_RECORD_FIELDS) + len(MEASURED) * (1 + len(_STAGE_FIELDS))
+
+
+def _pack_memory(record: MemoryRecord | None) -> list[int]:
+    if record is None:
+        return [0] * MEMORY_WORDS
+    words = [1, _METHODS.index(record.method)]
+    words += [_word(getattr(record, name)) for name in _RECORD_FIELDS]
+    by_stage = {s.stage: s for s in record.stages}
+    for stage in MEASURED:
+        measured = by_stage.get(stage)
+        words.append(int(measured is not None))
+        words += [_word(getattr(measured, n, None)) for n in _STAGE_FIELDS]
+    return words
+
+
+def _word(value: int | None) -> int:
+    return -1 if value is None else int(value)
+
+
+def _unpack_memory(rank: int, words: list[int]) -> MemoryRecord | None:
+    if not words[0]:
+        return None
+    values = [None if w < 0 else w for w in words[2 : 2 + len(_RECORD_FIELDS)]]
+    offset, stages = 2 + len(_RECORD_FIELDS), []
+    for stage in MEASURED:
+        if words[offset]:
+            numbers = [None if w < 0 else w for w in words[offset + 1 : offset + 6]]
+            start, peak, end, cuda_start, cuda_peak = numbers
+            host = (start or 0, peak or 0, end or 0)
+            stages.append(StageMemory(stage, *host, cuda_start, cuda_peak))
+        offset += 1 + len(_STAGE_FIELDS)
+    return MemoryRecord(
+        rank, _METHODS[words[1]], tuple(stages), **dict(zip(_RECORD_FIELDS, values, strict=True))
+    )
+
+
+def gather_memory(
+    record: MemoryRecord | None, group: object, *, rank: int, world_size: int
+) -> tuple[MemoryRecord, ...] | None:
+    """Collective over ``group``: every rank's memory record on rank 0, in rank order (a rank
+    with none left out); ``None`` elsewhere. One fixed-size slot per rank: memory differs per
+    rank by nature, so it never rides in the group digest that decides who sends a record."""
+    mine = torch.tensor(_pack_memory(record), dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(mine, out, dst=0, group=group)
+    if out is None:
+        return None
+    found = (_unpack_memory(r, t.tolist()) for r, t in enumerate(out))
+    return tuple(m for m in found if m is not None)

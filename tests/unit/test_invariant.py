@@ -35,6 +35,7 @@ from fsdpcheck.records import (
     FsdpGroupRecord,
     FsdpPlanRecord,
     LaunchRecord,
+    MemoryRecord,
     MeshRecord,
     ModuleKind,
     ModuleStateRecord,
@@ -50,13 +51,14 @@ from fsdpcheck.records import (
     ResumeMismatch,
     SchedulerRecord,
     SourceRecord,
+    StageMemory,
     TensorRecord,
     TieRecord,
     WrappedModule,
     WrapperRecord,
 )
 from fsdpcheck.report import AuditOutcome, assemble
-from fsdpcheck.vocab import Agreement, BufferReason, Snapshot, Verdict, Wrapper
+from fsdpcheck.vocab import Agreement, BufferReason, MemoryPeak, Snapshot, Stage, Verdict, Wrapper
 
 RANKS = (0, 1, 2)
 MUTATED = 1
@@ -160,6 +162,18 @@ def _base(rank: int) -> RankRecord:
             ),
             scheduler=SchedulerRecord("LambdaLR", 3, 4, ("0.0001",)),
             checkpoint_entries=3,
+        ),
+        # A small model (below the memory check's floor): the numbers are swept, never compared.
+        memory=MemoryRecord(
+            rank,
+            MemoryPeak.STAGE,
+            (StageMemory(Stage.BUILD, 300 << 20, 310 << 20, 305 << 20, 0, 1 << 20),),
+            process_peak=400 << 20,
+            current=350 << 20,
+            cuda_peak=1 << 20,
+            cuda_current=0,
+            model_bytes=4 << 20,
+            shard_bytes=2 << 20,
         ),
     )
 

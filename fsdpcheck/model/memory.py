@@ -1,0 +1,146 @@
+"""What a rank's process holds in memory: host RSS and its peak (Linux ``/proc/self/status``,
+else ``getrusage``), and CUDA's allocator where the process uses CUDA. Read per stage by the
+audit (:class:`StageMeter`, reset before each stage), and once by ``check_model``, which reads
+the process's peak so far and resets nothing (the process is the script's)."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fsdpcheck.records import MemoryRecord, StageMemory
+from fsdpcheck.vocab import MemoryPeak, Stage
+
+log = logging.getLogger(__name__)
+
+# The stages whose memory the audit records: where a rank materialises the model (build),
+# copies its shards out (wrap) and receives rank 0's weights (load).
+MEASURED = (Stage.BUILD, Stage.WRAP, Stage.LOAD)
+
+
+def _status(field: str) -> int | None:
+    """A ``/proc/self/status`` memory field, in bytes (None: not Linux, or not there)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        log.debug("no %s in /proc/self/status", field, exc_info=True)
+    return None
+
+
+def rss() -> int | None:
+    return _status("VmRSS")
+
+
+def _reset_peak() -> bool:
+    """VmHWM back to the current RSS (Linux >= 4.0); False where the kernel or a sandbox does
+    not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _maxrss() -> int:
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _cuda() -> Any | None:
+    """``torch.cuda`` where this process already uses CUDA (never initialises it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "cuda"):
+        return None
+    try:
+        return torch.cuda if torch.cuda.is_initialized() else None
+    except Exception:  # a torch without a usable CUDA runtime: no CUDA numbers
+        log.debug("torch.cuda is not usable", exc_info=True)
+        return None
+
+
+class StageMeter:
+    """Each measured stage's host RSS on entering, peak and on leaving, and CUDA's."""
+
+    def __init__(self) -> None:
+        self.stages: list[StageMemory] = []
+        self.reset_denied = False  # some stage's peak came from ru_maxrss
+
+    @contextmanager
+    def measure(self, stage: Stage) -> Iterator[None]:
+        start = rss()
+        if start is None:  # no /proc: nothing per stage is known
+            yield
+            return
+        reset = _reset_peak()
+        before = 0 if reset else _maxrss()
+        cuda = _cuda()
+        cuda_start = None
+        if cuda is not None:
+            cuda.reset_peak_memory_stats()
+            cuda_start = cuda.memory_allocated()
+        try:
+            yield
+        finally:
+            end = rss() or start
+            if reset:
+                peak = max(_status("VmHWM") or end, start, end)
+            else:
+                # A stage that set no new process peak peaked somewhere at or below the old
+                # one: its start and end are all that is known (a lower bound).
+                self.reset_denied = True
+                after = _maxrss()
+                peak = after if after > before else max(start, end)
+            cuda = cuda or _cuda()  # a stage may be the one that first used CUDA
+            cuda_peak = None
+            if cuda is not None:
+                cuda_peak = cuda.max_memory_allocated()
+                cuda_start = cuda_start if cuda_start is not None else 0
+            self.stages.append(StageMemory(stage, start, peak, end, cuda_start, cuda_peak))
+
+    def record(self, rank: int, model: Any = None) -> MemoryRecord:
+        method = MemoryPeak.LIFETIME if self.reset_denied else MemoryPeak.STAGE
+        full, shard = model_bytes(model) if model is not None else (None, None)
+        return MemoryRecord(rank, method, tuple(self.stages), model_bytes=full, shard_bytes=shard)
+
+
+def process_memory(rank: int, model: Any = None) -> MemoryRecord:
+    """``check_model``: the process's host peak so far (VmHWM, else ru_maxrss) and its RSS
+    now, CUDA's peak and current allocation where it uses CUDA; nothing is reset."""
+    peak = _status("VmHWM") or _maxrss()
+    cuda = _cuda()
+    full, shard = model_bytes(model) if model is not None else (None, None)
+    return MemoryRecord(
+        rank,
+        MemoryPeak.PROCESS,
+        process_peak=peak,
+        current=rss(),
+        cuda_peak=cuda.max_memory_allocated() if cuda is not None else None,
+        cuda_current=cuda.memory_allocated() if cuda is not None else None,
+        model_bytes=full,
+        shard_bytes=shard,
+    )
+
+
+def model_bytes(model: Any) -> tuple[int, int]:
+    """The model in full (each parameter and buffer once: global numel x element size) and
+    what this rank holds of it (its DTensors' local shards; the whole of a plain tensor)."""
+    full = held = 0
+    seen: set[int] = set()
+    tensors = (*model.parameters(), *model.buffers())
+    for t in tensors:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        size = t.element_size()
+        full += t.numel() * size
+        local = t.to_local() if hasattr(t, "to_local") else t
+        held += local.numel() * size
+    return full, held

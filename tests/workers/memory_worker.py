@@ -1,0 +1,96 @@
+"""Memory of the load, in one 2-rank job (tests/ranks/test_memory.py): a 201 MB float32 model
+(6 × Linear(4096, 2048), each weight 32 MiB, so glibc hands every one back to the kernel when
+it is freed), loaded from rank 0.
+
+First a training script's own rank-0 load then ``check_model(rank0_load=True)``: clean (rank 1
+on meta) before buggy (rank 1 builds the full model on CPU too), since ``check_model`` reads the
+process's peak so far. Then ``audit --builder`` with the builders below, clean and buggy (the
+audit measures each stage on its own). Rank 0 writes ``--out``: per case, every rank's exit code
+and rank 0's report. Also the ``--builder`` functions themselves: ``memory_worker.py:FUNCTION``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+LAYERS, IN, OUT = 6, 4096, 2048
+
+
+def _model(real: bool) -> nn.Module:
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(IN, OUT, bias=False) for _ in range(LAYERS)))
+    if real:  # every page touched, as a real initialisation or a file read touches it
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.fill_(0.01 * (i + 1))
+    return model
+
+
+def meta_on_rank_1(ctx):
+    """Rank-0 loading done right: rank 0 builds and returns its state dict, rank 1 on meta."""
+    model = _model(real=ctx.rank == 0)
+    return (model, dict(model.state_dict())) if ctx.rank == 0 else model
+
+
+def full_on_rank_1(ctx):
+    """Rank-0 loading asked, but rank 1 builds the full model on CPU too before the load."""
+    model = _model(real=True)
+    return (model, dict(model.state_dict())) if ctx.rank == 0 else model
+
+
+def _script(rank1_real: bool) -> dict:
+    """A training script: build, fully_shard, its own rank-0 load, then check_model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdpcheck
+    from fsdpcheck.records import to_dict
+
+    rank = dist.get_rank()
+    model = _model(real=rank == 0 or rank1_real)
+    source = dict(model.state_dict()) if rank == 0 else None
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fsdpcheck.load_full_state_dict(model, source, bucket_bytes=16 * 2**20)
+    del source
+    result = fsdpcheck.check_model(model, timeout=120, rank0_load=True)
+    report = to_dict(result.report) if result.report is not None else None
+    return {"exit_code": int(result.exit_code), "report": report}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    from fsdpcheck.audit import AuditOptions, run_audit
+    from fsdpcheck.records import to_dict
+
+    done = {}
+    cases = {"script-meta": False, "script-full": True}  # clean first: peaks only grow
+    for name, rank1_real in cases.items():
+        done[name] = _script(rank1_real)
+    for name in ("meta_on_rank_1", "full_on_rank_1"):
+        result = run_audit(AuditOptions(model=name, builder=f"{__file__}:{name}", timeout=120))
+        report = to_dict(result.report) if result.report is not None else None
+        done[f"builder-{name}"] = {"exit_code": int(result.exit_code), "report": report}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {k: v["exit_code"] for k, v in done.items()})
+    if dist.get_rank() == 0:
+        for name, case in done.items():
+            case["exit_codes"] = [codes[name] for codes in every]
+        with open(args.out, "w") as f:
+            json.dump(done, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
