@@ -1,6 +1,7 @@
 """fsdpcheck inside Ray Train: ``TorchTrainer`` starts the workers and their process group
 (gloo here, 2 CPU workers); ``train_loop_per_worker`` builds the model, shards it with
-``fully_shard`` and calls ``fsdpcheck.check_model`` before its first step.
+``fully_shard`` and calls ``fsdpcheck.check_model`` before its first step, then runs that first
+update under ``fsdpcheck.check_step``.
 
     python examples/ray/torch_trainer.py                  # consistent
     python examples/ray/torch_trainer.py --break-rank 1   # rank 1 builds with another rope_theta
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,6 +50,23 @@ def build(rank: int, world_size: int, rope_theta: float = ROPE_THETA) -> torch.n
     return model
 
 
+def first_update(model: torch.nn.Module, rank: int) -> Callable[[], torch.Tensor]:
+    """The training step ``check_step`` runs: forward, backward, optimizer step, on this
+    worker's own batch (as a data-parallel sampler gives)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 16), generator=generator)
+
+    def step() -> torch.Tensor:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
 def train_loop_per_worker(config: dict) -> None:
     """``config``: ``break_ranks``, one check per entry on the same process group (None: every
     rank alike; N: rank N builds with another rope_theta); ``out``: where each rank writes its
@@ -60,24 +79,29 @@ def train_loop_per_worker(config: dict) -> None:
     for break_rank in config.get("break_ranks", [None]):
         theta = ROPE_THETA * (2 if rank == break_rank else 1)
         model = build(rank, world_size, theta)
-        checked = fsdpcheck.check_model(model, timeout=60)
-        report = checked.report
-        results.append(
-            {
-                "rank": rank,
-                "exit_code": checked.exit_code,
-                "headline": checked.headline,
-                "verdict": None if report is None else report.verdict.value,
-                "findings": None
-                if report is None
-                else [
-                    {"kind": f.kind.value, "ranks": list(f.ranks), "summary": f.summary}
-                    for f in report.findings
-                ],
-            }  # fmt: skip
-        )
-        # a trainer raises on a non-zero exit_code (fsdpcheck's headline says why); train here
+        result = _summary(rank, fsdpcheck.check_model(model, timeout=60))
+        result["step"] = None
+        # a trainer raises on a non-zero exit_code (fsdpcheck's headline says why)
+        if result["exit_code"] == 0:
+            step = first_update(model, rank)
+            result["step"] = _summary(rank, fsdpcheck.check_step(model, step, timeout=60))
+        results.append(result)
     Path(config["out"], f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+
+
+def _summary(rank: int, checked) -> dict:
+    """What the driver needs from an ``AuditResult`` (the full report is on rank 0)."""
+    report = checked.report
+    return {
+        "rank": rank,
+        "exit_code": checked.exit_code,
+        "headline": checked.headline,
+        "verdict": None if report is None else report.verdict.value,
+        "findings": None if report is None else [
+            {"kind": f.kind.value, "ranks": list(f.ranks), "summary": f.summary}
+            for f in report.findings
+        ],
+    }  # fmt: skip
 
 
 def fit(out: Path, break_ranks: list[int | None], storage: Path) -> list[list[dict]]:
@@ -115,7 +139,10 @@ def main() -> int:
     print(f"check_model: {rank0['headline']} (exit {rank0['exit_code']})")
     for finding in rank0["findings"] or []:
         print(f"  {finding['kind']}: {finding['summary']}")
-    return max(r[0]["exit_code"] for r in ranks)
+    if rank0["step"] is not None:
+        print(f"check_step: {rank0['step']['headline']} (exit {rank0['step']['exit_code']})")
+    steps = [r[0]["step"]["exit_code"] for r in ranks if r[0]["step"] is not None]
+    return max([r[0]["exit_code"] for r in ranks] + steps)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ for its first update, ``fsdpcheck.check_step``. No torchrun anywhere.
 
     python examples/ray/verl_actors.py                  # 2 actors on 2 CPUs, gloo: consistent
     python examples/ray/verl_actors.py --break-rank 1   # rank 1 builds with another rope_theta
+    python examples/ray/verl_actors.py --stall-rank 1   # rank 1 is stuck past the check's timeout
+    python examples/ray/verl_actors.py --die-rank 1     # rank 1 crashes right before the check
+
+A stuck or dead actor makes the others return exit 3 naming it, within the check's timeout;
+fsdpcheck never ends an actor's process (the stuck one returns the same once it is back).
 
 Ray starts its workers with hash randomisation on and no PYTHONHASHSEED: a model whose tensor
 order follows a set's order differs between actors only when the draws differ. Run
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import time
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -80,9 +86,17 @@ class FSDPWorker:
             "gloo", rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=120)
         )
 
-    def build_and_check(self, rope_theta: float = ROPE_THETA) -> dict:
+    def build_and_check(
+        self,
+        rope_theta: float = ROPE_THETA,
+        timeout: float = 60.0,
+        stall: float = 0.0,
+        die: bool = False,
+    ) -> dict:
         """Build, shard, load, ``check_model``; when it passes, the first update under
-        ``check_step``. Returns what the driver shows."""
+        ``check_step``. Returns what the driver shows. ``stall``: seconds this actor is stuck
+        between its load and its check (a stalled filesystem, a busy host); ``die``: it
+        crashes there instead (an OOM kill, a segfault: the process is gone)."""
         from accelerate import init_empty_weights
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -101,9 +115,14 @@ class FSDPWorker:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         fsdp2_load_full_state_dict(model, full_state)
+        if die:
+            os._exit(1)  # the simulated crash: this example's own, never fsdpcheck's
+        time.sleep(stall)
 
-        checked = fsdpcheck.check_model(model, timeout=60)
+        start = time.monotonic()
+        checked = fsdpcheck.check_model(model, timeout=timeout)
         summary = _summary(self.rank, checked)
+        summary["seconds"] = round(time.monotonic() - start, 2)
         summary["step"] = None
         if checked.exit_code == 0:  # a trainer would raise here instead of training on
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -117,10 +136,14 @@ class FSDPWorker:
                 return loss
 
             summary["step"] = _summary(
-                self.rank, fsdpcheck.check_step(model, first_update, timeout=60)
+                self.rank, fsdpcheck.check_step(model, first_update, timeout=timeout)
             )
         self.model = model
         return summary
+
+    def pid(self) -> int:
+        """Answers while the actor lives: the driver's proof that a check left it running."""
+        return os.getpid()
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -136,6 +159,7 @@ def _summary(rank: int, result) -> dict:
     report = result.report
     return {
         "rank": rank,
+        "pid": os.getpid(),
         "exit_code": result.exit_code,
         "headline": result.headline,
         "verdict": None if report is None else str(report.verdict.value),
@@ -154,18 +178,40 @@ def start_workers(world_size: int = 2) -> list:
     return workers
 
 
-def check(workers: list, break_rank: int | None = None) -> list[dict]:
-    """Every actor builds, loads and checks; ``break_rank`` builds with another rope_theta."""
+def check(
+    workers: list,
+    break_rank: int | None = None,
+    *,
+    stall_rank: int | None = None,
+    die_rank: int | None = None,
+    timeout: float = 60.0,
+) -> list[dict | None]:
+    """Every actor builds, loads and checks (``timeout``: the checks'); ``break_rank`` builds
+    with another rope_theta, ``stall_rank`` is stuck twice the timeout before its check,
+    ``die_rank`` crashes there. A dead actor's entry is None."""
     calls = [
-        w.build_and_check.remote(ROPE_THETA * (2 if rank == break_rank else 1))
+        w.build_and_check.remote(
+            ROPE_THETA * (2 if rank == break_rank else 1),
+            timeout,
+            2 * timeout if rank == stall_rank else 0.0,
+            rank == die_rank,
+        )
         for rank, w in enumerate(workers)
     ]
-    return ray.get(calls, timeout=300)
+    deadline = time.monotonic() + 300  # one bound for all: a waiting driver never hangs
+    results: list[dict | None] = []
+    for call in calls:
+        try:
+            results.append(ray.get(call, timeout=max(1.0, deadline - time.monotonic())))
+        except ray.exceptions.ActorDiedError:
+            results.append(None)
+    return results
 
 
 def stop_workers(workers: list) -> None:
     try:
-        ray.get([w.shutdown.remote() for w in workers], timeout=60)
+        # a dead actor has nothing to shut down; the others still destroy their groups
+        ray.wait([w.shutdown.remote() for w in workers], num_returns=len(workers), timeout=60)
     finally:
         for w in workers:
             ray.kill(w)
@@ -174,22 +220,35 @@ def stop_workers(workers: list) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--break-rank", type=int, default=None)
+    parser.add_argument("--stall-rank", type=int, default=None)
+    parser.add_argument("--die-rank", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=60.0, help="the checks' timeout (s)")
     args = parser.parse_args()
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2)
     workers = start_workers(2)
     try:
-        results = check(workers, args.break_rank)
+        results = check(
+            workers,
+            args.break_rank,
+            stall_rank=args.stall_rank,
+            die_rank=args.die_rank,
+            timeout=args.timeout,
+        )
     finally:
         stop_workers(workers)
         ray.shutdown()
-    rank0 = results[0]
-    print(f"check_model: {rank0['headline']} (exit {rank0['exit_code']})")
-    for finding in rank0["findings"] or []:
+    for rank, result in enumerate(results):
+        if result is None:
+            print(f"rank {rank}: the actor died")
+    shown = next(r for r in results if r is not None)  # rank 0's report, unless it died
+    print(f"check_model: {shown['headline']} (exit {shown['exit_code']}, {shown['seconds']} s)")
+    for finding in shown["findings"] or []:
         print(f"  {finding['kind']}: {finding['summary']}")
-    if rank0["step"] is not None:
-        print(f"check_step: {rank0['step']['headline']} (exit {rank0['step']['exit_code']})")
-    return max(r["exit_code"] for r in results)
+    if shown["step"] is not None:
+        print(f"check_step: {shown['step']['headline']} (exit {shown['step']['exit_code']})")
+    codes = [r["exit_code"] for r in results if r is not None]
+    return max(codes + [r["step"]["exit_code"] for r in results if r and r["step"] is not None])
 
 
 if __name__ == "__main__":

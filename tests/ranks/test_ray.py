@@ -2,8 +2,11 @@
 NeMo-RL start theirs the same way) and Ray Train's ``TorchTrainer``. The examples in
 examples/ray/ run here for real, in one Ray session (2 CPUs, gloo, a 100 MB object store), each
 clean (``consistent``, exit 0 on every rank) and with rank 1 built with another rope_theta (one
-``config`` finding naming rank 1). What is compared is the user's program: Ray's own worker
-arguments (``--worker-id=…``) are no difference between ranks (docs/checks.md)."""
+``config`` finding naming rank 1), and their first update under ``check_step`` consistent. The
+same actors then meet a stuck peer and a dead one: the other returns exit 3 naming it within the
+check's timeout, and no actor is ended by fsdpcheck. What is compared is the user's program:
+Ray's own worker arguments (``--worker-id=…``) are no difference between ranks
+(docs/checks.md)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from conftest import QUIET_ENV, REPO
 
 EXAMPLES = REPO / "examples" / "ray"
 FIT_TIMEOUT = 240.0  # TorchTrainer.fit takes no timeout of its own
+TIMEOUT = 5.0  # the fault cases' checks; the stuck actor is late by twice that
 
 
 def _example(name: str) -> ModuleType:
@@ -60,11 +64,18 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def actors(ray_session) -> dict[str, list[dict]]:
-    """examples/ray/verl_actors.py: one pair of actors, one process group, two checks."""
+    """examples/ray/verl_actors.py: one pair of actors, one process group, four checks in turn:
+    clean, rank 1's other rope_theta, rank 1 stuck, rank 1 dead (last: its group is gone)."""
     example = _example("verl_actors.py")
     workers = example.start_workers(2)
     try:
-        return {"clean": example.check(workers), "rank-1-rope": example.check(workers, 1)}
+        runs = {"clean": example.check(workers), "rank-1-rope": example.check(workers, 1)}
+        runs["rank-1-stuck"] = example.check(workers, stall_rank=1, timeout=TIMEOUT)
+        # both answer afterwards (no os._exit, no ActorDiedError), in the processes that checked
+        runs["pids-after-stuck"] = ray.get([w.pid.remote() for w in workers], timeout=30)
+        runs["rank-1-dies"] = example.check(workers, die_rank=1, timeout=TIMEOUT)
+        runs["pid-after-death"] = ray.get(workers[0].pid.remote(), timeout=30)
+        return runs
     finally:
         example.stop_workers(workers)
 
@@ -120,8 +131,35 @@ def test_a_verl_style_actor_built_with_another_rope_theta_is_found(actors) -> No
     assert [r["step"] for r in broken] == [None, None]  # no update after a failed check
 
 
+def test_a_stuck_verl_style_actor_is_named_and_every_actor_lives_on(actors) -> None:
+    alive, stuck = actors["rank-1-stuck"]
+    # Within the check's timeout (and well before the stuck actor is back at 2x it).
+    assert alive["exit_code"] == 3 and alive["seconds"] < 2 * TIMEOUT, alive
+    assert "rank 1 never arrived" in alive["headline"], alive
+    assert alive["verdict"] == "error" and alive["step"] is None, alive
+    # Back after the others gave up, it is told so at once and returns the same conclusion.
+    assert stuck["exit_code"] == 3 and "rank 1 never arrived" in stuck["headline"], stuck
+    assert stuck["seconds"] < TIMEOUT, stuck
+    assert actors["pids-after-stuck"] == [alive["pid"], stuck["pid"]]
+
+
+def test_a_verl_style_actor_that_dies_before_its_check_is_named(actors) -> None:
+    alive, dead = actors["rank-1-dies"]
+    assert dead is None  # its call raised ActorDiedError
+    assert alive["exit_code"] == 3 and alive["seconds"] < 2 * TIMEOUT, alive
+    assert "rank 1 never arrived" in alive["headline"], alive
+    assert actors["pid-after-death"] == alive["pid"]  # the survivor's process lives on
+
+
 def test_torch_trainer_workers_are_consistent(trained) -> None:
     _assert_clean([checks[0] for checks in trained])
+
+
+def test_a_torch_trainer_first_update_under_check_step_is_consistent(trained) -> None:
+    steps = [checks[0]["step"] for checks in trained]
+    assert [s["exit_code"] for s in steps] == [0, 0], steps[0]
+    assert steps[0]["verdict"] == "consistent" and steps[0]["findings"] == [], steps[0]
+    assert [checks[1]["step"] for checks in trained] == [None, None]  # no update after a failure
 
 
 def test_a_torch_trainer_worker_built_with_another_rope_theta_is_found(trained) -> None:
