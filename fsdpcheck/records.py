@@ -814,3 +814,5 @@ class Report:
     # Ranks whose tensors were all on meta when gathered: their values were not compared.
     not_compared: tuple[int, ...] = ()
     checkpoint: CheckpointRecord | None = None  # the reference rank's resume checkpoint
+    # --source / check_model(source=): every rank's tensors against the checkpoint on disk
+    source_check: VerifyResult | None = None

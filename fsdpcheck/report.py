@@ -66,6 +66,7 @@ class AuditOutcome:
     after_load: Gathered | None = None  # every rank's ties and buffer problems after the load
     probe_failure: str | None = None  # why --probe K gave no result (its deadline, an exception)
     reproduce_failure: str | None = None  # why --reproduce ran no job at all
+    source: VerifyResult | None = None  # --source: every rank against the checkpoint on disk
 
 
 def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
@@ -78,6 +79,7 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         gathered,
         load=outcome.load,
         verify=outcome.verify,
+        source=outcome.source,
         after_load=outcome.after_load,
         probe=outcome.probe,
         loaders=loaders,
@@ -123,6 +125,7 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         timings=dict(outcome.timings),
         not_compared=_not_compared(gathered),
         checkpoint=_checkpoint(groups, records),
+        source_check=outcome.source,
     )
 
 
