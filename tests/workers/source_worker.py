@@ -7,7 +7,10 @@
 - ``--fault``: what the script's loader does wrong, the same on every rank: ``permute-qk`` (q/k
   rows reordered within each head, as a rotary permutation does), ``shard-dim`` (o_proj's slice
   cut along dim 1, laid into the dim-0 shard), ``transpose`` (o_proj loaded transposed),
-  ``cast`` (a bfloat16 checkpoint loaded into the float32 model);
+  ``cast`` (a bfloat16 checkpoint loaded into the float32 model), ``swap`` (layer 0's q_proj
+  loaded from its k_proj), ``fused-permute`` (with ``--fused``: each rank's wqkv rows rolled);
+- ``--fused``: each layer also holds torchtitan's fused ``wqkv`` (``fused_qkv.py``), saved as
+  ``wq``/``wk``/``wv`` by its state-dict hooks;
 - ``--no-source``: ``check_model`` without ``source=`` (the ranks are compared only with each
   other).
 
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from fused_qkv import FusedQKVLinear
 from recorded import main_with_cases
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -38,8 +42,10 @@ DIM = HEADS * HEAD_DIM
 
 
 class Attention(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, fused: bool) -> None:
         super().__init__()
+        if fused:
+            self.qkv = FusedQKVLinear("fused")
         self.q_proj = nn.Linear(DIM, DIM, bias=False)
         self.k_proj = nn.Linear(DIM, DIM, bias=False)
         self.o_proj = nn.Linear(DIM, DIM)
@@ -47,9 +53,9 @@ class Attention(nn.Module):
 
 
 class Tiny(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Attention(), Attention()])
+        self.layers = nn.ModuleList([Attention(fused), Attention(fused)])
         self.head = nn.Linear(DIM, 2 * DIM)
 
 
@@ -86,7 +92,8 @@ def _write(full: dict[str, torch.Tensor], fmt: str, folder: Path, model: nn.Modu
 
 
 def _load(model: nn.Module, full: dict[str, torch.Tensor], fault: str) -> None:
-    """The script's own loader: each rank copies its slice of ``full`` into its shards."""
+    """The script's own loader: each rank copies its slice of ``full`` (by module path) into
+    its shards."""
     rank = dist.get_rank()
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -97,6 +104,11 @@ def _load(model: nn.Module, full: dict[str, torch.Tensor], fault: str) -> None:
                 want = _permute(want)
             if fault == "transpose" and name.endswith("o_proj.weight"):
                 want = want.T
+            if fault == "swap" and name == "layers.0.q_proj.weight":
+                want = full["layers.0.k_proj.weight"].to(param.dtype)
+            if fault == "fused-permute" and name.endswith("wqkv.weight"):
+                local.copy_(expected_shard(want, param, rank).roll(1, dims=0))
+                continue
             if fault == "shard-dim" and name.endswith("o_proj.weight"):
                 local.copy_(want.chunk(dist.get_world_size(), dim=1)[rank].reshape(local.shape))
                 continue
@@ -111,14 +123,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--format", choices=("safetensors", "index", "dcp"), required=True)
     parser.add_argument("--fault", default="")
     parser.add_argument("--no-source", action="store_true")
+    parser.add_argument("--fused", action="store_true")
     args = parser.parse_args(argv)
     started = time.monotonic()
     out = Path(args.out)
     torch.manual_seed(0)
-    model = Tiny()
+    model = Tiny(args.fused)
+    # What the loader places (by module path) and what the checkpoint holds (the state dict,
+    # through its hooks: wqkv saved as wq/wk/wv)
+    raw = {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
     full = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if args.fault == "cast":  # the model's float32 values are the bfloat16 checkpoint's, cast
         full = {k: v.to(torch.bfloat16) for k, v in full.items()}
+        raw = {k: v.to(torch.bfloat16) for k, v in raw.items()}
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
@@ -126,13 +143,13 @@ def main(argv: list[str]) -> int:
     with torch.no_grad():  # nothing left from the build: the loader must place every value
         for param in model.parameters():
             param.to_local().zero_()
-    _load(model, full, "")  # the checkpoint is written from a cleanly loaded model
+    _load(model, raw, "")  # the checkpoint is written from a cleanly loaded model
     path = _write(full, args.format, out / "checkpoint", model)
     if args.fault:
         with torch.no_grad():
             for param in model.parameters():
                 param.to_local().zero_()
-        _load(model, full, args.fault)
+        _load(model, raw, args.fault)
     result = fsdpcheck.check_model(model, timeout=60, source=None if args.no_source else path)
     record = {"rank": dist.get_rank(), "exit_code": result.exit_code}
     record["elapsed"] = round(time.monotonic() - started, 3)
