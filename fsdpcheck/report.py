@@ -248,6 +248,9 @@ def report_headline(report: Report) -> str:
         line += f"; {loader} {state} on {ranks}"
     elif load is not None and load.outcome == LoadStatus.REFUSED:
         line += "; sorted loader refused (names, shapes or dtypes differ)"
+    checked = report.source_check
+    if checked is not None and checked.ran and checked.passed:
+        line += f"; every rank matches the checkpoint (--source) on {ranks}"
     return line
 
 
