@@ -7,7 +7,16 @@ NPROC ?= 2
 
 .PHONY: install demo test test-unit lint bench clean
 
-install: $(STAMP)
+# verl's released loader, before and after its PR #6405, for tests/cli/test_verl_loader.py:
+# the wheels only (no dependencies, nothing installed), read as zip files by the test.
+VERL_VERSIONS := 0.7.1 0.8.0
+VERL_WHEELS := $(foreach v,$(VERL_VERSIONS),$(VENV)/verl-wheels/verl-$(v)-py3-none-any.whl)
+
+install: $(STAMP) $(VERL_WHEELS)
+
+$(VENV)/verl-wheels/verl-%-py3-none-any.whl: | $(STAMP)
+	$(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps \
+		--only-binary :all: -d $(VENV)/verl-wheels 'verl==$*'
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -15,9 +15,12 @@ _LAZY = {
     "broadcast_buffers": "fsdpcheck.loader.load",
     "BufferMismatchError": "fsdpcheck.loader.load",
     "verify_load": "fsdpcheck.loader.verify",
+    "state_digests": "fsdpcheck.loader.sync",
+    "compare_digests": "fsdpcheck.loader.sync",
     "save_fingerprint": "fsdpcheck.offline.files",
     "diff_fingerprints": "fsdpcheck.offline.diff",
     "configure_logging": "fsdpcheck.process",
+    "probe": "fsdpcheck.children.probe:probe_builder",
 }
 
 
@@ -27,7 +30,8 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'fsdpcheck' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module), name)
+    module, _, attribute = module.partition(":")
+    value = getattr(importlib.import_module(module), attribute or name)
     globals()[name] = value
     return value
 

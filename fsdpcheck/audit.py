@@ -593,6 +593,7 @@ class _ProbeThread:
                 text_only=o.text_only,
                 trust_remote_code=o.trust_remote_code,
                 timeout=self._budget,
+                builder=o.builder,
             )
         except BaseException as exc:  # reported in the audit's warnings, never fatal
             log.debug("the probe failed", exc_info=True)

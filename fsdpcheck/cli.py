@@ -210,10 +210,11 @@ def audit(
             "--builder builds the model itself; drop --model (or drop --builder to audit --model).",
             param_hint="'--builder'",
         )
-    if builder and (reproduce or probe):
+    if builder and reproduce:
         raise typer.BadParameter(
-            "--reproduce and --probe rebuild the model in child jobs, which cannot call a "
-            "builder; audit the builder's model without them, or audit --model.",
+            "--reproduce rebuilds the model in 2-rank child jobs, which cannot call a builder; "
+            "audit the builder's model without it (--probe works with --builder), or audit "
+            "--model.",
             param_hint="'--builder'",
         )
     meshed = _mesh_fields(mesh, tp, ep)

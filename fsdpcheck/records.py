@@ -31,6 +31,7 @@ from fsdpcheck.vocab import (
     ModelKind,
     Snapshot,
     Stage,
+    SyncDifference,
     Verdict,
     Wrapper,
     WrapSource,
@@ -684,6 +685,9 @@ class Gathered:
     siblings: dict[int, str | None] | None = None
     # Per rank, where its experts sit and their digest (fsdpcheck.checks.expert); None: none.
     expert_keys: dict[int, ExpertKey | None] | None = None
+    # Per rank, its hash-seed tag (fsdpcheck.checks.hash_seed.seed_tag): 0 where hash
+    # randomisation is on; equal tags for equal PYTHONHASHSEED values.
+    seed_tags: dict[int, int] | None = None
 
     @property
     def errors(self) -> tuple[RankError, ...]:
@@ -764,6 +768,49 @@ class VerifyResult:
     passed: bool
     checked: int  # parameters + buffers checked on every rank
     mismatches: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class TensorDigest:
+    """One tensor as a side of a weight sync holds it, whole: its shape, dtype and value
+    checksum (None: not read, see ``SyncDifference.UNREAD``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    digest: str | None
+
+
+@dataclass(frozen=True)
+class StateDigests:
+    """``fsdpcheck.state_digests``: every tensor by name, the same from shards as from whole
+    tensors. ``sharded``: how many were digested from DTensor shards (combined across ranks)."""
+
+    tensors: Mapping[str, TensorDigest]
+    sharded: int = 0
+
+
+@dataclass(frozen=True)
+class DigestDifference:
+    name: str
+    difference: SyncDifference
+    detail: str  # the two sides, as a sentence
+
+
+@dataclass(frozen=True)
+class DigestComparison:
+    """``fsdpcheck.compare_digests``: ``verdict`` ``consistent`` when every tensor agrees."""
+
+    verdict: Verdict
+    compared: int  # names on both sides
+    differences: tuple[DigestDifference, ...] = ()
+
+    @property
+    def consistent(self) -> bool:
+        return self.verdict == Verdict.CONSISTENT
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.CONSISTENT if self.consistent else ExitCode.FINDINGS
 
 
 @dataclass(frozen=True)

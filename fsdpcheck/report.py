@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from fsdpcheck.checks.catalogue import Evidence, run_checks
 from fsdpcheck.checks.checkpoint import resharded_note
 from fsdpcheck.checks.groups import group_ranks, reference_group
-from fsdpcheck.checks.hash_seed import probe_error
+from fsdpcheck.checks.hash_seed import hash_seed_note, probe_error
 from fsdpcheck.checks.loaded import load_errors
 from fsdpcheck.checks.observed import Observation, reproduce_error, with_observations
 from fsdpcheck.checks.predict import predict_loaders
@@ -118,6 +118,11 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
             *wrap_warnings(outcome.wrap_plan),
             *resharded_note(records, len(gathered.digests)),
             *unread_note({r: rec.fsdp_plan for r, rec in records.items()}),
+            *hash_seed_note(
+                gathered.seed_tags or {},
+                {r: rec.env.hash_seed for r, rec in records.items()},
+                probed=outcome.probe is not None,
+            ),
             *outcome.notes,
         ),
         environment=tuple(records[g.representative].env for g in groups),

@@ -239,6 +239,16 @@ class LoadMethod(Word):
     RESUME = "resume"  # audit --resume: every rank's own shards from the checkpoint, by dcp.load
 
 
+class SyncDifference(Word):
+    """How a tensor differs between two sides of a weight sync (``compare_digests``)."""
+
+    MISSING = "missing"  # on one side only
+    SHAPE = "shape"
+    DTYPE = "dtype"
+    VALUE = "value"
+    UNREAD = "unread"  # no digest on a side: on meta, or shards that do not cover the tensor
+
+
 class Loader(Word):
     """The weight loaders fsdpcheck predicts (and ``--reproduce`` runs), in report order."""
 

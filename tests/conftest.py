@@ -89,21 +89,23 @@ def run_worker_ranks(
     out: Path,
     args: list[str],
     *,
-    seeds: tuple[int, int] = (1, 1),
+    seeds: tuple[int, ...] = (1, 1),
     timeout: float = 90.0,
+    nprocs: int = 2,
 ) -> tuple[LaunchResult, list[dict]]:
-    """Two ranks of ``tests/workers/<worker>``; returns the launch and each rank's JSON record."""
+    """``nprocs`` ranks of ``tests/workers/<worker>`` (``seeds``: one per rank); returns the
+    launch and each rank's JSON record."""
     out.mkdir(parents=True, exist_ok=True)
     result = launch(
         [str(REPO / "tests" / "workers" / worker), "--out", str(out), *args],
-        2,
+        nprocs,
         env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
         rank_env=lambda r: {"PYTHONHASHSEED": str(seeds[r])},
         timeout=timeout,
         cwd=str(REPO),
     )
     records = []
-    for rank in range(2):
+    for rank in range(nprocs):
         path = out / f"rank{rank}.json"
         assert path.is_file(), result.output(rank)
         records.append(json.loads(path.read_text()))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from fsdpcheck.checks.expert import expert_key
+from fsdpcheck.checks.hash_seed import seed_tag
 from fsdpcheck.checks.value import sibling_digest, value_digests, value_senders
 from fsdpcheck.records import Gathered, RankRecord
 
@@ -48,6 +49,7 @@ def gathered_from(records: Mapping[int, RankRecord]) -> Gathered:
         peer_keys=peers,
         sibling_keys=sibling_keys,
         siblings=siblings,
+        seed_tags={rank: seed_tag(records[rank].env.hash_seed) for rank in digests},
         extra={rank: records[rank] for rank in sorted(extra_senders)},
         expert_keys={rank: expert_key(records[rank]) for rank in digests},
     )

@@ -1,7 +1,9 @@
 """Hash-seed dependence: which modules' tensor order follows PYTHONHASHSEED (pure).
 
 Compares fingerprints built under fixed hash seeds (``fsdpcheck.children.probe`` builds them)
-and turns a dependence into a ``hash-seed`` finding for the audit.
+and turns a dependence into a ``hash-seed`` finding for the audit; says when the ranks share no
+PYTHONHASHSEED at all (:func:`hash_seed_note`), where agreement now proves nothing about the
+next run.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fsdpcheck.records import Finding, Fingerprint, RankError, TensorRecord
-from fsdpcheck.text import int_ranges
+from fsdpcheck.text import int_ranges, ranks_label
 from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoaderVerdict, Snapshot, Stage, Verdict
 
 
@@ -171,6 +173,64 @@ def probe_finding(result: ProbeResult) -> Finding | None:
             ],
             "sizes_differ": result.sizes_differ,
         },
+    )
+
+
+# ---------------------------------------------------------------- ranks without a common seed
+
+RANDOM = "random"  # EnvRecord.hash_seed where PYTHONHASHSEED is unset (or "random")
+_TAGS = 127  # seed tags 1..127 fit the gather slot's 7 spare flag bits; 0: randomised
+
+
+def seed_tag(hash_seed: str) -> int:
+    """A rank's hash seed in 7 bits for the gather slot: 0 with hash randomisation on, else
+    1 + seed mod 127. Different tags prove different seeds; equal tags almost always mean equal
+    ones (two seeds 127 apart collide: the note is then missed, never raised wrongly)."""
+    if not hash_seed.isdigit():
+        return 0
+    return 1 + int(hash_seed) % _TAGS
+
+
+def hash_seed_note(
+    tags: Mapping[int, int], seeds: Mapping[int, str], *, probed: bool = False
+) -> tuple[str, ...]:
+    """A warning when the ranks run with no common PYTHONHASHSEED: some have hash randomisation
+    on, or their fixed seeds differ. ``tags``: every rank's :func:`seed_tag` (from the gather);
+    ``seeds``: the exact seeds of the ranks whose records rank 0 holds. ``probed``: the probe
+    already built the model under other seeds (its result is in the report)."""
+    tags = dict(tags) or {rank: seed_tag(seed) for rank, seed in seeds.items()}
+    for rank, seed in seeds.items():
+        tags.setdefault(rank, seed_tag(seed))
+    if len(tags) < 2:
+        return ()
+    randomised = sorted(r for r, t in tags.items() if t == 0)
+    exact = {seed for seed in seeds.values() if seed != RANDOM}
+    if not randomised and len(set(tags.values())) == 1 and len(exact) <= 1:
+        return ()
+    if randomised:
+        whom = "every rank" if len(randomised) == len(tags) else ranks_label(randomised)
+        verb = "runs" if whom == "every rank" or len(randomised) == 1 else "run"
+        who = f"{whom} {verb} with hash randomisation on (PYTHONHASHSEED unset)"
+    else:
+        by_tag: dict[int, list[int]] = {}
+        for rank, tag in sorted(tags.items()):
+            by_tag.setdefault(tag, []).append(rank)
+        shown = "; ".join(
+            f"{ranks_label(ranks)}: "
+            + next((seeds[r] for r in ranks if r in seeds), "another value")
+            for ranks in by_tag.values()
+        )
+        who = f"the ranks run with different PYTHONHASHSEED values ({shown})"
+    check = (
+        "--probe built this model under other seeds (its result is in this report)"
+        if probed
+        else "check the model with `fsdpcheck probe --model M`, `audit --probe 8` (with --model "
+        "or --builder) or `fsdpcheck.probe(build)` from a script or Ray driver"
+    )
+    return (
+        f"no common hash seed: {who}, so a model that iterates a set of strings while "
+        "registering its tensors can order them differently between ranks on another run, even "
+        f"though this run agrees; {check}, or set one PYTHONHASHSEED on every rank",
     )
 
 

@@ -81,9 +81,11 @@ def run_job(
     deadline: float,
     collective_timeout: float,
 ) -> tuple[tuple[RankRun, ...], float]:
-    """Run ``python -m module --loader loader`` as one rank per stand-in on gloo, killed at
-    ``deadline`` seconds with every process they started; returns each rank and the elapsed time."""
-    argv = ["-m", module, "--loader", loader, "--timeout", f"{collective_timeout:g}", *spec.argv()]
+    """Run ``python -m module --loader loader`` (``python module ...`` for a ``.py`` path) as one
+    rank per stand-in on gloo, killed at ``deadline`` seconds with every process they started;
+    returns each rank and the elapsed time."""
+    entry = [module] if module.endswith(".py") else ["-m", module]
+    argv = [*entry, "--loader", loader, "--timeout", f"{collective_timeout:g}", *spec.argv()]
     result = launch(
         argv,
         len(stand_ins),

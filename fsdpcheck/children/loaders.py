@@ -212,9 +212,9 @@ RUNNERS: dict[str, Callable[[_Run], Any]] = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(runners: Mapping[str, Callable[[_Run], Any]]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__)
-    p.add_argument("--loader", required=True, choices=sorted(RUNNERS))
+    p.add_argument("--loader", required=True, choices=sorted(runners))
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--model", required=True)
     p.add_argument("--init", default="rank0")
@@ -226,8 +226,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(
+    argv: list[str] | None = None, runners: Mapping[str, Callable[[_Run], Any]] = RUNNERS
+) -> int:
+    """One rank of one loader job. ``runners``: other loaders run the same way (a test's: verl's
+    released function, read from its wheel)."""
+    args = _parser(runners).parse_args(argv)
     mark_stage("init")
     from fsdpcheck.distributed import setup
 
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         run.stage("build")
-        model = RUNNERS[args.loader](run)
+        model = runners[args.loader](run)
         run.stage("recording")
         record["tensors"] = tensors_held(model)
         record["order"] = [name for name, _ in model.named_buffers()]

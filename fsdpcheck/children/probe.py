@@ -11,6 +11,12 @@ Why 8 seeds by default: a two-element ``set`` of strings (``{"sliding_attention"
 all 8 seeds agree by chance with probability ``2 * 2**-8 = 1/128`` (< 1 %). Seeds 0 and 1 alone
 already give different orders for that pair, so the known cases are found every time.
 
+:func:`probe_builder` (``fsdpcheck.probe``) does the same for a trainer's own builder, the way
+``audit --builder`` names it (``MODULE:FUNCTION`` or ``FILE.py:FUNCTION``) or as the function
+itself: a Ray driver or a script whose workers run with hash randomisation on can check its
+model before any worker starts. The builder runs in each child on a one-process gloo group (so
+a builder that calls ``fully_shard`` works), and its model is compared by name as it came back.
+
 Each child runs ``python -m fsdpcheck.children.probe --child`` and prints its fingerprint as
 one JSON line (never pickle). Children run in parallel (at most ``jobs`` at a time), each bounded
 by ``timeout``
@@ -38,6 +44,27 @@ DEFAULT_SEEDS = 8
 DEFAULT_TIMEOUT = 180.0
 
 
+def probe_builder(
+    build: str | Callable[..., Any],
+    *,
+    seeds: int = DEFAULT_SEEDS,
+    jobs: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> ProbeResult:
+    """``fsdpcheck.probe(build, seeds=K)``: call ``build`` in K child interpreters under
+    PYTHONHASHSEED = 0 .. K-1 and compare the orders of the models it returns, by name.
+
+    ``build``: ``"MODULE:FUNCTION"``, ``"FILE.py:FUNCTION"``, or a module-level function (one a
+    child can import by its module and name; in a script run as ``__main__``, by the script's
+    file). It is called as ``build(ctx)`` (an ``audit --builder`` builder: ``ctx.rank`` 0,
+    ``ctx.world_size`` 1) or ``build()``, and returns the model, or ``(model, state_dict)``.
+    Verdict ``latent`` (the differing tensors in ``reorders``), ``consistent`` or ``error``, as
+    :func:`probe`."""
+    from fsdpcheck.model.builder import builder_spec
+
+    return probe("", seeds=seeds, jobs=jobs, timeout=timeout, builder=builder_spec(build))
+
+
 def probe(
     model: str,
     *,
@@ -47,6 +74,7 @@ def probe(
     jobs: int | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     progress: Callable[[int, int, str], None] | None = None,
+    builder: str | None = None,
 ) -> ProbeResult:
     """Build ``model`` on meta under PYTHONHASHSEED = 0 .. seeds-1 and compare tensor orders.
 
@@ -55,14 +83,16 @@ def probe(
     all orders agree; ``error`` otherwise (exit 2 when every failure is bad input such as an
     unknown preset, else 3). With the default 8 seeds a two-way set order goes unnoticed with
     probability 2*2^-8 = 1/128 (< 1 %). ``progress(done, total, label)`` is called as each
-    seed's child reports (from worker threads, one call at a time).
+    seed's child reports (from worker threads, one call at a time). ``builder``
+    (``MODULE:FUNCTION`` or ``FILE.py:FUNCTION``): build with it instead of ``model``.
     """
     if seeds < 2:
         from fsdpcheck.errors import InputError
 
         raise InputError(f"--seeds {seeds}: comparing orders needs at least 2 hash seeds.")
     start = time.monotonic()
-    argv = ["-m", "fsdpcheck.children.probe", "--child", "--model", model]
+    target = ["--builder", builder] if builder else ["--model", model]
+    argv = ["-m", "fsdpcheck.children.probe", "--child", *target]
     argv += ["--text-only"] * text_only + ["--trust-remote-code"] * trust_remote_code
     seed_list = tuple(range(seeds))
     done = 0
@@ -110,7 +140,7 @@ def probe(
     else:
         verdict, code = Verdict.CONSISTENT, ExitCode.CONSISTENT
     return ProbeResult(
-        model=model,
+        model=builder or model,
         architecture=architecture,
         seeds=seed_list,
         verdict=verdict,
@@ -133,40 +163,62 @@ def probe(
 def _child(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m fsdpcheck.children.probe")
     parser.add_argument("--child", action="store_true", required=True)
-    parser.add_argument("--model", required=True)
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--model")
+    target.add_argument("--builder")
     parser.add_argument("--text-only", action="store_true")
     parser.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args(argv)
 
     from fsdpcheck.errors import FsdpcheckError
 
+    what = args.builder or args.model
     try:
-        from fsdpcheck.options import BuildSpec
-        from fsdpcheck.pipeline import build_or_raise
+        if args.builder:
+            model, architecture = _from_builder(args.builder)
+        else:
+            from fsdpcheck.options import BuildSpec
+            from fsdpcheck.pipeline import build_or_raise
 
-        spec = BuildSpec(
-            args.model,
-            init=Init.META,
-            text_only=args.text_only,
-            trust_remote_code=args.trust_remote_code,
-        )
-        built = build_or_raise(spec, 0)  # resolves before importing torch: bad input fails fast
+            spec = BuildSpec(
+                args.model,
+                init=Init.META,
+                text_only=args.text_only,
+                trust_remote_code=args.trust_remote_code,
+            )
+            built = build_or_raise(spec, 0)  # resolves before importing torch: fails fast
+            model, architecture = built.model, built.info.architecture
 
         from fsdpcheck.model.fingerprint import fingerprint
 
-        fp = fingerprint(built.model, Snapshot.PRE_WRAP, with_values=False)
+        fp = fingerprint(model, Snapshot.PRE_WRAP, with_values=False)
     except FsdpcheckError as exc:
-        log.debug("probe of %s refused", args.model, exc_info=True)
+        log.debug("probe of %s refused", what, exc_info=True)
         # resolve() speaks to ranks; here there is one process per hash seed.
         emit({"ok": False, "kind": exc.kind, "message": str(exc).removeprefix("rank 0: ")})
         return exc.exit_code
     except Exception as exc:
-        log.debug("probe of %s failed", args.model, exc_info=True)
+        log.debug("probe of %s failed", what, exc_info=True)
         first = str(exc).splitlines()[0] if str(exc) else ""
         emit({"ok": False, "kind": "runtime", "message": f"{type(exc).__name__}: {first}"})
         return ExitCode.RUNTIME
-    emit({"ok": True, "architecture": built.info.architecture, "fingerprint": to_dict(fp)})
+    emit({"ok": True, "architecture": architecture, "fingerprint": to_dict(fp)})
     return 0
+
+
+def _from_builder(spec: str) -> tuple[Any, str]:
+    """The builder's model in this child, on a one-process gloo group of its own (in memory,
+    no port), so a builder that shards its model with ``fully_shard`` runs as on a rank."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdpcheck.model.builder import BuildContext, call_builder
+    from fsdpcheck.model.wrap import model_class
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    built = call_builder(spec, BuildContext(0, 1, 0, torch.device("cpu")))
+    return built.model, model_class(built.model).__name__
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpcheck.checks.expert import expert_key
+from fsdpcheck.checks.hash_seed import seed_tag
 from fsdpcheck.checks.value import sibling_digest, value_digests, value_senders
 from fsdpcheck.records import ExpertKey, Gathered, RankRecord, from_dict, to_dict
 
@@ -24,6 +25,9 @@ _DIGEST_BYTES = 16
 _HOST_BYTES = 64
 _KEY_BYTES = 8
 _FLAG_META = 1  # this rank built (some of) the model on meta
+# Bits 1-7 of the flags byte: the rank's hash-seed tag (fsdpcheck.checks.hash_seed.seed_tag),
+# so rank 0 learns which ranks share a PYTHONHASHSEED without another byte on the wire.
+_SEED_SHIFT = 1
 # flags, group digest, host; then the value digest, shard key, replica digest and peer key;
 # then the expert place, slot and digest (fsdpcheck.checks.expert) (zeros: none); then the
 # sibling key and digest (local shards of what TP left whole, fsdpcheck.checks.value).
@@ -134,6 +138,7 @@ def gather_records(
     digest = record.group_digest()
     value, replica = value_digests(record)
     flags = _FLAG_META if _built_on_meta(record) else 0
+    flags |= seed_tag(record.env.hash_seed) << _SEED_SHIFT
     mine = _pack_slot(
         digest,
         record.env.host,
@@ -155,11 +160,13 @@ def gather_records(
         return None
     digests, hosts, meta_ranks = {}, {}, []
     values, keys, replicas, peers, experts, sibling_keys, siblings = {}, {}, {}, {}, {}, {}, {}
+    seed_tags: dict[int, int] = {}
     for r, slot in enumerate(slots):
         flags, digests[r], hosts[r], values[r], keys[r], replicas[r], peers[r], *more = (
             _unpack_slot(slot)
         )
         experts[r], sibling_keys[r], siblings[r] = more
+        seed_tags[r] = flags >> _SEED_SHIFT
         if flags & _FLAG_META:
             meta_ranks.append(r)
     reps = set(representatives(digests).values())
@@ -186,6 +193,7 @@ def gather_records(
         expert_keys=experts,
         sibling_keys=sibling_keys,
         siblings=siblings,
+        seed_tags=seed_tags,
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import sys
 from collections.abc import Callable, Mapping
@@ -101,10 +102,41 @@ def _import(where: str) -> Any:
         raise
 
 
+def builder_spec(build: str | Callable[..., Any]) -> str:
+    """``MODULE:FUNCTION`` (or ``FILE.py:FUNCTION`` for a script run as ``__main__``) for a
+    builder given as a function, so a child interpreter can import it; a string as it is."""
+    if isinstance(build, str):
+        return build
+    module, name = getattr(build, "__module__", None), getattr(build, "__qualname__", "")
+    if not callable(build) or module is None or not name.isidentifier():
+        raise InputError(
+            f"{build!r} cannot be imported by a child process (a lambda, a nested function or a "
+            "method); define the builder at module level, or pass 'MODULE:FUNCTION'."
+        )
+    if module == "__main__":
+        main_file = getattr(sys.modules["__main__"], "__file__", None)
+        if not main_file:
+            raise InputError(
+                f"{name} is defined in an interactive session; put it in a file and pass "
+                "'FILE.py:FUNCTION' or 'MODULE:FUNCTION'."
+            )
+        return f"{Path(main_file).resolve()}:{name}"
+    return f"{module}:{name}"
+
+
+def _call(fn: Callable[..., Any], ctx: BuildContext) -> Any:
+    """``fn(ctx)``, or ``fn()`` for a builder that takes no arguments."""
+    try:
+        takes_none = not inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: called as a builder is
+        takes_none = False
+    return fn() if takes_none else fn(ctx)
+
+
 def call_builder(spec: str, ctx: BuildContext) -> Built:
     """Find and call the builder; its answer as :class:`Built`."""
     fn = find_builder(spec, rank=ctx.rank)
-    answer = fn(ctx)
+    answer = _call(fn, ctx)
     model, state_dict = answer, None
     if isinstance(answer, tuple) and len(answer) == 2:
         model, state_dict = answer

@@ -44,6 +44,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -88,7 +89,13 @@ def _odd_hashes(seed: int, first: int, count: int, device: torch.device) -> torc
     """splitmix64 of ``seed + index * golden`` for ``count`` indices from ``first``, made odd.
     (Arithmetic shifts where splitmix has logical ones: still a fixed mix, the same on every
     device, which is all the weights need.)"""
-    index = torch.arange(first, first + count, dtype=torch.int64, device=device)
+    return _odd_hashes_at(
+        seed, torch.arange(first, first + count, dtype=torch.int64, device=device)
+    )
+
+
+def _odd_hashes_at(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """:func:`_odd_hashes` at any int64 ``index`` tensor."""
     x = index * _as_signed(_GOLDEN) + _as_signed(seed)
     x = (x ^ (x >> 30)) * _as_signed(_MIX1)
     x = (x ^ (x >> 27)) * _as_signed(_MIX2)
@@ -166,10 +173,17 @@ def _elements(values: torch.Tensor, first_word: int, last_word: int) -> torch.Te
 
 
 def _span(
-    raw: torch.Tensor, first_block: int, last_block: int, values: torch.Tensor | None = None
+    raw: torch.Tensor,
+    first_block: int,
+    last_block: int,
+    values: torch.Tensor | None = None,
+    *,
+    block_offset: int = 0,
 ) -> tuple[int, int, int | None]:
     """The two sums over blocks ``first_block:last_block`` of the grid of ``raw``'s words, and
-    how many NaN and ±Inf ``values`` (``raw`` as floats, None: not counted) hold there."""
+    how many NaN and ±Inf ``values`` (``raw`` as floats, None: not counted) hold there.
+    ``block_offset``: the block of a larger tensor's grid that ``raw`` starts at (a shard's
+    share of the whole tensor's checksum)."""
     device = raw.device
     step = _chunk_blocks(device)
     rows = -(-_word_count(raw) // _COLS)  # the last one may be short
@@ -229,8 +243,9 @@ def _span(
     weigh()
     result = []
     for k in (0, 1):
-        weighted_rows = row_sums[k] * _odd_hashes(_ROW_SEEDS[k], first_row, count, device)
-        multipliers = _odd_hashes(_BLOCK_SEEDS[k], first_block, blocks, device)
+        global_row = first_row + block_offset * _BLOCK_ROWS
+        weighted_rows = row_sums[k] * _odd_hashes(_ROW_SEEDS[k], global_row, count, device)
+        multipliers = _odd_hashes(_BLOCK_SEEDS[k], first_block + block_offset, blocks, device)
         total = weighted_rows.sum() + (block_totals[k] * multipliers).sum()
         result.append(int(total.item()) & _MASK64)
     bad = None
@@ -343,3 +358,181 @@ def non_finite_counts(
     for i, n in results:
         counts[i] += n
     return counts
+
+
+# A part's share of the whole tensor's checksum. Both sums weigh each word by its place alone:
+# word n of the whole tensor's grid (row i = n // _COLS, column j = n % _COLS, block
+# q = i // _BLOCK_ROWS) adds w_n * (a_i + m_q * b_j). So a shard adds the same share wherever it
+# is digested, given where its words sit in the whole tensor, and the shares of disjoint parts
+# add up (mod 2^64) to the checksum of the whole. Words cut between two parts (a shard that
+# starts or ends inside a 64-bit word) belong to neither: their bytes travel as fragments and
+# are weighed once joined (zeros past the tensor's end, as the whole tensor's grid pads them).
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one part of a tensor adds to the whole tensor's checksum."""
+
+    sums: tuple[int, int]
+    fragments: tuple[tuple[int, bytes], ...] = ()  # (byte offset in the whole tensor, bytes)
+
+
+_FEW_RUNS = 8  # more runs than this, word-aligned and equally long: weighed in one pass
+_INDEXED_WORDS = 1 << 20  # words weighed per pass where each word's weight is computed
+
+
+def share(tensor: torch.Tensor, starts: Sequence[int], lengths: Sequence[int]) -> Share:
+    """``tensor``'s share of the checksum of the whole tensor it is part of: its elements, in
+    row-major order, are runs of ``lengths[r]`` elements starting at element ``starts[r]`` of
+    the whole tensor (row-major). One run: a shard of dim 0 (FSDP2); one run per row: a shard
+    of dim 1 (tensor parallelism's row-wise plan)."""
+    raw = _bytes_of(tensor)
+    size = tensor.element_size()
+    first = [s * size for s in starts]
+    length = [n * size for n in lengths]
+    aligned = all(b % 8 == 0 for b in first) and all(b % 8 == 0 for b in length)
+    if len(first) > _FEW_RUNS and aligned and len(set(length)) == 1:
+        return Share(_scattered(raw, first, length[0]))
+    totals, fragments, at = [0, 0], [], 0
+    for start, count in zip(first, length, strict=True):
+        sums, cut = _run(raw[at : at + count], start)
+        totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
+        fragments.extend(cut)
+        at += count
+    return Share((totals[0], totals[1]), tuple(fragments))
+
+
+def combine(shares: Sequence[Share], nbytes: int) -> str:
+    """The checksum of a whole tensor of ``nbytes`` bytes from the shares of disjoint parts that
+    cover it: the same string :func:`checksum` gives for the whole tensor."""
+    totals = [0, 0]
+    cut: dict[int, bytearray] = {}
+    for part in shares:
+        totals = [(t + s) & _MASK64 for t, s in zip(totals, part.sums, strict=True)]
+        for offset, data in part.fragments:
+            for i, byte in enumerate(data):
+                cut.setdefault((offset + i) // 8, bytearray(8))[(offset + i) % 8] = byte
+    if cut:
+        index = sorted(cut)
+        words = [int.from_bytes(cut[w], "little", signed=True) for w in index]
+        sums = _indexed(torch.tensor(words, dtype=torch.int64), torch.tensor(index))
+        totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
+    return _format((totals[0], totals[1]), nbytes)
+
+
+def _run(raw: torch.Tensor, start: int) -> tuple[tuple[int, int], list[tuple[int, bytes]]]:
+    """The share of ``raw`` (bytes) at byte ``start`` of the whole tensor: its whole words
+    weighed in place, its cut words as fragments."""
+    end = start + raw.numel()
+    head = min(-(-start // 8) * 8, end)  # the first word boundary inside (or the end)
+    tail = max(end // 8 * 8, head)  # the last one
+    fragments = []
+    if head > start:
+        fragments.append((start, bytes(raw[: head - start].tolist())))
+    if tail < end:
+        fragments.append((tail, bytes(raw[tail - start :].tolist())))
+    return _contiguous(raw[head - start : tail - start], head // 8), fragments
+
+
+def _contiguous(raw: torch.Tensor, first_word: int) -> tuple[int, int]:
+    """The share of whole words (``raw``: bytes, a multiple of 8) at word ``first_word`` of the
+    whole tensor: the blocks it covers entirely by :func:`_span` (the checksum's own fast path,
+    threaded), the rows of a block it covers in part by their row and column sums, the words of
+    a row cut at either end one by one."""
+    count = raw.numel() // 8
+    last_word = first_word + count
+    first_row, last_row = -(-first_word // _COLS), last_word // _COLS
+    device = raw.device
+    if first_row >= last_row:  # inside one row, or across one row boundary
+        index = torch.arange(first_word, last_word, device=device)
+        return _indexed(_words(raw, 0, count), index)
+    head, tail = first_row * _COLS - first_word, last_row * _COLS - first_word
+    parts = [
+        _indexed(_words(raw, 0, head), torch.arange(first_word, first_word + head)),
+        _indexed(_words(raw, tail, count), torch.arange(first_word + tail, last_word)),
+    ]
+    first_full, last_full = -(-first_row // _BLOCK_ROWS), last_row // _BLOCK_ROWS
+    if first_full >= last_full:  # no whole block: the rows, cut where a block starts
+        cut = min(max(first_full * _BLOCK_ROWS, first_row), last_row)
+        ranges = [(first_row, cut), (cut, last_row)]
+    else:
+        ranges = [(first_row, first_full * _BLOCK_ROWS), (last_full * _BLOCK_ROWS, last_row)]
+    for low, high in ranges:
+        if high > low:
+            at = low * _COLS - first_word
+            grid = _words(raw, at, at + (high - low) * _COLS).view(high - low, _COLS)
+            parts.append(_rows_in_block(grid, low))
+    if first_full < last_full:
+        at = (first_full * _BLOCK_ROWS * _COLS - first_word) * 8
+        middle = raw[at : at + (last_full - first_full) * _BLOCK_ROWS * _COLS * 8]
+
+        def run(span: tuple[int, int]) -> tuple[int, int]:
+            a, b, _ = _span(middle, span[0], span[1], block_offset=first_full)
+            return a, b
+
+        spans = _spans(middle)
+        workers = worker_threads()
+        if device.type == "cpu" and workers > 1 and len(spans) > 1:
+            with ThreadPoolExecutor(workers, thread_name_prefix="fsdpcheck-checksum") as pool:
+                parts += pool.map(run, spans)
+        else:
+            parts += [run(span) for span in spans]
+    totals = [0, 0]
+    for sums in parts:
+        totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
+    return totals[0], totals[1]
+
+
+def _rows_in_block(grid: torch.Tensor, first_row: int) -> tuple[int, int]:
+    """The share of whole rows ``grid`` (int64, rows of ``_COLS`` words) from ``first_row`` of
+    the whole tensor's grid, all in one block: weighted row sums plus the block's multiplier
+    times the weighted column sums, as :func:`_span` weighs a block."""
+    rows, device = grid.shape[0], grid.device
+    block = first_row // _BLOCK_ROWS
+    result = []
+    for k in (0, 1):
+        values = grid if k == 0 else torch.bitwise_right_shift(grid, 32)
+        by_row = (values.sum(1) * _odd_hashes(_ROW_SEEDS[k], first_row, rows, device)).sum()
+        by_column = (values.sum(0) * _column_weights(k, device)).sum()
+        multiplier = _odd_hashes(_BLOCK_SEEDS[k], block, 1, device)[0]
+        result.append(int((by_row + multiplier * by_column).item()) & _MASK64)
+    return result[0], result[1]
+
+
+def _scattered(raw: torch.Tensor, starts: Sequence[int], length: int) -> tuple[int, int]:
+    """The share of equally long, word-aligned runs (byte ``starts``, ``length`` bytes each):
+    each word weighed by its own place, a bounded number of words per pass."""
+    per_run = length // 8
+    if not per_run:
+        return 0, 0
+    words = _words(raw, 0, per_run * len(starts))
+    first = torch.tensor(starts, dtype=torch.int64, device=raw.device) // 8
+    offsets = torch.arange(per_run, device=raw.device)
+    step = max(1, _INDEXED_WORDS // per_run)
+    totals = [0, 0]
+    for r in range(0, len(starts), step):
+        index = (first[r : r + step, None] + offsets[None, :]).reshape(-1)
+        sums = _indexed(words[r * per_run : r * per_run + index.numel()], index)
+        totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
+    return totals[0], totals[1]
+
+
+def _indexed(words: torch.Tensor, index: torch.Tensor) -> tuple[int, int]:
+    """The two sums of ``words`` (int64) at word ``index`` of a whole tensor's grid, each word
+    weighed by its own place: a_i + m_q * b_j, as the grid's row and column sums weigh it."""
+    if not words.numel():
+        return 0, 0
+    index = index.to(words.device)
+    row = index // _COLS
+    column = index % _COLS
+    block = row // _BLOCK_ROWS
+    result = []
+    for k in (0, 1):
+        values = words if k == 0 else torch.bitwise_right_shift(words, 32)
+        multiplier = _odd_hashes_at(_BLOCK_SEEDS[k], block)
+        weight = (
+            _odd_hashes_at(_ROW_SEEDS[k], row)
+            + multiplier * _column_weights(k, words.device)[column]
+        )
+        result.append(int((values * weight).sum().item()) & _MASK64)
+    return result[0], result[1]

@@ -124,3 +124,13 @@ def test_probe_finding_folds_into_an_audit_report(hazard: ProbeResult) -> None:
     assert {o["order"][0] for o in finding.details["orders"]} == {FULL, SLIDING}
     assert "hang" in finding.summary
     assert from_dict(Finding, json.loads(json.dumps(to_dict(finding)))) == finding
+
+
+def test_the_library_probe_calls_a_builder_latent_and_consistent() -> None:
+    import fsdpcheck
+
+    latent = fsdpcheck.probe("examples/verl_worker.py:build_actor", seeds=2)
+    assert latent.verdict == "latent" and sorted(latent.tensors) == sorted([FULL, SLIDING])
+    stable = fsdpcheck.probe("examples/builders/llama_fsdp2.py:build", seeds=2)
+    assert stable.verdict == "consistent" and stable.reorders == () and stable.errors == ()
+    assert stable.architecture == "LlamaForCausalLM"

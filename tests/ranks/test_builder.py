@@ -7,14 +7,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import QUIET_ENV, read_report, run_audit_cases, run_plain, torchrun_fsdpcheck
+from conftest import (
+    QUIET_ENV,
+    read_report,
+    run_audit_cases,
+    run_plain,
+    torchrun,
+    torchrun_fsdpcheck,
+)
 
 BUILDERS = "tests/workers/builders.py"
 EXAMPLE = "examples/builders/llama_fsdp2.py:build"
 LORA = "examples/builders/llama_lora.py:build"
+TITAN = "examples/builders/torchtitan_style.py:build"
 CASES = {
     "example": EXAMPLE,
     "lora": LORA,
+    "torchtitan-style": TITAN,
+    "torchtitan-style-rope-on-rank-1": f"{BUILDERS}:torchtitan_style_rope_on_rank_1",
     "checkpointed": f"{BUILDERS}:checkpointed",
     "checkpointed-on-rank-0": f"{BUILDERS}:checkpointed_on_rank_0",
     "compiled": f"{BUILDERS}:compiled",
@@ -26,6 +36,7 @@ CASES = {
     "not-a-model": f"{BUILDERS}:not_a_model",
     "no-such-function": f"{BUILDERS}:nonesuch",
 }
+VERL = "examples/verl_worker.py:build_actor"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +46,27 @@ def audited(tmp_path_factory: pytest.TempPathFactory) -> dict:
         name: {"model": "hazard", "options": {"builder": builder, "timeout": 30}}
         for name, builder in CASES.items()
     }
+    # --probe with a builder: rank 0 calls it under 4 hash seeds (the hazard model: latent).
+    cases["verl-probe"] = {
+        "model": "hazard",
+        "options": {"builder": VERL, "probe": 4, "timeout": 60},
+    }
     return run_audit_cases(root, cases)
+
+
+def test_probe_calls_the_builder_under_other_hash_seeds(audited) -> None:
+    done = audited["verl-probe"]
+    report = done["report"]
+    assert done["exit_codes"] == [1, 1], report["errors"]
+    assert report["verdict"] == "latent" and report["probe"]["verdict"] == "latent"
+    assert report["probe"]["model"] == VERL and report["probe"]["seeds"] == [0, 1, 2, 3]
+    [finding] = report["findings"]
+    assert finding["kind"] == "hash-seed"
+    assert sorted(finding["tensors"]) == [
+        "model.rotary_emb.full_attention_inv_freq",
+        "model.rotary_emb.sliding_attention_inv_freq",
+    ]
+    assert report["load"]["outcome"] == "loaded" and report["verify"]["passed"] is True
 
 
 def _kinds(report: dict) -> list[str]:
@@ -64,6 +95,29 @@ def test_the_lora_example_is_consistent_its_adapters_loaded_and_verified(audited
     assert report["verdict"] == "consistent"
     assert report["model"]["architecture"] == "PeftModelForCausalLM"
     assert report["load"]["outcome"] == "loaded" and report["verify"]["passed"] is True
+
+
+def test_a_torchtitan_style_model_is_consistent_every_checkpoint_entry_loaded(audited) -> None:
+    """Functions in its config dataclass are no difference between ranks; its checkpoint names
+    (``wq``/``wk``/``wv``) reach the fused ``wqkv`` through the model's own state-dict hooks,
+    so the load replaces every initialised weight and verifies."""
+    done = audited["torchtitan-style"]
+    report = done["report"]
+    assert done["exit_codes"] == [0, 0], report["findings"] + report["errors"]
+    assert report["verdict"] == "consistent"
+    assert report["model"]["architecture"] == "Transformer"
+    assert report["load"]["outcome"] == "loaded", report["load"]
+    assert report["verify"]["passed"] is True, report["verify"]
+
+
+def test_a_torchtitan_style_rank_with_another_rope_theta_is_found(audited) -> None:
+    done = audited["torchtitan-style-rope-on-rank-1"]
+    report = done["report"]
+    assert done["exit_codes"] == [1, 1], report["findings"] + report["errors"]
+    [config] = [f for f in report["findings"] if f["kind"] == "config"]
+    assert config["ranks"] == [1] and "rope_theta: 10000" in config["summary"]
+    kinds = {f["kind"] for f in report["findings"]}
+    assert kinds <= {"config", "value", "uninitialized"}, report["findings"]
 
 
 def test_checkpointing_or_compile_on_every_rank_is_consistent(audited) -> None:
@@ -130,10 +184,23 @@ def test_a_builder_that_is_not_there_or_returns_no_model_is_bad_input(audited) -
 
 def test_the_example_builder_from_the_cli_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    args = ["audit", "--builder", EXAMPLE, "--step", "--json", str(out)]
+    args = ["audit", "--builder", EXAMPLE, "--step", "--probe", "2", "--json", str(out)]
     result = run_plain(torchrun_fsdpcheck(2, *args), env=QUIET_ENV, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(out)
     assert report["verdict"] == "consistent" and report["verify"]["passed"] is True
     assert report["options"]["builder"] == EXAMPLE
+    # --probe with --builder from the CLI: a Llama's order does not follow the hash seed.
+    assert report["probe"]["verdict"] == "consistent" and report["probe"]["model"] == EXAMPLE
     assert "step: consistent" in result.stdout  # --step ran on the builder's model
+
+
+def test_the_verl_worker_example_loads_checks_and_steps_under_torchrun() -> None:
+    # One common seed, so the ranks' buffer orders agree on every run (with hash randomisation
+    # on they differ on some runs, and check_model says so: the note's point).
+    env = {**QUIET_ENV, "PYTHONHASHSEED": "0"}
+    result = run_plain(torchrun(2, "examples/verl_worker.py"), env=env, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "check_model: all 2 ranks consistent (exit 0)" in result.stdout
+    assert "check_step: all 2 ranks consistent (exit 0)" in result.stdout
+    assert "no common hash seed" not in result.stdout

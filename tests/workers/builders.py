@@ -177,3 +177,18 @@ def moe_collapsed(ctx):
             if ".experts." in name:
                 param[2:].copy_(param[:2])
     return model
+
+
+def torchtitan_style_rope_on_rank_1(ctx):
+    """examples/builders/torchtitan_style.py, rank 1 configured with another rope_theta (its
+    RoPE table then differs, and the table is in no checkpoint)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "builders" / "torchtitan_style.py"
+    spec = importlib.util.spec_from_file_location("torchtitan_style_example", path)
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example  # its dataclasses look their module up there
+    spec.loader.exec_module(example)
+    return example.build(ctx, example.ModelArgs(rope_theta=20000.0 if ctx.rank == 1 else 10000.0))

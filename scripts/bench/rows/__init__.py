@@ -18,6 +18,7 @@ from bench.rows.source import row_source
 from bench.rows.step import row_step
 from bench.rows.trainer import row_trainer
 from bench.rows.verdict import row_verdict
+from bench.rows.weight_sync import row_weight_sync
 from bench.settings import Settings
 
 RUNNERS: dict[str, Callable[[Settings], Row]] = {
@@ -34,5 +35,6 @@ RUNNERS: dict[str, Callable[[Settings], Row]] = {
     "verdict": row_verdict,
     "step": row_step,
     "source": row_source,
+    "weight-sync": row_weight_sync,
 }
 ROWS = tuple(RUNNERS)

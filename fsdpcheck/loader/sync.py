@@ -1,0 +1,240 @@
+"""Proof of a trainer-to-rollout weight sync: per-tensor digests that are the same whether taken
+from FSDP2 / tensor-parallel shards or from the whole tensors a receiver holds.
+
+The digest is the verify checksum (:mod:`fsdpcheck.model.checksum`). It weighs each 64-bit word
+by its place in the whole tensor, so each rank digests only its own shard, at the shard's offset,
+and the shares add up to the checksum of the whole tensor: no gather of the weights, one small
+``all_gather_object`` of the shares (a few numbers per tensor per rank) on a gloo group with a
+timeout. A receiver (a rollout engine that got the weights by broadcast) digests its whole
+tensors with no collective at all; :func:`compare_digests` then names what differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdpcheck.errors import InputError
+from fsdpcheck.loader.shards import shard_of, supported
+from fsdpcheck.model.checksum import Share, checksums, combine, share
+from fsdpcheck.records import DigestComparison, DigestDifference, StateDigests, TensorDigest
+from fsdpcheck.vocab import SyncDifference, Verdict
+
+log = logging.getLogger(__name__)
+
+_UNREAD = "unread"  # a rank's entry for a shard it could not digest (meta, odd placement)
+# The gloo side channel over the default group, made once per default group: a sync runs every
+# step, and every new_group is a rendezvous that is never freed.
+_side: dict[str, Any] = {}
+
+
+def state_digests(
+    source: nn.Module | Iterable[tuple[str, torch.Tensor]],
+    group: Any = None,
+    *,
+    timeout: float = 60.0,
+) -> StateDigests:
+    """Per-tensor digests (shape, dtype, value checksum) of ``source``.
+
+    ``source``: a module (its parameters and persistent buffers: what a weight sync sends;
+    non-persistent buffers such as RoPE's ``inv_freq`` are computed by each side, never sent),
+    or ``(name, tensor)`` pairs (a receiver's whole tensors, or a state dict's ``items()``).
+    DTensors are digested from this rank's shard and combined by position with one
+    ``all_gather_object`` over ``group`` (gloo; None: a gloo side channel over the default
+    group, created with ``timeout`` on first use, so every rank of the default group must call);
+    every rank holding a shard must call, and every caller gets the same digests. Without a
+    DTensor there is no collective."""
+    named = _named(source)
+    whole = {name: t for name, t in named.items() if getattr(t, "placements", None) is None}
+    sharded = {name: t for name, t in named.items() if name not in whole}
+    digests = checksums([t.detach() for t in whole.values()])
+    tensors = {
+        name: TensorDigest(tuple(t.shape), str(t.dtype), digest)
+        for (name, t), digest in zip(whole.items(), digests, strict=True)
+    }
+    if sharded:
+        tensors.update(_sharded(sharded, group, timeout))
+    return StateDigests(tensors={name: tensors[name] for name in named}, sharded=len(sharded))
+
+
+def compare_digests(a: StateDigests, b: StateDigests) -> DigestComparison:
+    """The tensors that differ between ``a`` (say, the trainer's) and ``b`` (the receiver's):
+    present on one side only, another shape, another dtype, other values, or not read."""
+    differences = []
+    for name in sorted(a.tensors.keys() | b.tensors.keys()):
+        x, y = a.tensors.get(name), b.tensors.get(name)
+        found = _difference(x, y)
+        if found is not None:
+            differences.append(DigestDifference(name, *found))
+    compared = len(a.tensors.keys() & b.tensors.keys())
+    verdict = Verdict.INCONSISTENT if differences else Verdict.CONSISTENT
+    return DigestComparison(verdict, compared, tuple(differences))
+
+
+def _difference(
+    x: TensorDigest | None, y: TensorDigest | None
+) -> tuple[SyncDifference, str] | None:
+    if x is None or y is None:
+        side = "first" if y is None else "second"
+        return SyncDifference.MISSING, f"only in the {side} digests"
+    if x.shape != y.shape:
+        return SyncDifference.SHAPE, f"shape {list(x.shape)} vs {list(y.shape)}"
+    if x.dtype != y.dtype:  # other bytes by definition: the values cannot be compared
+        return SyncDifference.DTYPE, f"dtype {x.dtype} vs {y.dtype}"
+    if x.digest is None or y.digest is None:
+        side = "first" if x.digest is None else "second"
+        return SyncDifference.UNREAD, f"not read on the {side} side (meta, or shards missing)"
+    if x.digest != y.digest:
+        return SyncDifference.VALUE, f"values differ (checksum {x.digest} vs {y.digest})"
+    return None
+
+
+def _named(source: Any) -> dict[str, torch.Tensor]:
+    if isinstance(source, nn.Module):
+        transient = {
+            f"{prefix}.{name}" if prefix else name
+            for prefix, module in source.named_modules()
+            for name in module._non_persistent_buffers_set
+        }
+        pairs = [
+            *source.named_parameters(),
+            *((n, b) for n, b in source.named_buffers() if n not in transient),
+        ]
+    elif isinstance(source, Mapping):
+        pairs = list(source.items())
+    else:
+        pairs = list(source)
+    named: dict[str, torch.Tensor] = {}
+    for name, tensor in pairs:
+        if name in named:
+            raise InputError(f"state_digests: the name {name!r} is given twice")
+        named[name] = tensor
+    return named
+
+
+def _sharded(
+    sharded: dict[str, torch.Tensor], group: Any, timeout: float
+) -> dict[str, TensorDigest]:
+    """Each DTensor's digest from every rank's share of it (replicas counted once)."""
+    mine: dict[str, Any] = {}
+    for name, tensor in sharded.items():
+        try:
+            mine[name] = _share_of(tensor)
+        except Exception:  # a shard this code cannot place: unread, never a guess
+            log.warning("state_digests: could not digest %s's shard", name, exc_info=True)
+            mine[name] = _UNREAD
+    group = group if group is not None else _side_channel(timeout)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    result = {}
+    for name, tensor in sharded.items():
+        parts: dict[tuple, Share] = {}
+        unread = False
+        for shares in gathered:
+            entry = shares.get(name, None)
+            if entry == _UNREAD:
+                unread = True
+            elif entry is not None:
+                parts.setdefault(entry[0], entry[1])  # replicas: the first rank's
+        covered = sum(math.prod(count for _, count in key) for key in parts)
+        shape = tuple(tensor.shape)
+        digest = None
+        if not unread and covered == math.prod(shape):
+            digest = combine(list(parts.values()), math.prod(shape) * tensor.element_size())
+        elif not unread:
+            log.warning(
+                "state_digests: the ranks' shards of %s cover %d of its %d elements",
+                name,
+                covered,
+                math.prod(shape),
+            )
+        result[name] = TensorDigest(shape, str(tensor.dtype), digest)
+    return result
+
+
+def _share_of(tensor: Any) -> tuple[tuple, Share] | str | None:
+    """(where this rank's shard sits, its share), or None where this rank holds none of it."""
+    local = tensor.to_local()
+    if local.is_meta:
+        return _UNREAD
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    placements = tuple(tensor.placements)
+    if not all(supported(p) for p in placements):
+        return _UNREAD
+    shape = tuple(tensor.shape)
+    mesh_shape = tuple(mesh.mesh.shape)
+    index = [_dim_index(shape, d, placements, mesh_shape, coordinate) for d in range(len(shape))]
+    if tuple(len(i) for i in index) != tuple(local.shape):
+        log.warning(
+            "state_digests: local shard %s, placements %s give %s",
+            list(local.shape),
+            placements,
+            [len(i) for i in index],
+        )
+        return _UNREAD
+    if not local.numel():
+        return None
+    starts, lengths = _runs(shape, index)
+    # The key names the region: regions of one DTensor are equal (replicas) or disjoint in
+    # some dim, where their first indices then differ.
+    key = tuple((int(i[0]), len(i)) for i in index)
+    return key, share(local.detach(), starts, lengths)
+
+
+def _dim_index(
+    shape: tuple[int, ...], dim: int, placements: tuple, mesh_shape: tuple, coordinate: list
+) -> torch.Tensor:
+    """The whole tensor's indices along ``dim`` that this rank's shard holds, in order: the
+    cuts of ``dim`` alone (cuts of different dims commute) applied to ``arange``."""
+    from torch.distributed.tensor import Replicate
+
+    ndim = len(shape)
+    only = tuple(
+        p if not isinstance(p, Replicate) and p.dim % ndim == dim else Replicate()
+        for p in placements
+    )
+    view = [1] * ndim
+    view[dim] = shape[dim]
+    base = torch.arange(shape[dim]).view(view)
+    return shard_of(base, only, mesh_shape, coordinate).reshape(-1)
+
+
+def _runs(shape: tuple[int, ...], index: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """The shard's elements as runs contiguous in the whole tensor: (start, length) each, in
+    the shard's own row-major order. A shard of dim 0 is one run."""
+    if not shape:
+        return [0], [1]
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    partial = [d for d in range(len(shape)) if not torch.equal(index[d], torch.arange(shape[d]))]
+    if not partial:
+        return [0], [math.prod(shape)]
+    last = partial[-1]
+    along = index[last]
+    cuts = ((along[1:] - along[:-1]) != 1).nonzero().reshape(-1) + 1
+    bounds = torch.cat([torch.tensor([0]), cuts, torch.tensor([len(along)])])
+    first, length = along[bounds[:-1]], bounds[1:] - bounds[:-1]
+    base = torch.zeros(1, dtype=torch.int64)
+    for d in range(last):
+        base = (base[:, None] + index[d][None, :] * strides[d]).reshape(-1)
+    starts = (base[:, None] + first[None, :] * strides[last]).reshape(-1)
+    lengths = (length * strides[last]).repeat(len(base))
+    return starts.tolist(), lengths.tolist()
+
+
+def _side_channel(timeout: float) -> Any:
+    world = dist.group.WORLD
+    if _side.get("world") is not world or _side.get("timeout") != timeout:
+        # Holding the default group keeps its identity: a later one is never taken for it.
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        _side.update(world=world, timeout=timeout, group=group)
+    return _side["group"]

@@ -1,0 +1,63 @@
+"""Weight-sync digests: ``state_digests`` on FSDP2 shards against one plain read of the same
+bytes, side by side in one run."""
+
+from __future__ import annotations
+
+from bench.measure import marked, median, require, run_ranks
+from bench.result import Line, Row
+from bench.settings import Settings, shown, worker
+from bench.text import fmt_s
+
+GOAL = 2.0  # state_digests / one plain read (torch.sum) of the shards
+
+
+def row_weight_sync(s: Settings) -> Row:
+    mb = 64 if s.quick else 1024
+    row = Row(
+        "weight-sync",
+        "weight-sync digests",
+        f"`fsdpcheck.state_digests(model)` on FSDP2 shards ({mb} MiB of bfloat16 linear "
+        f"layers, 2 ranks, gloo: each rank digests its own half, combined by position) against "
+        f"one plain read of the same shards ({shown(worker('weight_sync'))})",
+    )
+    argv = [worker("weight_sync"), "--mb", str(mb), "--repeats", str(max(2, s.repeats))]
+    job = run_ranks(argv, 2, timeout=1800)
+    require(job, [0, 0], "state_digests and plain reads")
+    ranks = sorted(marked(job, "@bench "), key=lambda r: r["rank"])
+    row.raw = {"ranks": ranks}
+    slowest = {
+        key: max(median(r["seconds"][key]) for r in ranks)
+        for key in ("state_digests", "torch.sum", "copy")
+    }
+    ratio = slowest["state_digests"] / max(slowest["torch.sum"], 1e-9)
+    gb = ranks[0]["shard_bytes"] / 1e9
+    row.lines.append(
+        Line(
+            "state_digests / torch.sum of the shards",
+            f"{ratio:.2f}×",
+            f"≤ {GOAL:.1f}× (about one read)",
+            ratio <= GOAL,
+            f"state_digests {fmt_s(slowest['state_digests'])}, torch.sum "
+            f"{fmt_s(slowest['torch.sum'])}, copy {fmt_s(slowest['copy'])} for "
+            f"{gb:.2f} GB per rank",
+            ratio,
+        )
+    )
+    copy = slowest["state_digests"] / max(slowest["copy"], 1e-9)
+    row.lines.append(
+        Line(
+            "state_digests / a copy of the shards",
+            f"{copy:.2f}×",
+            "informational",
+            None,
+            "a copy reads and writes at memcpy speed; the checksum reads twice per 1 MiB block",
+            copy,
+        )
+    )
+    row.notes.append(
+        "The digest is the verify checksum (fsdpcheck/model/checksum.py); a shard's share is "
+        "weighed at its offset in the whole tensor, so no rank gathers weights: one "
+        "all_gather_object of a few numbers per tensor. A receiver digests its whole tensors "
+        "with the same checksum and no collective."
+    )
+    return row
