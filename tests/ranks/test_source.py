@@ -21,6 +21,7 @@ CASES = {
     "cast": ["--format", "safetensors", "--fault", "cast"],
     "swap": ["--format", "dcp", "--fault", "swap"],
     "fused-permute": ["--format", "safetensors", "--fused", "--fault", "fused-permute"],
+    "missing-on-1": ["--format", "safetensors", "--missing-on-rank", "1"],
 }
 
 
@@ -104,3 +105,13 @@ def test_another_entrys_bytes_and_a_fused_weight_through_its_hooks(runs: dict) -
     found = _found(report)
     assert set(found) == {"layers.0.qkv.wqkv.weight", "layers.1.qkv.wqkv.weight"}
     assert {f["details"]["looks_like"] for f in found.values()} == {"permuted-rows"}
+
+
+def test_a_rank_that_cannot_read_the_source_says_so_and_nobody_waits(runs: dict) -> None:
+    codes, report = _report(runs, "missing-on-1")
+    assert codes == [1, 1]
+    (finding,) = report["findings"]
+    assert finding["kind"] == "source" and finding["ranks"] == [1]
+    assert finding["details"]["looks_like"] == "unreadable"
+    assert "missing.safetensors" in finding["summary"]
+    assert report["source_check"]["checked"] >= 12  # rank 0 checked its own

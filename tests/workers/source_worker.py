@@ -12,7 +12,7 @@
 - ``--fused``: each layer also holds torchtitan's fused ``wqkv`` (``fused_qkv.py``), saved as
   ``wq``/``wk``/``wv`` by its state-dict hooks;
 - ``--no-source``: ``check_model`` without ``source=`` (the ranks are compared only with each
-  other).
+  other); ``--missing-on-rank N``: rank N is given a path that does not exist.
 
 Rank 0 writes the report; every rank writes its record (with ``check_model``'s exit code).
 """
@@ -124,6 +124,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fault", default="")
     parser.add_argument("--no-source", action="store_true")
     parser.add_argument("--fused", action="store_true")
+    parser.add_argument("--missing-on-rank", type=int, default=-1, help="its path: no file")
     args = parser.parse_args(argv)
     started = time.monotonic()
     out = Path(args.out)
@@ -150,6 +151,8 @@ def main(argv: list[str]) -> int:
             for param in model.parameters():
                 param.to_local().zero_()
         _load(model, raw, args.fault)
+    if dist.get_rank() == args.missing_on_rank:
+        path = path.parent / "missing.safetensors"
     result = fsdpcheck.check_model(model, timeout=60, source=None if args.no_source else path)
     record = {"rank": dist.get_rank(), "exit_code": result.exit_code}
     record["elapsed"] = round(time.monotonic() - started, 3)
