@@ -20,7 +20,16 @@ def source_findings(checked: VerifyResult) -> list[Finding]:
         ranks = tuple(mismatch.get("ranks", ()))
         per_rank = list(mismatch.get("per_rank", ()))
         name = str(mismatch.get("name"))
-        subject = "the checkpoint" if name == "*" else f"{mismatch.get('kind')} {name}"
+        if name == "*":  # the rank read nothing: no tensor to name
+            summary = f"{ranks_label(ranks)} could not check against the checkpoint: " + str(
+                mismatch.get("reason", "")
+            ).removeprefix("could not be read on this rank: ")
+        else:
+            summary = (
+                f"{mismatch.get('kind')} {name} differs from the checkpoint on "
+                f"{ranks_label(ranks)}: {mismatch.get('reason', '')}"
+                f"{_where(per_rank[0] if per_rank else {})}"
+            )
         findings.append(
             Finding(
                 kind=FindingKind.SOURCE,
@@ -28,8 +37,7 @@ def source_findings(checked: VerifyResult) -> list[Finding]:
                 reference_rank=ranks[0] if ranks else 0,
                 snapshot=Snapshot.LOAD,
                 cause=Cause.LOADING,
-                summary=f"{subject} differs from the checkpoint on {ranks_label(ranks)}: "
-                f"{mismatch.get('reason', '')}{_where(per_rank[0] if per_rank else {})}",
+                summary=summary,
                 tensors=() if name == "*" else (name,),
                 details=dict(mismatch),
             )

@@ -113,5 +113,6 @@ def test_a_rank_that_cannot_read_the_source_says_so_and_nobody_waits(runs: dict)
     (finding,) = report["findings"]
     assert finding["kind"] == "source" and finding["ranks"] == [1]
     assert finding["details"]["looks_like"] == "unreadable"
+    assert "could not check against the checkpoint" in finding["summary"]
     assert "missing.safetensors" in finding["summary"]
     assert report["source_check"]["checked"] >= 12  # rank 0 checked its own
