@@ -21,6 +21,9 @@ CASES = {
     "cast": ["--format", "safetensors", "--fault", "cast"],
     "swap": ["--format", "dcp", "--fault", "swap"],
     "fused-permute": ["--format", "safetensors", "--fused", "--fault", "fused-permute"],
+    "tp-clean": ["--format", "safetensors", "--tp"],
+    "tp-dcp-clean": ["--format", "dcp", "--tp"],
+    "tp-transpose": ["--format", "index", "--tp", "--fault", "transpose"],
     "missing-on-1": ["--format", "safetensors", "--missing-on-rank", "1"],
 }
 
@@ -46,7 +49,10 @@ def _found(report: dict) -> dict[str, dict]:
     return {f["tensors"][0]: f for f in report["findings"] if f["kind"] == "source"}
 
 
-@pytest.mark.parametrize("case", ["safetensors-clean", "index-clean", "dcp-clean", "fused-clean"])
+@pytest.mark.parametrize(
+    "case",
+    ["safetensors-clean", "index-clean", "dcp-clean", "fused-clean", "tp-clean", "tp-dcp-clean"],
+)
 def test_a_clean_load_passes_against_each_format(runs: dict, case: str) -> None:
     codes, report = _report(runs, case)
     assert codes == [0, 0], report["findings"]
@@ -80,6 +86,18 @@ def test_the_wrong_shard_dim_and_a_transpose_are_named(runs: dict) -> None:
         assert set(found) == {"layers.0.o_proj.weight", "layers.1.o_proj.weight"}, case
         assert {f["details"]["looks_like"] for f in found.values()} == {look}
         assert all(f["ranks"] == [0, 1] for f in found.values())
+
+
+def test_a_transpose_under_tensor_parallelism_names_each_ranks_column_slice(runs: dict) -> None:
+    codes, report = _report(runs, "tp-transpose")
+    assert codes == [1, 1]
+    found = _found(report)
+    assert set(found) == {"layers.0.o_proj.weight", "layers.1.o_proj.weight"}
+    finding = found["layers.0.o_proj.weight"]
+    assert finding["details"]["looks_like"] == "transposed"
+    per_rank = {r["rank"]: r for r in finding["details"]["per_rank"]}
+    assert (per_rank[0]["slice"], per_rank[1]["slice"]) == ("[0:8, 0:4]", "[0:8, 4:8]")
+    assert per_rank[1]["placements"] == ["S(1)"]
 
 
 def test_a_cast_on_load_names_both_dtypes(runs: dict) -> None:

@@ -91,6 +91,10 @@ def _write(full: dict[str, torch.Tensor], fmt: str, folder: Path, model: nn.Modu
     return folder if fmt == "index" else folder / "model.safetensors"
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param.data
+
+
 def _load(model: nn.Module, full: dict[str, torch.Tensor], fault: str) -> None:
     """The script's own loader: each rank copies its slice of ``full`` (by module path) into
     its shards."""
@@ -99,7 +103,7 @@ def _load(model: nn.Module, full: dict[str, torch.Tensor], fault: str) -> None:
     with torch.no_grad():
         for name, param in params.items():
             want = full[name].to(param.dtype)
-            local = param.to_local()
+            local = _local(param)
             if fault == "permute-qk" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 want = _permute(want)
             if fault == "transpose" and name.endswith("o_proj.weight"):
@@ -124,6 +128,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fault", default="")
     parser.add_argument("--no-source", action="store_true")
     parser.add_argument("--fused", action="store_true")
+    parser.add_argument("--tp", action="store_true", help="tensor parallelism, no FSDP2")
     parser.add_argument("--missing-on-rank", type=int, default=-1, help="its path: no file")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -138,18 +143,32 @@ def main(argv: list[str]) -> int:
         full = {k: v.to(torch.bfloat16) for k, v in full.items()}
         raw = {k: v.to(torch.bfloat16) for k, v in raw.items()}
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if args.tp:  # q/k/head column-wise (Shard(0)), o_proj row-wise (Shard(1)); the rest whole
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        plan = {"head": ColwiseParallel()}
+        for i in range(len(model.layers)):
+            plan[f"layers.{i}.q_proj"] = ColwiseParallel()
+            plan[f"layers.{i}.k_proj"] = ColwiseParallel()
+            plan[f"layers.{i}.o_proj"] = RowwiseParallel()
+        parallelize_module(model, mesh, plan)
+    else:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     with torch.no_grad():  # nothing left from the build: the loader must place every value
         for param in model.parameters():
-            param.to_local().zero_()
+            _local(param).zero_()
     _load(model, raw, "")  # the checkpoint is written from a cleanly loaded model
     path = _write(full, args.format, out / "checkpoint", model)
     if args.fault:
         with torch.no_grad():
             for param in model.parameters():
-                param.to_local().zero_()
+                _local(param).zero_()
         _load(model, raw, args.fault)
     if dist.get_rank() == args.missing_on_rank:
         path = path.parent / "missing.safetensors"
