@@ -326,8 +326,10 @@ class _RankCheck:
 
 def check_rank(model: nn.Module, path: str | os.PathLike[str], rank: int) -> _RankCheck:
     """This rank alone: each of its tensors against its slice of ``path``."""
-    reader = open_source(path)
+    # The state dict first: a model whose state-dict hooks gather (a fused DTensor) runs a
+    # collective there, which every rank must reach whatever it finds on disk.
     tensors, where = _mine(model)
+    reader = open_source(path)
     fused = set(where.fused)
     mismatches: list[dict[str, Any]] = []
     plain: list[tuple[_Mine, str, _Cut]] = []
@@ -376,6 +378,16 @@ def _judge_hooked(
         expected = expected_shard(full, mine.tensor, rank)
         found = _compare(mine, expected, rank, None, None)
         if found is not None:
+            placements = mine.cut_placements
+            if placements is not None:  # where the shard sits in the fused tensor
+                cut = _Cut(mine.names[0], placements, mine.tensor.device_mesh)
+                shape, offset = _box(tuple(full.shape), cut)
+                found.update(slice=_slice_text(offset, shape), offset=list(offset))
+                found["placements"] = [str(p) for p in placements]
+                first = found.get("first")
+                if first:
+                    pairs = zip(first["index"], offset, strict=True)
+                    first["full_index"] = [i + o for i, o in pairs]
             out.append(found)
     return out
 

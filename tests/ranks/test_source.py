@@ -123,6 +123,8 @@ def test_another_entrys_bytes_and_a_fused_weight_through_its_hooks(runs: dict) -
     found = _found(report)
     assert set(found) == {"layers.0.qkv.wqkv.weight", "layers.1.qkv.wqkv.weight"}
     assert {f["details"]["looks_like"] for f in found.values()} == {"permuted-rows"}
+    per_rank = {r["rank"]: r for r in found["layers.0.qkv.wqkv.weight"]["details"]["per_rank"]}
+    assert per_rank[1]["slice"] == "[32:64, 0:32]"  # its rows of the fused tensor
 
 
 def test_a_rank_that_cannot_read_the_source_says_so_and_nobody_waits(runs: dict) -> None:
