@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _WRAPPER_LEVELS = ("_orig_mod", "_checkpoint_wrapped_module")
 _PREFIXES = ("", "model.")  # torchtitan and Stateful apps save the model under "model"
-_MAX_PER_RANK = 64  # mismatches a rank sends (the rest are counted)
 _MAX_OTHERS = 16  # other entries of the same shape a mismatch is compared with
 # Mismatches per rank whose look is worked out from more reads (a load wrong everywhere must not
 # cost a read of the checkpoint per tensor); the rest are reported as they are.
@@ -305,7 +304,7 @@ def verify_source(
             "looks_like": str(SourceLook.UNREADABLE),
             "reason": f"could not be read on this rank: {type(exc).__name__}: {exc}",
         }
-        mine = _RankCheck(0, (failed,), 0, "")
+        mine = _RankCheck(0, (failed,))
     gathered: list[Any] | None = [None] * len(ranks) if rank == ranks[0] else None
     dist.gather_object(mine, gathered, dst=ranks[0], group=group)
     reports = gathered if gathered is not None else [mine]
@@ -320,8 +319,6 @@ def verify_source(
 class _RankCheck:
     checked: int
     mismatches: tuple[Mapping[str, Any], ...]
-    unlisted: int  # mismatches past _MAX_PER_RANK
-    format: str
 
 
 def check_rank(model: nn.Module, path: str | os.PathLike[str], rank: int) -> _RankCheck:
@@ -352,12 +349,15 @@ def check_rank(model: nn.Module, path: str | os.PathLike[str], rank: int) -> _Ra
             mismatches.append(found)
     if hooked:
         mismatches.extend(_judge_hooked(model, hooked, where, reader, rank))
-    return _RankCheck(
+    log.debug(
+        "rank %d: %d tensors against %s (%s): %d differ",
+        rank,
         len(tensors),
-        tuple(mismatches[:_MAX_PER_RANK]),
-        max(0, len(mismatches) - _MAX_PER_RANK),
+        path,
         reader.format,
+        len(mismatches),
     )
+    return _RankCheck(len(tensors), tuple(mismatches))
 
 
 def _judge_hooked(
