@@ -196,10 +196,14 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 def open_source(path: str | os.PathLike[str]) -> _Safetensors | _Dcp:
     """The reader for ``path``: a ``.safetensors`` file, a sharded safetensors index (or the
-    directory holding one, or a single ``.safetensors`` file), or a DCP directory."""
-    root = Path(path)
+    directory holding one, or a single ``.safetensors`` file), or a DCP directory (or a root
+    whose ``LATEST`` file names one)."""
+    from fsdpcheck.model.resume import METADATA, checkpoint_record
+
+    found = checkpoint_record(path)  # a checkpoint root's LATEST resolved, as --resume does
+    root = Path(found.path) if found.path else Path(path)
     if root.is_dir():
-        if (root / ".metadata").is_file():
+        if (root / METADATA).is_file():
             return _Dcp(root)
         if (root / SAFETENSORS_INDEX).is_file():
             root = root / SAFETENSORS_INDEX

@@ -46,7 +46,8 @@ def test_each_format_reads_the_same_entries(tmp_path: Path) -> None:
         json.dumps({"weight_map": weight_map})
     )
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    for path in (tmp_path / "one.safetensors", tmp_path / "index", tmp_path / "dcp"):
+    (tmp_path / "LATEST").write_text("dcp\n")  # a checkpoint root naming its newest
+    for path in (tmp_path / "one.safetensors", tmp_path / "index", tmp_path / "dcp", tmp_path):
         reader = open_source(path)
         assert {k: v[0] for k, v in reader.entries.items()} == {
             k: tuple(v.shape) for k, v in state.items()
