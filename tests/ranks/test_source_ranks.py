@@ -105,6 +105,8 @@ def test_a_cast_on_load_names_both_dtypes(runs: dict) -> None:
     assert codes == [1, 1]
     found = _found(report)
     assert "layers.0.scale" in found and FIRST[0] in found  # buffers too
+    uneven = {r["rank"]: r["slice"] for r in found["odd.weight"]["details"]["per_rank"]}
+    assert uneven == {0: "[0:3, 0:8]", 1: "[3:5, 0:8]"}  # 5 rows over 2 ranks
     for finding in found.values():
         assert finding["details"]["looks_like"] == "cast"
         rank = finding["details"]["per_rank"][0]
