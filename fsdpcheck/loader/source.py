@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,35 +98,88 @@ _ST_DTYPES = {
 
 
 class _Safetensors:
+    """Entries from each file's own header (8 bytes of length, then JSON: dtype, shape, byte
+    range); a cut that is a run of whole rows (a dim-0 shard, a whole tensor) is read with
+    ``readinto`` straight into its tensor, any other cut with ``safe_open(...).get_slice``.
+    Reading beats faulting in a mapping of the file page by page (``get_slice``'s views)."""
+
     format = "safetensors"
 
     def __init__(self, files: Mapping[str, Path]) -> None:
-        from safetensors import safe_open
-
         self._files = dict(files)  # entry -> file
+        self._where: dict[str, int] = {}  # entry -> its first byte in its file
         self._handles: dict[Path, Any] = {}
         self.entries: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for name, file in self._files.items():
-            handle = self._handles.get(file)
-            if handle is None:
-                handle = self._handles[file] = safe_open(str(file), framework="pt")
-            part = handle.get_slice(name)
-            dtype = _ST_DTYPES.get(part.get_dtype())
-            if dtype is not None:
-                self.entries[name] = (tuple(part.get_shape()), dtype)
+        for file in dict.fromkeys(self._files.values()):
+            with open(file, "rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(size))
+            for name, info in header.items():
+                dtype = _ST_DTYPES.get(info["dtype"]) if name != "__metadata__" else None
+                if dtype is not None and self._files.get(name) == file:
+                    self.entries[name] = (tuple(info["shape"]), dtype)
+                    self._where[name] = 8 + size + int(info["data_offsets"][0])
 
     def read(self, cuts: Sequence[_Cut]) -> dict[_Cut, torch.Tensor]:
-        out = {}
-        for cut in cuts:
-            shape, _ = self.entries[cut.entry]
-            local, offset = _box(shape, cut)
-            part = self._handles[self._files[cut.entry]].get_slice(cut.entry)
-            if not shape:
-                out[cut] = part[...]
-                continue
-            index = tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))
-            out[cut] = part[index].reshape(local)  # an empty cut comes back flat
-        return out
+        return {cut: got.clone() for cut, got in self.stream(cuts)}
+
+    def stream(self, cuts: Sequence[_Cut]) -> Iterator[tuple[_Cut, torch.Tensor]]:
+        """Each cut in turn, in one scratch buffer reused from cut to cut (fresh memory would
+        be faulted in page by page: that, not the copy, is what reading costs); a cut is valid
+        until the next one is asked for."""
+        scratch = torch.empty(0, dtype=torch.uint8)
+        opened: dict[Path, Any] = {}
+        try:
+            for cut in cuts:
+                shape, dtype = self.entries[cut.entry]
+                local, offset = _box(shape, cut)
+                file = self._files[cut.entry]
+                if tuple(local[1:]) != tuple(shape[1:]):  # not a run of whole rows
+                    yield cut, self._sliced(cut, file, local, offset)
+                    continue
+                if file not in opened:
+                    opened[file] = open(file, "rb")  # noqa: SIM115 (closed below)
+                nbytes = _nbytes(local, dtype)
+                if scratch.numel() < nbytes:
+                    scratch = torch.empty(nbytes, dtype=torch.uint8)
+                into = scratch[:nbytes]
+                _read_rows(opened[file], self._where[cut.entry], local, offset, into)
+                yield cut, into.view(dtype).reshape(tuple(local))
+        finally:
+            for handle in opened.values():
+                handle.close()
+
+    def _sliced(
+        self, cut: _Cut, file: Path, local: Sequence[int], offset: Sequence[int]
+    ) -> torch.Tensor:
+        from safetensors import safe_open
+
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(str(file), framework="pt")
+        index = tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))
+        return handle.get_slice(cut.entry)[index].reshape(tuple(local))  # empty: flat
+
+
+def _nbytes(local: Sequence[int], dtype: torch.dtype) -> int:
+    count = 1
+    for size in local:
+        count *= int(size)
+    return count * torch.empty((), dtype=dtype).element_size()
+
+
+def _read_rows(
+    handle: Any, first: int, local: Sequence[int], offset: Sequence[int], into: torch.Tensor
+) -> None:
+    """Rows ``offset[0]`` on of an entry whose bytes start at ``first``, read into ``into``
+    (bytes)."""
+    if not into.numel():
+        return
+    row = into.numel() // int(local[0]) if local else 0
+    handle.seek(first + (int(offset[0]) * row if local else 0))
+    got = handle.readinto(memoryview(into.numpy()))
+    if got != into.numel():
+        raise OSError(f"{handle.name}: {got} bytes read of {into.numel()} (a truncated file)")
 
 
 class _Dcp:
@@ -184,6 +237,16 @@ class _Dcp:
                 out[cut] = value.to_local() if isinstance(value, DTensor) else value
             pending = later
         return out
+
+
+def _stream_all(reader: Any, cuts: Sequence[_Cut]) -> Iterator[tuple[_Cut, torch.Tensor]]:
+    """``reader.stream`` where it has one, else its reads (DCP: one ``dcp.load`` for all)."""
+    if hasattr(reader, "stream"):
+        yield from reader.stream(cuts)
+        return
+    read = reader.read(cuts)
+    for cut in cuts:
+        yield cut, read[cut]
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -345,10 +408,10 @@ def check_rank(model: nn.Module, path: str | os.PathLike[str], rank: int) -> _Ra
             placements = mine.cut_placements
             mesh = mine.tensor.device_mesh if placements is not None else None
             plain.append((mine, entry, _Cut(entry, placements, mesh)))
-    read = reader.read([cut for _, _, cut in plain])
-    for mine, entry, cut in plain:
+    streamed = _stream_all(reader, [cut for _, _, cut in plain])
+    for (mine, entry, cut), (_, expected) in zip(plain, streamed, strict=True):
         explain = len(mismatches) < _EXPLAINED
-        found = _judge(mine, entry, read[cut], cut, reader, rank, explain)
+        found = _judge(mine, entry, expected, cut, reader, rank, explain)
         if found is not None:
             mismatches.append(found)
     if hooked:

@@ -43,8 +43,11 @@ def row_source(s: Settings) -> Row:
         )
     )
     row.notes.append(
-        "Each rank reads only its slices (safe_open(...).get_slice) and compares them with its "
-        "local shards bitwise, in int64 words; only the verdicts are gathered. Command: "
+        "Each rank reads only its slices (a dim-0 shard is one run of bytes: readinto one "
+        "scratch buffer reused from tensor to tensor, so no fresh memory is faulted in; other "
+        "cuts through safe_open(...).get_slice) and compares them with its local shards "
+        "bitwise, in int64 words; only the verdicts are gathered. The baseline is one plain "
+        "read() of the whole file into memory. Command: "
         f"{shown(worker('source'))}."
     )
     return row
