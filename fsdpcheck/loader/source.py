@@ -5,12 +5,13 @@ matching slice of the checkpoint, reading only that slice; nothing is gathered b
 Comparing ranks with each other cannot see a load that is wrong the same way on every rank (q/k
 rows permuted by the loader, a transpose, a cast): against the checkpoint it shows.
 
-Formats: safetensors (one file, or a sharded ``model.safetensors.index.json``), read by slice
-with ``safe_open(...).get_slice``; DCP directories (``.metadata`` + ``__R_N.distcp``), read with
-``torch.distributed.checkpoint.load`` into DTensors shaped like this rank's own (its mesh and
-placements), so DCP's planner reads exactly this rank's chunks. DCP runs without collectives
-(``no_dist``): a rank that cannot read never keeps the others waiting. Nothing is written, and
-nothing is unpickled beyond DCP's own ``.metadata``.
+Formats: safetensors (one file, or a sharded ``model.safetensors.index.json``), read by slice:
+a run of whole rows (a dim-0 shard) straight from the byte range the file's header names, any
+other cut with ``safe_open(...).get_slice``; DCP directories (``.metadata`` and
+``__R_N.distcp``), read with ``torch.distributed.checkpoint.load`` into DTensors shaped like
+this rank's own (its mesh and placements), so DCP's planner reads exactly this rank's chunks.
+DCP runs without collectives (``no_dist``): a rank that cannot read never keeps the others
+waiting. Nothing is written, and nothing is unpickled beyond DCP's own ``.metadata``.
 
 Names go through the model's state dict (wrapper levels such as ``_checkpoint_wrapped_module.``
 are not in it; ``_orig_mod.`` is looked up without it, as DCP names compiled modules), and
@@ -18,7 +19,10 @@ through its load_state_dict hooks where its state dict is rewritten (torchtitan'
 ``wqkv`` saved as ``wq``/``wk``/``wv``): those source entries are read whole, because the hooks
 need them whole, and the fused tensor's slice is cut from what the hooks make of them.
 
-A mismatch says what it looks like where that can be told, from reads of the same size: a cast
+Both sides are compared bitwise where the rank holds them (each rank has its shard and, now, its
+slice of the checkpoint: a digest of either would cost more than the comparison, and nothing has
+to travel). A mismatch says what it looks like where that can be told, from reads of the same
+size: a cast
 (equal once the checkpoint's values are cast to the model's dtype), transposed, another shard
 dim, rows in another order, another entry's bytes."""
 
