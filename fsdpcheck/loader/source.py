@@ -56,6 +56,7 @@ _MAX_OTHERS = 16  # other entries of the same shape a mismatch is compared with
 # Mismatches per rank whose look is worked out from more reads (a load wrong everywhere must not
 # cost a read of the checkpoint per tensor); the rest are reported as they are.
 _EXPLAINED = 8
+_HEADER_BYTES = 100_000_000  # the most a safetensors header may hold
 _ROWS_SORTED = 1 << 16  # rows past this are not sorted to tell a permutation
 
 
@@ -117,6 +118,8 @@ class _Safetensors:
         for file in dict.fromkeys(self._files.values()):
             with open(file, "rb") as handle:
                 size = int.from_bytes(handle.read(8), "little")
+                if size > _HEADER_BYTES:  # safetensors' own limit: not a safetensors file
+                    raise ValueError(f"{file}: a header of {size} bytes (a damaged file?)")
                 header = json.loads(handle.read(size))
             for name, info in header.items():
                 dtype = _ST_DTYPES.get(info["dtype"]) if name != "__metadata__" else None
