@@ -178,6 +178,7 @@ def check_model(
     optimizer: Any = None,
     scheduler: Any = None,
     rank0_load: bool = False,
+    source: str | os.PathLike[str] | None = None,
 ) -> AuditResult:
     """Check a training script's own model: every rank calls it, after building (and optionally
     wrapping) the model, before its loader, after it, or both. Reuses the script's process
@@ -215,7 +216,13 @@ def check_model(
     (died or stuck before the check, or the store's host gone), dies or is stuck past
     ``timeout`` makes every rank still alive return exit 3 naming it; a rank the others gave up
     on returns the same once its own work is done. ``end_on_abort`` is accepted for old
-    callers and ignored (it used to end such a rank)."""
+    callers and ignored (it used to end such a rank).
+
+    ``source`` (the same on every rank): the checkpoint the model was loaded from (a
+    safetensors file, a sharded ``model.safetensors.index.json`` or its directory, a DCP
+    directory): every rank proves each of its local shards and persistent buffers equals its
+    slice of it, reading only that slice; a difference is a ``source`` finding, which sees a
+    load that is wrong the same way on every rank."""
     from fsdpcheck.model.rank_state import model_record
 
     if end_on_abort is not None:
@@ -252,7 +259,7 @@ def check_model(
                 )
                 if optimizer is not None:
                     record = _with_optimizer(state, record, model, optimizer, scheduler, resumed)
-            return _conclude(None, state, record, watch, built=None)
+            return _conclude(None, state, record, watch, built=None, source=source, model=model)
     finally:
         distributed.shutdown(ctx)
 
@@ -426,11 +433,16 @@ def _conclude(
     watch: liveness.AbortWatch,
     built: BuiltModel | None,
     probing: _ProbeThread | None = None,
+    *,
+    source: str | os.PathLike[str] | None = None,
+    model: Any = None,
 ) -> AuditResult:
     """Gather, load and verify, let rank 0 assemble the report, and agree on one exit code; a
     dead peer ends it with exit 3.
 
     ``options`` None: :func:`check_model`, which only checks (the script loads its own weights).
+    ``source`` (``--source``, ``check_model(source=)``): after the load, every rank's tensors
+    against their slices of that checkpoint.
     """
     from fsdpcheck.distributed.gather import gather_memory, gather_records
 
@@ -460,6 +472,12 @@ def _conclude(
             outcome = replace(outcome, memory=memory or (), rank0_load=state.rank0_load)
             if options is not None:
                 outcome = _rank0_extras(outcome, options, probing, state.progress)
+            source = options.source
+            model = built.model if built is not None else None
+        if source is not None:  # the same on every rank: every rank takes this branch
+            checked = _source_stage(state, model, source)
+            if outcome is not None:
+                outcome = replace(outcome, source=checked)
         report = assemble(outcome, options) if outcome is not None else None
         if options is not None and options.step:  # collective: one synthetic step, watched
             from fsdpcheck.step.synthetic import audit_step
@@ -814,6 +832,17 @@ def _resume_and_verify(
         message=f"resumed from {record.path} by dcp.load",
     )
     return load, verified
+
+
+def _source_stage(state: _RankState, model: Any, source: str | os.PathLike[str]) -> VerifyResult:
+    """Collective: every rank's tensors against their slices of ``source``; rank 0 has all
+    ranks' mismatches."""
+    from fsdpcheck.loader.source import verify_source
+
+    with state.stages.timed(Stage.SOURCE):
+        checked = verify_source(model, source, group=state.ctx.side_channel)
+    log.info("source: passed %s, %d checked", checked.passed, checked.checked)
+    return checked
 
 
 def _state_after_load(state: _RankState, built: BuiltModel) -> Gathered | None:

@@ -95,6 +95,14 @@ def audit(
         "every rank is verified against rank 0's checkpoint. dcp.load unpickles .metadata: "
         "resume only from a checkpoint you trust.",
     ),
+    source: str | None = typer.Option(
+        None,
+        help="The checkpoint the model is loaded from, as the reference: a .safetensors file, "
+        "a sharded model.safetensors.index.json (or its directory), or a DCP directory. After "
+        "the load every rank proves each of its local shards and buffers equals its slice of "
+        "it, reading only that slice; a difference is a 'source' finding (a load wrong the "
+        "same way on every rank shows only here).",
+    ),
     backend: Backend = typer.Option(
         Backend.AUTO, help="Process-group backend (auto: nccl with CUDA, else gloo)."
     ),
@@ -249,6 +257,7 @@ def audit(
         step=step,
         builder=builder,
         resume=resume,
+        source=source,
     )
     rank = rank_hint(os.environ)
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)

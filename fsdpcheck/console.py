@@ -205,6 +205,13 @@ def _render_load(report: Report, console: Console) -> None:
         console.print(f"[yellow]sorted loader refused[/] (no rank hung): {escape(load.message)}")
     elif load is not None and load.outcome == LoadStatus.SKIPPED and not report.errors:
         console.print(f"sorted loader not run: {escape(load.message)}", style="dim")
+    checked = report.source_check
+    if checked is not None and checked.ran:  # --source: every rank against the checkpoint
+        status = "[green]passed[/]" if checked.passed else "[bold red]FAILED[/]"
+        console.print(
+            f"against the checkpoint (--source): {status}: each rank read its own slices, "
+            f"{checked.checked} tensors checked per rank"
+        )
 
 
 def _render_step(report: Report, console: Console) -> None:

@@ -39,6 +39,7 @@ class AuditOptions(BuildSpec):
     step: bool = False  # after the load: one synthetic training step under the collective watch
     builder: str | None = None  # MODULE:FUNCTION or FILE.py:FUNCTION builds the model (not --model)
     resume: str | None = None  # a DCP checkpoint directory every rank loads after wrapping
+    source: str | None = None  # a checkpoint every rank's tensors are checked against, by slice
     mesh_dims: tuple[str, ...] | None = None  # --mesh's dim names (MESH_DIMS), one per size
     tp: int | None = None  # --tp N: the model's own TP plan over N ranks, FSDP2 over the rest
     ep: int | None = None  # --ep N: the model's own EP plan over N ranks (model/parallel.py)

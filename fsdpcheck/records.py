@@ -993,3 +993,5 @@ class Report:
     not_compared: tuple[int, ...] = ()
     checkpoint: CheckpointRecord | None = None  # the reference rank's resume checkpoint
     memory: tuple[MemoryRecord, ...] = ()  # every rank's, in rank order (empty: not measured)
+    # --source / check_model(source=): every rank's tensors against the checkpoint on disk
+    source_check: VerifyResult | None = None

@@ -70,6 +70,8 @@ class AuditOutcome:
     memory: tuple[MemoryRecord, ...] = ()  # every rank's, gathered after the load
     rank0_load: bool = False  # rank 0's weights are loaded into every rank (the memory check)
 
+    source: VerifyResult | None = None  # --source: every rank against the checkpoint on disk
+
 
 # The findings a per-process hash seed can cause (a set iterated while registering tensors).
 _ORDER_KINDS = frozenset(
@@ -87,6 +89,7 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         gathered,
         load=outcome.load,
         verify=outcome.verify,
+        source=outcome.source,
         after_load=outcome.after_load,
         probe=outcome.probe,
         loaders=loaders,
@@ -141,6 +144,7 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
         not_compared=_not_compared(gathered),
         checkpoint=_checkpoint(groups, records),
         memory=outcome.memory,
+        source_check=outcome.source,
     )
 
 
@@ -263,6 +267,9 @@ def report_headline(report: Report) -> str:
         line += f"; {loader} {state} on {ranks}"
     elif load is not None and load.outcome == LoadStatus.REFUSED:
         line += "; sorted loader refused (names, shapes or dtypes differ)"
+    checked = report.source_check
+    if checked is not None and checked.ran and checked.passed:
+        line += f"; every rank matches the checkpoint (--source) on {ranks}"
     return line
 
 

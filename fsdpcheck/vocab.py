@@ -85,6 +85,7 @@ class Stage(Word):
     LOAD = "load"
     VERIFY = "verify"
     STATE_AFTER_LOAD = "state-after-load"  # every rank's ties and buffers, after the load
+    SOURCE = "source"  # --source: every rank's tensors against their slices of the checkpoint
     STEP = "step"  # check_step / audit --step: the training step, under the collective watch
     STEP_REPORT = "step-report"  # every rank's step record, gathered
     PROBE = "probe"  # rank 0's --probe K: the model built under K hash seeds
@@ -403,6 +404,12 @@ class FindingKind(_Described):
         "after the project's loader ran, a rank's tensor differs from rank 0's source",
         "ranks differ after loading",
     )
+    SOURCE = (
+        "source",
+        "a rank's shard or buffer differs from its slice of the checkpoint on disk (--source): "
+        "a load wrong the same way on every rank",
+        "tensors differ from the checkpoint",
+    )
     VALUE = (
         "value",
         "a tensor that must be identical on every rank (or HSDP replica) holds other values",
@@ -487,3 +494,18 @@ def finding_kind(kind: str) -> FindingKind | None:
         return FindingKind(kind)
     except ValueError:
         return None
+
+
+class SourceLook(Word):
+    """What a tensor that differs from its slice of the checkpoint (``source``) looks like."""
+
+    VALUES = "values"  # other values, nothing more to tell
+    CAST = "cast"  # equal once the checkpoint's values are cast to the model's dtype
+    TRANSPOSED = "transposed"  # the transpose of the checkpoint's slice
+    SHARD_DIM = "shard-dim"  # the checkpoint's slice cut along another dim
+    PERMUTED_ROWS = "permuted-rows"  # the same rows in another order (q/k heads permuted)
+    OTHER_TENSOR = "other-tensor"  # another checkpoint entry's slice
+    SHAPE = "shape"  # a local shape other than the checkpoint's slice
+    MISSING = "missing"  # no checkpoint entry for it
+    META = "meta"  # never materialised
+    UNREADABLE = "unreadable"  # the rank could not read the checkpoint

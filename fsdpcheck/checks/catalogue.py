@@ -37,6 +37,7 @@ from fsdpcheck.checks.module_state import module_state_findings, numerics_findin
 from fsdpcheck.checks.non_finite import non_finite_findings
 from fsdpcheck.checks.observed import Observation, with_observations
 from fsdpcheck.checks.optimizer import optimizer_findings
+from fsdpcheck.checks.source import source_findings
 from fsdpcheck.checks.step import StepRecord, divergence_findings, non_finite_finding
 from fsdpcheck.checks.ties import tie_findings
 from fsdpcheck.checks.unexplained import unexplained_findings
@@ -66,6 +67,7 @@ class Need(Word):
     VALUES = "values"  # --values: every rank's value digests
     LOAD = "load"  # --load: the sorted loader's outcome
     VERIFY = "verify"  # --load: the proof of equality after it
+    SOURCE = "source"  # --source: every rank against the checkpoint on disk
     AFTER_LOAD = "after-load"  # --load: every rank's ties and buffers, gathered again
     PROBE = "probe"  # --probe K: the model built under other hash seeds
     OBSERVED = "observed"  # --reproduce: what the real loaders did
@@ -85,6 +87,7 @@ class Evidence:
     gathered: Gathered
     load: LoadOutcome | None = None
     verify: VerifyResult | None = None
+    source: VerifyResult | None = None  # --source
     after_load: Gathered | None = None
     probe: ProbeResult | None = None
     loaders: Sequence[LoaderPrediction] = ()  # the predictions the observations are held to
@@ -104,6 +107,7 @@ class Evidence:
             Need.VALUES: self.gathered.values is not None,
             Need.LOAD: self.load is not None,
             Need.VERIFY: self.verify is not None,
+            Need.SOURCE: self.source is not None,
             Need.AFTER_LOAD: self.after_load is not None,
             Need.PROBE: self.probe is not None,
             Need.OBSERVED: bool(self.observed),
@@ -229,6 +233,10 @@ def _memory(e: Evidence) -> list[Finding]:
     return memory_findings(e.memory, rank0_load=e.rank0_load)
 
 
+def _source(e: Evidence) -> list[Finding]:
+    return source_findings(e.source)
+
+
 def _probe(e: Evidence) -> list[Finding]:
     found = probe_finding(e.probe)
     return [] if found is None else [found]
@@ -281,6 +289,7 @@ CHECKS: tuple[Check, ...] = _checks(
     ("expert", (K.EXPERT,), (), _experts, ""),
     ("load", (K.VERIFY,), {N.LOAD}, _load, ""),
     ("verify", (K.VERIFY,), {N.VERIFY}, _verify, ""),
+    ("source", (K.SOURCE,), {N.SOURCE}, _source, ""),
     ("tie-after-load", (K.TIE,), {N.AFTER_LOAD}, _ties, ""),
     ("uninitialized-after-load", (K.UNINITIALIZED,), {N.AFTER_LOAD}, _uninitialized, ""),
     ("non-finite-after-load", (K.NON_FINITE,), {N.AFTER_LOAD}, _non_finite, ""),

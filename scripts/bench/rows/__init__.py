@@ -14,6 +14,7 @@ from bench.rows.init import row_init
 from bench.rows.load import row_load
 from bench.rows.probe import row_probe
 from bench.rows.scale import row_scale
+from bench.rows.source import row_source
 from bench.rows.step import row_step
 from bench.rows.trainer import row_trainer
 from bench.rows.verdict import row_verdict
@@ -33,6 +34,7 @@ RUNNERS: dict[str, Callable[[Settings], Row]] = {
     "probe": row_probe,
     "verdict": row_verdict,
     "step": row_step,
+    "source": row_source,
     "weight_sync": row_weight_sync,
 }
 ROWS = tuple(RUNNERS)

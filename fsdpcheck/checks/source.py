@@ -1,0 +1,61 @@
+"""``--source``: a rank's tensor that differs from its slice of the checkpoint on disk becomes a
+``source`` finding, one per tensor and look (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdpcheck.records import Finding, VerifyResult
+from fsdpcheck.text import ranks_label
+from fsdpcheck.vocab import Cause, FindingKind, Snapshot, SourceLook
+
+
+def source_findings(checked: VerifyResult) -> list[Finding]:
+    """One ``source`` finding per mismatch: the tensor, its ranks, each rank's slice and first
+    differing element, and what it looks like where that could be told."""
+    if not checked.ran or checked.passed:
+        return []
+    findings = []
+    for mismatch in checked.mismatches:
+        ranks = tuple(mismatch.get("ranks", ()))
+        per_rank = list(mismatch.get("per_rank", ()))
+        name = str(mismatch.get("name"))
+        if name == "*":  # the rank read nothing: no tensor to name
+            summary = f"{ranks_label(ranks)} could not check against the checkpoint: " + str(
+                mismatch.get("reason", "")
+            ).removeprefix("could not be read on this rank: ")
+        else:
+            summary = (
+                f"{mismatch.get('kind')} {name} differs from the checkpoint on "
+                f"{ranks_label(ranks)}: {mismatch.get('reason', '')}"
+                f"{_where(per_rank[0] if per_rank else {})}"
+            )
+        findings.append(
+            Finding(
+                kind=FindingKind.SOURCE,
+                ranks=ranks,
+                reference_rank=ranks[0] if ranks else 0,
+                snapshot=Snapshot.LOAD,
+                cause=Cause.LOADING,
+                summary=summary,
+                tensors=() if name == "*" else (name,),
+                details=dict(mismatch),
+            )
+        )
+    return findings
+
+
+def _where(first: dict[str, Any]) -> str:
+    """Where on the first rank: its slice and first differing element."""
+    if first.get("looks_like") == SourceLook.UNREADABLE:
+        return ""
+    parts = []
+    if first.get("slice"):
+        parts.append(f"rank {first.get('rank')}'s slice {first['slice']}")
+    diff = first.get("first")
+    if diff:
+        parts.append(
+            f"first difference at {diff['full_index']}: {diff['model']!r} here, "
+            f"{diff['checkpoint']!r} in the checkpoint"
+        )
+    return f" ({'; '.join(parts)})" if parts else ""
