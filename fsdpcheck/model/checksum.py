@@ -190,26 +190,20 @@ def _span(
     first_row, last_row = first_block * _BLOCK_ROWS, min(last_block * _BLOCK_ROWS, rows)
     count, blocks = last_row - first_row, last_block - first_block
     row_sums = torch.empty(2, count, dtype=torch.int64, device=device)
-    # Column sums wait in a buffer until they are weighted into one number per block: once per
-    # span with one block per step (CPU: at most _SPAN_BLOCKS), else once per step (CUDA, where
-    # one span is a whole tensor and its column sums would be 1/8 of it).
-    capacity = min(blocks if step == 1 else step, blocks)
-    column_sums = torch.empty(2, capacity, _COLS, dtype=torch.int64, device=device)
-    block_totals = torch.empty(2, blocks, dtype=torch.int64, device=device)
+    # Block q's column sums C_q weigh m_q * b_j; they are gathered as sum_q m_q * C_q, one
+    # _COLS-long vector per sum, and weighed by b_j once at the end: the same number mod 2^64
+    # as weighing each block's, with no buffer of every block's column sums (1/16 of the data,
+    # whose allocation and multiplication cost as much as a read of it).
+    multipliers = [
+        _odd_hashes(_BLOCK_SEEDS[k], first_block + block_offset, blocks, device) for k in (0, 1)
+    ]
+    on_host = [m.tolist() for m in multipliers] if step == 1 else None
+    gathered = torch.zeros(2, _COLS, dtype=torch.int64, device=device)
+    column_sums = torch.empty(2, min(step, blocks), _COLS, dtype=torch.int64, device=device)
     shifted = torch.empty(min(step * _BLOCK_ROWS, count), _COLS, dtype=torch.int64, device=device)
-    weights = [_column_weights(k, device) for k in (0, 1)]
-    done = pending = 0  # blocks weighted so far; blocks waiting in column_sums
     probes: list[torch.Tensor] = []
 
-    def weigh() -> None:
-        for k in (0, 1):
-            weighted = column_sums[k, :pending] * weights[k]
-            torch.sum(weighted, 1, out=block_totals[k, done : done + pending])
-
     for block in range(first_block, last_block, step):
-        if pending + step > capacity:
-            weigh()
-            done, pending = done + pending, 0
         start = block * _BLOCK_ROWS
         stop = min(start + step * _BLOCK_ROWS, last_row)
         words = _words(raw, start * _COLS, min(stop * _COLS, _word_count(raw)))
@@ -218,13 +212,13 @@ def _span(
         full, tail = divmod(words.numel(), _COLS)
         whole = full // _BLOCK_ROWS  # complete blocks among the full rows
         used = whole + (1 if full > whole * _BLOCK_ROWS or tail or not whole else 0)
-        at = start - first_row
+        at, q = start - first_row, block - first_block
         for k in (0, 1):
             grid = words[: full * _COLS].view(full, _COLS)
             if k == 1:
                 grid = torch.bitwise_right_shift(grid, 32, out=shifted[:full])
             torch.sum(grid, 1, out=row_sums[k, at : at + full])
-            sums = column_sums[k, pending:]
+            sums = column_sums[k]
             if whole == 1:  # CPU: one block per step (a plain column sum is the fast kernel)
                 torch.sum(grid[:_BLOCK_ROWS], 0, out=sums[0])
             elif whole:
@@ -239,14 +233,15 @@ def _span(
                 rest = rest if k == 0 else torch.bitwise_right_shift(rest, 32)
                 row_sums[k, at + full] = rest.sum()
                 sums[whole, :tail] += rest
-        pending += used
-    weigh()
+            if on_host is not None:  # one block: a fused multiply-add of one row, no temporary
+                gathered[k].add_(sums[0], alpha=on_host[k][q])
+            else:
+                gathered[k] += (sums[:used] * multipliers[k][q : q + used, None]).sum(0)
     result = []
     for k in (0, 1):
         global_row = first_row + block_offset * _BLOCK_ROWS
         weighted_rows = row_sums[k] * _odd_hashes(_ROW_SEEDS[k], global_row, count, device)
-        multipliers = _odd_hashes(_BLOCK_SEEDS[k], first_block + block_offset, blocks, device)
-        total = weighted_rows.sum() + (block_totals[k] * multipliers).sum()
+        total = weighted_rows.sum() + (gathered[k] * _column_weights(k, device)).sum()
         result.append(int(total.item()) & _MASK64)
     bad = None
     if values is not None:
