@@ -11,6 +11,7 @@ tensors with no collective at all; :func:`compare_digests` then names what diffe
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -171,24 +172,37 @@ def _share_of(tensor: Any) -> tuple[tuple, Share] | str | None:
     placements = tuple(tensor.placements)
     if not all(supported(p) for p in placements):
         return _UNREAD
-    shape = tuple(tensor.shape)
-    mesh_shape = tuple(mesh.mesh.shape)
-    index = [_dim_index(shape, d, placements, mesh_shape, coordinate) for d in range(len(shape))]
-    if tuple(len(i) for i in index) != tuple(local.shape):
+    layout = _layout(tuple(tensor.shape), placements, tuple(mesh.shape), tuple(coordinate))
+    local_shape, key, starts, lengths = layout
+    if local_shape != tuple(local.shape):
         log.warning(
             "state_digests: local shard %s, placements %s give %s",
             list(local.shape),
             placements,
-            [len(i) for i in index],
+            list(local_shape),
         )
         return _UNREAD
     if not local.numel():
         return None
+    return key, share(local.detach(), starts, lengths)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(
+    shape: tuple[int, ...], placements: tuple, mesh_shape: tuple, coordinate: tuple
+) -> tuple[tuple[int, ...], tuple, tuple[int, ...], tuple[int, ...]]:
+    """(the shard's shape, the key naming its region, its runs' starts and lengths): the same
+    for every step of a training run, so a sync that runs each step works it out once per
+    layout."""
+    index = [_dim_index(shape, d, placements, mesh_shape, coordinate) for d in range(len(shape))]
+    local_shape = tuple(len(i) for i in index)
+    if not math.prod(local_shape):
+        return local_shape, (), (), ()
     starts, lengths = _runs(shape, index)
     # The key names the region: regions of one DTensor are equal (replicas) or disjoint in
     # some dim, where their first indices then differ.
     key = tuple((int(i[0]), len(i)) for i in index)
-    return key, share(local.detach(), starts, lengths)
+    return local_shape, key, tuple(starts), tuple(lengths)
 
 
 def _dim_index(
