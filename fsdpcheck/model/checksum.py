@@ -41,6 +41,7 @@ checkpoint and loader), only bugs, and bugs do not aim at weight tables.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -85,10 +86,12 @@ def _column_weights(which: int, device: torch.device) -> torch.Tensor:
     return table
 
 
+@functools.lru_cache(maxsize=1024)  # at most 1024 rows each (a span): 8 MiB in all
 def _odd_hashes(seed: int, first: int, count: int, device: torch.device) -> torch.Tensor:
     """splitmix64 of ``seed + index * golden`` for ``count`` indices from ``first``, made odd.
     (Arithmetic shifts where splitmix has logical ones: still a fixed mix, the same on every
-    device, which is all the weights need.)"""
+    device, which is all the weights need.) Kept: a sync or verify weighs the same rows and
+    blocks at every step; callers never write into it."""
     return _odd_hashes_at(
         seed, torch.arange(first, first + count, dtype=torch.int64, device=device)
     )
@@ -202,8 +205,29 @@ def _span(
     column_sums = torch.empty(2, min(step, blocks), _COLS, dtype=torch.int64, device=device)
     shifted = torch.empty(min(step * _BLOCK_ROWS, count), _COLS, dtype=torch.int64, device=device)
     probes: list[torch.Tensor] = []
+    begin = first_block
+    if on_host is not None:  # the complete blocks, with no indexing inside the loop
+        begin = min(last_block, first_block + (last_row - first_row) // _BLOCK_ROWS)
+        complete = begin - first_block
+        at = first_block * _BLOCK_ROWS * _COLS
+        grids = _words(raw, at, at + complete * _BLOCK_ROWS * _COLS).view(-1, _BLOCK_ROWS, _COLS)
+        row_views = [row_sums[k, : complete * _BLOCK_ROWS].view(-1, _BLOCK_ROWS) for k in (0, 1)]
+        sums = [column_sums[k, 0] for k in (0, 1)]
+        for q, grid, rows0, rows1 in zip(
+            range(complete), grids.unbind(0), *(v.unbind(0) for v in row_views), strict=True
+        ):
+            if values is not None:  # these bytes are in cache now
+                start = (first_block + q) * _BLOCK_ROWS * _COLS
+                probes.append(_probe(_elements(values, start, start + _BLOCK_ROWS * _COLS)))
+            torch.sum(grid, 1, out=rows0)
+            torch.sum(grid, 0, out=sums[0])
+            gathered[0].add_(sums[0], alpha=on_host[0][q])
+            high = torch.bitwise_right_shift(grid, 32, out=shifted)
+            torch.sum(high, 1, out=rows1)
+            torch.sum(high, 0, out=sums[1])
+            gathered[1].add_(sums[1], alpha=on_host[1][q])
 
-    for block in range(first_block, last_block, step):
+    for block in range(begin, last_block, step):
         start = block * _BLOCK_ROWS
         stop = min(start + step * _BLOCK_ROWS, last_row)
         words = _words(raw, start * _COLS, min(stop * _COLS, _word_count(raw)))
