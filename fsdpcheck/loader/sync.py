@@ -15,6 +15,7 @@ import functools
 import logging
 import math
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdpcheck.distributed.environment import worker_threads
 from fsdpcheck.errors import InputError
 from fsdpcheck.loader.shards import shard_of, supported
 from fsdpcheck.model.checksum import Share, checksums, combine, share
@@ -124,13 +126,15 @@ def _sharded(
     sharded: dict[str, torch.Tensor], group: Any, timeout: float
 ) -> dict[str, TensorDigest]:
     """Each DTensor's digest from every rank's share of it (replicas counted once)."""
-    mine: dict[str, Any] = {}
-    for name, tensor in sharded.items():
-        try:
-            mine[name] = _share_of(tensor)
-        except Exception:  # a shard this code cannot place: unread, never a guess
-            log.warning("state_digests: could not digest %s's shard", name, exc_info=True)
-            mine[name] = _UNREAD
+    # Many shards of a few MiB each: spread over the threads the checksum uses (torch frees the
+    # GIL in its kernels), each shard on one thread, rather than one shard at a time.
+    workers = min(worker_threads(), len(sharded))
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="fsdpcheck-sync") as pool:
+            shares = list(pool.map(_share_or_unread, sharded.items()))
+    else:
+        shares = [_share_or_unread(item, threads=None) for item in sharded.items()]
+    mine: dict[str, Any] = dict(zip(sharded, shares, strict=True))
     group = group if group is not None else _side_channel(timeout)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
@@ -160,7 +164,16 @@ def _sharded(
     return result
 
 
-def _share_of(tensor: Any) -> tuple[tuple, Share] | str | None:
+def _share_or_unread(item: tuple[str, Any], threads: int | None = 1) -> Any:
+    name, tensor = item
+    try:
+        return _share_of(tensor, threads)
+    except Exception:  # a shard this code cannot place: unread, never a guess
+        log.warning("state_digests: could not digest %s's shard", name, exc_info=True)
+        return _UNREAD
+
+
+def _share_of(tensor: Any, threads: int | None) -> tuple[tuple, Share] | str | None:
     """(where this rank's shard sits, its share), or None where this rank holds none of it."""
     local = tensor.to_local()
     if local.is_meta:
@@ -184,7 +197,7 @@ def _share_of(tensor: Any) -> tuple[tuple, Share] | str | None:
         return _UNREAD
     if not local.numel():
         return None
-    return key, share(local.detach(), starts, lengths)
+    return key, share(local.detach(), starts, lengths, threads=threads)
 
 
 @functools.lru_cache(maxsize=4096)

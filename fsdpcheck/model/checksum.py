@@ -400,11 +400,19 @@ _FEW_RUNS = 8  # more runs than this, word-aligned and equally long: weighed in 
 _INDEXED_WORDS = 1 << 20  # words weighed per pass where each word's weight is computed
 
 
-def share(tensor: torch.Tensor, starts: Sequence[int], lengths: Sequence[int]) -> Share:
+def share(
+    tensor: torch.Tensor,
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    threads: int | None = None,
+) -> Share:
     """``tensor``'s share of the checksum of the whole tensor it is part of: its elements, in
     row-major order, are runs of ``lengths[r]`` elements starting at element ``starts[r]`` of
     the whole tensor (row-major). One run: a shard of dim 0 (FSDP2); one run per row: a shard
-    of dim 1 (tensor parallelism's row-wise plan)."""
+    of dim 1 (tensor parallelism's row-wise plan). ``threads``: for a run of more than one
+    64 MiB span (default :func:`worker_threads`; 1 where the caller spreads tensors over
+    threads itself)."""
     raw = _bytes_of(tensor)
     size = tensor.element_size()
     first = [s * size for s in starts]
@@ -414,7 +422,7 @@ def share(tensor: torch.Tensor, starts: Sequence[int], lengths: Sequence[int]) -
         return Share(_scattered(raw, first, length[0]))
     totals, fragments, at = [0, 0], [], 0
     for start, count in zip(first, length, strict=True):
-        sums, cut = _run(raw[at : at + count], start)
+        sums, cut = _run(raw[at : at + count], start, threads)
         totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
         fragments.extend(cut)
         at += count
@@ -439,7 +447,9 @@ def combine(shares: Sequence[Share], nbytes: int) -> str:
     return _format((totals[0], totals[1]), nbytes)
 
 
-def _run(raw: torch.Tensor, start: int) -> tuple[tuple[int, int], list[tuple[int, bytes]]]:
+def _run(
+    raw: torch.Tensor, start: int, threads: int | None = None
+) -> tuple[tuple[int, int], list[tuple[int, bytes]]]:
     """The share of ``raw`` (bytes) at byte ``start`` of the whole tensor: its whole words
     weighed in place, its cut words as fragments."""
     end = start + raw.numel()
@@ -450,10 +460,10 @@ def _run(raw: torch.Tensor, start: int) -> tuple[tuple[int, int], list[tuple[int
         fragments.append((start, bytes(raw[: head - start].tolist())))
     if tail < end:
         fragments.append((tail, bytes(raw[tail - start :].tolist())))
-    return _contiguous(raw[head - start : tail - start], head // 8), fragments
+    return _contiguous(raw[head - start : tail - start], head // 8, threads), fragments
 
 
-def _contiguous(raw: torch.Tensor, first_word: int) -> tuple[int, int]:
+def _contiguous(raw: torch.Tensor, first_word: int, threads: int | None = None) -> tuple[int, int]:
     """The share of whole words (``raw``: bytes, a multiple of 8) at word ``first_word`` of the
     whole tensor: the blocks it covers entirely by :func:`_span` (the checksum's own fast path,
     threaded), the rows of a block it covers in part by their row and column sums, the words of
@@ -490,7 +500,7 @@ def _contiguous(raw: torch.Tensor, first_word: int) -> tuple[int, int]:
             return a, b
 
         spans = _spans(middle)
-        workers = worker_threads()
+        workers = threads if threads is not None else worker_threads()
         if device.type == "cpu" and workers > 1 and len(spans) > 1:
             with ThreadPoolExecutor(workers, thread_name_prefix="fsdpcheck-checksum") as pool:
                 parts += pool.map(run, spans)
