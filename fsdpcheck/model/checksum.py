@@ -554,14 +554,21 @@ def _indexed(words: torch.Tensor, index: torch.Tensor) -> tuple[int, int]:
     index = index.to(words.device)
     row = index // _COLS
     column = index % _COLS
-    block = row // _BLOCK_ROWS
+    # Many words share a row: hash each row (and its block) once and look the words' up, unless
+    # the words are scattered over more rows than there are words.
+    low, high = int(row.min()), int(row.max()) + 1
+    if high - low <= row.numel():
+        rows = torch.arange(low, high, dtype=torch.int64, device=words.device)
+        at = row - low
+    else:
+        rows, at = row, None
     result = []
     for k in (0, 1):
         values = words if k == 0 else torch.bitwise_right_shift(words, 32)
-        multiplier = _odd_hashes_at(_BLOCK_SEEDS[k], block)
-        weight = (
-            _odd_hashes_at(_ROW_SEEDS[k], row)
-            + multiplier * _column_weights(k, words.device)[column]
-        )
+        by_row = _odd_hashes_at(_ROW_SEEDS[k], rows)
+        by_block = _odd_hashes_at(_BLOCK_SEEDS[k], rows // _BLOCK_ROWS)
+        if at is not None:
+            by_row, by_block = by_row[at], by_block[at]
+        weight = by_row + by_block * _column_weights(k, words.device)[column]
         result.append(int((values * weight).sum().item()) & _MASK64)
     return result[0], result[1]
