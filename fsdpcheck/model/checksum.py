@@ -418,8 +418,10 @@ def share(
     first = [s * size for s in starts]
     length = [n * size for n in lengths]
     aligned = all(b % 8 == 0 for b in first) and all(b % 8 == 0 for b in length)
-    if len(first) > _FEW_RUNS and aligned and len(set(length)) == 1:
-        return Share(_scattered(raw, first, length[0]))
+    if len(first) > _FEW_RUNS and len(set(length)) == 1:
+        if aligned:
+            return Share(_scattered(raw, first, length[0]))
+        return _cut_runs(raw, first, length[0])
     totals, fragments, at = [0, 0], [], 0
     for start, count in zip(first, length, strict=True):
         sums, cut = _run(raw[at : at + count], start, threads)
@@ -544,6 +546,49 @@ def _scattered(raw: torch.Tensor, starts: Sequence[int], length: int) -> tuple[i
         sums = _indexed(words[r * per_run : r * per_run + index.numel()], index)
         totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
     return totals[0], totals[1]
+
+
+def _cut_runs(raw: torch.Tensor, starts: Sequence[int], length: int) -> Share:
+    """The share of equally long runs (byte ``starts``, ``length`` bytes each) that start or end
+    inside a word (a dim-1 shard whose rows are not a whole number of words): each run's whole
+    words gathered by where they sit in ``raw`` modulo 8 and weighed by place, a bounded number
+    per pass, and its cut words' bytes read in one gather: no torch call per run."""
+    device = raw.device
+    start = torch.tensor(starts, dtype=torch.int64)  # per run, on the host
+    end = start + length
+    head = torch.minimum((start + 7) // 8 * 8, end)  # as _run cuts each run
+    tail = torch.maximum(end // 8 * 8, head)
+    local = torch.arange(len(starts), dtype=torch.int64) * length  # each run's byte in raw
+    lead, trail = head - start, end - tail  # cut bytes at either end, 0 to 7
+    pos = torch.arange(8, dtype=torch.int64)
+    lead_at = (local[:, None] + pos)[pos < lead[:, None]]
+    trail_at = (local[:, None] + (tail - start)[:, None] + pos)[pos < trail[:, None]]
+    cut = raw[torch.cat([lead_at, trail_at]).to(device)].tolist()
+    fragments, i, j = [], 0, len(lead_at)
+    for s, t, n, m in zip(starts, tail.tolist(), lead.tolist(), trail.tolist(), strict=True):
+        if n:
+            fragments.append((s, bytes(cut[i : i + n])))
+            i += n
+        if m:
+            fragments.append((t, bytes(cut[j : j + m])))
+            j += m
+    count = (tail - head) // 8  # whole words per run (two values at most)
+    at = local + head - start  # the first whole word's byte in raw
+    totals = [0, 0]
+    for shift in sorted(set((at % 8)[count > 0].tolist())):
+        runs = ((at % 8) == shift) & (count > 0)
+        words = _words(raw[shift:], 0, (raw.numel() - shift) // 8)
+        first, whole, n = (at[runs] - shift) // 8, head[runs] // 8, count[runs]
+        widest = int(n.max())
+        offsets = torch.arange(widest, dtype=torch.int64)
+        step = max(1, _INDEXED_WORDS // widest)
+        for r in range(0, len(first), step):
+            inside = offsets[None, :] < n[r : r + step, None]
+            where = (first[r : r + step, None] + offsets)[inside].to(device)
+            index = (whole[r : r + step, None] + offsets)[inside]
+            sums = _indexed(words[where], index)
+            totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
+    return Share((totals[0], totals[1]), tuple(fragments))
 
 
 def _indexed(words: torch.Tensor, index: torch.Tensor) -> tuple[int, int]:

@@ -53,7 +53,13 @@ def test_shares_of_dim_0_shards_add_up_to_the_whole_checksum(shape, dtype, parts
 
 @pytest.mark.parametrize(
     ("shape", "dtype", "parts"),
-    [((9, 41), torch.bfloat16, 2), ((40, 64), torch.float32, 2), ((33, 16), torch.int64, 4)],
+    [
+        ((9, 41), torch.bfloat16, 2),
+        ((40, 64), torch.float32, 2),
+        ((33, 16), torch.int64, 4),
+        # runs cut inside words at every byte of a word, across grid rows and a 1 MiB block
+        ((70, 2**15 + 3), torch.int8, 3),
+    ],
 )
 def test_shares_of_dim_1_shards_add_up_to_the_whole_checksum(shape, dtype, parts) -> None:
     torch.manual_seed(1)
