@@ -64,13 +64,17 @@ def main() -> int:
         seconds[key].append(time.perf_counter() - start)
         cpu[key].append(time.process_time() - used)
 
+    def each(read) -> None:  # one shard at a time, its result dropped before the next
+        for shard in shards:
+            read(shard)
+
     for _ in range(args.repeats):
         dist.barrier()
         timed("state_digests", lambda: fsdpcheck.state_digests(model, group=side))
-        timed("torch.sum", lambda: [torch.sum(s, dtype=torch.float32) for s in shards])
+        timed("torch.sum", lambda: each(lambda s: torch.sum(s, dtype=torch.float32)))
         # the same bytes as 64-bit integers: a read with no conversion
-        timed("int64 sum", lambda: [s.reshape(-1).view(torch.int64).sum() for s in shards])
-        timed("copy", lambda: [s.clone() for s in shards])
+        timed("int64 sum", lambda: each(lambda s: s.reshape(-1).view(torch.int64).sum()))
+        timed("copy", lambda: each(torch.clone))
     local = sum(s.numel() * s.element_size() for s in shards)
     record = {"rank": dist.get_rank(), "shard_bytes": local, "seconds": seconds, "cpu": cpu}
     print(MARK + json.dumps(record), flush=True)
