@@ -386,6 +386,9 @@ def non_finite_counts(
 # add up (mod 2^64) to the checksum of the whole. Words cut between two parts (a shard that
 # starts or ends inside a 64-bit word) belong to neither: their bytes travel as fragments and
 # are weighed once joined (zeros past the tensor's end, as the whole tensor's grid pads them).
+# (A cut word could also be weighed in parts, each with the other parts' bytes zero: the parts'
+# bytes are disjoint, so neither the words nor their low 32 bits carry and both sums add up.
+# Equally spaced runs (_spaced_runs) are weighed so; a part may mix both ways.)
 
 
 @dataclass(frozen=True)
@@ -397,6 +400,10 @@ class Share:
 
 
 _FEW_RUNS = 8  # more runs than this, word-aligned and equally long: weighed in one pass
+# Equally spaced runs at most this many run lengths apart (a dim-1 shard of up to 16 parts) are
+# laid out in zeros and summed block by block; _SPREAD_BYTES of the whole tensor at a time.
+_SPREAD = 16
+_SPREAD_BYTES = 64 << 20
 _INDEXED_WORDS = 1 << 20  # words weighed per pass where each word's weight is computed
 
 
@@ -419,6 +426,10 @@ def share(
     length = [n * size for n in lengths]
     aligned = all(b % 8 == 0 for b in first) and all(b % 8 == 0 for b in length)
     if len(first) > _FEW_RUNS and len(set(length)) == 1:
+        stride = first[1] - first[0]
+        spaced = all(b - a == stride for a, b in zip(first, first[1:], strict=False))
+        if spaced and length[0] <= stride <= _SPREAD * length[0]:
+            return Share(_spaced_runs(raw, first[0], stride, length[0], len(first), threads))
         if aligned:
             return Share(_scattered(raw, first, length[0]))
         return _cut_runs(raw, first, length[0])
@@ -544,6 +555,33 @@ def _scattered(raw: torch.Tensor, starts: Sequence[int], length: int) -> tuple[i
     for r in range(0, len(starts), step):
         index = (first[r : r + step, None] + offsets[None, :]).reshape(-1)
         sums = _indexed(words[r * per_run : r * per_run + index.numel()], index)
+        totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
+    return totals[0], totals[1]
+
+
+def _spaced_runs(
+    raw: torch.Tensor, origin: int, stride: int, length: int, count: int, threads: int | None
+) -> tuple[int, int]:
+    """The share of ``count`` runs of ``length`` bytes, ``stride`` bytes apart from byte
+    ``origin`` (a dim-1 shard): laid at their places in zeros, a bounded number of rows at a
+    time, and summed by the block checksum's own fast path. Zero words add nothing, and a word
+    whose bytes are split between parts adds up from its parts in both sums (their bytes are
+    disjoint, so neither the words nor their low 32 bits carry), so cut words need no
+    fragments."""
+    if not length:
+        return 0, 0
+    lead = origin % 8
+    rows = max(8, _SPREAD_BYTES // stride // 8 * 8)  # a multiple of 8: every chunk at ``lead``
+    totals = [0, 0]
+    for first in range(0, count, rows):
+        n = min(rows, count - first)
+        base = origin + first * stride - lead  # a word boundary
+        size = -(-(lead + (n - 1) * stride + length) // 8) * 8
+        spread = torch.zeros(size, dtype=torch.uint8, device=raw.device)
+        spread.as_strided((n, length), (stride, 1), lead).copy_(
+            raw[first * length : (first + n) * length].view(n, length)
+        )
+        sums = _contiguous(spread, base // 8, threads)
         totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
     return totals[0], totals[1]
 
