@@ -11,9 +11,11 @@ tensors with no collective at all; :func:`compare_digests` then names what diffe
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdpcheck.distributed.environment import worker_threads
 from fsdpcheck.errors import InputError
 from fsdpcheck.loader.shards import shard_of, supported
 from fsdpcheck.model.checksum import Share, checksums, combine, share
@@ -123,13 +126,15 @@ def _sharded(
     sharded: dict[str, torch.Tensor], group: Any, timeout: float
 ) -> dict[str, TensorDigest]:
     """Each DTensor's digest from every rank's share of it (replicas counted once)."""
-    mine: dict[str, Any] = {}
-    for name, tensor in sharded.items():
-        try:
-            mine[name] = _share_of(tensor)
-        except Exception:  # a shard this code cannot place: unread, never a guess
-            log.warning("state_digests: could not digest %s's shard", name, exc_info=True)
-            mine[name] = _UNREAD
+    # Many shards of a few MiB each: spread over the threads the checksum uses (torch frees the
+    # GIL in its kernels), each shard on one thread, rather than one shard at a time.
+    workers = min(worker_threads(), len(sharded))
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="fsdpcheck-sync") as pool:
+            shares = list(pool.map(_share_or_unread, sharded.items()))
+    else:
+        shares = [_share_or_unread(item, threads=None) for item in sharded.items()]
+    mine: dict[str, Any] = dict(zip(sharded, shares, strict=True))
     group = group if group is not None else _side_channel(timeout)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
@@ -159,7 +164,16 @@ def _sharded(
     return result
 
 
-def _share_of(tensor: Any) -> tuple[tuple, Share] | str | None:
+def _share_or_unread(item: tuple[str, Any], threads: int | None = 1) -> Any:
+    name, tensor = item
+    try:
+        return _share_of(tensor, threads)
+    except Exception:  # a shard this code cannot place: unread, never a guess
+        log.warning("state_digests: could not digest %s's shard", name, exc_info=True)
+        return _UNREAD
+
+
+def _share_of(tensor: Any, threads: int | None) -> tuple[tuple, Share] | str | None:
     """(where this rank's shard sits, its share), or None where this rank holds none of it."""
     local = tensor.to_local()
     if local.is_meta:
@@ -171,24 +185,37 @@ def _share_of(tensor: Any) -> tuple[tuple, Share] | str | None:
     placements = tuple(tensor.placements)
     if not all(supported(p) for p in placements):
         return _UNREAD
-    shape = tuple(tensor.shape)
-    mesh_shape = tuple(mesh.mesh.shape)
-    index = [_dim_index(shape, d, placements, mesh_shape, coordinate) for d in range(len(shape))]
-    if tuple(len(i) for i in index) != tuple(local.shape):
+    layout = _layout(tuple(tensor.shape), placements, tuple(mesh.shape), tuple(coordinate))
+    local_shape, key, starts, lengths = layout
+    if local_shape != tuple(local.shape):
         log.warning(
             "state_digests: local shard %s, placements %s give %s",
             list(local.shape),
             placements,
-            [len(i) for i in index],
+            list(local_shape),
         )
         return _UNREAD
     if not local.numel():
         return None
+    return key, share(local.detach(), starts, lengths, threads=threads)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(
+    shape: tuple[int, ...], placements: tuple, mesh_shape: tuple, coordinate: tuple
+) -> tuple[tuple[int, ...], tuple, tuple[int, ...], tuple[int, ...]]:
+    """(the shard's shape, the key naming its region, its runs' starts and lengths): the same
+    for every step of a training run, so a sync that runs each step works it out once per
+    layout."""
+    index = [_dim_index(shape, d, placements, mesh_shape, coordinate) for d in range(len(shape))]
+    local_shape = tuple(len(i) for i in index)
+    if not math.prod(local_shape):
+        return local_shape, (), (), ()
     starts, lengths = _runs(shape, index)
     # The key names the region: regions of one DTensor are equal (replicas) or disjoint in
     # some dim, where their first indices then differ.
     key = tuple((int(i[0]), len(i)) for i in index)
-    return key, share(local.detach(), starts, lengths)
+    return local_shape, key, tuple(starts), tuple(lengths)
 
 
 def _dim_index(

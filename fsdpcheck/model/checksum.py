@@ -41,6 +41,7 @@ checkpoint and loader), only bugs, and bugs do not aim at weight tables.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -85,10 +86,12 @@ def _column_weights(which: int, device: torch.device) -> torch.Tensor:
     return table
 
 
+@functools.lru_cache(maxsize=1024)  # at most 1024 rows each (a span): 8 MiB in all
 def _odd_hashes(seed: int, first: int, count: int, device: torch.device) -> torch.Tensor:
     """splitmix64 of ``seed + index * golden`` for ``count`` indices from ``first``, made odd.
     (Arithmetic shifts where splitmix has logical ones: still a fixed mix, the same on every
-    device, which is all the weights need.)"""
+    device, which is all the weights need.) Kept: a sync or verify weighs the same rows and
+    blocks at every step; callers never write into it."""
     return _odd_hashes_at(
         seed, torch.arange(first, first + count, dtype=torch.int64, device=device)
     )
@@ -190,26 +193,41 @@ def _span(
     first_row, last_row = first_block * _BLOCK_ROWS, min(last_block * _BLOCK_ROWS, rows)
     count, blocks = last_row - first_row, last_block - first_block
     row_sums = torch.empty(2, count, dtype=torch.int64, device=device)
-    # Column sums wait in a buffer until they are weighted into one number per block: once per
-    # span with one block per step (CPU: at most _SPAN_BLOCKS), else once per step (CUDA, where
-    # one span is a whole tensor and its column sums would be 1/8 of it).
-    capacity = min(blocks if step == 1 else step, blocks)
-    column_sums = torch.empty(2, capacity, _COLS, dtype=torch.int64, device=device)
-    block_totals = torch.empty(2, blocks, dtype=torch.int64, device=device)
+    # Block q's column sums C_q weigh m_q * b_j; they are gathered as sum_q m_q * C_q, one
+    # _COLS-long vector per sum, and weighed by b_j once at the end: the same number mod 2^64
+    # as weighing each block's, with no buffer of every block's column sums (1/16 of the data,
+    # whose allocation and multiplication cost as much as a read of it).
+    multipliers = [
+        _odd_hashes(_BLOCK_SEEDS[k], first_block + block_offset, blocks, device) for k in (0, 1)
+    ]
+    on_host = [m.tolist() for m in multipliers] if step == 1 else None
+    gathered = torch.zeros(2, _COLS, dtype=torch.int64, device=device)
+    column_sums = torch.empty(2, min(step, blocks), _COLS, dtype=torch.int64, device=device)
     shifted = torch.empty(min(step * _BLOCK_ROWS, count), _COLS, dtype=torch.int64, device=device)
-    weights = [_column_weights(k, device) for k in (0, 1)]
-    done = pending = 0  # blocks weighted so far; blocks waiting in column_sums
     probes: list[torch.Tensor] = []
+    begin = first_block
+    if on_host is not None:  # the complete blocks, with no indexing inside the loop
+        begin = min(last_block, first_block + (last_row - first_row) // _BLOCK_ROWS)
+        complete = begin - first_block
+        at = first_block * _BLOCK_ROWS * _COLS
+        grids = _words(raw, at, at + complete * _BLOCK_ROWS * _COLS).view(-1, _BLOCK_ROWS, _COLS)
+        row_views = [row_sums[k, : complete * _BLOCK_ROWS].view(-1, _BLOCK_ROWS) for k in (0, 1)]
+        sums = [column_sums[k, 0] for k in (0, 1)]
+        for q, grid, rows0, rows1 in zip(
+            range(complete), grids.unbind(0), *(v.unbind(0) for v in row_views), strict=True
+        ):
+            if values is not None:  # these bytes are in cache now
+                start = (first_block + q) * _BLOCK_ROWS * _COLS
+                probes.append(_probe(_elements(values, start, start + _BLOCK_ROWS * _COLS)))
+            torch.sum(grid, 1, out=rows0)
+            torch.sum(grid, 0, out=sums[0])
+            gathered[0].add_(sums[0], alpha=on_host[0][q])
+            high = torch.bitwise_right_shift(grid, 32, out=shifted)
+            torch.sum(high, 1, out=rows1)
+            torch.sum(high, 0, out=sums[1])
+            gathered[1].add_(sums[1], alpha=on_host[1][q])
 
-    def weigh() -> None:
-        for k in (0, 1):
-            weighted = column_sums[k, :pending] * weights[k]
-            torch.sum(weighted, 1, out=block_totals[k, done : done + pending])
-
-    for block in range(first_block, last_block, step):
-        if pending + step > capacity:
-            weigh()
-            done, pending = done + pending, 0
+    for block in range(begin, last_block, step):
         start = block * _BLOCK_ROWS
         stop = min(start + step * _BLOCK_ROWS, last_row)
         words = _words(raw, start * _COLS, min(stop * _COLS, _word_count(raw)))
@@ -218,13 +236,13 @@ def _span(
         full, tail = divmod(words.numel(), _COLS)
         whole = full // _BLOCK_ROWS  # complete blocks among the full rows
         used = whole + (1 if full > whole * _BLOCK_ROWS or tail or not whole else 0)
-        at = start - first_row
+        at, q = start - first_row, block - first_block
         for k in (0, 1):
             grid = words[: full * _COLS].view(full, _COLS)
             if k == 1:
                 grid = torch.bitwise_right_shift(grid, 32, out=shifted[:full])
             torch.sum(grid, 1, out=row_sums[k, at : at + full])
-            sums = column_sums[k, pending:]
+            sums = column_sums[k]
             if whole == 1:  # CPU: one block per step (a plain column sum is the fast kernel)
                 torch.sum(grid[:_BLOCK_ROWS], 0, out=sums[0])
             elif whole:
@@ -239,14 +257,15 @@ def _span(
                 rest = rest if k == 0 else torch.bitwise_right_shift(rest, 32)
                 row_sums[k, at + full] = rest.sum()
                 sums[whole, :tail] += rest
-        pending += used
-    weigh()
+            if on_host is not None:  # one block: a fused multiply-add of one row, no temporary
+                gathered[k].add_(sums[0], alpha=on_host[k][q])
+            else:
+                gathered[k] += (sums[:used] * multipliers[k][q : q + used, None]).sum(0)
     result = []
     for k in (0, 1):
         global_row = first_row + block_offset * _BLOCK_ROWS
         weighted_rows = row_sums[k] * _odd_hashes(_ROW_SEEDS[k], global_row, count, device)
-        multipliers = _odd_hashes(_BLOCK_SEEDS[k], first_block + block_offset, blocks, device)
-        total = weighted_rows.sum() + (block_totals[k] * multipliers).sum()
+        total = weighted_rows.sum() + (gathered[k] * _column_weights(k, device)).sum()
         result.append(int(total.item()) & _MASK64)
     bad = None
     if values is not None:
@@ -367,6 +386,9 @@ def non_finite_counts(
 # add up (mod 2^64) to the checksum of the whole. Words cut between two parts (a shard that
 # starts or ends inside a 64-bit word) belong to neither: their bytes travel as fragments and
 # are weighed once joined (zeros past the tensor's end, as the whole tensor's grid pads them).
+# (A cut word could also be weighed in parts, each with the other parts' bytes zero: the parts'
+# bytes are disjoint, so neither the words nor their low 32 bits carry and both sums add up.
+# Equally spaced runs (_spaced_runs) are weighed so; a part may mix both ways.)
 
 
 @dataclass(frozen=True)
@@ -378,24 +400,42 @@ class Share:
 
 
 _FEW_RUNS = 8  # more runs than this, word-aligned and equally long: weighed in one pass
+# Equally spaced runs at most this many run lengths apart (a dim-1 shard of up to 16 parts) are
+# laid out in zeros and summed block by block; _SPREAD_BYTES of the whole tensor at a time.
+_SPREAD = 16
+_SPREAD_BYTES = 64 << 20
 _INDEXED_WORDS = 1 << 20  # words weighed per pass where each word's weight is computed
 
 
-def share(tensor: torch.Tensor, starts: Sequence[int], lengths: Sequence[int]) -> Share:
+def share(
+    tensor: torch.Tensor,
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    threads: int | None = None,
+) -> Share:
     """``tensor``'s share of the checksum of the whole tensor it is part of: its elements, in
     row-major order, are runs of ``lengths[r]`` elements starting at element ``starts[r]`` of
     the whole tensor (row-major). One run: a shard of dim 0 (FSDP2); one run per row: a shard
-    of dim 1 (tensor parallelism's row-wise plan)."""
+    of dim 1 (tensor parallelism's row-wise plan). ``threads``: for a run of more than one
+    64 MiB span (default :func:`worker_threads`; 1 where the caller spreads tensors over
+    threads itself)."""
     raw = _bytes_of(tensor)
     size = tensor.element_size()
     first = [s * size for s in starts]
     length = [n * size for n in lengths]
     aligned = all(b % 8 == 0 for b in first) and all(b % 8 == 0 for b in length)
-    if len(first) > _FEW_RUNS and aligned and len(set(length)) == 1:
-        return Share(_scattered(raw, first, length[0]))
+    if len(first) > _FEW_RUNS and len(set(length)) == 1:
+        stride = first[1] - first[0]
+        spaced = all(b - a == stride for a, b in zip(first, first[1:], strict=False))
+        if spaced and length[0] <= stride <= _SPREAD * length[0]:
+            return Share(_spaced_runs(raw, first[0], stride, length[0], len(first), threads))
+        if aligned:
+            return Share(_scattered(raw, first, length[0]))
+        return _cut_runs(raw, first, length[0])
     totals, fragments, at = [0, 0], [], 0
     for start, count in zip(first, length, strict=True):
-        sums, cut = _run(raw[at : at + count], start)
+        sums, cut = _run(raw[at : at + count], start, threads)
         totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
         fragments.extend(cut)
         at += count
@@ -420,7 +460,9 @@ def combine(shares: Sequence[Share], nbytes: int) -> str:
     return _format((totals[0], totals[1]), nbytes)
 
 
-def _run(raw: torch.Tensor, start: int) -> tuple[tuple[int, int], list[tuple[int, bytes]]]:
+def _run(
+    raw: torch.Tensor, start: int, threads: int | None = None
+) -> tuple[tuple[int, int], list[tuple[int, bytes]]]:
     """The share of ``raw`` (bytes) at byte ``start`` of the whole tensor: its whole words
     weighed in place, its cut words as fragments."""
     end = start + raw.numel()
@@ -431,10 +473,10 @@ def _run(raw: torch.Tensor, start: int) -> tuple[tuple[int, int], list[tuple[int
         fragments.append((start, bytes(raw[: head - start].tolist())))
     if tail < end:
         fragments.append((tail, bytes(raw[tail - start :].tolist())))
-    return _contiguous(raw[head - start : tail - start], head // 8), fragments
+    return _contiguous(raw[head - start : tail - start], head // 8, threads), fragments
 
 
-def _contiguous(raw: torch.Tensor, first_word: int) -> tuple[int, int]:
+def _contiguous(raw: torch.Tensor, first_word: int, threads: int | None = None) -> tuple[int, int]:
     """The share of whole words (``raw``: bytes, a multiple of 8) at word ``first_word`` of the
     whole tensor: the blocks it covers entirely by :func:`_span` (the checksum's own fast path,
     threaded), the rows of a block it covers in part by their row and column sums, the words of
@@ -471,7 +513,7 @@ def _contiguous(raw: torch.Tensor, first_word: int) -> tuple[int, int]:
             return a, b
 
         spans = _spans(middle)
-        workers = worker_threads()
+        workers = threads if threads is not None else worker_threads()
         if device.type == "cpu" and workers > 1 and len(spans) > 1:
             with ThreadPoolExecutor(workers, thread_name_prefix="fsdpcheck-checksum") as pool:
                 parts += pool.map(run, spans)
@@ -517,6 +559,76 @@ def _scattered(raw: torch.Tensor, starts: Sequence[int], length: int) -> tuple[i
     return totals[0], totals[1]
 
 
+def _spaced_runs(
+    raw: torch.Tensor, origin: int, stride: int, length: int, count: int, threads: int | None
+) -> tuple[int, int]:
+    """The share of ``count`` runs of ``length`` bytes, ``stride`` bytes apart from byte
+    ``origin`` (a dim-1 shard): laid at their places in zeros, a bounded number of rows at a
+    time, and summed by the block checksum's own fast path. Zero words add nothing, and a word
+    whose bytes are split between parts adds up from its parts in both sums (their bytes are
+    disjoint, so neither the words nor their low 32 bits carry), so cut words need no
+    fragments."""
+    if not length:
+        return 0, 0
+    lead = origin % 8
+    rows = max(8, _SPREAD_BYTES // stride // 8 * 8)  # a multiple of 8: every chunk at ``lead``
+    totals = [0, 0]
+    for first in range(0, count, rows):
+        n = min(rows, count - first)
+        base = origin + first * stride - lead  # a word boundary
+        size = -(-(lead + (n - 1) * stride + length) // 8) * 8
+        spread = torch.zeros(size, dtype=torch.uint8, device=raw.device)
+        spread.as_strided((n, length), (stride, 1), lead).copy_(
+            raw[first * length : (first + n) * length].view(n, length)
+        )
+        sums = _contiguous(spread, base // 8, threads)
+        totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
+    return totals[0], totals[1]
+
+
+def _cut_runs(raw: torch.Tensor, starts: Sequence[int], length: int) -> Share:
+    """The share of equally long runs (byte ``starts``, ``length`` bytes each) that start or end
+    inside a word (a dim-1 shard whose rows are not a whole number of words): each run's whole
+    words gathered by where they sit in ``raw`` modulo 8 and weighed by place, a bounded number
+    per pass, and its cut words' bytes read in one gather: no torch call per run."""
+    device = raw.device
+    start = torch.tensor(starts, dtype=torch.int64)  # per run, on the host
+    end = start + length
+    head = torch.minimum((start + 7) // 8 * 8, end)  # as _run cuts each run
+    tail = torch.maximum(end // 8 * 8, head)
+    local = torch.arange(len(starts), dtype=torch.int64) * length  # each run's byte in raw
+    lead, trail = head - start, end - tail  # cut bytes at either end, 0 to 7
+    pos = torch.arange(8, dtype=torch.int64)
+    lead_at = (local[:, None] + pos)[pos < lead[:, None]]
+    trail_at = (local[:, None] + (tail - start)[:, None] + pos)[pos < trail[:, None]]
+    cut = raw[torch.cat([lead_at, trail_at]).to(device)].tolist()
+    fragments, i, j = [], 0, len(lead_at)
+    for s, t, n, m in zip(starts, tail.tolist(), lead.tolist(), trail.tolist(), strict=True):
+        if n:
+            fragments.append((s, bytes(cut[i : i + n])))
+            i += n
+        if m:
+            fragments.append((t, bytes(cut[j : j + m])))
+            j += m
+    count = (tail - head) // 8  # whole words per run (two values at most)
+    at = local + head - start  # the first whole word's byte in raw
+    totals = [0, 0]
+    for shift in sorted(set((at % 8)[count > 0].tolist())):
+        runs = ((at % 8) == shift) & (count > 0)
+        words = _words(raw[shift:], 0, (raw.numel() - shift) // 8)
+        first, whole, n = (at[runs] - shift) // 8, head[runs] // 8, count[runs]
+        widest = int(n.max())
+        offsets = torch.arange(widest, dtype=torch.int64)
+        step = max(1, _INDEXED_WORDS // widest)
+        for r in range(0, len(first), step):
+            inside = offsets[None, :] < n[r : r + step, None]
+            where = (first[r : r + step, None] + offsets)[inside].to(device)
+            index = (whole[r : r + step, None] + offsets)[inside]
+            sums = _indexed(words[where], index)
+            totals = [(t + s) & _MASK64 for t, s in zip(totals, sums, strict=True)]
+    return Share((totals[0], totals[1]), tuple(fragments))
+
+
 def _indexed(words: torch.Tensor, index: torch.Tensor) -> tuple[int, int]:
     """The two sums of ``words`` (int64) at word ``index`` of a whole tensor's grid, each word
     weighed by its own place: a_i + m_q * b_j, as the grid's row and column sums weigh it."""
@@ -525,14 +637,21 @@ def _indexed(words: torch.Tensor, index: torch.Tensor) -> tuple[int, int]:
     index = index.to(words.device)
     row = index // _COLS
     column = index % _COLS
-    block = row // _BLOCK_ROWS
+    # Many words share a row: hash each row (and its block) once and look the words' up, unless
+    # the words are scattered over more rows than there are words.
+    low, high = int(row.min()), int(row.max()) + 1
+    if high - low <= row.numel():
+        rows = torch.arange(low, high, dtype=torch.int64, device=words.device)
+        at = row - low
+    else:
+        rows, at = row, None
     result = []
     for k in (0, 1):
         values = words if k == 0 else torch.bitwise_right_shift(words, 32)
-        multiplier = _odd_hashes_at(_BLOCK_SEEDS[k], block)
-        weight = (
-            _odd_hashes_at(_ROW_SEEDS[k], row)
-            + multiplier * _column_weights(k, words.device)[column]
-        )
+        by_row = _odd_hashes_at(_ROW_SEEDS[k], rows)
+        by_block = _odd_hashes_at(_BLOCK_SEEDS[k], rows // _BLOCK_ROWS)
+        if at is not None:
+            by_row, by_block = by_row[at], by_block[at]
+        weight = by_row + by_block * _column_weights(k, words.device)[column]
         result.append(int((values * weight).sum().item()) & _MASK64)
     return result[0], result[1]

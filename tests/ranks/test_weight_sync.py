@@ -11,6 +11,7 @@ import pytest
 from conftest import run_worker_ranks
 
 from fsdpcheck import compare_digests
+from fsdpcheck.distributed.environment import all_cores
 from fsdpcheck.records import StateDigests, from_dict
 from fsdpcheck.vocab import ExitCode, SyncDifference, Verdict
 
@@ -46,6 +47,12 @@ def test_shards_and_whole_tensors_digest_alike(job: list[dict]) -> None:
     whole = _digests(job[0]["whole"])  # from full_tensor(): no collective
     assert compare_digests(rank0, whole).differences == ()
     assert rank0.tensors == whole.tensors
+
+
+def test_shards_digested_on_threads_digest_alike(job: list[dict]) -> None:
+    for rank in (0, 1):  # one thread per rank in the job; all the host's cores here
+        assert job[rank]["threads"] == all_cores()
+        assert _digests(job[rank]["sender_threaded"]) == _sender(job)
 
 
 def test_tensor_parallel_shards_of_dim_1(job: list[dict]) -> None:

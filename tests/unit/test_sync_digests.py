@@ -53,7 +53,13 @@ def test_shares_of_dim_0_shards_add_up_to_the_whole_checksum(shape, dtype, parts
 
 @pytest.mark.parametrize(
     ("shape", "dtype", "parts"),
-    [((9, 41), torch.bfloat16, 2), ((40, 64), torch.float32, 2), ((33, 16), torch.int64, 4)],
+    [
+        ((9, 41), torch.bfloat16, 2),
+        ((40, 64), torch.float32, 2),
+        ((33, 16), torch.int64, 4),
+        # runs cut inside words at every byte of a word, across grid rows and a 1 MiB block
+        ((70, 2**15 + 3), torch.int8, 3),
+    ],
 )
 def test_shares_of_dim_1_shards_add_up_to_the_whole_checksum(shape, dtype, parts) -> None:
     torch.manual_seed(1)
@@ -118,3 +124,16 @@ def test_compare_digests_names_each_difference() -> None:
     }
     clean = compare_digests(b, b)
     assert clean.consistent and clean.exit_code == ExitCode.CONSISTENT and not clean.differences
+
+
+def test_dim_1_shards_laid_out_in_chunks_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A dim-1 shard is laid out in zeros a bounded number of rows at a time: many chunks here,
+    # each starting inside a word (rows of 41 bytes), the words cut between parts unsent.
+    from fsdpcheck.model import checksum as module
+
+    monkeypatch.setattr(module, "_SPREAD_BYTES", 1024)
+    torch.manual_seed(2)
+    full = (torch.randn(300, 41) * 10).to(torch.int8)
+    shares = _columns(full, 3)
+    assert all(not s.fragments for s in shares)
+    assert combine(shares, full.numel()) == checksum(full)

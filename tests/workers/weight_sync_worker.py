@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdpcheck
+from fsdpcheck.distributed.environment import worker_threads
 from fsdpcheck.records import to_dict
 
 CASES = ("clean", "dtype", "skipped", "stale")
@@ -141,6 +142,12 @@ def main() -> int:
         stale = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
         step(model, rank)
         record["sender"] = to_dict(fsdpcheck.state_digests(model, group=side))
+        # As one rank alone on its host: the shards spread over this host's cores (threads).
+        local_ranks = os.environ["LOCAL_WORLD_SIZE"]
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
+        record["threads"] = worker_threads()
+        record["sender_threaded"] = to_dict(fsdpcheck.state_digests(model, group=side))
+        os.environ["LOCAL_WORLD_SIZE"] = local_ranks
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
         full["scale"] = model.scale
         record["whole"] = to_dict(fsdpcheck.state_digests(full.items()))
