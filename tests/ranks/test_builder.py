@@ -64,7 +64,9 @@ def audited(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "model": "hazard",
         "options": {"builder": VERL, "probe": 4, "timeout": 60},
     }
-    return run_audit_cases(root, cases)
+    # One common hash seed: the hazard model's buffer order follows it, and two ranks under
+    # random seeds disagreed on some runs (verl-probe then "inconsistent", not "latent").
+    return run_audit_cases(root, cases, rank_env=lambda rank: {"PYTHONHASHSEED": "0"})
 
 
 def test_probe_calls_the_builder_under_other_hash_seeds(audited) -> None:
