@@ -130,12 +130,12 @@ def _why_not(codes: list[int], load: LoadOutcome | None) -> str:
     loaded = f"the load {load.outcome}: {load.message}" if load is not None else "the load failed"
     reasons = {
         _FAILED: "a rank failed before the step",
-        _NO_MODEL: "built no model",
+        _NO_MODEL: "no model built",
         _NOT_LOADED: loaded,
-        _NO_WEIGHTS: "holds no weights (built on meta or on rank 0 only, and nothing loaded)",
+        _NO_WEIGHTS: "no weights (built on meta or on rank 0 only, and nothing loaded)",
         _NO_STEP: (
-            "its model is not called as model(input_ids=, labels=) (not a transformers causal "
-            "LM): return its own step from the --builder, as docs/cli.md#--builder shows"
+            "the model is not called as model(input_ids=, labels=) (not a transformers causal "
+            "LM); return its own step from the --builder (docs/cli.md#the-builders-own-step)"
         ),
     }
     parts = []
@@ -146,7 +146,7 @@ def _why_not(codes: list[int], load: LoadOutcome | None) -> str:
         if code in (_FAILED, _NOT_LOADED):
             parts.append(reason)
         else:
-            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {_listed(ranks)} {reason}")
+            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {_listed(ranks)}: {reason}")
     return f"--step: no step ({'; '.join(parts)})"
 
 

@@ -156,7 +156,7 @@ def test_a_model_the_synthetic_step_cannot_call_is_a_warning_not_a_typeerror(aud
     assert done["exit_codes"] == [0, 0], report["findings"] + report["errors"]
     assert "step" not in report["timings"]
     [note] = [w for w in report["warnings"] if w.startswith("--step")]
-    assert "ranks 0, 1 its model is not called as model(input_ids=, labels=)" in note, note
+    assert "ranks 0, 1: the model is not called as model(input_ids=, labels=)" in note, note
     assert "return its own step from the --builder" in note
 
 
