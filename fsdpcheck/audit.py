@@ -479,7 +479,7 @@ def _conclude(
             if outcome is not None:
                 outcome = replace(outcome, source=checked)
         report = assemble(outcome, options) if outcome is not None else None
-        if options is not None and options.step:  # collective: one synthetic step, watched
+        if options is not None and options.step:  # collective: one step (the builder's), watched
             from fsdpcheck.step.synthetic import audit_step
 
             report = audit_step(ctx, state.env, built, load, report, seed=options.seed)
@@ -612,6 +612,8 @@ def _from_builder(options: AuditOptions, ctx: distributed.DistContext) -> BuiltM
         materialised=not any(p.is_meta for p in model.parameters()),
         full_state_dict=dict(answer.state_dict) if answer.state_dict and ctx.rank == 0 else None,
         config=getattr(model, "config", None),
+        step=answer.step,
+        batch=answer.batch,
     )
 
 

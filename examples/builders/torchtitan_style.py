@@ -4,11 +4,13 @@ initialisers, as torchtitan 0.3's ``param_init`` fields do); each attention's q,
 in one fused ``wqkv`` that the model's state-dict hooks split into ``wq``/``wk``/``wv`` (and
 fuse back on load), so checkpoint names are not parameter names. Built as torchtitan's trainer
 builds it: on ``meta``, ``fully_shard`` per block and on the root, ``to_empty``, then
-``init_weights``; it returns the model and rank 0's checkpoint (another seed's weights, split
-names), which fsdpcheck loads into every rank and verifies.
+``init_weights``; it returns the model, rank 0's checkpoint (another seed's weights, split
+names), which fsdpcheck loads into every rank and verifies, and the trainer's own training
+step for ``--step``: the forward is ``model(tokens)`` returning logits, not transformers'
+``model(input_ids=, labels=).loss``, so fsdpcheck's synthetic step cannot drive it.
 
     torchrun --nproc-per-node 2 -m fsdpcheck audit \\
-        --builder examples/builders/torchtitan_style.py:build --json report.json
+        --builder examples/builders/torchtitan_style.py:build --step --json report.json
 """
 
 from __future__ import annotations
@@ -150,6 +152,29 @@ def checkpoint(args: ModelArgs) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in reference.state_dict().items()}
 
 
+def train_step(model: Transformer, tokens: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One step as torchtitan's trainer takes it: next-token cross-entropy on the logits,
+    backward, AdamW. The optimizer is made here, before the load, as torchtitan makes it:
+    the load writes into the same parameters."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> torch.Tensor:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def batch(ctx, args: ModelArgs, size: int = 2, length: int = 17) -> torch.Tensor:
+    """This rank's own tokens (data parallel over every rank: another batch on each)."""
+    generator = torch.Generator().manual_seed(ctx.rank)
+    return torch.randint(0, args.vocab_size, (size, length), generator=generator).to(ctx.device)
+
+
 def build(ctx, args: ModelArgs | None = None):
     args = args or ModelArgs()
     full = checkpoint(args) if ctx.rank == 0 else None
@@ -162,4 +187,5 @@ def build(ctx, args: ModelArgs | None = None):
     model.to_empty(device=ctx.device)
     torch.manual_seed(0)  # the weights the load must replace, every one of them
     model.init_weights(buffer_device=ctx.device)
-    return model, full
+    # "step" is what --step runs on this rank (without it, --step would call model(input_ids=)).
+    return {"model": model, "state_dict": full, "step": train_step(model, batch(ctx, args))}

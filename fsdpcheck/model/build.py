@@ -36,6 +36,9 @@ class BuiltModel:
     # Rank 0's full state dict, captured before wrapping (what a trainer broadcasts).
     full_state_dict: dict[str, torch.Tensor] | None = None
     config: Any = None  # the resolved config, as read (before model construction mutates it)
+    # --builder: the trainer's own step for --step (model.builder.Built.step), and its batch.
+    step: Any = None
+    batch: Any = None
 
 
 def build(

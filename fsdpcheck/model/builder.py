@@ -2,11 +2,15 @@
 
 Every rank imports the user's function (``pkg.module:fn`` from ``sys.path``, or
 ``path/to/file.py:fn``) and calls it with one :class:`BuildContext`; it returns the model,
-already wrapped in FSDP2 or not, and optionally rank 0's full state dict to load:
+already wrapped in FSDP2 or not, optionally rank 0's full state dict to load, and optionally
+this rank's own training step for ``--step`` (a model whose forward is not transformers'
+``model(input_ids=, labels=).loss``, e.g. torchtitan's ``model(tokens)``):
 
 - ``model``;
 - ``(model, state_dict)`` (``state_dict`` may be None on ranks other than 0);
-- ``{"model": model, "state_dict": state_dict}``.
+- ``{"model": model, "state_dict": state_dict, "step": step, "batch": batch}``, or any
+  object with those attributes (only ``model`` is required): ``step()`` (or ``step(batch)``
+  when a batch is given) runs one training step on this rank's own batch and returns the loss.
 
 This runs the user's code: it is the trust boundary, as running the training script is. A
 builder that raises on one rank is that rank's error in the gather (an input error when it
@@ -37,6 +41,8 @@ HINT = (
     "pass --builder MODULE:FUNCTION (an importable module, e.g. myproject.train:build_model) "
     "or FILE.py:FUNCTION, where FUNCTION(ctx) returns the model, or (model, state_dict)"
 )
+# What a builder's mapping (or returned object) may hold.
+FIELDS = ("model", "state_dict", "step", "batch")
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,10 @@ class Built:
 
     model: nn.Module
     state_dict: Mapping[str, Any] | None = None
+    # This rank's training step for --step (None: the synthetic transformers step), called as
+    # step() or, with a batch, step(batch); it returns the loss.
+    step: Callable[..., Any] | None = None
+    batch: Any = None
 
 
 def find_builder(spec: str, *, rank: int) -> Callable[[BuildContext], Any]:
@@ -137,22 +147,50 @@ def call_builder(spec: str, ctx: BuildContext) -> Built:
     """Find and call the builder; its answer as :class:`Built`."""
     fn = find_builder(spec, rank=ctx.rank)
     answer = _call(fn, ctx)
-    model, state_dict = answer, None
-    if isinstance(answer, tuple) and len(answer) == 2:
-        model, state_dict = answer
-    elif isinstance(answer, Mapping):
-        model, state_dict = answer.get("model"), answer.get("state_dict")
+    fields = _fields(spec, answer, rank=ctx.rank)
+    model, state_dict, step = fields.get("model"), fields.get("state_dict"), fields.get("step")
     if not isinstance(model, nn.Module):
         raise InputError(
             f"rank {ctx.rank}: --builder {spec!r} returned {type(answer).__name__}, not a model; "
-            "return the torch.nn.Module, or (model, state_dict)."
+            "return the torch.nn.Module, or (model, state_dict), or "
+            '{"model": model, "state_dict": ..., "step": ...}.'
         )
     if state_dict is not None and not isinstance(state_dict, Mapping):
         raise InputError(
             f"rank {ctx.rank}: --builder {spec!r}: the state dict is a "
             f"{type(state_dict).__name__}, not a mapping of names to tensors."
         )
-    return Built(model, state_dict)
+    if step is not None and not callable(step):
+        raise InputError(
+            f"rank {ctx.rank}: --builder {spec!r}: its step is a {type(step).__name__}, not "
+            "callable; return as 'step' a function that runs one training step on this rank's "
+            "batch and returns the loss, or leave 'step' out for the synthetic transformers step."
+        )
+    return Built(model, state_dict, step, fields.get("batch"))
+
+
+def _fields(spec: str, answer: Any, *, rank: int) -> dict[str, Any]:
+    """The builder's answer by field name (:data:`FIELDS`)."""
+    if isinstance(answer, nn.Module):  # first: a model may have a ``.model`` of its own
+        return {"model": answer}
+    if isinstance(answer, tuple) and len(answer) == 2:
+        return dict(zip(("model", "state_dict"), answer, strict=True))
+    if isinstance(answer, Mapping):
+        fields = dict(answer)
+    elif hasattr(answer, "model"):  # the trainer's own dataclass or namespace
+        fields = {name: getattr(answer, name, None) for name in FIELDS}
+    else:
+        return {"model": answer}
+    unknown = sorted(str(k) for k in fields if k not in FIELDS)
+    if unknown:  # ignored, as before steps were read: a builder may return more for itself
+        log.warning(
+            "rank %d: --builder %s returned %s, which fsdpcheck does not read (it reads %s)",
+            rank,
+            spec,
+            ", ".join(unknown),
+            ", ".join(FIELDS),
+        )
+    return fields
 
 
 def wrapped(model: nn.Module) -> bool:

@@ -1,20 +1,24 @@
-"""``audit --step``: one synthetic training step on the audited model, under the same watch.
+"""``audit --step``: one training step on the audited model, under the same watch: the step a
+``--builder`` returned with the model (its own forward, loss and optimizer), else a synthetic one.
 
-A seeded token batch from the config's vocabulary (the same shape on every rank, its own
-tokens on each data-parallel rank: the TP ranks of one data shard split one batch, so they see
-the same tokens), the causal-LM loss and AdamW. Rank-dependent code in the model's forward (a
-module a config enables on one node only, a stale config's extra layer) shows here even when
-the static checks pass."""
+The synthetic step: a seeded token batch from the config's vocabulary (the same shape on every
+rank, its own tokens on each data-parallel rank: the TP ranks of one data shard split one
+batch, so they see the same tokens), the causal-LM loss and AdamW. Rank-dependent code in the
+model's forward (a module a config enables on one node only, a stale config's extra layer)
+shows here even when the static checks pass."""
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from fsdpcheck.distributed.setup import DistContext
+from fsdpcheck.distributed.wire import exchange_slots
 from fsdpcheck.options import TP_DIMS
 from fsdpcheck.records import EnvRecord, LoadOutcome, Report
 from fsdpcheck.step.session import conclude_step, merged, watched_step
@@ -59,6 +63,10 @@ def token_step(model: Any, vocab_size: int, *, rank: int, device: Any, seed: int
     return step
 
 
+# Why a rank cannot take the step: one byte from each rank, so every rank takes the same branch.
+_READY, _FAILED, _NO_MODEL, _NOT_LOADED, _NO_WEIGHTS, _NO_STEP = range(6)
+
+
 def audit_step(
     ctx: DistContext,
     env: EnvRecord,
@@ -68,17 +76,19 @@ def audit_step(
     *,
     seed: int = 0,
 ) -> Report | None:
-    """Collective: the synthetic step, when the load ran (weights on every rank: every rank
-    knows ``load``); its findings merged into rank 0's ``report``. Otherwise a note on rank 0.
-    A peer that stops answering raises, as any failed collective of the audit does."""
-    loaded = load is not None and load.outcome == LoadStatus.LOADED and built is not None
-    if not loaded:
-        why = load.message or str(load.outcome) if load is not None else "the load did not run"
-        note = f"--step: no step without weights on every rank ({why})"
-        return replace(report, warnings=(*report.warnings, note)) if report is not None else None
-    vocab = getattr(built.config, "vocab_size", None) or 2
-    batch = batch_index(ctx.mesh, ctx.rank)
-    step = token_step(built.model, int(vocab), rank=batch, device=ctx.device, seed=seed)
+    """Collective: one watched step, its findings merged into rank 0's ``report``, when every
+    rank holds weights (the load ran, or nothing was to be loaded and each rank holds its own:
+    a builder without a state dict, ``--init all --no-load``) and has a step (the builder's
+    own, or a transformers forward for the synthetic one). Otherwise a note on rank 0 naming
+    the ranks and why. A peer that stops answering raises, as any failed collective does."""
+    mine = _readiness(built, load, report, rank=ctx.rank)
+    slots, _ = exchange_slots(bytes([mine]), ctx.side_channel, size=ctx.world_size)
+    codes = [slot[0] for slot in slots]
+    if any(codes):
+        if report is None:
+            return None
+        return replace(report, warnings=(*report.warnings, _why_not(codes, load)))
+    step = _step_for(ctx, built, seed=seed)
     try:
         record, seconds = watched_step(ctx, built.model, step)
         outcome = conclude_step(ctx, built.model, env, record, seconds)
@@ -87,3 +97,70 @@ def audit_step(
     if report is None or outcome is None:
         return report
     return merged(report, outcome)
+
+
+def _readiness(built: Any, load: LoadOutcome | None, report: Report | None, *, rank: int) -> int:
+    if rank == 0 and (report is None or report.errors):  # only rank 0 knows another failed
+        return _FAILED
+    if built is None:
+        return _NO_MODEL
+    loaded = load is not None and load.outcome == LoadStatus.LOADED
+    if load is not None and load.ran and not loaded:  # refused or partly loaded: every rank knows
+        return _NOT_LOADED
+    if not loaded and not built.materialised:  # built on meta, or on rank 0 only
+        return _NO_WEIGHTS
+    if getattr(built, "step", None) is None and not _takes_tokens(built.model):
+        return _NO_STEP
+    return _READY
+
+
+def _takes_tokens(model: Any) -> bool:
+    """Whether the synthetic step can call ``model(input_ids=, labels=)``."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # a C forward: let the step itself say
+        return True
+    names = {p.name for p in parameters}
+    keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return keywords or {"input_ids", "labels"} <= names
+
+
+def _why_not(codes: list[int], load: LoadOutcome | None) -> str:
+    """Rank 0's note: why no rank stepped."""
+    loaded = f"the load {load.outcome}: {load.message}" if load is not None else "the load failed"
+    reasons = {
+        _FAILED: "a rank failed before the step",
+        _NO_MODEL: "no model built",
+        _NOT_LOADED: loaded,
+        _NO_WEIGHTS: "no weights (built on meta or on rank 0 only, and nothing loaded)",
+        _NO_STEP: (
+            "the model is not called as model(input_ids=, labels=) (not a transformers causal "
+            "LM); return its own step from the --builder (docs/cli.md#the-builders-own-step)"
+        ),
+    }
+    parts = []
+    for code, reason in reasons.items():
+        ranks = [r for r, c in enumerate(codes) if c == code]
+        if not ranks:
+            continue
+        if code in (_FAILED, _NOT_LOADED):
+            parts.append(reason)
+        else:
+            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {_listed(ranks)}: {reason}")
+    return f"--step: no step ({'; '.join(parts)})"
+
+
+def _listed(ranks: list[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8])
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _step_for(ctx: DistContext, built: Any, *, seed: int) -> Callable[[], Any]:
+    """The builder's own step (on its batch, where it gave one), else the synthetic step."""
+    own = getattr(built, "step", None)
+    if own is not None:
+        batch = built.batch
+        return own if batch is None else (lambda: own(batch))
+    vocab = getattr(built.config, "vocab_size", None) or 2
+    batch_at = batch_index(ctx.mesh, ctx.rank)
+    return token_step(built.model, int(vocab), rank=batch_at, device=ctx.device, seed=seed)

@@ -1,5 +1,6 @@
 """``--builder`` functions for tests/ranks/test_builder.py, each a training script's own model
-builder with (or without) a per-rank difference: FUNCTION(ctx) -> model | (model, state_dict)."""
+builder with (or without) a per-rank difference: FUNCTION(ctx) -> model | (model, state_dict)
+| {"model": ..., "state_dict": ..., "step": ..., "batch": ...}."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -182,6 +183,11 @@ def moe_collapsed(ctx):
 def torchtitan_style_rope_on_rank_1(ctx):
     """examples/builders/torchtitan_style.py, rank 1 configured with another rope_theta (its
     RoPE table then differs, and the table is in no checkpoint)."""
+    example = _torchtitan_example()
+    return example.build(ctx, example.ModelArgs(rope_theta=20000.0 if ctx.rank == 1 else 10000.0))
+
+
+def _torchtitan_example():
     import importlib.util
     import sys
     from pathlib import Path
@@ -191,4 +197,65 @@ def torchtitan_style_rope_on_rank_1(ctx):
     example = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = example  # its dataclasses look their module up there
     spec.loader.exec_module(example)
-    return example.build(ctx, example.ModelArgs(rope_theta=20000.0 if ctx.rank == 1 else 10000.0))
+    return example
+
+
+def torchtitan_style_no_state_dict(ctx):
+    """The torchtitan-style example with its own step and nothing to load: the step still runs,
+    on each rank's own (equal) weights."""
+    built = _torchtitan_example().build(ctx)
+    return {"model": built["model"], "step": built["step"]}
+
+
+def torchtitan_style_extra_micro_batch(ctx):
+    """The torchtitan-style example whose step runs a second micro-batch on rank 1 (a data
+    loader that hands one rank two): rank 1 issues another forward's collectives."""
+    example = _torchtitan_example()
+    args = example.ModelArgs()
+    built = example.build(ctx, args)
+    model, tokens = built["model"], example.batch(ctx, args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        loss = 0.0
+        for _ in range(2 if ctx.rank == 1 else 1):
+            logits = model(tokens[:, :-1])
+            micro = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), tokens[:, 1:].flatten()
+            )
+            micro.backward()
+            loss = loss + micro.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return {"model": model, "state_dict": built["state_dict"], "step": step}
+
+
+def torchtitan_style_without_step(ctx):
+    """The torchtitan-style example returned without its step: --step has no step to run
+    (its forward takes tokens, not input_ids and labels)."""
+    built = _torchtitan_example().build(ctx)
+    return built["model"], built["state_dict"]
+
+
+def step_not_callable_on_rank_1(ctx):
+    """A step that is not a function, on rank 1: bad input there."""
+    return {"model": _llama(), "step": "train_step" if ctx.rank == 1 else None}
+
+
+def llama_with_step_and_batch(ctx):
+    """A transformers model with its own step taking a batch: ``step(batch)``."""
+    model = _llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(ctx.rank)
+    ids = torch.randint(0, 128, (2, 8), generator=generator)
+
+    def step(batch):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return {"model": model, "step": step, "batch": ids}
