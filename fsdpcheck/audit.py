@@ -472,6 +472,7 @@ def _conclude(
             outcome = replace(outcome, memory=memory or (), rank0_load=state.rank0_load)
             if options is not None:
                 outcome = _rank0_extras(outcome, options, probing, state.progress)
+        if options is not None:
             source = options.source
             model = built.model if built is not None else None
         if source is not None:  # the same on every rank: every rank takes this branch

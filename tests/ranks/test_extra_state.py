@@ -32,9 +32,14 @@ def _worker(tmp_path: Path, where: str) -> tuple[list, dict]:
 def test_extra_state_on_one_rank_is_a_state_dict_keys_finding(tmp_path: Path) -> None:
     codes, report = _worker(tmp_path, "rank1")
     assert codes == [1, 1] and report["verdict"] == "inconsistent", report["findings"]
-    (finding,) = report["findings"]  # the loader table says state-dict-order → hang
+    found = {f["kind"]: f for f in report["findings"]}  # the loader table: state-dict-order hangs
+    # Rank 1's MLP is the worker's subclass that keeps the extra state: its class differs too.
+    assert sorted(found) == ["module-state", "state-dict-keys"], report["findings"]
+    finding = found["state-dict-keys"]
     assert finding["ranks"] == [1] and finding["tensors"] == [EXTRA]
     assert f"only rank 1 has {EXTRA}" in finding["summary"]
+    assert found["module-state"]["ranks"] == [1]
+    assert "WithExtraState on rank 1" in found["module-state"]["summary"]
 
 
 def test_extra_state_on_every_rank_is_consistent(tmp_path: Path) -> None:
