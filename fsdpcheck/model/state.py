@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -31,6 +31,13 @@ log = logging.getLogger(__name__)
 def shared_parameters(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     """Groups of parameter names that are one tensor: the same Parameter object, or (real
     tensors) the same view of the same storage. Sorted, so equal ties compare equal."""
+    named = model.named_parameters(remove_duplicate=False)
+    return tuple(sorted(_same_keys((name, _storage_keys(p)) for name, p in named)))
+
+
+def _same_keys(named_keys: Iterable[tuple[str, list[Any]]]) -> list[tuple[str, ...]]:
+    """Groups (two or more, each sorted) of the names that share a key, directly or through
+    other names: a union-find over every name's keys."""
     parent: dict[str, str] = {}
 
     def find(name: str) -> str:
@@ -40,9 +47,9 @@ def shared_parameters(model: nn.Module) -> tuple[tuple[str, ...], ...]:
         return name
 
     owner: dict[Any, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
+    for name, keys in named_keys:
         parent.setdefault(name, name)
-        for key in _storage_keys(param):
+        for key in keys:
             if key in owner:
                 parent[find(name)] = find(owner[key])
             else:
@@ -50,7 +57,7 @@ def shared_parameters(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     groups: dict[str, list[str]] = {}
     for name in parent:
         groups.setdefault(find(name), []).append(name)
-    return tuple(sorted(tuple(sorted(g)) for g in groups.values() if len(g) > 1))
+    return [tuple(sorted(g)) for g in groups.values() if len(g) > 1]
 
 
 def _storage_keys(param: torch.Tensor) -> list[Any]:
@@ -114,33 +121,11 @@ def shared_buffers(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     buffer or of a parameter, any view (a write through one is seen through the others), or
     one buffer under two names. On meta, where there is no storage, a view still knows its
     base. Sorted, so equal groups compare equal."""
-    parent: dict[str, str] = {}
-
-    def find(name: str) -> str:
-        while parent[name] != name:
-            parent[name] = parent[parent[name]]
-            name = parent[name]
-        return name
-
-    owner: dict[Any, str] = {}
-    buffers: set[str] = set()
     named = [(n, _local(p)) for n, p in model.named_parameters(remove_duplicate=False)]
-    for name, buf in model.named_buffers(remove_duplicate=False):
-        named.append((name, buf))
-        buffers.add(name)
-    for name, tensor in named:
-        parent.setdefault(name, name)
-        for key in _buffer_storage_keys(tensor):
-            if key in owner:
-                parent[find(name)] = find(owner[key])
-            else:
-                owner[key] = name
-    groups: dict[str, list[str]] = {}
-    for name in parent:
-        groups.setdefault(find(name), []).append(name)
-    return tuple(
-        sorted(tuple(sorted(g)) for g in groups.values() if len(g) > 1 and buffers & set(g))
-    )
+    buffers = list(model.named_buffers(remove_duplicate=False))
+    names = {name for name, _ in buffers}
+    groups = _same_keys((name, _buffer_storage_keys(t)) for name, t in [*named, *buffers])
+    return tuple(sorted(g for g in groups if names.intersection(g)))
 
 
 def _buffer_storage_keys(tensor: torch.Tensor) -> list[Any]:
