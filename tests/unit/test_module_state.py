@@ -16,6 +16,7 @@ from torch import nn
 
 from fsdpcheck.checks.gather_view import gathered_from
 from fsdpcheck.checks.module_state import module_differences, numerics_differences
+from fsdpcheck.model.build import _default_dtype
 from fsdpcheck.model.module_state import module_state, numerics_record, qualified_name
 from fsdpcheck.model.rank_state import model_record
 from fsdpcheck.model.state import shared_buffers
@@ -335,16 +336,6 @@ def test_a_buffer_sharing_a_parameters_storage_is_recorded():
 
 
 # ---------------------------------------------------------------- process numerics
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 @contextlib.contextmanager
