@@ -3,6 +3,8 @@ ranks that disagree still exchange cleanly."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,6 +62,95 @@ def exchange_slots(
     if me == src and attached:
         extra = attachment.ljust(attached, b"\0")
     return slots, extra
+
+
+@dataclass(frozen=True)
+class Span:
+    """Each word's least and greatest value over a group's members, and the root's attachment."""
+
+    low: tuple[int, ...]
+    high: tuple[int, ...]
+    attachment: bytes = b""
+    sent: int = 0  # bytes this member handed to the transport
+
+    def same(self, start: int = 0, stop: int | None = None) -> bool:
+        """Every member held the same words ``start:stop``."""
+        return self.low[start:stop] == self.high[start:stop]
+
+
+_SPAN_TAG = 0x5350  # the tree's sends and receives, apart from any other on the side channel
+_INT64_MIN = -(2**63)
+
+
+def span(
+    words: Sequence[int],
+    group: Any,
+    *,
+    size: int,
+    device: Any = "cpu",
+    root: int = 0,
+    attached: int = 0,
+    attachment: bytes = b"",
+) -> Span:
+    """Collective: each of ``words`` (int64, as many on every member) as its minimum and maximum
+    over the group, and the member at group index ``root``'s ``attachment`` (padded to
+    ``attached`` bytes, the same on every member) on every member. Equal minimum and maximum:
+    every member holds that word; where they differ, the caller fetches the details.
+
+    The cost does not grow with the group per member: on gloo a binary tree rooted at ``root``
+    of point-to-point messages (each member receives from at most two children and sends one
+    message up, then receives one from its parent and forwards it to at most two children:
+    2·log2(size) hops), where gloo's own all_reduce is a ring (2·(size − 1) hops, one after
+    another). On NCCL, one all_reduce (MAX of the negated and plain words, the root's
+    attachment against ``INT64_MIN`` elsewhere): NCCL's small all-reduces run as a tree."""
+    n = len(words)
+    extra = -(-attached // 8)
+    if len(attachment) > attached:
+        raise ValueError(f"attachment of {len(attachment)} bytes exceeds attached={attached}")
+    me = dist.get_rank(group=group)
+    mine = torch.tensor([*words, *(-w for w in words)], dtype=torch.int64)
+    payload = torch.frombuffer(bytearray(attachment.ljust(extra * 8, b"\0")), dtype=torch.int64)
+    if torch.device(device).type != "cpu":
+        if me != root:
+            payload = torch.full((extra,), _INT64_MIN, dtype=torch.int64)
+        both = torch.cat([mine, payload]).to(device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        got, sent = both.cpu(), both.numel() * 8
+        high, low = got[:n], -got[n : 2 * n]
+    else:
+        got, sent = _tree(mine, payload, group, me=me, size=size, root=root, n=n)
+        low, high = got[:n], -got[n : 2 * n]
+    raw = got[2 * n :].numpy().tobytes()[:attached] if attached else b""
+    return Span(tuple(low.tolist()), tuple(high.tolist()), raw, sent)
+
+
+def _tree(
+    mine: torch.Tensor, payload: torch.Tensor, group: Any, *, me: int, size: int, root: int, n: int
+) -> tuple[torch.Tensor, int]:
+    """``[min words, −max words, root's payload]`` on every member: up a binary tree of the
+    members rotated so that ``root`` is its root, then down it."""
+    position = (me - root) % size
+    children = [(c + root) % size for c in (2 * position + 1, 2 * position + 2) if c < size]
+    parent = ((position - 1) // 2 + root) % size if position else None
+    # mine holds [words, −words]: the elementwise minimum of both halves is [min, −max].
+    waiting = [torch.empty(2 * n, dtype=torch.int64) for _ in children]
+    works = [
+        dist.irecv(buf, group=group, group_src=c, tag=_SPAN_TAG)
+        for buf, c in zip(waiting, children, strict=True)
+    ]
+    for work, buf in zip(works, waiting, strict=True):
+        work.wait()
+        mine = torch.minimum(mine, buf)
+    down = torch.empty(2 * n + payload.numel(), dtype=torch.int64)
+    if parent is None:
+        down = torch.cat([mine, payload])
+    else:
+        dist.send(mine, group=group, group_dst=parent, tag=_SPAN_TAG)
+        dist.recv(down, group=group, group_src=parent, tag=_SPAN_TAG)
+    for c in children:
+        dist.send(down, group=group, group_dst=c, tag=_SPAN_TAG)
+    up = 0 if parent is None else mine.numel()
+    return down, 8 * (up + len(children) * down.numel())
 
 
 def transport_device(group: Any) -> torch.device:

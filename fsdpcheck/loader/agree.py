@@ -1,7 +1,7 @@
 """Before a byte moves: every rank shows the state-dict entries and non-persistent buffers it
-holds (names, shapes, dtypes), in one fixed-size exchange of digests; any difference is named and
-raised on every rank, never a hang and never a partial load. :mod:`fsdpcheck.loader.load` runs
-it first."""
+holds (names, shapes, dtypes) as digests compared in one round of a tree; any difference is
+named and raised on every rank, never a hang and never a partial load.
+:mod:`fsdpcheck.loader.load` runs it first."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.distributed.wire import exchange_slots, transport_device
+from fsdpcheck.distributed.wire import span, transport_device
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.loader.names import Placement, placement
 from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers
@@ -164,10 +164,12 @@ def source_problems(rank: int, state: Layout, source: dict[str, torch.Tensor] | 
     return problems
 
 
-_PROBLEMS, _NO_FAST, _FAST_REASON, _INLINE = 1, 2, 4, 8  # flags: first byte of a slot
+# The words every rank contributes to the check: flags (each word's greatest value says whether
+# any rank set it, its least whether every rank did), then digests as 63-bit words.
+_PROBLEMS, _NO_FAST, _FAST_REASON, _INLINE, _DIGESTS = range(5)
 _DIGEST = 16
 # The buffers' values ride along with the check (one round, not two) when they fit in this
-# much; rank 0 then sends at most about 1 MiB in all, whatever the world size.
+# much; every rank then forwards at most twice this, whatever the world size.
 _INLINE_MAX, _INLINE_MIN, _INLINE_TOTAL = 64 * 2**10, 4 * 2**10, 2**20
 
 
@@ -175,24 +177,23 @@ def inline_capacity_for(world_size: int) -> int:
     return max(_INLINE_MIN, min(_INLINE_MAX, _INLINE_TOTAL // max(world_size, 1)))
 
 
-def _exchange_slot(
+def check_words(
     mine: Exchange, fast: tuple[str, str | None] | None, inline: bool = False
-) -> bytes:
-    """This rank's fixed-size entry: flags, then digests of its buffers, state and fast layout."""
-    flags = _PROBLEMS if mine.problems or mine.unplaceable else 0
-    if inline:
-        flags |= _INLINE
-    if fast is None:
-        flags |= _NO_FAST
-    elif fast[1]:
-        flags |= _FAST_REASON
+) -> list[int]:
+    """This rank's words in the check: flags, then digests of its buffers, state and fast
+    layout (each of ``_DIGEST`` bytes as two words of 63 bits, so none is negated out of
+    range)."""
+    flags = [
+        int(bool(mine.problems or mine.unplaceable)),
+        int(fast is None),
+        int(fast is not None and bool(fast[1])),
+        int(inline),
+    ]
     fast_digest = fast[0] if fast is not None and fast[0] else "00" * _DIGEST
-    return (
-        bytes([flags])
-        + layout_digest(mine.buffers)
-        + layout_digest(mine.state)
-        + bytes.fromhex(fast_digest)
-    )
+    digests = layout_digest(mine.buffers) + layout_digest(mine.state) + bytes.fromhex(fast_digest)
+    return flags + [
+        int.from_bytes(digests[i : i + 8], "big") >> 1 for i in range(0, len(digests), 8)
+    ]
 
 
 def layout_digest(layout: Layout) -> bytes:
@@ -228,32 +229,35 @@ def agree(
     inline: bytes | None = None,
     inline_capacity: int = 0,
 ) -> Agreement:
-    """Collective: one fixed-size exchange of digests; more only when something differs.
+    """Collective: the ranks' digests compared by their least and greatest values
+    (:func:`~fsdpcheck.distributed.wire.span`: a tree, the same few hundred bytes per rank
+    whatever the world size); every rank's details only when something differs.
 
-    ``fast`` (this rank's bucketed-path entry: digest and reason, or None) rides along; every
-    rank's comes back in group order, so every rank takes the same decision from them. With
+    ``fast`` (this rank's bucketed-path entry: digest and reason, or None): when every rank's
+    is the same digest with no reason, each rank's entry is that one; otherwise every rank's is
+    gathered, in group order, so every rank takes the same decision from them. With
     ``inline_capacity`` (the same on every rank), ``src`` attaches ``inline`` (its packed
     buffers, or None) to the same round; every rank gets it back when the layouts agree."""
     attach = inline is not None and len(inline) <= inline_capacity
-    entries, attached = exchange_slots(
-        _exchange_slot(mine, fast, inline=attach),
+    spread = span(
+        check_words(mine, fast, inline=attach),
         group,
         size=len(ranks),
         device=transport_device(group),
-        src=ranks.index(src),
+        root=ranks.index(src),
         attached=inline_capacity,
         attachment=inline if attach else b"",
     )
-    reference = entries[ranks.index(src)]
-    layouts = slice(1, 1 + 2 * _DIGEST)
-    same = all(e[layouts] == reference[layouts] for e in entries)
-    if same and not any(e[0] & _PROBLEMS for e in entries):
-        if any(e[0] & _FAST_REASON for e in entries):  # the reasons, in words
-            fasts: list[Any] = [None] * len(ranks)
-            dist.all_gather_object(fasts, fast, group=group)
-            return Agreement(mine.buffers, 2, fasts, None)
-        digests = [None if e[0] & _NO_FAST else (e[1 + 2 * _DIGEST :].hex(), None) for e in entries]
-        return Agreement(mine.buffers, 1, digests, attached if reference[0] & _INLINE else None)
+    layouts = slice(_DIGESTS, _DIGESTS + 4)  # the buffers' and the state's digests
+    if spread.same(layouts.start, layouts.stop) and not spread.high[_PROBLEMS]:
+        attached = spread.attachment if spread.high[_INLINE] else None
+        if spread.low[_NO_FAST]:  # no rank takes the bucketed path
+            return Agreement(mine.buffers, 1, [None] * len(ranks), attached)
+        if spread.same(layouts.stop) and not (spread.high[_NO_FAST] or spread.high[_FAST_REASON]):
+            return Agreement(mine.buffers, 1, [fast] * len(ranks), attached)
+        fasts: list[Any] = [None] * len(ranks)  # which ranks differ, and why: in words
+        dist.all_gather_object(fasts, fast, group=group)
+        return Agreement(mine.buffers, 2, fasts, None)
     # Every rank saw the same summaries, so every rank takes this branch together.
     everyone: list[Any] = [None] * len(ranks)
     dist.all_gather_object(everyone, mine, group=group)

@@ -6,13 +6,20 @@ A :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees each c10d collec
 reaches the backend. It describes it in full (:class:`CollectiveCall`: op, reduce op, root as a
 global rank, the group's members, each tensor's size and dtype, and for an all_to_all what this
 rank sends each member and expects from each), and the members of that collective's own group,
-and only they, compare descriptors: each leaves its own in the rendezvous store and reads the
-others', bounded by the timeout. Ranks outside the group never wait for it, so disjoint groups
-(pipeline stages, TP and EP groups) that issue different numbers of collectives are clean.
-Equal descriptors (all_to_all splits that pair): the collective is issued. Any difference, or a
-member that has finished (or raised in, or stopped in) its step: no member issues it; each
-raises :class:`StepDiverged`, which unwinds its step, and every rank that later needs one of
-them stops too.
+and only they, compare descriptors, bounded by the timeout. Ranks outside the group never wait
+for it, so disjoint groups (pipeline stages, TP and EP groups) that issue different numbers of
+collectives are clean.
+
+Agreement costs each member the same whatever the group's size: a binary tree over the group's
+sorted members, through the rendezvous store. Each member leaves a digest of what must agree
+(and, for an all_to_all, its share of a sum that is zero when the splits pair); each member of
+the tree leaves the least and greatest digest of its subtree, the root the verdict, and every
+member reads the verdict: at most six store calls and about 200 bytes per member, log2(group)
+levels. Only a verdict of "differ" (or a member that has finished, raised in, or stopped in its
+step) fetches the full descriptors, every member's from every member, to name the difference.
+Equal descriptors (all_to_all splits that pair): the collective is issued. Any difference, or an
+ended member: no member issues it; each raises :class:`StepDiverged`, which unwinds its step,
+and every rank that later needs one of them stops too.
 
 DTensor's redistributions (``clip_grad_norm_`` over FSDP2 gradients, tensor parallelism) issue
 functional collectives inside DTensor's own dispatch, where a mode is off: for an op on a
@@ -33,6 +40,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -47,7 +55,7 @@ from fsdpcheck.checks.step import (
     PeerView,
     disagreement,
 )
-from fsdpcheck.distributed.wire import exchange_slots
+from fsdpcheck.distributed.wire import span
 from fsdpcheck.records import from_dict, to_dict
 
 log = logging.getLogger(__name__)
@@ -119,7 +127,6 @@ _REDUCE_OPS = {int(v): n.lower() for n, v in dist.ReduceOp.RedOpType.__members__
 
 # The world-wide fallback (no rendezvous store): eight int64 words, the same on every rank.
 _CALL, _FINISHED, _RAISED = 1, 2, 3
-SLOT_BYTES = 8 * 8
 _STATE = {_FINISHED: FINISHED, _RAISED: RAISED}
 _CONTEXT = 3  # agreed collectives kept for the report's context
 _SKIP_FRAMES = (os.sep + "torch" + os.sep, os.sep + "fsdpcheck" + os.sep)
@@ -127,6 +134,10 @@ _DIVERGED = "diverged"  # a rank's end mark when it stopped at a divergence
 _AHEAD = "ahead"  # a point-to-point peer waiting in the watch itself: it compares the pair
 _BLOCKED = b"blocked:"  # a peer stuck in a batch of its own that this rank's batch cannot serve
 _DEADLOCK_GRACE = 0.5  # seconds a peer's batch wait must stay the same to count as stuck
+# A tree wait blocks in the store for at most this long before it looks at the end marks: the
+# store client is shared with the heartbeat thread, which a longer wait would hold up.
+_SLICE_FIRST, _SLICE_MAX = 0.01, 0.2
+_MASK64 = 2**64 - 1
 
 
 class StepDiverged(BaseException):
@@ -341,8 +352,94 @@ class CollectiveWatch(TorchDispatchMode):
         if self._store is None:
             self._agree_world(call, _CALL)
             return
+        if call.peer is None:
+            channel = f"c/{_group_key(call.group_ranks)}"
+            n = self._counts.get(channel, 0)
+            if self._tree_agrees(call, channel, n):
+                self._counts[channel] = n + 1
+                return
         channel, n, wanted = self._publish(call)
         self._settle(call, channel, n, self._collect(wanted, p2p=call.peer is not None))
+
+    def _tree_agrees(self, call: CollectiveCall, channel: str, n: int) -> bool:
+        """The members' verdict from the tree: True when every member's digest is the same (and
+        all_to_all splits pair); False when they differ or a member ended its step, for the
+        full exchange to name why. O(1) store calls and bytes per member."""
+        members = sorted(call.group_ranks)
+        if len(members) < 2:
+            return True
+        prefix = f"step/{channel}/{n}"
+        at = members.index(self._rank)
+        children = [members[c] for c in (2 * at + 1, 2 * at + 2) if c < len(members)]
+        internal = {r for i, r in enumerate(members) if 2 * i + 1 < len(members)}
+        deadline = time.monotonic() + self._timeout
+        self.exchanges += 1
+        mine = _Digest.of(call, self._rank)
+        self._leave(f"{prefix}/h/{self._rank}", mine.text())
+        wanted = {c: f"{prefix}/{'t' if c in internal else 'h'}/{c}" for c in children}
+        for got in self._wait(call, prefix, wanted, deadline).values():
+            mine = mine.combined(_Digest.parse(got))
+        if children:
+            self._leave(f"{prefix}/t/{self._rank}", mine.text())
+        if at == 0:
+            self._leave(f"{prefix}/v", mine.text())
+            verdict = mine
+        else:
+            root = members[0]
+            verdict = _Digest.parse(self._wait(call, prefix, {root: f"{prefix}/v"}, deadline)[root])
+        return verdict.agreed()
+
+    def _leave(self, key: str, value: str) -> None:
+        try:
+            self._store.set(key, value)
+        except Exception as exc:  # the store's host is gone
+            log.debug("leaving %s: the store failed", key, exc_info=True)
+            raise ChannelLost(exc) from exc
+        self.channel_bytes += len(value)
+
+    def _wait(
+        self, call: CollectiveCall, prefix: str, keys: dict[int, str], deadline: float
+    ) -> dict[int, bytes | None]:
+        """Each rank's key, or None for a rank that ended its step without leaving it. Blocks in
+        the store a slice at a time, looking at those ranks' end marks between slices."""
+        got: dict[int, bytes | None] = {}
+        pending = dict(keys)
+        pause = _SLICE_FIRST
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._silence(call, prefix, tuple(sorted(pending)))
+                try:
+                    self._store.wait(list(pending.values()), timedelta(seconds=min(pause, left)))
+                except dist.DistStoreError:  # this slice passed: has one of them ended?
+                    pause = min(pause * 2, _SLICE_MAX)
+                    for peer in list(pending):
+                        # A peer leaves its keys before its end mark: read the key after it.
+                        if self._store.check([f"step/end/{peer}"]):
+                            key = pending.pop(peer)
+                            got[peer] = self._store.get(key) if self._store.check([key]) else None
+                    continue
+                got.update(zip(pending, self._store.multi_get(list(pending.values())), strict=True))
+                pending = {}
+            return got
+        except ChannelLost:
+            raise
+        except Exception as exc:  # the store's host is gone
+            log.debug("waiting for %s: the store failed", sorted(keys), exc_info=True)
+            raise ChannelLost(exc) from exc
+
+    def _silence(self, call: CollectiveCall, prefix: str, waited: tuple[int, ...]) -> ChannelLost:
+        """The members that left nothing at this collective and did not end their step (read
+        only now, once, O(group)): the ones to name; else the ones this rank waited for."""
+        silent = tuple(
+            r
+            for r in call.group_ranks
+            if r != self._rank
+            and not self._store.check([f"{prefix}/h/{r}"])
+            and not self._store.check([f"step/end/{r}"])
+        )
+        return _silent(silent or waited, self._timeout)
 
     def _publish(self, call: CollectiveCall) -> tuple[str, int, dict[int, str]]:
         """Leave this rank's descriptor; its channel, number there, and the peers' keys."""
@@ -481,15 +578,7 @@ class CollectiveWatch(TorchDispatchMode):
                         pending.pop(peer)
                         got[peer] = _BLOCKED + mark
         if pending and time.monotonic() > deadline:
-            silent = tuple(sorted(pending))
-            raise ChannelLost(
-                TimeoutError(
-                    f"{_ranks(silent)} issued nothing within {self._timeout:g}s where this "
-                    f"rank waited to agree on a collective with {_them(silent)} (stuck in "
-                    "a collective the watch cannot see, or gone)"
-                ),
-                silent,
-            )
+            raise _silent(tuple(sorted(pending)), self._timeout)
 
     def _stop(self, call: CollectiveCall, n: int, views: tuple[PeerView, ...], reason: str) -> None:
         self.at, self.doing, self.peers, self.reason = n, call, views, reason
@@ -513,7 +602,9 @@ class CollectiveWatch(TorchDispatchMode):
             log.debug("could not leave the end mark", exc_info=True)
 
     def _agree_world(self, call: CollectiveCall | None, kind: int) -> None:
-        """Without a store: every rank's fixed-size descriptor digest to every rank."""
+        """Without a store: the descriptor's words, their least and greatest over the world
+        (:func:`~fsdpcheck.distributed.wire.span`, a tree: O(1) bytes per rank); equal, every
+        rank holds the same."""
         seq = len(self.calls)
         words = [kind, seq, 0, 0, 0, 0, 0, 0]
         if call is not None:
@@ -526,16 +617,14 @@ class CollectiveWatch(TorchDispatchMode):
                 _hash63(key),
                 _hash63(call.module) if call.module is not None else -1,
             ]
-        mine = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
+        self.exchanges += 1
         try:
-            slots, _ = exchange_slots(mine, self._channel, size=self._world)
+            spread = span(words, self._channel, size=self._world)
         except Exception as exc:  # bounded by the side channel's timeout
             log.debug("collective #%d: the side channel failed", seq, exc_info=True)
             raise ChannelLost(exc) from exc
-        finally:
-            self.exchanges += 1
-            self.channel_bytes += SLOT_BYTES * (self._world - 1)
-        if all(slot == mine for slot in slots):
+        self.channel_bytes += spread.sent
+        if spread.same():
             return
         self.at, self.doing = seq, call
         self.state = _STATE.get(kind, "")
@@ -621,6 +710,61 @@ class CollectiveWatch(TorchDispatchMode):
                 return owner
             frame = frame.f_back
         return None
+
+
+@dataclass(frozen=True)
+class _Digest:
+    """What a subtree of a group's members holds at one collective: the least and greatest
+    digest of what must agree, the sum of their all_to_all shares (0: the splits pair) and
+    whether one of them ended its step instead."""
+
+    low: int
+    high: int
+    pairs: int = 0
+    ended: bool = False
+
+    @classmethod
+    def of(cls, call: CollectiveCall, rank: int) -> _Digest:
+        digest = _hash63(repr(call.key()))
+        pairs = 0
+        for member, sent, expected in zip(call.group_ranks, call.send, call.recv, strict=False):
+            # What this rank sends `member` counts up, what it expects from it down: every send
+            # cancels its receive exactly when the splits pair.
+            pairs += _hash63(f"{rank}>{member}:{sent}") - _hash63(f"{member}>{rank}:{expected}")
+        return cls(digest, digest, pairs & _MASK64)
+
+    @classmethod
+    def parse(cls, raw: bytes | None) -> _Digest:
+        if raw is None:  # the member ended its step
+            return cls(0, 0, 0, ended=True)
+        low, high, pairs, ended = raw.decode().split(":")
+        return cls(int(low, 16), int(high, 16), int(pairs, 16), ended == "e")
+
+    def text(self) -> str:
+        return f"{self.low:x}:{self.high:x}:{self.pairs:x}:{'e' if self.ended else ''}"
+
+    def combined(self, other: _Digest) -> _Digest:
+        if other.ended or self.ended:
+            return _Digest(self.low, self.high, self.pairs, ended=True)
+        return _Digest(
+            min(self.low, other.low),
+            max(self.high, other.high),
+            (self.pairs + other.pairs) & _MASK64,
+        )
+
+    def agreed(self) -> bool:
+        return not self.ended and self.low == self.high and self.pairs == 0
+
+
+def _silent(silent: tuple[int, ...], timeout: float) -> ChannelLost:
+    return ChannelLost(
+        TimeoutError(
+            f"{_ranks(silent)} issued nothing within {timeout:g}s where this "
+            f"rank waited to agree on a collective with {_them(silent)} (stuck in "
+            "a collective the watch cannot see, or gone)"
+        ),
+        silent,
+    )
 
 
 def _pair_disagreement(mine: CollectiveCall, me: int, other: CollectiveCall, peer: int) -> str:

@@ -57,17 +57,17 @@ def describe(model: nn.Module, rank: int) -> bytes:
 
 
 def exchange(model: nn.Module, rank: int, world: int, group):
-    """The all_to_all ``broadcast_buffers`` makes, with the same slot and attachment sizes."""
-    from fsdpcheck.distributed.wire import exchange_slots
-    from fsdpcheck.loader.agree import _exchange_slot, inline_capacity_for, local_layout
+    """The check's round ``broadcast_buffers`` makes, with the same words and attachment size."""
+    from fsdpcheck.distributed.wire import span
+    from fsdpcheck.loader.agree import check_words, inline_capacity_for, local_layout
     from fsdpcheck.loader.load import _by_dtype, _inline_payload
 
     capacity = inline_capacity_for(world)
     mine = local_layout(model, rank, src=0, source=None, with_state=False)
     payload = _inline_payload(_by_dtype(mine.named, mine.buffers), capacity) if rank == 0 else b""
-    slot = _exchange_slot(mine, None, inline=rank == 0)
-    return lambda: exchange_slots(
-        slot, group, size=world, src=0, attached=capacity, attachment=payload or b""
+    words = check_words(mine, None, inline=rank == 0)
+    return lambda: span(
+        words, group, size=world, root=0, attached=capacity, attachment=payload or b""
     )
 
 
