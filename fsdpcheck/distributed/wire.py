@@ -109,7 +109,10 @@ def span(
         raise ValueError(f"attachment of {len(attachment)} bytes exceeds attached={attached}")
     me = dist.get_rank(group=group)
     mine = torch.tensor([*words, *(-w for w in words)], dtype=torch.int64)
-    payload = torch.frombuffer(bytearray(attachment.ljust(extra * 8, b"\0")), dtype=torch.int64)
+    payload = torch.empty(0, dtype=torch.int64)
+    if extra:
+        raw = bytearray(attachment.ljust(extra * 8, b"\0"))
+        payload = torch.frombuffer(raw, dtype=torch.int64)
     if torch.device(device).type != "cpu":
         if me != root:
             payload = torch.full((extra,), _INT64_MIN, dtype=torch.int64)

@@ -40,7 +40,6 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -134,9 +133,9 @@ _DIVERGED = "diverged"  # a rank's end mark when it stopped at a divergence
 _AHEAD = "ahead"  # a point-to-point peer waiting in the watch itself: it compares the pair
 _BLOCKED = b"blocked:"  # a peer stuck in a batch of its own that this rank's batch cannot serve
 _DEADLOCK_GRACE = 0.5  # seconds a peer's batch wait must stay the same to count as stuck
-# A tree wait blocks in the store for at most this long before it looks at the end marks: the
-# store client is shared with the heartbeat thread, which a longer wait would hold up.
-_SLICE_FIRST, _SLICE_MAX = 0.01, 0.2
+# A tree wait's pauses between polls (seconds): the first, the one from which it also looks
+# at the end marks, the longest.
+_PAUSE_FIRST, _PAUSE_ENDS, _PAUSE_MAX = 1e-4, 0.0128, 0.02
 _MASK64 = 2**64 - 1
 
 
@@ -400,28 +399,32 @@ class CollectiveWatch(TorchDispatchMode):
     def _wait(
         self, call: CollectiveCall, prefix: str, keys: dict[int, str], deadline: float
     ) -> dict[int, bytes | None]:
-        """Each rank's key, or None for a rank that ended its step without leaving it. Blocks in
-        the store a slice at a time, looking at those ranks' end marks between slices."""
+        """Each rank's key, or None for a rank that ended its step without leaving it. Polls
+        with a growing pause (a blocking ``wait`` that times out logs a C++ warning each time,
+        and holds the store client the heartbeat thread shares); the end marks are looked at
+        only once the pause has grown, so members that arrive together cost a call or two."""
         got: dict[int, bytes | None] = {}
         pending = dict(keys)
-        pause = _SLICE_FIRST
+        pause = _PAUSE_FIRST
         try:
             while pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self._silence(call, prefix, tuple(sorted(pending)))
-                try:
-                    self._store.wait(list(pending.values()), timedelta(seconds=min(pause, left)))
-                except dist.DistStoreError:  # this slice passed: has one of them ended?
-                    pause = min(pause * 2, _SLICE_MAX)
+                if self._store.check(list(pending.values())):
+                    got.update(
+                        zip(pending, self._store.multi_get(list(pending.values())), strict=True)
+                    )
+                    return got
+                if pause >= _PAUSE_ENDS:
                     for peer in list(pending):
                         # A peer leaves its keys before its end mark: read the key after it.
                         if self._store.check([f"step/end/{peer}"]):
                             key = pending.pop(peer)
                             got[peer] = self._store.get(key) if self._store.check([key]) else None
-                    continue
-                got.update(zip(pending, self._store.multi_get(list(pending.values())), strict=True))
-                pending = {}
+                    if not pending:
+                        return got
+                if time.monotonic() > deadline:
+                    raise self._silence(call, prefix, tuple(sorted(pending)))
+                time.sleep(pause)
+                pause = min(pause * 2, _PAUSE_MAX)
             return got
         except ChannelLost:
             raise

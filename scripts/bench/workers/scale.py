@@ -1,4 +1,4 @@
-"""Scale simulation: fsdpcheck's gather, slot exchange and failure diagnosis with many
+"""Scale simulation: fsdpcheck's gather, agreement trees and failure diagnosis with many
 lightweight ranks (no model, no transformers), on a real TCPStore and real gloo groups.
 
 Each rank is a thread; a process hosts at most ``--per-proc`` of them (each rank holds a socket
@@ -14,7 +14,8 @@ forward it along a tree, which the per-process socket counts of scripts/bench/wo
 show).
 
     python scripts/bench/workers/scale.py gather --world 256     # prints one JSON line
-    python scripts/bench/workers/scale.py slots --world 64
+    python scripts/bench/workers/scale.py span --world 64      # wire.span: layout check, watch
+    python scripts/bench/workers/scale.py tree --world 256     # the watch's store tree
     python scripts/bench/workers/scale.py diagnose --world 256
 """
 
@@ -41,8 +42,6 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
 _sent = threading.local()  # this thread's (rank's) bytes handed to the wire
-# The layout check's slot (fsdpcheck/loader/agree.py): a flag byte and three 16-byte digests.
-LAYOUT_SLOT_BYTES = 49
 
 
 def _count(n: int) -> None:
@@ -144,21 +143,28 @@ def _rank_main(what: str, rank: int, world: int, port: int, repeats: int, out: d
                     "sent": max(sent),
                     "groups": len(got.records) if got is not None else None,
                 }
-        else:  # slots: the layout check's exchange, an all_to_all of fixed-size slots
-            from fsdpcheck.distributed.wire import exchange_slots
+        else:  # span: the layout check's round (words and rank 0's inline buffers), the watch's
+            from fsdpcheck.distributed.wire import span
+            from fsdpcheck.loader.agree import inline_capacity_for
 
-            slot = bytes([rank % 256]) * LAYOUT_SLOT_BYTES
-            exchange_slots(slot, None, size=world)
-            times, sent = [], []
-            for _ in range(repeats):
-                dist.barrier()
-                _sent.bytes, _sent.calls = 0, 0
-                start = time.perf_counter()
-                slots, _ = exchange_slots(slot, None, size=world)
-                times.append(time.perf_counter() - start)
-                sent.append(_sent.bytes)
-            assert slots[world - 1] == bytes([(world - 1) % 256]) * LAYOUT_SLOT_BYTES
-            results["agree"] = {"seconds": times, "sent": max(sent), "groups": None}
+            capacity = inline_capacity_for(world)
+            variants = {  # words, attached bytes
+                "layout": ([0, 0, 0, 0, *(1 << 60 for _ in range(6))], capacity),
+                "watch": ([1, 0, *(1 << 60 for _ in range(6))], 0),
+            }
+            for name, (words, attached) in variants.items():
+                payload = bytes([7]) * attached if rank == 0 else b""
+                span(words, None, size=world, attached=attached, attachment=payload)  # connect
+                times, sent = [], []
+                for _ in range(repeats):
+                    dist.barrier()
+                    _sent.bytes, _sent.calls = 0, 0
+                    start = time.perf_counter()
+                    got = span(words, None, size=world, attached=attached, attachment=payload)
+                    times.append(time.perf_counter() - start)
+                    sent.append(_sent.bytes)
+                assert got.same() and got.attachment == bytes([7]) * attached
+                results[name] = {"seconds": times, "sent": max(sent), "attached": attached}
         dist.barrier()
         out[rank] = results
     finally:
@@ -224,7 +230,8 @@ def run_collectives(what: str, world: int, repeats: int, per_proc: int) -> dict:
             "sent_max_other": max(sent[1:]),
             "sent_others_distinct": sorted(set(sent[1:])),
             "sent_total": sum(sent),
-            "groups": ranks[0][variant]["groups"],
+            "groups": ranks[0][variant].get("groups"),
+            "attached": ranks[0][variant].get("attached"),
         }
     return summary
 
@@ -244,6 +251,70 @@ class CountingStore:
             return method(*args, **kwargs)
 
         return call
+
+
+def run_tree(world: int, repeats: int) -> dict:
+    """The watch's agreement through the store: ``world`` ranks as threads of this process,
+    each with its own store client, agreeing on ``repeats`` all_reduces back to back (after a
+    warm-up). Counts each rank's store calls and bytes left, and its thread's CPU time."""
+    from fsdpcheck.checks.step import CollectiveCall
+    from fsdpcheck.step.watch import CollectiveWatch
+
+    port = _free_port()
+    timeout = timedelta(seconds=300)
+    master = dist.TCPStore("127.0.0.1", port, world, True, timeout=timeout, wait_for_workers=False)
+    members = tuple(range(world))
+    start_line = threading.Barrier(world)
+    out: dict[int, dict] = {}
+    lock = threading.Lock()
+
+    def rank_main(rank: int) -> None:
+        counts: dict[str, int] = {}
+        client = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+        store = CountingStore(client, counts, lock)
+        watch = CollectiveWatch(None, world, {}, store=store, rank=rank, timeout=300.0)
+
+        def agree(i: int) -> None:
+            call = CollectiveCall(i, "all_reduce", "default_pg", members, 1024, "float32")
+            watch._agree(call)
+            watch.calls.append(call)
+
+        for i in range(2):
+            agree(i)
+        start_line.wait()
+        calls, sent, cpu = sum(counts.values()), watch.channel_bytes, time.thread_time()
+        start = time.perf_counter()
+        for i in range(2, 2 + repeats):
+            agree(i)
+        seconds = time.perf_counter() - start
+        out[rank] = {
+            "seconds": seconds,
+            "calls": sum(counts.values()) - calls,
+            "bytes": watch.channel_bytes - sent,
+            "cpu": time.thread_time() - cpu,
+        }
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    del master
+    per = {r: {k: v / repeats for k, v in o.items()} for r, o in out.items()}
+    calls = sorted(p["calls"] for p in per.values())
+    return {
+        "what": "tree",
+        "world": world,
+        "repeats": repeats,
+        "rank0_seconds_per_collective": per[0]["seconds"],
+        "slowest_seconds_per_collective": max(p["seconds"] for p in per.values()),
+        "store_calls_per_rank_median": statistics.median(calls),
+        "store_calls_per_rank_max": calls[-1],
+        "store_calls_per_rank_min": calls[0],
+        "bytes_per_rank_max": max(p["bytes"] for p in per.values()),
+        "cpu_seconds_per_rank_median": statistics.median(p["cpu"] for p in per.values()),
+        "store_calls_all": sum(p["calls"] for p in per.values()),
+    }
 
 
 def run_diagnose(world: int, dead: int) -> dict:
@@ -311,7 +382,7 @@ def run_diagnose(world: int, dead: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("gather", "slots", "diagnose"))
+    parser.add_argument("what", choices=("gather", "span", "tree", "diagnose"))
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--per-proc", type=int, default=32)
@@ -325,10 +396,10 @@ def main() -> int:
         return _host(args)
     if args.what == "diagnose":
         summary = run_diagnose(args.world, dead=args.world // 2)
+    elif args.what == "tree":
+        summary = run_tree(args.world, args.repeats)
     else:
         summary = run_collectives(args.what, args.world, args.repeats, args.per_proc)
-        if args.what == "slots":  # what each rank hands over, before the wire pads it
-            summary["slot_bytes"] = LAYOUT_SLOT_BYTES
     print(json.dumps(summary), flush=True)
     return 0
 
