@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "scripts"))  # ``bench`` as ``python scripts/bench
 from bench.markdown import to_markdown  # noqa: E402
 from bench.result import Row  # noqa: E402
 from bench.rows import ROWS  # noqa: E402
-from bench.rows.scale import paper_estimate, slot_line  # noqa: E402
+from bench.rows.scale import paper_estimate, span_lines, tree_projection  # noqa: E402
 from bench.rows.verdict import watchdog_estimate  # noqa: E402
 from bench.text import byte_size  # noqa: E402
 
@@ -55,19 +55,36 @@ def test_the_watchdog_ratio_is_an_estimate_and_no_goal_met() -> None:
     assert table == [f"| time to verdict | {line.what} | 150× (estimate) | {line.goal} | — |"]
 
 
-def test_the_slot_size_in_words_is_the_measured_one() -> None:
-    # 49-byte layout slots travel as whole 8-byte words: 56 bytes to each peer.
-    exchanged = {
-        2: {"sent_max_other": 56, "rank0_seconds_median": 0.001},
-        8: {"sent_max_other": 56 * 7, "rank0_seconds_median": 0.002},
-    }
-    line = slot_line(exchanged, {w: {"slot_bytes": 49} for w in exchanged})
-    assert "56-byte slots to each peer, the 49-byte layout slot padded" in line.figures
-    assert "56 × (world − 1) per rank" in line.figures
-    agree = {2: {"sent_max_other": 121, "sent_rank0": 8}}
-    estimate = paper_estimate(agree, exchanged)
+def test_the_agreement_rounds_are_judged_on_bytes_per_rank_and_projected_from_the_depth() -> None:
+    def spans(layout: dict[int, int]) -> dict[int, dict]:
+        return {
+            w: {
+                "variants": {
+                    "layout": {"sent_max_other": b, "rank0_seconds_median": 0.001,
+                               "attached": 4096},
+                    "watch": {"sent_max_other": 384, "rank0_seconds_median": 0.001,
+                              "attached": 0},
+                }
+            }
+            for w, b in layout.items()
+        }  # fmt: skip
+
+    layout, watch = span_lines(spans({2: 8000, 256: 8000}))
+    assert layout.met and watch.met and "2: 8000 B, 256: 8000 B" == layout.result
+    grown, _ = span_lines(spans({2: 8000, 256: 9000}))
+    assert grown.met is False
+    trees = {
+        2: {"slowest_seconds_per_collective": 0.002, "sets_and_reads_per_rank_max": 4,
+            "bytes_per_rank_max": 108},
+        256: {"slowest_seconds_per_collective": 0.2, "sets_and_reads_per_rank_max": 4,
+              "bytes_per_rank_max": 108},
+    }  # fmt: skip
+    text = tree_projection(trees)
+    # one level measured at 2 ranks (depth 1), 14 levels at 16,384 ranks
+    assert "Projection, not a measurement" in text and "14 levels" in text
+    assert "about 28.00 ms per collective" in text and "65,536 calls" in text
+    estimate = paper_estimate({2: {"sent_max_other": 121, "sent_rank0": 8}})
     assert "one 121-byte slot and receives rank 0's 8-byte header" in estimate
-    assert "56 × 4095 B = 224 KiB" in estimate and "49 ×" not in estimate
 
 
 def test_byte_size_names_one_size_or_the_range() -> None:

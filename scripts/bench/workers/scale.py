@@ -266,12 +266,11 @@ def run_tree(world: int, repeats: int) -> dict:
     members = tuple(range(world))
     start_line = threading.Barrier(world)
     out: dict[int, dict] = {}
-    lock = threading.Lock()
 
     def rank_main(rank: int) -> None:
-        counts: dict[str, int] = {}
+        counts: dict[str, int] = {}  # this rank's own
         client = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
-        store = CountingStore(client, counts, lock)
+        store = CountingStore(client, counts, threading.Lock())
         watch = CollectiveWatch(None, world, {}, store=store, rank=rank, timeout=300.0)
 
         def agree(i: int) -> None:
@@ -283,6 +282,7 @@ def run_tree(world: int, repeats: int) -> dict:
             agree(i)
         start_line.wait()
         calls, sent, cpu = sum(counts.values()), watch.channel_bytes, time.thread_time()
+        polls = counts.get("check", 0)
         start = time.perf_counter()
         for i in range(2, 2 + repeats):
             agree(i)
@@ -290,6 +290,7 @@ def run_tree(world: int, repeats: int) -> dict:
         out[rank] = {
             "seconds": seconds,
             "calls": sum(counts.values()) - calls,
+            "polls": counts.get("check", 0) - polls,
             "bytes": watch.channel_bytes - sent,
             "cpu": time.thread_time() - cpu,
         }
@@ -302,7 +303,11 @@ def run_tree(world: int, repeats: int) -> dict:
     del master
     per = {r: {k: v / repeats for k, v in o.items()} for r, o in out.items()}
     calls = sorted(p["calls"] for p in per.values())
+    fixed = sorted(p["calls"] - p["polls"] for p in per.values())
     return {
+        "sets_and_reads_per_rank_max": fixed[-1],
+        "sets_and_reads_per_rank_median": statistics.median(fixed),
+        "polls_per_rank_median": statistics.median(p["polls"] for p in per.values()),
         "what": "tree",
         "world": world,
         "repeats": repeats,
