@@ -49,8 +49,9 @@ def row_scale(s: Settings) -> Row:
         "per peer it talks to; the agreement tree connects a rank to at most three). Bytes: "
         "the payload each rank hands to torch.distributed calls (a wrapper counts send, "
         "gather, broadcast and all_to_all_single), per rank; the gather row below also "
-        "measures them at the socket, one process per rank. Times are rank 0's, from a barrier to the call's return, with up to 256 threads "
-        "on 2 cores: scheduling, not the network, dominates."
+        "measures them at the socket, one process per rank. Times are rank 0's, from a "
+        "barrier to the call's return, with up to 256 threads on 2 cores: scheduling, not the "
+        "network, dominates."
     )
     row.notes.append(paper_estimate(agree))
     row.notes.append(tree_projection(trees))
