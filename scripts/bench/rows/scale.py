@@ -168,8 +168,7 @@ def tree_lines(trees: dict[int, dict]) -> list[Line]:
             "group's member list) and read world − 1 of them",
         ),
         Line(
-            f"watch's store tree, all agree: time per collective {min(times)} → {max(times)} "
-            "ranks",
+            f"watch's store tree, all agree: time per collective {min(times)} → {max(times)} ranks",
             f"∝ ranks^{slope:.2f}" if slope is not None else "one world size only",
             "O(log ranks) on real hosts",
             None,
