@@ -6,7 +6,7 @@ from __future__ import annotations
 from bench.measure import marked, median, require, run_ranks
 from bench.result import Line, Row
 from bench.settings import Settings, shown, worker
-from bench.text import fmt_s
+from bench.text import fmt_ms, fmt_s
 
 GOAL = 1.30  # check_step / plain step
 
@@ -35,8 +35,6 @@ def row_step(s: Settings) -> Row:
     debug = _slower(theirs, "plain")
     ratio, debug_ratio = checked / plain, debug / plain
     counts = ours[0]
-    per_collective = max(0.0, checked - plain) / max(counts["exchanges"], 1)
-    slot = counts["channel_bytes"] // max(counts["exchanges"], 1)
     row.lines.append(
         Line(
             "check_step / plain step",
@@ -57,31 +55,38 @@ def row_step(s: Settings) -> Row:
             checked / debug,
         )
     )
-    # A watched step faster than the plain one: the watch's cost is below this run's noise.
-    cost = f"{1e6 * per_collective:.0f} µs" if checked > plain else "below the noise"
+    small = [r["small"] for r in ours]
+    n = small[0]["n"]
+    plain_small = _slower(small, "plain", key=None)
+    watched_small = _slower(small, "watched", key=None)
+    per_collective = (watched_small - plain_small) / n
+    sent = max(s["channel_bytes"] // max(s["exchanges"], 1) for s in small)
     row.lines.append(
         Line(
             "per collective",
-            f"{cost}, {slot} B",
+            f"{1e6 * per_collective:.0f} µs, {sent} B",
             "—",
             None,
-            f"{counts['collectives']} collectives, {counts['exchanges']} exchanges (one more: the "
-            f"end of the step), {counts['channel_bytes']} B sent by each rank on the side channel; "
-            f"time inside the watch on rank 0 {fmt_s(counts['watch_seconds'])} (waits for the "
-            "slower rank included)",
+            f"{n} all_reduces of 16 floats, plain {fmt_ms(plain_small / n)} each, under the "
+            f"watch {fmt_ms(watched_small / n)} each (2 ranks, its agreement through the "
+            f"store's tree; {sent} B left per collective by each rank). In the step above: "
+            f"{counts['collectives']} collectives, {counts['exchanges']} agreements, "
+            f"{counts['channel_bytes']} B left by each rank, {fmt_s(counts['watch_seconds'])} "
+            "inside the watch on rank 0 (waits for the slower rank included)",
             per_collective,
         )
     )
     row.notes.append(
         "Median over the repeats of the slower rank's time; plain and watched steps alternate in "
         "one job, DETAIL runs in a second job (it must be set before the process group starts). "
-        "The per-collective cost is (check_step − plain) / exchanges: the descriptor exchange, "
-        "the dispatch mode on every op, the NaN scan and the report's gathers together."
+        "The per-collective cost is measured apart, where the step's compute cannot hide it: "
+        f"the same {n} small all_reduces plain and under the watch, alternating, their "
+        "difference over the count."
     )
     return row
 
 
-def _slower(records: list[dict], variant: str) -> float:
+def _slower(records: list[dict], variant: str, key: str | None = "seconds") -> float:
     """The median over repeats of the slower rank's seconds."""
-    runs = zip(*(r["seconds"][variant] for r in records), strict=True)
+    runs = zip(*((r[key] if key else r)[variant] for r in records), strict=True)
     return median([max(run) for run in runs])

@@ -47,6 +47,42 @@ def peak_mib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
+SMALL_N = 200  # small all_reduces per run of the per-collective measurement
+
+
+def small_collectives(model, repeats: int = 5) -> dict:
+    """The watch's cost per collective, measured directly: ``SMALL_N`` all_reduces of 16
+    floats, plain and under the watch (as ``check_step`` runs it, each run in a context of its
+    own, as each ``check_step`` call is), alternating."""
+    from fsdpcheck.distributed import setup
+    from fsdpcheck.step.session import watched_step
+
+    def many():
+        t = torch.ones(16)
+        for _ in range(SMALL_N):
+            dist.all_reduce(t)
+
+    plain, watched, record = [], [], None
+    many()
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        many()
+        plain.append(time.perf_counter() - start)
+        ctx = setup.init("auto", 300)
+        dist.barrier()
+        start = time.perf_counter()
+        record, _ = watched_step(ctx, model, many)
+        watched.append(time.perf_counter() - start)
+    return {
+        "n": SMALL_N,
+        "plain": plain,
+        "watched": watched,
+        "exchanges": record.exchanges,
+        "channel_bytes": record.channel_bytes,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -114,6 +150,7 @@ def main() -> int:
             "channel_bytes": record.channel_bytes,
             "watch_seconds": record.watch_seconds,
         }
+        counts["small"] = small_collectives(model)
     params = sum(p.numel() for p in model.parameters())
     out = {"rank": rank, "detail": detail, "seconds": seconds, "params": params, "peak_mib": peak}
     out.update(counts)
