@@ -426,9 +426,7 @@ class CollectiveWatch(TorchDispatchMode):
                 time.sleep(pause)
                 pause = min(pause * 2, _PAUSE_MAX)
             return got
-        except ChannelLost:
-            raise
-        except Exception as exc:  # the store's host is gone
+        except Exception as exc:  # the store's host is gone (ChannelLost is no Exception)
             log.debug("waiting for %s: the store failed", sorted(keys), exc_info=True)
             raise ChannelLost(exc) from exc
 
