@@ -742,7 +742,8 @@ class _Digest:
         return cls(int(low, 16), int(high, 16), int(pairs, 16), ended == "e")
 
     def text(self) -> str:
-        return f"{self.low:x}:{self.high:x}:{self.pairs:x}:{'e' if self.ended else ''}"
+        # Fixed width: what a member leaves does not depend on the digests' values.
+        return f"{self.low:016x}:{self.high:016x}:{self.pairs:016x}:{'e' if self.ended else ''}"
 
     def combined(self, other: _Digest) -> _Digest:
         if other.ended or self.ended:

@@ -73,6 +73,8 @@ def test_the_agreement_rounds_are_judged_on_bytes_per_rank_and_projected_from_th
     assert layout.met and watch.met and "2: 8000 B, 256: 8000 B" == layout.result
     grown, _ = span_lines(spans({2: 8000, 256: 9000}))
     assert grown.met is False
+    fewer_at_two, _ = span_lines(spans({2: 160, 8: 9000, 256: 8000}))  # no middle at 2 ranks
+    assert fewer_at_two.met
     trees = {
         2: {"slowest_seconds_per_collective": 0.002, "sets_and_reads_per_rank_max": 4,
             "bytes_per_rank_max": 108},
