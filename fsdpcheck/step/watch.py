@@ -378,7 +378,7 @@ class CollectiveWatch(TorchDispatchMode):
         wanted = {c: f"{prefix}/{'t' if c in internal else 'h'}/{c}" for c in children}
         for got in self._wait(call, prefix, wanted, deadline).values():
             mine = mine.combined(_Digest.parse(got))
-        if children:
+        if children and at != 0:  # the root's subtree is the verdict
             self._leave(f"{prefix}/t/{self._rank}", mine.text())
         if at == 0:
             self._leave(f"{prefix}/v", mine.text())

@@ -34,9 +34,8 @@ def test_members_that_agree_cost_each_rank_a_few_store_calls_per_collective(rank
     for me, rank in enumerate(ranks):
         got = rank["agree"]
         assert got["raised"] == "" and got["at"] is None
-        # Six sets and reads at most, and a poll or two when no member keeps it waiting (on 2
-        # busy cores one may: each pause of the wait is one more poll)
-        assert min(got["calls"]) <= 8 and max(got["calls"]) <= 60, got["calls"]
+        # At most four sets and reads per collective, whatever the group's size (polls apart)
+        assert max(got["calls"]) <= 4, got["calls"]
         # 3 world collectives, and 3 on the group of ranks 0-2 for its members only
         assert got["exchanges"] == (6 if me < 3 else 3)
         assert got["bytes"] / got["exchanges"] < 200
