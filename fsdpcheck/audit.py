@@ -317,8 +317,6 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     from fsdpcheck.model.rank_state import look, rank_record
 
     ctx, stages = state.ctx, state.stages
-    if options.resume is not None and options.init != Init.META:  # a resume builds on meta
-        options = replace(options, init=Init.META)
     env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     state.env = env
     # Parameters' values are compared only where every rank holds its own (--init all).

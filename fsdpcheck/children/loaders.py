@@ -19,8 +19,6 @@ from typing import Any
 
 from fsdpcheck.checks.observed import LOADING
 from fsdpcheck.children.jobs import (
-    EXIT_COLLECTIVE,
-    EXIT_REFUSED,
     expected_holdings,
     first_line,
     reference_buffers,
@@ -29,6 +27,7 @@ from fsdpcheck.children.jobs import (
 )
 from fsdpcheck.children.launch import emit, mark_stage
 from fsdpcheck.distributed.liveness import is_collective_failure
+from fsdpcheck.vocab import ChildExit
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +237,7 @@ def main(
     ctx = setup.init("gloo", args.timeout)
     run = _Run(args, ctx)
     record: dict[str, Any] = {"rank": ctx.rank, "loader": args.loader, "error": None}
-    code = 0
+    code = ChildExit.DONE
     try:
         run.stage("build")
         model = runners[args.loader](run)
@@ -253,7 +252,7 @@ def main(
         log.debug("rank %d: %s failed in %s", ctx.rank, args.loader, run.current, exc_info=True)
         kind = "collective" if is_collective_failure(exc) else "refused"
         record["error"] = {"kind": kind, "stage": run.current, "message": first_line(exc)}
-        code = EXIT_COLLECTIVE if kind == "collective" else EXIT_REFUSED
+        code = ChildExit.COLLECTIVE if kind == "collective" else ChildExit.REFUSED
         print(f"rank {ctx.rank}: {record['error']['message']}", file=sys.stderr)
     emit(record)
     mark_stage("done")

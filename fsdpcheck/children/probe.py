@@ -36,7 +36,7 @@ from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, compare_orders, t
 from fsdpcheck.children.launch import JOB_ENV, emit, run_each
 from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
-from fsdpcheck.vocab import ExitCode, Init, Snapshot, Verdict, errors_exit_code
+from fsdpcheck.vocab import ExitCode, Init, Snapshot, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -131,14 +131,9 @@ def probe(
     orders = len(
         {(tensor_names(fp.buffers), tensor_names(fp.params)) for fp in fingerprints.values()}
     )
-    if reorders:
-        verdict, code = Verdict.LATENT, ExitCode.FINDINGS
-    elif errors:
-        # A seed that ran out of time is a runtime failure (SeedError.kind "timeout").
-        kinds = ("runtime" if e.kind == "timeout" else e.kind for e in errors)
-        verdict, code = Verdict.ERROR, errors_exit_code(kinds)
-    else:
-        verdict, code = Verdict.CONSISTENT, ExitCode.CONSISTENT
+    verdict = Verdict.LATENT if reorders else Verdict.ERROR if errors else Verdict.CONSISTENT
+    # A seed that ran out of time is a runtime failure (SeedError.kind "timeout").
+    code = verdict.exit_code("runtime" if e.kind == "timeout" else e.kind for e in errors)
     return ProbeResult(
         model=builder or model,
         architecture=architecture,

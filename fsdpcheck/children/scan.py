@@ -37,7 +37,7 @@ from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.errors import InputError
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
 from fsdpcheck.text import int_ranges
-from fsdpcheck.vocab import ExitCode, Init, ScanVerdict
+from fsdpcheck.vocab import Init, ScanVerdict, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -255,12 +255,12 @@ def scan(
             errors.append(SeedError(seed, kind, outcome.failure(timeout)))
     rows = tuple(scan_row(t, per_arch[t.id], seed_list, errors) for t in targets)
     counts = {v: sum(r.verdict == v for r in rows) for v in ScanVerdict}
+    # Seeds that failed are only an error when no architecture has a result left.
     if counts["hang"] or counts["silent-corruption"]:
-        code = ExitCode.FINDINGS
-    elif errors and not any(per_arch.values()):
-        code = ExitCode.RUNTIME
+        overall = Verdict.INCONSISTENT
     else:
-        code = ExitCode.CONSISTENT
+        overall = Verdict.ERROR if errors and not any(per_arch.values()) else Verdict.CONSISTENT
+    code = overall.exit_code()
     return ScanResult(
         rows=rows,
         seeds=seed_list,
