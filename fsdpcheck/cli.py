@@ -150,7 +150,7 @@ def audit(
     init: Init = typer.Option(_default("init"), help=INIT_HELP),
     dtype: DType | None = DTYPE_OPTION,
     seed: int = SEED_OPTION,
-    wrap_class: list[str] = WRAP_CLASS_OPTION,
+    wrap_classes: list[str] = WRAP_CLASS_OPTION,
     min_params: int = MIN_PARAMS_OPTION,
     text_only: bool = TEXT_ONLY_OPTION,
     trust_remote_code: bool = TRUST_REMOTE_CODE_OPTION,
@@ -164,7 +164,9 @@ def audit(
     download: bool = _audit_option("download"),
     load: bool = _audit_option("load"),
     reproduce: bool = _audit_option("reproduce"),
-    loader: list[Loader] = _audit_option("loaders", "--loader", metavar="NAME", show_default=False),
+    loaders: list[Loader] = _audit_option(
+        "loaders", "--loader", metavar="NAME", show_default=False
+    ),
     step: bool = _audit_option("step"),
     mesh: str | None = _audit_option("mesh"),
     tp: int | None = _audit_option("tp"),
@@ -179,33 +181,7 @@ def audit(
     annotations: Annotations = typer.Option(Annotations.AUTO, help=ANNOTATIONS_HELP),
 ) -> None:
     """Build MODEL on every rank, fully_shard it, and compare every rank's buffers and params."""
-    from fsdpcheck.errors import OptionError
-
-    try:  # the CLI parses; which combinations can run is AuditOptions' to say
-        options = AuditOptions(
-            **_build_fields(model, init, dtype, seed, text_only, trust_remote_code, allow_pickle),
-            **_parse_mesh(mesh),
-            backend=backend,
-            timeout=timeout,
-            wrap_classes=tuple(wrap_class),
-            min_params=min_params,
-            tp=tp,
-            ep=ep,
-            cpu_offload=cpu_offload,
-            load=load,
-            reproduce=reproduce,
-            loaders=tuple(dict.fromkeys(loader)),
-            probe=probe,
-            download=download,
-            step=step,
-            builder=builder,
-            resume=resume,
-            source=source,
-        )
-    except OptionError as exc:
-        hint = f"'{exc.option}'" if exc.option else None
-        raise typer.BadParameter(str(exc), param_hint=hint) from None
-
+    options = _audit_options(locals())  # first: locals() is the parameters, nothing else yet
     from fsdpcheck import process
 
     if vary_hash_seed:
@@ -332,7 +308,7 @@ def _exit_with(command: str, message: str, code: int, outputs: _Outputs | None) 
 
 
 def _build_fields(
-    model: str | None,
+    model: str,
     init: Init,
     dtype: DType | None,
     seed: int,
@@ -350,6 +326,23 @@ def _build_fields(
         "trust_remote_code": trust_remote_code,
         "allow_pickle": allow_pickle,
     }
+
+
+def _audit_options(given: dict[str, Any]) -> AuditOptions:
+    """``audit``'s parameters as ``AuditOptions`` (the same names; ``--mesh`` parsed, repeated
+    options once each); a combination it refuses is the CLI's usage error (exit 2)."""
+    from fsdpcheck.errors import OptionError
+
+    named = {
+        name: tuple(dict.fromkeys(value)) if isinstance(value, list) else value
+        for name, value in given.items()
+        if name in _DEFAULTS
+    }
+    try:
+        return AuditOptions(**{**named, **_parse_mesh(given["mesh"])})
+    except OptionError as exc:
+        hint = f"'{exc.option}'" if exc.option else None
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
 
 
 def _parse_mesh(text: str | None) -> dict[str, Any]:

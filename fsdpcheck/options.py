@@ -75,7 +75,7 @@ def _refusals(o: AuditOptions) -> Iterator[tuple[str, str | None]]:
     if o.timeout < 1:
         yield (
             f"--timeout {o.timeout}: every collective may wait this many seconds, and under 1 "
-            "no rank can answer in time; give --timeout 1 or more (60 by default).",
+            "no rank can answer in time; give --timeout 1 or more, or omit it.",
             "--timeout",
         )
     if o.probe < 0:
