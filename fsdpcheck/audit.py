@@ -322,7 +322,7 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     state.env = env
     # Parameters' values are compared only where every rank holds its own (--init all).
-    values = options.init == "all"
+    values = options.init == Init.ALL
     probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
     if options.download:
         _download_on_rank0(options, state)
@@ -732,7 +732,7 @@ def _load_skip_reason(
         return "--no-load"
     if options.resume:
         return "" if built is not None else "rank 0 built no model"
-    if options.init == "meta" and not options.builder:
+    if options.init == Init.META and not options.builder:
         return "--init meta: nothing to load from"
     if options.builder and (built is None or built.full_state_dict is None):
         return "the builder returned no state dict to load"

@@ -27,6 +27,7 @@ from fsdpcheck.vocab import (
     ScanVerdict,
     Snapshot,
     Stage,
+    Verdict,
 )
 
 if TYPE_CHECKING:
@@ -35,10 +36,10 @@ if TYPE_CHECKING:
     from fsdpcheck.model.presets import Preset
 
 _VERDICT_STYLE = {
-    "consistent": "bold green",
-    "inconsistent": "bold red",
-    "latent": "bold yellow",
-    "error": "bold red",
+    Verdict.CONSISTENT: "bold green",
+    Verdict.INCONSISTENT: "bold red",
+    Verdict.LATENT: "bold yellow",
+    Verdict.ERROR: "bold red",
 }
 
 
@@ -377,17 +378,19 @@ def probe_table(result: ProbeResult) -> Any:
 
 def probe_summary(result: ProbeResult) -> str:
     """The verdict line, as rich markup."""
-    style = {"latent": "bold red", "consistent": "bold green"}.get(result.verdict, "bold red")
+    style = {Verdict.LATENT: "bold red", Verdict.CONSISTENT: "bold green"}.get(
+        result.verdict, "bold red"
+    )
     what = {
-        "latent": (
+        Verdict.LATENT: (
             f"{len(result.tensors)} tensor(s) change order with the hash seed "
             f"({result.orders} distinct orders over {len(result.seeds)} seeds); a loader pairing "
             f"them by local order would {'hang' if result.sizes_differ else 'corrupt silently'}"
         ),
-        "consistent": (
+        Verdict.CONSISTENT: (
             f"the same buffer and parameter order under all {len(result.seeds)} hash seeds"
         ),
-        "error": f"{len(result.errors)} of {len(result.seeds)} seeds failed",
+        Verdict.ERROR: f"{len(result.errors)} of {len(result.seeds)} seeds failed",
     }[result.verdict]
     return f"[bold]verdict:[/] [{style}]{result.verdict}[/] (exit {result.exit_code}) · {what}"
 
@@ -408,10 +411,10 @@ def probe_errors(result: ProbeResult) -> list[str]:
 
 
 _SCAN_STYLE = {
-    "ok": "green",
-    "hang": "bold red",
-    "silent-corruption": "bold red",
-    "skipped": "yellow",
+    ScanVerdict.OK: "green",
+    ScanVerdict.HANG: "bold red",
+    ScanVerdict.SILENT_CORRUPTION: "bold red",
+    ScanVerdict.SKIPPED: "yellow",
 }
 
 
@@ -451,9 +454,10 @@ def scan_summary(result: ScanResult) -> str:
     c = result.counts
     return (
         f"[bold]{len(result.rows)} architectures[/] in {result.elapsed:.0f} s: "
-        f"[green]{c.get('ok', 0)} ok[/] · [bold red]{c.get('hang', 0)} hang[/] · "
-        f"[bold red]{c.get('silent-corruption', 0)} silent-corruption[/] · "
-        f"[yellow]{c.get('skipped', 0)} skipped[/] (exit {result.exit_code})"
+        f"[green]{c.get(ScanVerdict.OK, 0)} ok[/] · "
+        f"[bold red]{c.get(ScanVerdict.HANG, 0)} hang[/] · "
+        f"[bold red]{c.get(ScanVerdict.SILENT_CORRUPTION, 0)} silent-corruption[/] · "
+        f"[yellow]{c.get(ScanVerdict.SKIPPED, 0)} skipped[/] (exit {result.exit_code})"
     )
 
 

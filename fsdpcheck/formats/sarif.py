@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdpcheck.checks.set_order import SetOrderSite, find_sites_in_file
 from fsdpcheck.output import write_text
-from fsdpcheck.vocab import ExitCode, ScanVerdict
+from fsdpcheck.vocab import ExitCode, ScanFamily, ScanVerdict
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ _SIBLING = re.compile(r"^from \.\.(\w+)\.(modeling_\w+) import", re.MULTILINE)
 def row_sources(row: ScanRow, base: Path | None) -> list[Path]:
     """The files that define ``row``'s model: its modeling files, and the sibling modeling
     modules they import from (a model may reuse another's rotary embedding)."""
-    if row.family == "preset":  # fsdpcheck's own, or a tiny config of a transformers class
+    if row.family == ScanFamily.PRESET:  # fsdpcheck's own, or a tiny config of a transformers class
         path, _ = class_location(row)
         return [Path(path)] if path else []
     if base is None:
