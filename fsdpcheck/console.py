@@ -31,7 +31,7 @@ from fsdpcheck.vocab import (
 )
 
 if TYPE_CHECKING:
-    from fsdpcheck.checks.hash_seed import ProbeResult
+    from fsdpcheck.checks.hash_seed import ProbeResult, SeedError
     from fsdpcheck.children.scan import ScanResult
     from fsdpcheck.model.presets import Preset
 
@@ -396,10 +396,13 @@ def probe_summary(result: ProbeResult) -> str:
 
 
 def probe_errors(result: ProbeResult) -> list[str]:
-    """The failed seeds as rich markup lines, one per distinct message."""
+    return seed_errors(result.errors)
 
+
+def seed_errors(errors: Sequence[SeedError]) -> list[str]:
+    """The failed seeds (probe, scan) as rich markup lines, one per distinct message."""
     grouped: dict[tuple[str, str], list[int]] = {}
-    for e in result.errors:
+    for e in errors:
         grouped.setdefault((e.kind, e.message), []).append(e.seed)
     return [
         f"[bold red]✗ seed{'s' if len(s) > 1 else ''} {int_ranges(s)} ({kind})[/]: {escape(msg)}"
@@ -445,8 +448,7 @@ def scan_table(result: ScanResult, *, all_rows: bool = True) -> Any:
 
 
 def scan_errors(result: ScanResult) -> list[str]:
-    """The seeds whose child failed, as rich markup lines."""
-    return [f"[bold red]✗ seed {e.seed}[/]: {escape(e.message)}" for e in result.errors]
+    return seed_errors(result.errors)
 
 
 def scan_summary(result: ScanResult) -> str:
