@@ -186,21 +186,20 @@ def _render_loaders(report: Report, console: Console) -> None:
 
 def _render_load(report: Report, console: Console) -> None:
     load, verified = report.load, report.verify
-    if load is not None and load.method == LoadMethod.RESUME and verified is not None:
+    if verified is not None:
         status = "[green]passed[/]" if verified.passed else "[bold red]FAILED[/]"
+        ranks = f"{report.world_size} rank{'s' if report.world_size != 1 else ''}"
+        outcome = f"{status}: {verified.checked} tensors checked on {ranks}"
+    if load is not None and load.method == LoadMethod.RESUME and verified is not None:
         console.print(
             f"resume: {load.params_loaded} state-dict entries {escape(load.message)} "
-            f"({load.seconds:.2f}s); verification against rank 0's checkpoint {status}: "
-            f"{verified.checked} tensors checked on {report.world_size} rank"
-            f"{'s' if report.world_size != 1 else ''}"
+            f"({load.seconds:.2f}s); verification against rank 0's checkpoint {outcome}"
         )
     elif load is not None and load.outcome == LoadStatus.LOADED and verified is not None:
-        status = "[green]passed[/]" if verified.passed else "[bold red]FAILED[/]"
         console.print(
             f"sorted loader: {load.params_loaded} state-dict entries {_load_method(load)}, "
             f"{load.buffers_broadcast} non-persistent buffers in {load.collectives} collectives "
-            f"({load.seconds:.2f}s); verification {status}: {verified.checked} tensors checked "
-            f"on {report.world_size} rank{'s' if report.world_size != 1 else ''}"
+            f"({load.seconds:.2f}s); verification {outcome}"
         )
     elif load is not None and load.outcome == LoadStatus.REFUSED:
         console.print(f"[yellow]sorted loader refused[/] (no rank hung): {escape(load.message)}")
