@@ -126,6 +126,8 @@ def collective_step(case: str, rank: int, model: WithTower, optimizer, stages):
             ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+        if case == "p2p-unreceived" and rank == 0:  # rank 1 never receives it
+            dist.send(torch.ones(2), 1)
         if case == "pp-subgroups":
             # Pipeline stages: each rank all-reduces its own layers' gradients over its own
             # 1-rank data group, stage 1 holding more layers; then the loss over every rank.
@@ -205,6 +207,7 @@ COLLECTIVE_CASES = (
     "pp-subgroups",
     "p2p-ring",
     "p2p-size",
+    "p2p-unreceived",
 )
 
 
