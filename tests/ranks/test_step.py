@@ -31,6 +31,7 @@ CASES = [
     "p2p-size",
     "pipeline-clean",
     "p2p-unreceived",
+    "compiled-step",
     # its sends posted ahead of their pair stay posted on the world group: last of the p2p cases
     "pipeline-fewer-microbatches",
     "unseen-rank0",  # last: it ends the job (exit 3 on both ranks)
@@ -76,6 +77,7 @@ def _only(report: dict, kind: str) -> dict:
         "clip-all",
         "p2p-ring",  # each rank sends before it receives: no wait on each other
         "pipeline-clean",  # torch.distributed.pipelining, GPipe over 2 stages
+        "compiled-step",
     ],
 )
 def test_the_clean_twins_are_consistent_and_the_step_ran(ran, case):
@@ -197,6 +199,17 @@ def test_a_send_whose_peer_finishes_its_step_is_named_not_a_timeout(ran):
         "send to rank 1 (2 float32"
     )
     assert found["details"]["not_issued_by"] == [1]
+
+
+def test_a_compiled_step_runs_eagerly_under_the_watch_and_compiles_after_it(ran):
+    # What docs/checks.md says runs (torch 2.13): under the watch's dispatch mode dynamo
+    # compiles no frame, so the step's collectives are the eager ones, all watched; and a
+    # function first called under the watch is not compiled on its next call either. A torch
+    # that compiles under a dispatch mode (collectives inside a graph the watch may not see)
+    # fails here.
+    for rank in ran:
+        case = rank["compiled-step"]
+        assert (case["frames_under_watch"], case["frames_after"]) == (0, 0), case
 
 
 def test_a_grad_norm_over_dtensor_gradients_on_rank_0_only_is_named_before_it_is_issued(ran):
