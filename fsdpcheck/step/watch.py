@@ -14,12 +14,18 @@ member that has finished (or raised in, or stopped in) its step: no member issue
 raises :class:`StepDiverged`, which unwinds its step, and every rank that later needs one of
 them stops too.
 
+Point-to-point: a send or receive whose peer is itself waiting in the watch goes ahead of its
+pair, and the pair is confirmed before anyone waits on it (:meth:`CollectiveWatch.point_to_point`),
+so a stage running fewer microbatches than the next one is a finding, not a wait in gloo.
+
 DTensor's redistributions (``clip_grad_norm_`` over FSDP2 gradients, tensor parallelism) issue
 functional collectives inside DTensor's own dispatch, where a mode is off: for an op on a
 DTensor the watch steps aside and lets DTensor run with the watch on again, so those are seen
-too. Not seen: collectives from other threads (the mode is thread-local; FSDP2 on CPU issues its
-own from the step's thread), compiled graphs (``torch.compile`` traces the step before the mode
-sees it) and the ops :data:`UNWATCHED` lists. A divergence there is caught by the timeout.
+too. A ``torch.compile``d step runs eagerly under the watch (torch 2.13: dynamo compiles no frame
+and runs no cached graph while a dispatch mode is active), so its collectives are seen; what is
+checked is the eager form of the step. Not seen: collectives from other threads (the mode is
+thread-local; FSDP2 on CPU issues its own from the step's thread) and the ops :data:`UNWATCHED`
+lists. A divergence there is caught by the timeout.
 """
 
 from __future__ import annotations
