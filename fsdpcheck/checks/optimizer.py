@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdpcheck.checks.groups import reference_group, usable_groups
-from fsdpcheck.checks.value import comparisons, is_sharded
+from fsdpcheck.model.keys import comparisons, is_sharded
 from fsdpcheck.records import Finding, Gathered, Group, OptimizerRecord, RankRecord
 from fsdpcheck.text import ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot

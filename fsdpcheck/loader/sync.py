@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.distributed.environment import worker_threads
 from fsdpcheck.errors import InputError
 from fsdpcheck.loader.shards import shard_of, supported
 from fsdpcheck.model.checksum import Share, checksums, combine, share
+from fsdpcheck.model.threads import worker_threads
 from fsdpcheck.records import DigestComparison, DigestDifference, StateDigests, TensorDigest
 from fsdpcheck.vocab import SyncDifference, Verdict
 

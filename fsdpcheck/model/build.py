@@ -17,9 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdpcheck.distributed.environment import all_cores, worker_threads
 from fsdpcheck.errors import InputError
+from fsdpcheck.model.fill import FILL, TRANSFORMERS_INIT, build_filled
+from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
 from fsdpcheck.model.resolve import ResolvedModel
+from fsdpcheck.model.threads import all_cores, worker_threads
 from fsdpcheck.records import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,6 @@ def build(
         model = _from_checkpoint(resolved, torch_dtype, rank, trust_remote_code)
         init_values = "checkpoint"
     elif materialise:
-        from fsdpcheck.model.fill import FILL, TRANSFORMERS_INIT, build_filled
-
         torch.manual_seed(seed)
         with _default_dtype(torch_dtype):
             model = build_filled(
@@ -175,8 +175,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _from_config(config: Any, trust_remote_code: bool) -> nn.Module:
-    from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
-
     if hasattr(config, "build_model"):  # fixtures build themselves (fsdpcheck.model.fixtures)
         return config.build_model()
     if isinstance(config, HazardConfig):

@@ -13,7 +13,7 @@ from collections import Counter
 
 from torch import nn
 
-from fsdpcheck.checks.wrapper import DDP_LEVEL, WRAPPER_LEVELS, canonical_name
+from fsdpcheck.model.names import DDP_LEVEL, WRAPPER_LEVELS, canonical_name
 from fsdpcheck.records import Renamed, WrappedModule, WrapperRecord
 from fsdpcheck.vocab import Wrapper
 

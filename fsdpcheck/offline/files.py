@@ -17,8 +17,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fsdpcheck.checks.value import value_digests
+from fsdpcheck.distributed.environment import env_record as audit_env_record
+from fsdpcheck.distributed.environment import package_version
+from fsdpcheck.distributed.launcher import local_rank_hint, rank_hint
 from fsdpcheck.errors import InputError
+from fsdpcheck.model.keys import value_digests
+from fsdpcheck.model.rank_state import model_record
+from fsdpcheck.model.wrap import model_class
 from fsdpcheck.records import (
     EnvRecord,
     ModelInfo,
@@ -70,8 +75,6 @@ def process_identity(rank: int | None = None) -> Identity:
     import torch
     import torch.distributed as dist
 
-    from fsdpcheck.distributed.launcher import local_rank_hint, rank_hint
-
     if dist.is_available() and dist.is_initialized():
         own, world, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
     else:
@@ -110,8 +113,6 @@ def _int_env(name: str, default: int) -> int:
 
 def env_record(identity: Identity) -> EnvRecord:
     """The audit's allowlisted environment record, for a process that has no group."""
-    from fsdpcheck.distributed.environment import env_record as audit_env_record
-
     return audit_env_record(
         identity.rank, identity.local_rank, identity.world_size, identity.backend
     )
@@ -119,8 +120,6 @@ def env_record(identity: Identity) -> EnvRecord:
 
 def describe_model(model: Any) -> ModelInfo:
     """What a training script's model is, from the model alone."""
-    from fsdpcheck.model.wrap import model_class
-
     config = getattr(model, "config", None)
     tensors = [*model.parameters(), *model.buffers()]
     dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
@@ -150,8 +149,6 @@ def save_fingerprint(
     ``{rank}``, ``{local_rank}``, ``{world_size}`` and ``{host}``. Returns the path written.
     Compare the files with ``fsdpcheck diff DIR``.
     """
-    from fsdpcheck.model.rank_state import model_record
-
     identity = process_identity(rank)
     env = env_record(identity)
     content = FingerprintFile(record=model_record(model, env), model=describe_model(model))
@@ -175,8 +172,6 @@ def format_path(path: str | os.PathLike, env: EnvRecord) -> Path:
 
 def write_fingerprint(content: FingerprintFile, path: str | os.PathLike) -> Path:
     """Write atomically (a reader never sees half a file); unwritable paths are bad input."""
-    from fsdpcheck.distributed.environment import package_version
-
     content = replace(
         content,
         created=content.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
