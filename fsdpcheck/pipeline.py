@@ -9,18 +9,17 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+from fsdpcheck.distributed.liveness import is_collective_failure
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.faults import maybe_inject
+from fsdpcheck.model.build import BuiltModel, build
 from fsdpcheck.model.memory import MEASURED, StageMeter
 from fsdpcheck.model.resolve import resolve
 from fsdpcheck.options import BuildSpec
 from fsdpcheck.records import RankError
 from fsdpcheck.vocab import ErrorKind, Stage
-
-if TYPE_CHECKING:
-    from fsdpcheck.model.build import BuiltModel
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ class Stages:
             if self.raising:
                 raise
         except Exception as exc:  # any failure must reach the gather, not strand the others
-            if collective and _collective_failure(exc):
+            if collective and is_collective_failure(exc):
                 raise
             log.debug("rank %d: stage %s failed", self.rank, stage, exc_info=True)
             message = f"{type(exc).__name__}: {exc}"
@@ -86,12 +85,6 @@ class Stages:
             if self.raising:
                 raise
         return None
-
-
-def _collective_failure(exc: Exception) -> bool:
-    from fsdpcheck.distributed.liveness import is_collective_failure  # torch: imported lazily
-
-    return is_collective_failure(exc)
 
 
 def build_from(
@@ -110,8 +103,6 @@ def build_from(
     stages = stages if stages is not None else Stages(rank)
 
     def build_model() -> BuiltModel:
-        from fsdpcheck.model.build import build  # torch: after resolve, so bad input fails fast
-
         return build(
             resolved,
             rank=rank,

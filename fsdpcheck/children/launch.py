@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpcheck.distributed.launcher import FOREIGN
 from fsdpcheck.process import LOG_LINE
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,6 @@ def child_env(
 ) -> dict[str, str]:
     """A rank's whole environment: ``environ`` without an enclosing job's launcher variables,
     then ``extra``, then its own rank variables; this fsdpcheck first on ``PYTHONPATH``."""
-    from fsdpcheck.distributed.launcher import FOREIGN
-
     inherited = {
         k: v
         for k, v in environ.items()

@@ -28,7 +28,14 @@ from fsdpcheck.children.jobs import (
     tensors_held,
 )
 from fsdpcheck.children.launch import emit, mark_stage
+from fsdpcheck.distributed import setup
+from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.distributed.liveness import is_collective_failure
+from fsdpcheck.loader.load import load_full_state_dict
+from fsdpcheck.model import wrap
+from fsdpcheck.model.fingerprint import non_persistent_buffers
+from fsdpcheck.options import BuildSpec
+from fsdpcheck.pipeline import build_or_raise
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +43,6 @@ MODULE = "fsdpcheck.children.loaders"
 
 
 def accelerate_version() -> str | None:
-    from fsdpcheck.distributed.environment import package_version
-
     return package_version("accelerate")
 
 
@@ -53,9 +58,6 @@ class _Run:
         self.stands_for = stand_in_here()  # what the audit rank this rank stands for built
 
     def build(self, init: str | None = None, seed: int | None = None) -> Any:
-        from fsdpcheck.options import BuildSpec
-        from fsdpcheck.pipeline import build_or_raise
-
         a, parent = self.args, self.stands_for
         spec = BuildSpec(
             parent.get("model") or a.model,
@@ -76,8 +78,6 @@ class _Run:
         self.meta_built = any(b.is_meta for b in model.buffers())
 
     def wrap(self, model: Any) -> None:
-        from fsdpcheck.model import wrap
-
         wrap.apply(wrap.plan(model).modules, self.ctx.mesh)
 
     def stage(self, name: str) -> None:
@@ -142,8 +142,6 @@ def named_buffers_order(run: _Run) -> Any:
 
 def sorted_names(run: _Run) -> Any:
     """fsdpcheck's own loader (load_full_state_dict): checks, then pairs by sorted name."""
-    from fsdpcheck.loader.load import load_full_state_dict
-
     model = _audit_built(run)
     run.stage(LOADING)
     load_full_state_dict(model, run.source if run.rank == 0 else None, group=run.ctx.side_channel)
@@ -175,8 +173,6 @@ def state_dict_order(run: _Run) -> Any:
     rank's non-persistent buffers, move to meta, fully_shard, accelerate's own
     fsdp2_load_full_state_dict, then put each rank's own buffers back."""
     import torch
-
-    from fsdpcheck.model.fingerprint import non_persistent_buffers
 
     try:
         from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
@@ -233,7 +229,6 @@ def main(
     released function, read from its wheel)."""
     args = _parser(runners).parse_args(argv)
     mark_stage("init")
-    from fsdpcheck.distributed import setup
 
     ctx = setup.init("gloo", args.timeout)
     run = _Run(args, ctx)

@@ -35,6 +35,12 @@ from typing import Any
 from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, compare_orders, tensor_names
 from fsdpcheck.children.launch import JOB_ENV, emit, run_each
 from fsdpcheck.distributed.environment import package_version
+from fsdpcheck.errors import FsdpcheckError, InputError
+from fsdpcheck.model.builder import BuildContext, builder_spec, call_builder
+from fsdpcheck.model.fingerprint import fingerprint
+from fsdpcheck.model.wrap import model_class
+from fsdpcheck.options import BuildSpec
+from fsdpcheck.pipeline import build_or_raise
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
 from fsdpcheck.vocab import ExitCode, Init, Snapshot, Verdict, errors_exit_code
 
@@ -60,8 +66,6 @@ def probe_builder(
     ``ctx.world_size`` 1) or ``build()``, and returns the model, or ``(model, state_dict)``.
     Verdict ``latent`` (the differing tensors in ``reorders``), ``consistent`` or ``error``, as
     :func:`probe`."""
-    from fsdpcheck.model.builder import builder_spec
-
     return probe("", seeds=seeds, jobs=jobs, timeout=timeout, builder=builder_spec(build))
 
 
@@ -87,8 +91,6 @@ def probe(
     (``MODULE:FUNCTION`` or ``FILE.py:FUNCTION``): build with it instead of ``model``.
     """
     if seeds < 2:
-        from fsdpcheck.errors import InputError
-
         raise InputError(f"--seeds {seeds}: comparing orders needs at least 2 hash seeds.")
     start = time.monotonic()
     target = ["--builder", builder] if builder else ["--model", model]
@@ -170,16 +172,11 @@ def _child(argv: Sequence[str]) -> int:
     parser.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args(argv)
 
-    from fsdpcheck.errors import FsdpcheckError
-
     what = args.builder or args.model
     try:
         if args.builder:
             model, architecture = _from_builder(args.builder)
         else:
-            from fsdpcheck.options import BuildSpec
-            from fsdpcheck.pipeline import build_or_raise
-
             spec = BuildSpec(
                 args.model,
                 init=Init.META,
@@ -188,8 +185,6 @@ def _child(argv: Sequence[str]) -> int:
             )
             built = build_or_raise(spec, 0)  # resolves before importing torch: fails fast
             model, architecture = built.model, built.info.architecture
-
-        from fsdpcheck.model.fingerprint import fingerprint
 
         fp = fingerprint(model, Snapshot.PRE_WRAP, with_values=False)
     except FsdpcheckError as exc:
@@ -211,9 +206,6 @@ def _from_builder(spec: str) -> tuple[Any, str]:
     no port), so a builder that shards its model with ``fully_shard`` runs as on a rank."""
     import torch
     import torch.distributed as dist
-
-    from fsdpcheck.model.builder import BuildContext, call_builder
-    from fsdpcheck.model.wrap import model_class
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

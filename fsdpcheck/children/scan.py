@@ -35,6 +35,10 @@ from fsdpcheck.children.launch import JOB_ENV, emit, run_each
 from fsdpcheck.children.probe import DEFAULT_SEEDS
 from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.errors import InputError
+from fsdpcheck.model.fingerprint import fingerprint
+from fsdpcheck.model.presets import PRESETS
+from fsdpcheck.options import BuildSpec
+from fsdpcheck.pipeline import build_or_raise
 from fsdpcheck.records import Fingerprint, from_dict, to_dict
 from fsdpcheck.text import int_ranges
 from fsdpcheck.vocab import ExitCode, Init, ScanVerdict
@@ -147,8 +151,6 @@ def available_targets(
                 suffix = "" if family == "causal-lm" else f" ({family})"
                 out.append(ScanTarget(model_type + suffix, model_type, name, family))
     if presets:
-        from fsdpcheck.model.presets import PRESETS
-
         for name in presets:
             preset = PRESETS.get(name)
             if preset is None:
@@ -492,12 +494,7 @@ def build_target(target: ScanTarget) -> dict[str, Any]:
     """Build one target on meta and fingerprint it (child side); raises on failure."""
     import torch
 
-    from fsdpcheck.model.fingerprint import fingerprint
-
     if target.family == "preset":
-        from fsdpcheck.options import BuildSpec
-        from fsdpcheck.pipeline import build_or_raise
-
         built = build_or_raise(BuildSpec(target.model_type, init=Init.META), 0)
         config = getattr(built.model, "config", None)
         types = getattr(config, "layer_types", None) or ()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from fsdpcheck.distributed import launcher
 from fsdpcheck.errors import InputError
+from fsdpcheck.model.parallel import ep_meshes
 from fsdpcheck.options import MeshSpec, resolve_mesh
 from fsdpcheck.vocab import Backend
 
@@ -159,7 +160,6 @@ def init(
             )
         else:  # torch 2.6 builds sub-mesh groups with the default group's options only
             ctx.mesh = init_device_mesh(device_type, spec.sizes, mesh_dim_names=names)
-        from fsdpcheck.model.parallel import ep_meshes
 
         # flattening a mesh dim is a collective too
         ctx.ep_meshes = ep_meshes(ctx.mesh, group_options(device_type, timeout))

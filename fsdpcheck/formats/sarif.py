@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdpcheck.checks.set_order import SetOrderSite, find_sites_in_file
+from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.output import write_text
 from fsdpcheck.vocab import ExitCode, ScanVerdict
 
@@ -260,8 +261,6 @@ def _transformers_dir() -> Path | None:
 
 
 def _own_version() -> str:
-    from fsdpcheck.distributed.environment import package_version
-
     return package_version("fsdpcheck") or "0"
 
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from fsdpcheck.distributed.liveness import is_collective_failure
 from fsdpcheck.errors import InputError
+from fsdpcheck.loader.load import materialise
 from fsdpcheck.model.resume import resume_problem
+from fsdpcheck.model.state import buffer_reference
 from fsdpcheck.records import CheckpointRecord
 from fsdpcheck.text import ranks_label
 
@@ -30,9 +33,6 @@ def load_checkpoint(model: Any, record: CheckpointRecord, *, rank: int, group: A
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    from fsdpcheck.distributed.liveness import is_collective_failure
-    from fsdpcheck.loader.load import materialise
 
     # This rank's own part before DCP's first collective (its .metadata is unpickled here):
     # a rank that fails it must not leave the others waiting inside dcp.load, so every rank
@@ -123,8 +123,6 @@ def restore_buffers(model: Any) -> int:
     """Non-persistent buffers recomputed from the model's config after ``to_empty()`` (what a
     trainer's ``init_weights`` does); the number restored (0: the class cannot recompute)."""
     import torch
-
-    from fsdpcheck.model.state import buffer_reference
 
     reference = buffer_reference(model)
     if reference is None:

@@ -44,6 +44,7 @@ from torch import nn
 from fsdpcheck.loader.names import placement, state_dict_names, through_hooks_source
 from fsdpcheck.loader.shards import expected_shard
 from fsdpcheck.loader.verify import _same_bytes
+from fsdpcheck.model.resume import METADATA, checkpoint_record
 from fsdpcheck.records import VerifyResult
 from fsdpcheck.vocab import SourceLook
 
@@ -268,8 +269,6 @@ def open_source(path: str | os.PathLike[str]) -> _Safetensors | _Dcp:
     """The reader for ``path``: a ``.safetensors`` file, a sharded safetensors index (or the
     directory holding one, or a single ``.safetensors`` file), or a DCP directory (or a root
     whose ``LATEST`` file names one)."""
-    from fsdpcheck.model.resume import METADATA, checkpoint_record
-
     found = checkpoint_record(path)  # a checkpoint root's LATEST resolved, as --resume does
     root = Path(found.path) if found.path else Path(path)
     if root.is_dir():

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from fsdpcheck.model.checksum import checksum, checksums_and_non_finite
+from fsdpcheck.model.parallel import sibling_root
 from fsdpcheck.records import Fingerprint, MeshRecord, TensorRecord, short_digest
 
 
@@ -145,8 +146,6 @@ def mesh_record(mesh: object) -> MeshRecord:
 
 
 def _family(mesh: object, shape: tuple[int, ...], names: object) -> str | None:
-    from fsdpcheck.model.parallel import sibling_root
-
     root = sibling_root(mesh)
     if root is None:
         return None

@@ -37,6 +37,7 @@ from typing import Any
 from torch import nn
 
 from fsdpcheck.errors import InputError
+from fsdpcheck.model import wrap
 from fsdpcheck.options import DATA_DIMS, TP_DIMS
 
 log = logging.getLogger(__name__)
@@ -350,8 +351,6 @@ def apply_ep(
     data dims; the experts modules, which the dense wrap must leave alone."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-    from fsdpcheck.model import wrap
-
     try:
         apply_expert_parallelism(model, meshes.ep, meshes.tp, dict(plan))
     except TypeError as exc:  # another transformers 5.x signature: the fix is the same
@@ -403,8 +402,6 @@ def shard(
     rank, or its EP plan where it has an ``ep`` dim over more than one (``ep_meshes``: built
     with the mesh), then ``fully_shard`` on ``targets`` over the data dims. Every problem is
     raised before the model is touched. Returns the experts modules sharded first (--ep)."""
-    from fsdpcheck.model import wrap
-
     ep, tp = ep_size(mesh), tp_size(mesh)
     if ep > 1:
         problem = ep_problem(model, ep, tp=tp)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from fsdpcheck.model import wrap
+from fsdpcheck.model.rank_state import look, rank_record
 from fsdpcheck.model.wrap import DEFAULT_MIN_PARAMS
 from fsdpcheck.offline.files import FingerprintFile, env_record, process_identity
 from fsdpcheck.options import BuildSpec
@@ -31,9 +33,6 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
     builds, as in the audit; no peer is contacted. A stage that fails leaves its error in the
     record instead of raising, so ``diff`` names it. The record is the one the audit gathers:
     each fingerprint with its ties, the post-wrap one with this rank's shard coordinate."""
-    from fsdpcheck.model import wrap
-    from fsdpcheck.model.rank_state import look, rank_record
-
     identity = process_identity(options.rank)
     stages = Stages(identity.rank)
     built, _ = build_from(options, identity.rank, stages)
