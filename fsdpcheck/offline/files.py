@@ -22,8 +22,6 @@ from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.distributed.launcher import local_rank_hint, rank_hint
 from fsdpcheck.errors import InputError
 from fsdpcheck.model.keys import value_digests
-from fsdpcheck.model.rank_state import model_record
-from fsdpcheck.model.wrap import model_class
 from fsdpcheck.records import (
     EnvRecord,
     ModelInfo,
@@ -72,6 +70,7 @@ def process_identity(rank: int | None = None) -> Identity:
     ``rank`` overrides the rank. The backend is the group's, else the one the audit would
     choose here (nccl with CUDA, else gloo), so that offline records compare with gathered ones.
     """
+    # torch here only: `diff` reads fingerprint files with this module and never imports torch.
     import torch
     import torch.distributed as dist
 
@@ -116,43 +115,6 @@ def env_record(identity: Identity) -> EnvRecord:
     return audit_env_record(
         identity.rank, identity.local_rank, identity.world_size, identity.backend
     )
-
-
-def describe_model(model: Any) -> ModelInfo:
-    """What a training script's model is, from the model alone."""
-    config = getattr(model, "config", None)
-    tensors = [*model.parameters(), *model.buffers()]
-    dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
-    on_meta = any(t.device.type == "meta" for t in tensors)
-    architecture = model_class(model).__name__
-    name = getattr(config, "name_or_path", None) or architecture
-    return ModelInfo(
-        spec=architecture,
-        kind="script",
-        name=str(name),
-        path=None,
-        architecture=architecture,
-        dtype=dtype,
-        init="meta" if on_meta else "script",
-        checkpoint=False,
-    )
-
-
-def save_fingerprint(
-    model: Any, path: str | os.PathLike = DEFAULT_PATH, *, rank: int | None = None
-) -> Path:
-    """Write this process's fingerprint of ``model`` to ``path``, with no collective at all.
-
-    Call it on every rank, e.g. right after building (and wrapping) the model and before any
-    loader: it only reads local tensors, so it works when collectives are broken or a peer is
-    gone, and the files are there even if the job hangs afterwards. ``path`` may contain
-    ``{rank}``, ``{local_rank}``, ``{world_size}`` and ``{host}``. Returns the path written.
-    Compare the files with ``fsdpcheck diff DIR``.
-    """
-    identity = process_identity(rank)
-    env = env_record(identity)
-    content = FingerprintFile(record=model_record(model, env), model=describe_model(model))
-    return write_fingerprint(content, format_path(path, env))
 
 
 def format_path(path: str | os.PathLike, env: EnvRecord) -> Path:
