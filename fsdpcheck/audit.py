@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
 from fsdpcheck.children.jobs import ChildSpec
 from fsdpcheck.children.observe import observe_loaders, stand_ins_for
 from fsdpcheck.children.probe import probe
@@ -558,8 +560,6 @@ def _rank0_has_state(built: BuiltModel | None, ctx: distributed.DistContext) -> 
 
 def _download_on_rank0(options: AuditOptions, state: _RankState) -> None:
     """Rank 0 downloads into the shared cache while the others wait, then all read the cache."""
-    import torch.distributed as dist
-
     ctx, stages = state.ctx, state.stages
     if ctx.rank == 0:
         stages.run(

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from fsdpcheck.checks.observed import RankRun
 from fsdpcheck.children.launch import JOB_ENV, last_error, launch
 from fsdpcheck.loader.shards import expected_shard
@@ -163,8 +165,6 @@ def expected_holdings(
 ) -> dict[str, dict[str, dict[str, str | None]]]:
     """Rank 0: for every rank and every entry of its source state dict, the digest of the part
     that rank must hold, cast to each common dtype (a loader may convert to the receiver's)."""
-    import torch
-
     params = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, dict[str, dict[str, str | None]]] = {}
     for rank in range(world_size):

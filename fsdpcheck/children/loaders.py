@@ -17,6 +17,11 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
 from fsdpcheck.checks.observed import LOADING
 from fsdpcheck.children.jobs import (
     EXIT_COLLECTIVE,
@@ -101,8 +106,6 @@ def _materialise_others(run: _Run, model: Any) -> None:
 
 
 def _dcp_load(run: _Run, model: Any) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     _materialise_others(run, model)
     payload = dict(run.source) if run.source is not None else {}  # DCP rewrites what it gets
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -121,8 +124,6 @@ def broadcast_each_buffer(model: Any, src: int = 0, group: Any = None) -> int:
     """verl's buffer loop before PR #6405: one broadcast per buffer in this rank's own
     ``named_buffers()`` order. Unsafe (ranks whose orders differ pair different tensors): only
     ever in a child job. Returns the number of broadcasts."""
-    import torch.distributed as dist
-
     count = 0
     for _, buf in model.named_buffers():
         dist.broadcast(buf, src, group=group)
@@ -151,8 +152,6 @@ def sorted_names(run: _Run) -> Any:
 def ddp_sync(run: _Run) -> Any:
     """torch DistributedDataParallel's constructor: shape check, then the start-up broadcast.
     Every rank builds for real, each from its own seed, as DDP users do."""
-    from torch.nn.parallel import DistributedDataParallel
-
     built = run.build(init="all", seed=run.args.seed + run.rank)
     model = built.model
     run.keep_source(model.state_dict())
@@ -172,9 +171,8 @@ def state_dict_order(run: _Run) -> Any:
     """accelerate's fsdp2_prepare_model with cpu_ram_efficient_loading, step for step: keep each
     rank's non-persistent buffers, move to meta, fully_shard, accelerate's own
     fsdp2_load_full_state_dict, then put each rank's own buffers back."""
-    import torch
-
     try:
+        # accelerate: an optional extra, imported only by this loader
         from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
     except ImportError as exc:  # the parent checks first; this is the backstop
         raise RuntimeError("accelerate is not installed") from exc

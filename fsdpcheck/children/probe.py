@@ -32,6 +32,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, compare_orders, tensor_names
 from fsdpcheck.children.launch import JOB_ENV, emit, run_each
 from fsdpcheck.distributed.environment import package_version
@@ -204,9 +207,6 @@ def _child(argv: Sequence[str]) -> int:
 def _from_builder(spec: str) -> tuple[Any, str]:
     """The builder's model in this child, on a one-process gloo group of its own (in memory,
     no port), so a builder that shards its model with ``fully_shard`` runs as on a rank."""
-    import torch
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     built = call_builder(spec, BuildContext(0, 1, 0, torch.device("cpu")))

@@ -30,6 +30,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import transformers
+from transformers.models.auto import modeling_auto
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
 from fsdpcheck.checks.hash_seed import ModuleReorder, SeedError, compare_orders
 from fsdpcheck.children.launch import JOB_ENV, emit, run_each
 from fsdpcheck.children.probe import DEFAULT_SEEDS
@@ -139,8 +144,6 @@ def available_targets(
         raise InputError(f"unknown family {unknown[0]!r}: choose from {', '.join(FAMILIES)}.")
     out: list[ScanTarget] = []
     if families:
-        from transformers.models.auto import modeling_auto
-
         mappings = {
             "causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
             "masked-lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -441,8 +444,6 @@ def small_configs(
     """Candidate configs for ``model_type`` as (attempt name, factory), smallest and most mixed
     first; a factory may raise (the config class validates its arguments). ``decoder`` sets
     ``is_decoder`` where the config has it (causal-LM heads of encoder models require it)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class()
     seen: list[dict[str, Any]] = []
@@ -492,16 +493,12 @@ def _alarm(signum: int, frame: Any) -> None:
 
 def build_target(target: ScanTarget) -> dict[str, Any]:
     """Build one target on meta and fingerprint it (child side); raises on failure."""
-    import torch
-
     if target.family == "preset":
         built = build_or_raise(BuildSpec(target.model_type, init=Init.META), 0)
         config = getattr(built.model, "config", None)
         types = getattr(config, "layer_types", None) or ()
         fp = fingerprint(built.model, "pre-wrap", with_values=False)
         return {"config": "preset", "layer_types": list(dict.fromkeys(types)), "fp": fp}
-
-    import transformers
 
     model_class = getattr(transformers, target.class_name, None)
     if model_class is None:

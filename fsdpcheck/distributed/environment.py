@@ -27,7 +27,7 @@ def package_version(name: str) -> str | None:
 
 def env_record(rank: int, local_rank: int, world_size: int, backend: str) -> EnvRecord:
     """The allowlisted environment of this rank: versions and placement, nothing else."""
-    import torch
+    import torch  # here only: the checks and `diff` import this module and never torch
 
     return EnvRecord(
         rank=rank,
@@ -47,7 +47,7 @@ def env_record(rank: int, local_rank: int, world_size: int, backend: str) -> Env
 
 def nccl_version() -> str | None:
     """The NCCL version torch was built with, ``2.21.5``; None without NCCL (CPU builds)."""
-    import torch
+    import torch  # here only: the checks and `diff` import this module and never torch
 
     try:
         version = torch.cuda.nccl.version()

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from fsdpcheck.model.parallel import sibling_root
 
@@ -52,8 +53,6 @@ def is_strided(placement: Any) -> bool:
 
 def supported(placement: Any) -> bool:
     """A placement :func:`shard_of` can cut."""
-    from torch.distributed.tensor import Replicate, Shard
-
     return type(placement) in (Shard, Replicate) or is_strided(placement)
 
 
@@ -65,8 +64,6 @@ def local_shape(
 ) -> tuple[int, ...]:
     """The shape :func:`shard_of` cuts, from sizes alone: ``Shard(d)`` keeps
     chunk ``c`` of ``torch.chunk(t, n, d)``, ``ceil(L / n)`` long except at the end."""
-    from torch.distributed.tensor import Replicate
-
     dims = [int(d) for d in shape]
     if not len(mesh_shape) == len(coordinate) == len(placements):
         raise ValueError("placements, mesh shape and coordinate differ in length")
@@ -111,8 +108,6 @@ def shard_of(
 ) -> torch.Tensor:
     """``Shard(d)`` on mesh dim i keeps ``torch.chunk(t, mesh_shape[i], d)[coordinate[i]]``, or an
     empty slice when the coordinate is past the last chunk (as FSDP2 and DTensor do)."""
-    from torch.distributed.tensor import Replicate
-
     tensor = full
     if not len(mesh_shape) == len(coordinate) == len(placements):
         raise ValueError("placements, mesh shape and coordinate differ in length")

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate
 
 from fsdpcheck.errors import InputError
 from fsdpcheck.loader.shards import shard_of, supported
@@ -223,8 +224,6 @@ def _dim_index(
 ) -> torch.Tensor:
     """The whole tensor's indices along ``dim`` that this rank's shard holds, in order: the
     cuts of ``dim`` alone (cuts of different dims commute) applied to ``arange``."""
-    from torch.distributed.tensor import Replicate
-
     ndim = len(shape)
     only = tuple(
         p if not isinstance(p, Replicate) and p.dim % ndim == dim else Replicate()

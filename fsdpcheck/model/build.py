@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from fsdpcheck.errors import InputError
@@ -118,7 +119,7 @@ def _load_config(resolved: ResolvedModel, *, text_only: bool, trust_remote_code:
     if resolved.preset is not None:
         config = resolved.preset.make_config()
     else:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # HF models only: see _from_config
 
         try:  # huggingface_hub 1.x validates config values against their declared types
             from huggingface_hub.errors import StrictDataclassError as InvalidValue
@@ -179,6 +180,8 @@ def _from_config(config: Any, trust_remote_code: bool) -> nn.Module:
         return config.build_model()
     if isinstance(config, HazardConfig):
         return HazardForCausalLM(config)
+    # transformers only where a Hugging Face model is built: check_model, --builder and the
+    # fixtures import no framework (tests/unit/test_integration_extras.py).
     from transformers import AutoModel, AutoModelForCausalLM
 
     try:
@@ -189,7 +192,7 @@ def _from_config(config: Any, trust_remote_code: bool) -> nn.Module:
 
 
 def _dtype_kwarg() -> str:
-    import transformers
+    import transformers  # HF models only: see _from_config
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
@@ -198,8 +201,7 @@ def _dtype_kwarg() -> str:
 def _from_checkpoint(
     resolved: ResolvedModel, dtype: torch.dtype, rank: int, trust_remote_code: bool
 ) -> nn.Module:
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # HF models only: see _from_config
 
     kwargs = {_dtype_kwarg(): dtype}
     try:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from fsdpcheck.model.wrap import model_class
 from fsdpcheck.records import ModuleKind, ModuleStateRecord, NumericsRecord
@@ -86,8 +87,6 @@ def _hooks(module: nn.Module) -> tuple[str, ...]:
 
 
 def global_hooks() -> tuple[str, ...]:
-    from torch.nn.modules import module as torch_module
-
     out = []
     for kind, attribute in _GLOBAL_HOOKS:
         for hook in (getattr(torch_module, attribute, None) or {}).values():

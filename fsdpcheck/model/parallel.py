@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fsdpcheck.errors import InputError
 from fsdpcheck.model import wrap
@@ -50,9 +52,6 @@ _REPLICATED = ("replicate", "replicated_with_grad_allreduce")
 def _styles() -> dict[str, Callable[[], Any]]:
     """transformers' style names (transformers/distributed/tensor_parallel.py) as torch styles
     with the same input and output layouts."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     return {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
@@ -146,8 +145,6 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: Mapping[str, Any]) -> None:
     rank 0 (``src_data_rank=None``), so a rank still on ``meta`` is fine and no collective runs
     outside the audit's timeouts; the loader puts rank 0's weights in afterwards."""
     import inspect
-
-    from torch.distributed.tensor.parallel import parallelize_module
 
     kwargs = {}
     if "src_data_rank" in inspect.signature(parallelize_module).parameters:
@@ -300,7 +297,7 @@ def ep_problem(model: nn.Module, ep: int, *, tp: int = 1) -> str:
             f"--ep {ep}: {name} has no expert-parallel plan (config.base_model_ep_plan); audit "
             "it without --ep, or pass a --builder that places your experts."
         )
-    try:
+    try:  # transformers 5 only, and only with --ep (a --builder model needs no transformers)
         from transformers.distributed.expert_parallel import apply_expert_parallelism  # noqa: F401
     except ImportError:
         import transformers
@@ -349,7 +346,7 @@ def apply_ep(
     """transformers' ``apply_expert_parallelism`` over ``plan`` (no collective: each rank keeps
     its own chunk, ``src_data_rank=None``), then FSDP2 on each experts module over the expert
     data dims; the experts modules, which the dense wrap must leave alone."""
-    from transformers.distributed.expert_parallel import apply_expert_parallelism
+    from transformers.distributed.expert_parallel import apply_expert_parallelism  # see ep_problem
 
     try:
         apply_expert_parallelism(model, meshes.ep, meshes.tp, dict(plan))

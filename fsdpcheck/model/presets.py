@@ -32,7 +32,7 @@ class Preset:
 
 
 def _transformers_config(class_name: str, preset: str, **kwargs: Any) -> Any:
-    import transformers
+    import transformers  # not for listing presets (the module docstring)
 
     config_class = getattr(transformers, class_name, None)
     if config_class is None:

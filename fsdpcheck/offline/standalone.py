@@ -12,6 +12,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
 from fsdpcheck.model import wrap
 from fsdpcheck.model.rank_state import look, model_record, rank_record
 from fsdpcheck.model.wrap import DEFAULT_MIN_PARAMS, model_class
@@ -130,8 +133,6 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
 
 def _cannot_wrap_alone() -> str:
     """Why this process cannot make a group of its own ("" when it can)."""
-    import torch.distributed as dist
-
     if not dist.is_available():
         return "not wrapped: this torch build has no torch.distributed"
     if dist.is_initialized():
@@ -148,9 +149,6 @@ def _cannot_wrap_alone() -> str:
 def private_mesh(timeout: float = 60.0) -> Iterator[Any]:
     """A one-rank gloo group on an in-memory store (no address, no port, no peer) and its 1-D
     mesh; torn down on exit. Needs a process without a default group."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     dist.init_process_group(
         "gloo",
         store=dist.HashStore(),

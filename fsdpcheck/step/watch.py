@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdpcheck.checks.step import (
@@ -704,8 +705,6 @@ def _a2a_dtype(bound: dict[str, Any]) -> str:
 
 
 def _on_dtensor(args: tuple, kwargs: dict) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return any(
         isinstance(a, DTensor) or (isinstance(a, (list, tuple)) and _on_dtensor(tuple(a), {}))
         for a in (*args, *kwargs.values())
