@@ -29,13 +29,13 @@ from fsdpcheck.loader.load import load_full_state_dict
 from fsdpcheck.loader.resume import full_state_from, load_checkpoint
 from fsdpcheck.loader.source import verify_source
 from fsdpcheck.loader.verify import verify_load
-from fsdpcheck.model import build, parallel, wrap
+from fsdpcheck.model import build, parallel
 from fsdpcheck.model.build import BuiltModel
 from fsdpcheck.model.builder import BuildContext, builder_info, call_builder
 from fsdpcheck.model.builder import wrapped as is_wrapped
 from fsdpcheck.model.memory import process_memory
 from fsdpcheck.model.optimizer_state import optimizer_record
-from fsdpcheck.model.rank_state import look, model_record, rank_record
+from fsdpcheck.model.rank_state import model_record
 from fsdpcheck.model.resolve import download
 from fsdpcheck.model.resume import METADATA, checkpoint_record, resume_problem
 from fsdpcheck.model.state import (
@@ -46,7 +46,7 @@ from fsdpcheck.model.state import (
 )
 from fsdpcheck.model.threads import torch_threads
 from fsdpcheck.options import AuditOptions
-from fsdpcheck.pipeline import Stages, build_from
+from fsdpcheck.pipeline import Stages, before_wrap, build_from, look_at, record_of
 from fsdpcheck.records import (
     CheckpointRecord,
     EnvRecord,
@@ -316,7 +316,7 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     state.env = env
     # Parameters' values are compared only where every rank holds its own (--init all).
-    values = options.init == "all"
+    values = options.init == Init.ALL
     probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
     if options.download:
         _download_on_rank0(options, state)
@@ -341,14 +341,7 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     targets = None
     experts = None
     if not prewrapped:
-        pre = stages.run(
-            Stage.FINGERPRINT_PRE,
-            lambda: look(built.model, Snapshot.PRE_WRAP, param_values=values, buffers=False),
-        )
-        targets = stages.run(
-            Stage.WRAP_PLAN,
-            lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
-        )
+        pre, targets = before_wrap(stages, built, options, values=values)
         # FSDP2 copies each real parameter's shard out of it: on rank 0 alone with --init rank0.
         threads = build.materialising_threads(options.init) if built and built.materialised else 1
         with torch_threads(threads):
@@ -362,10 +355,7 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
                     ep_meshes=ctx.ep_meshes,
                 ),
             )
-    post = stages.run(
-        Stage.FINGERPRINT_POST,
-        lambda: look(built.model, Snapshot.POST_WRAP, param_values=values, buffers=False),
-    )
+    post = look_at(stages, built, Snapshot.POST_WRAP, values=values)
     if built is not None:
         state.model_info = built.info
     if targets is not None:
@@ -374,15 +364,8 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
             wrapped = (*experts, *(n for n in targets.plan.wrapped if n not in experts))
             state.wrap_plan = replace(targets.plan, wrapped=wrapped)
         log.info("wrap plan: %d modules (%s)", len(targets.plan.wrapped), targets.plan.source)
-    record = rank_record(
-        env,
-        pre,
-        post,
-        error=stages.error,
-        model=built.model if built is not None else None,
-        config=built.config if built is not None else None,
-        source=SourceRecord(built.info.spec, built.info.path, built.info.dtype) if built else None,
-    )
+    source = SourceRecord(built.info.spec, built.info.path, built.info.dtype) if built else None
+    record = record_of(env, stages, built, pre, post, source=source)
     if record.error is None:
         record = replace(
             record,
@@ -514,7 +497,7 @@ def _observe_loaders(
     """Every known loader (or the ``--loader`` ones), run for real in its own 2-rank gloo child
     job, within ``budget`` seconds in all: ``({loader: Observation}, a note if it could not
     run)``."""
-    try:  # an extra: its failure must not end the audit
+    try:  # an extra: its failure, even to import, must not end the audit
         if budget < 2.0:
             return {}, f"--reproduce: no time left to run the loaders ({budget:.1f} s)"
         spec = ChildSpec(**vars(options.build_spec))
@@ -648,7 +631,7 @@ def _load_skip_reason(
         return "--no-load"
     if options.resume:
         return "" if built is not None else "rank 0 built no model"
-    if options.init == "meta" and not options.builder:
+    if options.init == Init.META and not options.builder:
         return "--init meta: nothing to load from"
     if options.builder and (built is None or built.full_state_dict is None):
         return "the builder returned no state dict to load"

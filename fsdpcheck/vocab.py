@@ -240,6 +240,45 @@ class ScanVerdict(Word):
     SKIPPED = "skipped"
 
 
+class ScanFamily(Word):
+    """Where a ``fsdpcheck scan`` row comes from."""
+
+    CAUSAL_LM = "causal-lm"
+    MASKED_LM = "masked-lm"
+    PRESET = "preset"  # an fsdpcheck preset, asked for by name
+
+
+class ChildStage(Word):
+    """Where one rank of a child job got to: the stage marks it prints, in order."""
+
+    START = "start"  # nothing marked yet
+    INIT = "init"  # importing torch, joining its group
+    BUILD = "build"
+    LOADING = "loading"  # inside the loader's own collectives: the only stage a loader hangs in
+    RECORDING = "recording"
+    DONE = "done"
+
+    @property
+    def before_loader(self) -> bool:
+        """A rank that failed here never reached the loader: its job says nothing about it."""
+        return self in (ChildStage.START, ChildStage.INIT, ChildStage.BUILD)
+
+
+class SeedFailure(Word):
+    """Why a hash-seed child (probe, scan) built nothing."""
+
+    INPUT = "input"  # bad input, e.g. an unknown preset (exit 2)
+    RUNTIME = "runtime"
+    TIMEOUT = "timeout"  # killed at its deadline (a runtime failure, for the exit code)
+
+
+class LoaderFailure(Word):
+    """How a real loader failed on a child rank."""
+
+    COLLECTIVE = "collective"  # a collective failed or timed out: the peer is gone or out of step
+    REFUSED = "refused"  # the loader raised a clear exception of its own
+
+
 class LoadStatus(Word):
     LOADED = "loaded"
     REFUSED = "refused"
