@@ -311,14 +311,12 @@ def _rank0_checkpoint(
 
 def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch) -> AuditResult:
     ctx, stages = state.ctx, state.stages
-    if options.resume is not None and options.init != Init.META:  # a resume builds on meta
-        options = replace(options, init=Init.META)
     env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     state.env = env
     # Parameters' values are compared only where every rank holds its own (--init all).
     values = options.init == Init.ALL
     probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
-    if options.download:
+    if options.download and options.model:  # a builder's model is its own to fetch
         _download_on_rank0(options, state)
     resumed = None
     if options.resume is not None:
@@ -576,7 +574,7 @@ class _ProbeThread:
         o = self._options
         try:
             self._result = probe(
-                o.model,
+                o.model or "",  # with a builder, the builder is built instead
                 seeds=o.probe,
                 text_only=o.text_only,
                 trust_remote_code=o.trust_remote_code,

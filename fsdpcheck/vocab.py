@@ -62,11 +62,28 @@ class ExitCode(IntEnum):
         return str(int(self))
 
 
+class ChildExit(IntEnum):
+    """How a rank of a ``--reproduce`` loader child job ends: not a command's :class:`ExitCode`
+    (none of them is one). The parent reads only "finished or not" from it; what went wrong
+    is in the rank's record (its error's kind), so these only keep the two apart in ``ps``/logs."""
+
+    DONE = 0
+    REFUSED = 4  # the loader raised a clear exception
+    COLLECTIVE = 124  # a collective failed or timed out (the peer is gone or out of step)
+
+
 class Verdict(Word):
     CONSISTENT = "consistent"
     INCONSISTENT = "inconsistent"
     LATENT = "latent"  # the ranks agree now, but only because they share a hash seed
     ERROR = "error"
+
+    def exit_code(self, error_kinds: Iterable[str] = ()) -> ExitCode:
+        """The one mapping of a result to its exit code (audit, probe, scan): 0 consistent,
+        1 inconsistent or latent; an error's is 2 when every error is bad input, else 3."""
+        if self is Verdict.ERROR:
+            return errors_exit_code(error_kinds)
+        return ExitCode.CONSISTENT if self is Verdict.CONSISTENT else ExitCode.FINDINGS
 
 
 class Stage(Word):

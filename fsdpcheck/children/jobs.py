@@ -26,8 +26,6 @@ from fsdpcheck.records import HeldTensor, LoaderRecord
 
 log = logging.getLogger(__name__)
 
-EXIT_REFUSED = 3  # the loader raised a clear exception
-EXIT_COLLECTIVE = 124  # a collective failed or timed out (the peer is gone or out of step)
 COMMON_DTYPES = ("float32", "bfloat16", "float16")
 VALUES_SHOWN = 64  # buffers up to this many elements carry their values in the record
 STANDS_FOR = "FSDPCHECK_STANDS_FOR"  # a child rank's environment: its StandIn, as JSON

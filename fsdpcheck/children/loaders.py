@@ -23,8 +23,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdpcheck.children.jobs import (
-    EXIT_COLLECTIVE,
-    EXIT_REFUSED,
     expected_holdings,
     first_line,
     reference_buffers,
@@ -41,7 +39,7 @@ from fsdpcheck.model.fingerprint import non_persistent_buffers
 from fsdpcheck.options import BuildSpec
 from fsdpcheck.pipeline import build_or_raise
 from fsdpcheck.records import LoaderError, LoaderRecord
-from fsdpcheck.vocab import ChildStage, LoaderFailure
+from fsdpcheck.vocab import ChildExit, ChildStage, LoaderFailure
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +229,7 @@ def main(
 
     ctx = setup.init("gloo", args.timeout)
     run = _Run(args, ctx)
-    code = 0
+    code = ChildExit.DONE
     try:
         run.stage(ChildStage.BUILD)
         model = runners[args.loader](run)
@@ -254,7 +252,7 @@ def main(
         kind = LoaderFailure.COLLECTIVE if collective else LoaderFailure.REFUSED
         error = LoaderError(kind, run.current, first_line(exc))
         record = LoaderRecord(rank=ctx.rank, loader=args.loader, error=error)
-        code = EXIT_COLLECTIVE if collective else EXIT_REFUSED
+        code = ChildExit.COLLECTIVE if collective else ChildExit.REFUSED
         print(f"rank {ctx.rank}: {error.message}", file=sys.stderr)
     emit(record)
     mark_stage(ChildStage.DONE)

@@ -46,7 +46,7 @@ from fsdpcheck.model.wrap import model_class
 from fsdpcheck.options import BuildSpec
 from fsdpcheck.pipeline import build_or_raise
 from fsdpcheck.records import SeedBuild
-from fsdpcheck.vocab import ExitCode, Init, SeedFailure, Snapshot, Verdict, errors_exit_code
+from fsdpcheck.vocab import ExitCode, Init, SeedFailure, Snapshot, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +119,11 @@ def probe(
             for b in built.values()
         }
     )
-    if reorders:
-        verdict, code = Verdict.LATENT, ExitCode.FINDINGS
-    elif errors:
-        # A seed that ran out of time is a runtime failure (SeedError.kind "timeout").
-        kinds = (SeedFailure.RUNTIME if e.kind == SeedFailure.TIMEOUT else e.kind for e in errors)
-        verdict, code = Verdict.ERROR, errors_exit_code(kinds)
-    else:
-        verdict, code = Verdict.CONSISTENT, ExitCode.CONSISTENT
+    verdict = Verdict.LATENT if reorders else Verdict.ERROR if errors else Verdict.CONSISTENT
+    # A seed that ran out of time is a runtime failure (SeedError.kind "timeout").
+    code = verdict.exit_code(
+        SeedFailure.RUNTIME if e.kind == SeedFailure.TIMEOUT else e.kind for e in errors
+    )
     return ProbeResult(
         model=builder or model,
         architecture=architecture,

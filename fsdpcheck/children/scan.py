@@ -48,7 +48,7 @@ from fsdpcheck.options import BuildSpec
 from fsdpcheck.pipeline import build_or_raise
 from fsdpcheck.records import ScanTarget, SeedBuild, from_dict, to_dict
 from fsdpcheck.text import int_ranges
-from fsdpcheck.vocab import ExitCode, Init, ScanFamily, ScanVerdict, SeedFailure, Snapshot
+from fsdpcheck.vocab import Init, ScanFamily, ScanVerdict, SeedFailure, Snapshot, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -238,12 +238,12 @@ def scan(
     errors = list(runs.lost.values())
     rows = tuple(scan_row(t, per_arch[t.id], seed_list, errors) for t in targets)
     counts = {v: sum(r.verdict == v for r in rows) for v in ScanVerdict}
+    # Seeds that failed are only an error when no architecture has a result left.
     if counts[ScanVerdict.HANG] or counts[ScanVerdict.SILENT_CORRUPTION]:
-        code = ExitCode.FINDINGS
-    elif errors and not any(per_arch.values()):
-        code = ExitCode.RUNTIME
+        overall = Verdict.INCONSISTENT
     else:
-        code = ExitCode.CONSISTENT
+        overall = Verdict.ERROR if errors and not any(per_arch.values()) else Verdict.CONSISTENT
+    code = overall.exit_code()
     return ScanResult(
         rows=rows,
         seeds=seed_list,
