@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fsdpcheck.records import Finding, ModuleKind, ModuleStateRecord, NumericsRecord, RankRecord
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import clauses, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 _LISTED = 3
@@ -112,9 +112,7 @@ def module_state_findings(
     if not diffs:
         return []
     ref_label, other_label = f"rank {ref_rank}", ranks_label(ranks)
-    shown = "; ".join(_describe(d, ref_label, other_label) for d in diffs[:_LISTED])
-    if len(diffs) > _LISTED:
-        shown += f"; and {len(diffs) - _LISTED} more"
+    shown = clauses(diffs, lambda d: _describe(d, ref_label, other_label), _LISTED)
     return [
         Finding(
             kind=FindingKind.MODULE_STATE,
@@ -158,12 +156,11 @@ def numerics_findings(
     if not diffs:
         return []
     who = ranks_label(ranks)
-    shown = "; ".join(
-        f"{d['name']} is {d['reference']} on rank {ref_rank} but {d['other']} on {who}"
-        for d in diffs[:_LISTED]
+    shown = clauses(
+        diffs,
+        lambda d: f"{d['name']} is {d['reference']} on rank {ref_rank} but {d['other']} on {who}",
+        _LISTED,
     )
-    if len(diffs) > _LISTED:
-        shown += f"; and {len(diffs) - _LISTED} more"
     return [
         Finding(
             kind=FindingKind.NUMERICS,
