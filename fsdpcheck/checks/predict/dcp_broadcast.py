@@ -47,12 +47,12 @@ def installed(env: EnvRecord) -> str:
 def predict(ctx: Context) -> LoaderPrediction:
     reference = ctx.reference
     results = ctx.issues(
-        Snapshot.POST_WRAP, lambda group, a, b: dcp_refusal(a, b, ctx.ref_rank, group)
+        Snapshot.POST_WRAP, lambda ctx, group, a, b: dcp_refusal(a, b, ctx.ref_rank, group)
     )
     if any(stops(issue) for _, issue in results):
         return aggregate(Loader.DCP_BROADCAST, results, "")
     results += ctx.issues(  # a rank keeps its own
-        Snapshot.POST_WRAP, lambda group, a, b: kept_buffer_values(a, b, ctx.ref_rank, group)
+        Snapshot.POST_WRAP, lambda ctx, group, a, b: kept_buffer_values(a, b, ctx.ref_rank, group)
     )
 
     # Not in the state dict, so DCP leaves these as built: garbage where built on meta.
