@@ -113,16 +113,35 @@ def module_state_findings(
         return []
     ref_label, other_label = f"rank {ref_rank}", ranks_label(ranks)
     shown = clauses(diffs, lambda d: _describe(d, ref_label, other_label), _LISTED)
+    return _set_up_finding(
+        FindingKind.MODULE_STATE,
+        ref_rank,
+        ranks,
+        other,
+        f"{shown}: the same tensors compute other outputs there",
+        {"differences": diffs[:_MAX_DETAILS], "count": len(diffs)},
+    )
+
+
+def _set_up_finding(
+    kind: FindingKind,
+    ref_rank: int,
+    ranks: Sequence[int],
+    other: RankRecord,
+    text: str,
+    details: dict[str, Any],
+) -> list[Finding]:
+    """The one finding of a difference in how ``ranks`` set their process up (their modules'
+    state, the numerics switches) from the reference's, at ``other``'s last snapshot."""
     return [
         Finding(
-            kind=FindingKind.MODULE_STATE,
+            kind=kind,
             ranks=tuple(ranks),
             reference_rank=ref_rank,
             snapshot=_snapshot(other),
             cause=Cause.SET_UP,
-            summary=f"{FindingKind.MODULE_STATE.phrase}: {shown}: the same tensors compute "
-            "other outputs there",
-            details={"differences": diffs[:_MAX_DETAILS], "count": len(diffs)},
+            summary=f"{kind.phrase}: {text}",
+            details=details,
         )
     ]
 
@@ -161,15 +180,11 @@ def numerics_findings(
         lambda d: f"{d['name']} is {d['reference']} on rank {ref_rank} but {d['other']} on {who}",
         _LISTED,
     )
-    return [
-        Finding(
-            kind=FindingKind.NUMERICS,
-            ranks=tuple(ranks),
-            reference_rank=ref_rank,
-            snapshot=_snapshot(other),
-            cause=Cause.SET_UP,
-            summary=f"{FindingKind.NUMERICS.phrase}: {shown}: kernels round (or choose "
-            "algorithms) differently there",
-            details={"differences": diffs},
-        )
-    ]
+    return _set_up_finding(
+        FindingKind.NUMERICS,
+        ref_rank,
+        ranks,
+        other,
+        f"{shown}: kernels round (or choose algorithms) differently there",
+        {"differences": diffs},
+    )
