@@ -18,7 +18,7 @@ from fsdpcheck.distributed.environment import env_record, launch_record, torch_t
 from fsdpcheck.errors import FsdpcheckError, InputError
 from fsdpcheck.model.resume import METADATA, checkpoint_record, resume_problem
 from fsdpcheck.options import AuditOptions
-from fsdpcheck.pipeline import Stages, build_from
+from fsdpcheck.pipeline import Stages, before_wrap, build_from, look_at, record_of
 from fsdpcheck.records import (
     CheckpointRecord,
     EnvRecord,
@@ -312,19 +312,16 @@ def _rank0_checkpoint(
 
 
 def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch) -> AuditResult:
-    from fsdpcheck.model import build, parallel, wrap
+    from fsdpcheck.model import build, parallel
     from fsdpcheck.model.builder import wrapped as is_wrapped
-    from fsdpcheck.model.rank_state import look, rank_record
 
     ctx, stages = state.ctx, state.stages
-    if options.resume is not None and options.init != Init.META:  # a resume builds on meta
-        options = replace(options, init=Init.META)
     env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     state.env = env
     # Parameters' values are compared only where every rank holds its own (--init all).
-    values = options.init == "all"
+    values = options.init == Init.ALL
     probing = _ProbeThread(options) if ctx.rank == 0 and options.probe else None
-    if options.download:
+    if options.download and options.model:  # a builder's model is its own to fetch
         _download_on_rank0(options, state)
     resumed = None
     if options.resume is not None:
@@ -347,14 +344,7 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
     targets = None
     experts = None
     if not prewrapped:
-        pre = stages.run(
-            Stage.FINGERPRINT_PRE,
-            lambda: look(built.model, Snapshot.PRE_WRAP, param_values=values, buffers=False),
-        )
-        targets = stages.run(
-            Stage.WRAP_PLAN,
-            lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
-        )
+        pre, targets = before_wrap(stages, built, options, values=values)
         # FSDP2 copies each real parameter's shard out of it: on rank 0 alone with --init rank0.
         threads = build.materialising_threads(options.init) if built and built.materialised else 1
         with torch_threads(threads):
@@ -368,10 +358,7 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
                     ep_meshes=ctx.ep_meshes,
                 ),
             )
-    post = stages.run(
-        Stage.FINGERPRINT_POST,
-        lambda: look(built.model, Snapshot.POST_WRAP, param_values=values, buffers=False),
-    )
+    post = look_at(stages, built, Snapshot.POST_WRAP, values=values)
     if built is not None:
         state.model_info = built.info
     if targets is not None:
@@ -380,15 +367,8 @@ def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch)
             wrapped = (*experts, *(n for n in targets.plan.wrapped if n not in experts))
             state.wrap_plan = replace(targets.plan, wrapped=wrapped)
         log.info("wrap plan: %d modules (%s)", len(targets.plan.wrapped), targets.plan.source)
-    record = rank_record(
-        env,
-        pre,
-        post,
-        error=stages.error,
-        model=built.model if built is not None else None,
-        config=built.config if built is not None else None,
-        source=SourceRecord(built.info.spec, built.info.path, built.info.dtype) if built else None,
-    )
+    source = SourceRecord(built.info.spec, built.info.path, built.info.dtype) if built else None
+    record = record_of(env, stages, built, pre, post, source=source)
     if record.error is None:
         record = replace(
             record,
@@ -675,7 +655,7 @@ class _ProbeThread:
         o = self._options
         try:
             self._result = probe(
-                o.model,
+                o.model or "",  # with a builder, the builder is built instead
                 seeds=o.probe,
                 text_only=o.text_only,
                 trust_remote_code=o.trust_remote_code,
@@ -732,7 +712,7 @@ def _load_skip_reason(
         return "--no-load"
     if options.resume:
         return "" if built is not None else "rank 0 built no model"
-    if options.init == "meta" and not options.builder:
+    if options.init == Init.META and not options.builder:
         return "--init meta: nothing to load from"
     if options.builder and (built is None or built.full_state_dict is None):
         return "the builder returned no state dict to load"

@@ -8,12 +8,14 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 from rich.console import Console
 
+from fsdpcheck.options import AuditOptions
 from fsdpcheck.vocab import Annotations, Backend, DType, ExitCode, Init, Loader
 
 log = logging.getLogger(__name__)
@@ -50,71 +52,105 @@ ANNOTATIONS_HELP = (
 )
 
 
+# Every default is AuditOptions' own (BuildSpec's for the model options): typed once, there.
+_DEFAULTS = {f.name: f.default for f in fields(AuditOptions) if f.default is not MISSING}
+
+
+def _default(name: str) -> Any:
+    """``AuditOptions``' default for field ``name``, as a Typer option takes it."""
+    value = _DEFAULTS[name]
+    return list(value) if isinstance(value, tuple) else value
+
+
 # Options shared by the commands that build a model (audit, fingerprint).
-DTYPE_OPTION = typer.Option(None, help="Build dtype \\[default: the config's].")
-SEED_OPTION = typer.Option(0, help="Random-init seed when the model has no checkpoint.")
+DTYPE_OPTION = typer.Option(_default("dtype"), help="Build dtype \\[default: the config's].")
+SEED_OPTION = typer.Option(
+    _default("seed"), help="Random-init seed when the model has no checkpoint."
+)
 WRAP_CLASS_OPTION = typer.Option(
-    [],
+    _default("wrap_classes"),
     "--wrap-class",
     help="Layer class to fully_shard (repeatable) \\[default: _no_split_modules].",
 )
 MIN_PARAMS_OPTION = typer.Option(
-    100_000_000, help="Size-based wrapping threshold, used when no wrap class is present."
+    _default("min_params"),
+    help="Size-based wrapping threshold, used when no wrap class is present.",
 )
-TEXT_ONLY_OPTION = typer.Option(False, help="Build only the text model of a multimodal config.")
+TEXT_ONLY_OPTION = typer.Option(
+    _default("text_only"), help="Build only the text model of a multimodal config."
+)
 TRUST_REMOTE_CODE_OPTION = typer.Option(
-    False, help="Allow the model's own Python code (off: never runs remote code)."
+    _default("trust_remote_code"),
+    help="Allow the model's own Python code (off: never runs remote code).",
 )
 ALLOW_PICKLE_OPTION = typer.Option(
-    False, help="Allow pickle weights (*.bin, *.pt); safetensors only by default."
+    _default("allow_pickle"),
+    help="Allow pickle weights (*.bin, *.pt); safetensors only by default.",
 )
+INIT_HELP = "rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
+
+# The audit's own options, by AuditOptions field: what each does (--help).
+AUDIT_HELP = {
+    "model": "Preset name, local model directory, or cached hub id \\[default: hazard].",
+    "builder": "MODULE:FUNCTION or FILE.py:FUNCTION that builds the model instead of --model: "
+    "every rank calls FUNCTION(ctx) (ctx.rank, ctx.world_size, ctx.local_rank, ctx.device, "
+    "ctx.mesh) and gets the model, wrapped in FSDP2 or not, or (model, rank 0's state dict). "
+    "[bold]This runs your code[/]: pass only a builder you would run as a training script.",
+    "resume": "A torch.distributed.checkpoint directory (or a root with a LATEST file) to resume "
+    "from, as the trainer does: every rank builds on meta, shards, then loads its shards with "
+    "dcp.load; the ranks' resolved path, step and .metadata digest are compared and every rank "
+    "is verified against rank 0's checkpoint. dcp.load unpickles .metadata: resume only from a "
+    "checkpoint you trust.",
+    "source": "The checkpoint the model is loaded from, as the reference: a .safetensors file, a "
+    "sharded model.safetensors.index.json (or its directory), or a DCP directory. After the "
+    "load every rank proves each of its local shards and buffers equals its slice of it, "
+    "reading only that slice; a difference is a 'source' finding (a load wrong the same way on "
+    "every rank shows only here).",
+    "backend": "Process-group backend (auto: nccl with CUDA, else gloo).",
+    "timeout": "Seconds any collective may wait before the audit gives up.",
+    "probe": "Rank 0 also builds the model under this many fixed hash seeds (8 is a good choice) "
+    "and reports a hash-seed dependence as verdict 'latent' even when every rank agrees now.",
+    "download": "Let rank 0 download a hub id into the HF cache first (config and safetensors "
+    "only); the other ranks wait, then read the cache. Off: never touches the network.",
+    "load": "Run the sorted, validated loader and verify every rank afterwards.",
+    "reproduce": "Also run every known loader for real, each once in its own isolated 2-rank "
+    "gloo child job on the audited model (within 3/4 of --timeout in all: give --timeout 120 or "
+    "more), and report what each really did next to its prediction.",
+    "loaders": "With --reproduce: run only this loader (repeat for more; default: every one), "
+    "e.g. the one your trainer uses. The others keep their predictions.",
+    "step": "After the load, run one synthetic training step (seeded tokens, causal-LM loss, "
+    "AdamW) with every collective agreed on by every rank before it is issued; names the first "
+    "that differs, and NaN or Inf after the step.",
+    "mesh": "REPLICATE,SHARD for HSDP (a 2-D mesh whose product is the world size), or named "
+    "dims (torchtitan's: dp_replicate, dp_shard, ep, tp), e.g. dp_replicate=2,dp_shard=2,tp=2; "
+    "a builder gets it as ctx.mesh.",
+    "tp": "Apply the model's own transformers tensor-parallel plan over N ranks (the mesh's tp "
+    "dim), then FSDP2 over the data dims; alone, the mesh is dp_shard=WORLD/N,tp=N.",
+    "ep": "Apply the model's own transformers expert-parallel plan over N ranks (the mesh's ep "
+    "dim): experts Shard(0) over ep, then FSDP2 over dp_shard; everything else FSDP2 over "
+    "dp_shard and ep together. Alone, the mesh is dp_shard=WORLD/N,ep=N.",
+    "cpu_offload": "Shard with FSDP2's CPUOffloadPolicy (parameters live on CPU between steps), "
+    "as offloading jobs do.",
+}
+
+
+def _audit_option(name: str, *decls: str, **kwargs: Any) -> Any:
+    """The Typer option for ``AuditOptions`` field ``name``: its default, its help."""
+    return typer.Option(_default(name), *decls, help=AUDIT_HELP[name], **kwargs)
 
 
 @app.command(epilog=AUDIT_EPILOG)
 def audit(
-    model: str = typer.Option(
-        None,
-        "--model",
-        "-m",
-        help="Preset name, local model directory, or cached hub id \\[default: hazard].",
-        show_default=False,
-    ),
-    builder: str | None = typer.Option(
-        None,
-        help="MODULE:FUNCTION or FILE.py:FUNCTION that builds the model instead of --model: "
-        "every rank calls FUNCTION(ctx) (ctx.rank, ctx.world_size, ctx.local_rank, ctx.device, "
-        "ctx.mesh) and gets the model, wrapped in FSDP2 or not, or (model, rank 0's state "
-        "dict). [bold]This runs your code[/]: pass only a builder you would run as a training "
-        "script.",
-    ),
-    resume: str | None = typer.Option(
-        None,
-        help="A torch.distributed.checkpoint directory (or a root with a LATEST file) to resume "
-        "from, as the trainer does: every rank builds on meta, shards, then loads its shards "
-        "with dcp.load; the ranks' resolved path, step and .metadata digest are compared and "
-        "every rank is verified against rank 0's checkpoint. dcp.load unpickles .metadata: "
-        "resume only from a checkpoint you trust.",
-    ),
-    source: str | None = typer.Option(
-        None,
-        help="The checkpoint the model is loaded from, as the reference: a .safetensors file, "
-        "a sharded model.safetensors.index.json (or its directory), or a DCP directory. After "
-        "the load every rank proves each of its local shards and buffers equals its slice of "
-        "it, reading only that slice; a difference is a 'source' finding (a load wrong the "
-        "same way on every rank shows only here).",
-    ),
-    backend: Backend = typer.Option(
-        Backend.AUTO, help="Process-group backend (auto: nccl with CUDA, else gloo)."
-    ),
-    timeout: float = typer.Option(
-        60.0, min=1.0, help="Seconds any collective may wait before the audit gives up."
-    ),
-    init: Init = typer.Option(
-        Init.RANK0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
-    ),
+    model: str | None = _audit_option("model", "--model", "-m", show_default=False),
+    builder: str | None = _audit_option("builder"),
+    resume: str | None = _audit_option("resume"),
+    source: str | None = _audit_option("source"),
+    backend: Backend = _audit_option("backend"),
+    timeout: float = _audit_option("timeout"),
+    init: Init = typer.Option(_default("init"), help=INIT_HELP),
     dtype: DType | None = DTYPE_OPTION,
     seed: int = SEED_OPTION,
-    wrap_class: list[str] = WRAP_CLASS_OPTION,
+    wrap_classes: list[str] = WRAP_CLASS_OPTION,
     min_params: int = MIN_PARAMS_OPTION,
     text_only: bool = TEXT_ONLY_OPTION,
     trust_remote_code: bool = TRUST_REMOTE_CODE_OPTION,
@@ -124,65 +160,18 @@ def audit(
         help="Give each rank its own PYTHONHASHSEED (= its rank), so a hash-order dependence "
         "shows up as a real cross-rank divergence every run.",
     ),
-    probe: int = typer.Option(
-        0,
-        min=0,
-        help="Rank 0 also builds the model under this many fixed hash seeds (8 is a good "
-        "choice) and reports a hash-seed dependence as verdict 'latent' even when every rank "
-        "agrees now.",
+    probe: int = _audit_option("probe"),
+    download: bool = _audit_option("download"),
+    load: bool = _audit_option("load"),
+    reproduce: bool = _audit_option("reproduce"),
+    loaders: list[Loader] = _audit_option(
+        "loaders", "--loader", metavar="NAME", show_default=False
     ),
-    download: bool = typer.Option(
-        False,
-        help="Let rank 0 download a hub id into the HF cache first (config and safetensors "
-        "only); the other ranks wait, then read the cache. Off: never touches the network.",
-    ),
-    load: bool = typer.Option(
-        True, help="Run the sorted, validated loader and verify every rank afterwards."
-    ),
-    reproduce: bool = typer.Option(
-        False,
-        help="Also run every known loader for real, each once in its own isolated 2-rank gloo "
-        "child job on the audited model (within 3/4 of --timeout in all: give --timeout 120 "
-        "or more), and report what each really did next to its prediction.",
-    ),
-    loader: list[Loader] = typer.Option(
-        [],
-        "--loader",
-        help="With --reproduce: run only this loader (repeat for more; default: every one), "
-        "e.g. the one your trainer uses. The others keep their predictions.",
-        metavar="NAME",
-        show_default=False,
-    ),
-    step: bool = typer.Option(
-        False,
-        help="After the load, run one synthetic training step (seeded tokens, causal-LM loss, "
-        "AdamW) with every collective agreed on by every rank before it is issued; names the "
-        "first that differs, and NaN or Inf after the step.",
-    ),
-    mesh: str | None = typer.Option(
-        None,
-        help="REPLICATE,SHARD for HSDP (a 2-D mesh whose product is the world size), or named "
-        "dims (torchtitan's: dp_replicate, dp_shard, ep, tp), e.g. dp_replicate=2,dp_shard=2,"
-        "tp=2; a builder gets it as ctx.mesh.",
-    ),
-    tp: int | None = typer.Option(
-        None,
-        min=1,
-        help="Apply the model's own transformers tensor-parallel plan over N ranks (the mesh's "
-        "tp dim), then FSDP2 over the data dims; alone, the mesh is dp_shard=WORLD/N,tp=N.",
-    ),
-    ep: int | None = typer.Option(
-        None,
-        min=1,
-        help="Apply the model's own transformers expert-parallel plan over N ranks (the mesh's "
-        "ep dim): experts Shard(0) over ep, then FSDP2 over dp_shard; everything else FSDP2 "
-        "over dp_shard and ep together. Alone, the mesh is dp_shard=WORLD/N,ep=N.",
-    ),
-    cpu_offload: bool = typer.Option(
-        False,
-        help="Shard with FSDP2's CPUOffloadPolicy (parameters live on CPU between steps), as "
-        "offloading jobs do.",
-    ),
+    step: bool = _audit_option("step"),
+    mesh: str | None = _audit_option("mesh"),
+    tp: int | None = _audit_option("tp"),
+    ep: int | None = _audit_option("ep"),
+    cpu_offload: bool = _audit_option("cpu_offload"),
     json_path: Path | None = typer.Option(
         None, "--json", help="Write the machine-readable report here (rank 0)."
     ),
@@ -192,6 +181,7 @@ def audit(
     annotations: Annotations = typer.Option(Annotations.AUTO, help=ANNOTATIONS_HELP),
 ) -> None:
     """Build MODEL on every rank, fully_shard it, and compare every rank's buffers and params."""
+    options = _audit_options(locals())  # first: locals() is the parameters, nothing else yet
     from fsdpcheck import process
 
     if vary_hash_seed:
@@ -201,64 +191,9 @@ def audit(
     from fsdpcheck.console import StageStatus, rank_failed
     from fsdpcheck.distributed.launcher import rank_hint
     from fsdpcheck.errors import FsdpcheckError
-    from fsdpcheck.options import AuditOptions
     from fsdpcheck.records import RankError
     from fsdpcheck.vocab import Stage
 
-    if builder and model:
-        raise typer.BadParameter(
-            "--builder builds the model itself; drop --model (or drop --builder to audit --model).",
-            param_hint="'--builder'",
-        )
-    if builder and reproduce:
-        raise typer.BadParameter(
-            "--reproduce rebuilds the model in 2-rank child jobs, which cannot call a builder; "
-            "audit the builder's model without it (--probe works with --builder), or audit "
-            "--model.",
-            param_hint="'--builder'",
-        )
-    meshed = _mesh_fields(mesh, tp, ep)
-    parallel = [d for d in ("tp", "ep") if meshed[d] or d in (meshed["mesh_dims"] or ())]
-    if parallel and (reproduce or probe):
-        raise typer.BadParameter(
-            f"--reproduce and --probe rebuild the model in child jobs with 1-D FSDP, not with "
-            f"the {' and '.join(parallel)} dims of this mesh; audit without them, or drop "
-            f"--tp/--ep and the {'/'.join(parallel)} dims of --mesh.",
-            param_hint="'--reproduce'" if reproduce else "'--probe'",
-        )
-    if loader and not reproduce:
-        raise typer.BadParameter(
-            "--loader chooses which loaders --reproduce runs for real; add --reproduce, or drop "
-            "--loader (every loader is predicted either way).",
-            param_hint="'--loader'",
-        )
-    model = model or "hazard"
-    if resume is not None:
-        init = _resume_init(resume, init, reproduce=reproduce)
-    if reproduce and init == Init.META:
-        raise typer.BadParameter(
-            "--reproduce with --init meta: rank 0 then holds no weights, so no loader has "
-            "anything to load; use --init rank0 (the default) or --init all, or drop --reproduce.",
-            param_hint="'--reproduce'",
-        )
-    options = AuditOptions(
-        **_build_fields(model, init, dtype, seed, text_only, trust_remote_code, allow_pickle),
-        backend=backend,
-        timeout=timeout,
-        wrap_classes=tuple(wrap_class),
-        min_params=min_params,
-        **meshed,
-        cpu_offload=cpu_offload,
-        load=load,
-        reproduce=reproduce,
-        loaders=tuple(dict.fromkeys(loader)),
-        probe=probe,
-        download=download,
-        step=step,
-        builder=builder,
-        resume=resume,
-        source=source,
-    )
     rank = rank_hint(os.environ)
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)
 
@@ -288,24 +223,6 @@ def audit(
     if result.exit_code != 0:
         process.tell_torchrun(result.headline or "fsdpcheck audit failed; see rank 0's report")
     raise typer.Exit(result.exit_code)
-
-
-def _resume_init(resume: str, init: Init, *, reproduce: bool) -> Init:
-    """``--resume`` builds on meta, as trainers that resume do; what it cannot go with."""
-    if reproduce:
-        raise typer.BadParameter(
-            f"--resume {resume} with --reproduce: the real loaders load rank 0's full weights in "
-            "child jobs, and a resumed audit has none (every rank loads its own shards); drop "
-            "--reproduce, or audit without --resume.",
-            param_hint="'--resume'",
-        )
-    if init == Init.ALL:
-        raise typer.BadParameter(
-            f"--resume {resume} with --init all: a resume builds every rank on meta and loads "
-            "the checkpoint into it; drop --init (or use --init meta).",
-            param_hint="'--resume'",
-        )
-    return Init.META
 
 
 class _Outputs:
@@ -411,22 +328,32 @@ def _build_fields(
     }
 
 
-def _mesh_fields(text: str | None, tp: int | None, ep: int | None) -> dict[str, Any]:
-    """``--mesh``, ``--tp``, ``--ep`` as ``AuditOptions`` fields; what the world size alone can
-    tell is checked on every rank once it is known."""
-    from fsdpcheck.options import parse_mesh, resolve_mesh
+def _audit_options(given: dict[str, Any]) -> AuditOptions:
+    """``audit``'s parameters as ``AuditOptions`` (the same names; ``--mesh`` parsed, repeated
+    options once each); a combination it refuses is the CLI's usage error (exit 2)."""
+    from fsdpcheck.errors import OptionError
+
+    named = {
+        name: tuple(dict.fromkeys(value)) if isinstance(value, list) else value
+        for name, value in given.items()
+        if name in _DEFAULTS
+    }
+    try:
+        return AuditOptions(**{**named, **_parse_mesh(given["mesh"])})
+    except OptionError as exc:
+        hint = f"'{exc.option}'" if exc.option else None
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
+
+
+def _parse_mesh(text: str | None) -> dict[str, Any]:
+    """``--mesh`` as ``AuditOptions``' ``mesh`` and ``mesh_dims`` fields."""
+    from fsdpcheck.options import parse_mesh
 
     try:
         spec = parse_mesh(text) if text else None
-        resolve_mesh(spec.sizes if spec else None, spec.names if spec else None, tp=tp, ep=ep)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="'--mesh'" if text else None) from None
-    return {
-        "mesh": spec.sizes if spec else None,
-        "mesh_dims": spec.names if spec else None,
-        "tp": tp,
-        "ep": ep,
-    }
+        raise typer.BadParameter(str(exc), param_hint="'--mesh'") from None
+    return {"mesh": spec.sizes if spec else None, "mesh_dims": spec.names if spec else None}
 
 
 def _stdout() -> Console:
@@ -657,9 +584,7 @@ def fingerprint(
         "-o",
         help="Where to write the fingerprint; may contain {rank}, {local_rank}, {host}.",
     ),
-    init: Init = typer.Option(
-        Init.RANK0, help="rank0: rank 0 real, others meta (as verl); meta: all meta; all: all real."
-    ),
+    init: Init = typer.Option(_default("init"), help=INIT_HELP),
     dtype: DType | None = DTYPE_OPTION,
     seed: int = SEED_OPTION,
     wrap: bool = typer.Option(

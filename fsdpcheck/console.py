@@ -27,18 +27,19 @@ from fsdpcheck.vocab import (
     ScanVerdict,
     Snapshot,
     Stage,
+    Verdict,
 )
 
 if TYPE_CHECKING:
-    from fsdpcheck.checks.hash_seed import ProbeResult
+    from fsdpcheck.checks.hash_seed import ProbeResult, SeedError
     from fsdpcheck.children.scan import ScanResult
     from fsdpcheck.model.presets import Preset
 
 _VERDICT_STYLE = {
-    "consistent": "bold green",
-    "inconsistent": "bold red",
-    "latent": "bold yellow",
-    "error": "bold red",
+    Verdict.CONSISTENT: "bold green",
+    Verdict.INCONSISTENT: "bold red",
+    Verdict.LATENT: "bold yellow",
+    Verdict.ERROR: "bold red",
 }
 
 
@@ -185,21 +186,20 @@ def _render_loaders(report: Report, console: Console) -> None:
 
 def _render_load(report: Report, console: Console) -> None:
     load, verified = report.load, report.verify
-    if load is not None and load.method == LoadMethod.RESUME and verified is not None:
+    if verified is not None:
         status = "[green]passed[/]" if verified.passed else "[bold red]FAILED[/]"
+        ranks = f"{report.world_size} rank{'s' if report.world_size != 1 else ''}"
+        outcome = f"{status}: {verified.checked} tensors checked on {ranks}"
+    if load is not None and load.method == LoadMethod.RESUME and verified is not None:
         console.print(
             f"resume: {load.params_loaded} state-dict entries {escape(load.message)} "
-            f"({load.seconds:.2f}s); verification against rank 0's checkpoint {status}: "
-            f"{verified.checked} tensors checked on {report.world_size} rank"
-            f"{'s' if report.world_size != 1 else ''}"
+            f"({load.seconds:.2f}s); verification against rank 0's checkpoint {outcome}"
         )
     elif load is not None and load.outcome == LoadStatus.LOADED and verified is not None:
-        status = "[green]passed[/]" if verified.passed else "[bold red]FAILED[/]"
         console.print(
             f"sorted loader: {load.params_loaded} state-dict entries {_load_method(load)}, "
             f"{load.buffers_broadcast} non-persistent buffers in {load.collectives} collectives "
-            f"({load.seconds:.2f}s); verification {status}: {verified.checked} tensors checked "
-            f"on {report.world_size} rank{'s' if report.world_size != 1 else ''}"
+            f"({load.seconds:.2f}s); verification {outcome}"
         )
     elif load is not None and load.outcome == LoadStatus.REFUSED:
         console.print(f"[yellow]sorted loader refused[/] (no rank hung): {escape(load.message)}")
@@ -377,26 +377,31 @@ def probe_table(result: ProbeResult) -> Any:
 
 def probe_summary(result: ProbeResult) -> str:
     """The verdict line, as rich markup."""
-    style = {"latent": "bold red", "consistent": "bold green"}.get(result.verdict, "bold red")
+    style = {Verdict.LATENT: "bold red", Verdict.CONSISTENT: "bold green"}.get(
+        result.verdict, "bold red"
+    )
     what = {
-        "latent": (
+        Verdict.LATENT: (
             f"{len(result.tensors)} tensor(s) change order with the hash seed "
             f"({result.orders} distinct orders over {len(result.seeds)} seeds); a loader pairing "
             f"them by local order would {'hang' if result.sizes_differ else 'corrupt silently'}"
         ),
-        "consistent": (
+        Verdict.CONSISTENT: (
             f"the same buffer and parameter order under all {len(result.seeds)} hash seeds"
         ),
-        "error": f"{len(result.errors)} of {len(result.seeds)} seeds failed",
+        Verdict.ERROR: f"{len(result.errors)} of {len(result.seeds)} seeds failed",
     }[result.verdict]
     return f"[bold]verdict:[/] [{style}]{result.verdict}[/] (exit {result.exit_code}) · {what}"
 
 
 def probe_errors(result: ProbeResult) -> list[str]:
-    """The failed seeds as rich markup lines, one per distinct message."""
+    return seed_errors(result.errors)
 
+
+def seed_errors(errors: Sequence[SeedError]) -> list[str]:
+    """The failed seeds (probe, scan) as rich markup lines, one per distinct message."""
     grouped: dict[tuple[str, str], list[int]] = {}
-    for e in result.errors:
+    for e in errors:
         grouped.setdefault((e.kind, e.message), []).append(e.seed)
     return [
         f"[bold red]✗ seed{'s' if len(s) > 1 else ''} {int_ranges(s)} ({kind})[/]: {escape(msg)}"
@@ -408,10 +413,10 @@ def probe_errors(result: ProbeResult) -> list[str]:
 
 
 _SCAN_STYLE = {
-    "ok": "green",
-    "hang": "bold red",
-    "silent-corruption": "bold red",
-    "skipped": "yellow",
+    ScanVerdict.OK: "green",
+    ScanVerdict.HANG: "bold red",
+    ScanVerdict.SILENT_CORRUPTION: "bold red",
+    ScanVerdict.SKIPPED: "yellow",
 }
 
 
@@ -442,8 +447,7 @@ def scan_table(result: ScanResult, *, all_rows: bool = True) -> Any:
 
 
 def scan_errors(result: ScanResult) -> list[str]:
-    """The seeds whose child failed, as rich markup lines."""
-    return [f"[bold red]✗ seed {e.seed}[/]: {escape(e.message)}" for e in result.errors]
+    return seed_errors(result.errors)
 
 
 def scan_summary(result: ScanResult) -> str:
@@ -451,9 +455,10 @@ def scan_summary(result: ScanResult) -> str:
     c = result.counts
     return (
         f"[bold]{len(result.rows)} architectures[/] in {result.elapsed:.0f} s: "
-        f"[green]{c.get('ok', 0)} ok[/] · [bold red]{c.get('hang', 0)} hang[/] · "
-        f"[bold red]{c.get('silent-corruption', 0)} silent-corruption[/] · "
-        f"[yellow]{c.get('skipped', 0)} skipped[/] (exit {result.exit_code})"
+        f"[green]{c.get(ScanVerdict.OK, 0)} ok[/] · "
+        f"[bold red]{c.get(ScanVerdict.HANG, 0)} hang[/] · "
+        f"[bold red]{c.get(ScanVerdict.SILENT_CORRUPTION, 0)} silent-corruption[/] · "
+        f"[yellow]{c.get(ScanVerdict.SKIPPED, 0)} skipped[/] (exit {result.exit_code})"
     )
 
 

@@ -17,3 +17,12 @@ class InputError(FsdpcheckError):
 
     exit_code = ExitCode.BAD_INPUT
     kind = ErrorKind.INPUT
+
+
+class OptionError(InputError):
+    """A combination of audit options that cannot run; ``option`` is the flag it is about
+    (None: several together), which the CLI names as its usage error."""
+
+    def __init__(self, message: str, option: str | None = None):
+        super().__init__(message)
+        self.option = option

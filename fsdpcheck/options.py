@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import KW_ONLY, dataclass, fields
 
+from fsdpcheck.errors import OptionError
 from fsdpcheck.vocab import Backend, DType, Init, Loader
 
 DEFAULT_MIN_PARAMS = 100_000_000  # size-based wrapping threshold, when no wrap class is present
+DEFAULT_MODEL = "hazard"  # the embedded preset audited when given neither model nor builder
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,11 @@ class BuildSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class AuditOptions(BuildSpec):
+    """What ``fsdpcheck audit`` runs, checked when made: a combination the audit cannot run raises
+    :class:`~fsdpcheck.errors.OptionError` (bad input, exit 2; the CLI's usage error) with the
+    paragraph the CLI prints, so ``run_audit(AuditOptions(...))`` refuses what the CLI refuses."""
+
+    model: str | None = None  # None: the builder's model, or DEFAULT_MODEL without a builder
     backend: Backend = Backend.AUTO
     timeout: float = 60.0
     wrap_classes: tuple[str, ...] = ()
@@ -44,6 +52,14 @@ class AuditOptions(BuildSpec):
     tp: int | None = None  # --tp N: the model's own TP plan over N ranks, FSDP2 over the rest
     ep: int | None = None  # --ep N: the model's own EP plan over N ranks (model/parallel.py)
 
+    def __post_init__(self) -> None:
+        for problem, option in _refusals(self):
+            raise OptionError(problem, option)
+        if self.model is None and not self.builder:
+            object.__setattr__(self, "model", DEFAULT_MODEL)
+        if self.resume is not None:  # a resume builds on meta and loads into it, as trainers do
+            object.__setattr__(self, "init", Init.META)
+
     @property
     def build_spec(self) -> BuildSpec:
         """Just the fields that say how to build the model (what a child job is handed)."""
@@ -52,6 +68,78 @@ class AuditOptions(BuildSpec):
     @property
     def budgets(self) -> Budgets:
         return Budgets.from_timeout(self.timeout)
+
+
+def _refusals(o: AuditOptions) -> Iterator[tuple[str, str | None]]:
+    """Why ``o`` cannot run (one paragraph, and the flag it is about), first problem first."""
+    if o.timeout < 1:
+        yield (
+            f"--timeout {o.timeout}: every collective may wait this many seconds, and under 1 "
+            "no rank can answer in time; give --timeout 1 or more, or omit it.",
+            "--timeout",
+        )
+    if o.probe < 0:
+        yield (
+            f"--probe {o.probe}: give the number of hash seeds to build under (8 is a good "
+            "choice), or 0 for no probe.",
+            "--probe",
+        )
+    if problem := _positive_problem(o.tp, o.ep):
+        yield problem, "--tp" if o.tp is not None and o.tp < 1 else "--ep"
+    if o.builder and o.model:
+        yield (
+            "--builder builds the model itself; drop --model (or drop --builder to audit --model).",
+            "--builder",
+        )
+    if o.builder and o.reproduce:
+        yield (
+            "--reproduce rebuilds the model in 2-rank child jobs, which cannot call a builder; "
+            "audit the builder's model without it (--probe works with --builder), or audit "
+            "--model.",
+            "--builder",
+        )
+    try:  # what the world size alone can tell is checked on every rank once it is known
+        resolve_mesh(o.mesh, o.mesh_dims, tp=o.tp, ep=o.ep)
+    except ValueError as exc:
+        yield str(exc), "--mesh" if o.mesh else None
+    parallel = [d for d in ("tp", "ep") if getattr(o, d) or d in (o.mesh_dims or ())]
+    if parallel and (o.reproduce or o.probe):
+        yield (
+            f"--reproduce and --probe rebuild the model in child jobs with 1-D FSDP, not with "
+            f"the {' and '.join(parallel)} dims of this mesh; audit without them, or drop "
+            f"--tp/--ep and the {'/'.join(parallel)} dims of --mesh.",
+            "--reproduce" if o.reproduce else "--probe",
+        )
+    if o.loaders and not o.reproduce:
+        yield (
+            "--loader chooses which loaders --reproduce runs for real; add --reproduce, or drop "
+            "--loader (every loader is predicted either way).",
+            "--loader",
+        )
+    yield from _resume_refusals(o)
+    if o.reproduce and o.init == Init.META:
+        yield (
+            "--reproduce with --init meta: rank 0 then holds no weights, so no loader has "
+            "anything to load; use --init rank0 (the default) or --init all, or drop --reproduce.",
+            "--reproduce",
+        )
+
+
+def _resume_refusals(o: AuditOptions) -> Iterator[tuple[str, str | None]]:
+    """``resume`` builds on meta, as trainers that resume do; what it cannot go with."""
+    if o.resume is not None and o.reproduce:
+        yield (
+            f"--resume {o.resume} with --reproduce: the real loaders load rank 0's full weights "
+            "in child jobs, and a resumed audit has none (every rank loads its own shards); drop "
+            "--reproduce, or audit without --resume.",
+            "--resume",
+        )
+    if o.resume is not None and o.init == Init.ALL:
+        yield (
+            f"--resume {o.resume} with --init all: a resume builds every rank on meta and loads "
+            "the checkpoint into it; drop --init (or use --init meta).",
+            "--resume",
+        )
 
 
 @dataclass(frozen=True)
@@ -217,12 +305,18 @@ def resolve_mesh(
     return spec
 
 
-def _named_problem(
-    mesh: tuple[int, ...], names: tuple[str, ...] | None, *, tp: int | None, ep: int | None
-) -> str:
+def _positive_problem(tp: int | None, ep: int | None) -> str:
     for flag, size in (("--tp", tp), ("--ep", ep)):
         if size is not None and size < 1:
             return f"{flag} {size}: give a positive number of ranks, or omit {flag}."
+    return ""
+
+
+def _named_problem(
+    mesh: tuple[int, ...], names: tuple[str, ...] | None, *, tp: int | None, ep: int | None
+) -> str:
+    if problem := _positive_problem(tp, ep):
+        return problem
     if names is None:
         flags = " ".join(f"{f} {v}" for f, v in (("--tp", tp), ("--ep", ep)) if v)
         return (

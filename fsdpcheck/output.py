@@ -1,8 +1,11 @@
-"""Files fsdpcheck writes: atomically, readable by CI artifact collectors."""
+"""Files fsdpcheck writes: atomically, readable by CI artifact collectors, and checked for
+writability before any work (:func:`unwritable`)."""
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -10,33 +13,62 @@ from typing import Any
 
 from fsdpcheck.records import to_dict
 
+log = logging.getLogger(__name__)
 
-def write_json(record: Any, path: Path) -> None:
-    """Write any record as indented JSON, atomically, so a reader never sees half a file."""
+
+def write_json(record: Any, path: str | Path) -> None:
+    """Write any record as indented JSON, atomically (see :func:`write_text`)."""
+    write_text(json.dumps(to_dict(record), indent=2) + "\n", path)
+
+
+def write_text(text: str, path: str | Path) -> None:
+    """Write ``text`` (UTF-8) atomically, so a reader never sees half a file; makes the
+    missing folders."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from CI artifact collectors
-        with os.fdopen(fd, "w") as out:
-            json.dump(to_dict(record), out, indent=2)
-            out.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_text(text: str, path: str | Path) -> None:
-    """Write ``text`` (UTF-8) atomically, like :func:`write_json`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             out.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def unwritable(path: str | Path) -> OSError | None:
+    """Why :func:`write_text` to ``path`` would fail, or None when it would not: tries what the
+    write will do (make the missing folders, create a file next to the target) and removes
+    what it made. ``strerror`` says why in words."""
+    path = Path(path)
+    if path.is_dir():
+        return IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+    parent = path.parent if str(path.parent) else Path(".")
+    missing = []
+    existing = parent
+    while not existing.exists():
+        missing.append(existing)
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        return NotADirectoryError(errno.ENOTDIR, f"{existing} is a file, not a folder", str(path))
+    made: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            made.append(folder)
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".check")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        log.debug("%s is not writable", path, exc_info=True)
+        return exc
+    finally:
+        for folder in reversed(made):
+            try:
+                folder.rmdir()
+            except OSError:
+                log.debug("%s not removed", folder, exc_info=True)
+    return None

@@ -16,8 +16,8 @@ from fsdpcheck.faults import maybe_inject
 from fsdpcheck.model.memory import MEASURED, StageMeter
 from fsdpcheck.model.resolve import resolve
 from fsdpcheck.options import BuildSpec
-from fsdpcheck.records import RankError
-from fsdpcheck.vocab import ErrorKind, Stage
+from fsdpcheck.records import EnvRecord, RankError, RankRecord
+from fsdpcheck.vocab import ErrorKind, Snapshot, Stage
 
 if TYPE_CHECKING:
     from fsdpcheck.model.build import BuiltModel
@@ -149,3 +149,49 @@ def build_or_raise(
     built, _ = build_from(spec, rank, Stages(rank, raising=True), config_changes=config_changes)
     assert built is not None  # a failed stage raised
     return built
+
+
+# ---------------------------------------------------------------- the per-rank record
+# The stages every rank runs around the wrap, the same in the audit and the offline fingerprint.
+
+
+def look_at(stages: Stages, built: BuiltModel | None, snapshot: Snapshot, *, values: bool) -> Any:
+    """The ``fingerprint-pre`` / ``fingerprint-post`` stage: this rank's look at its model
+    (parameters' values only where ``values``; buffers are checked after the load)."""
+    from fsdpcheck.model.rank_state import look
+
+    stage = Stage.FINGERPRINT_PRE if snapshot == Snapshot.PRE_WRAP else Stage.FINGERPRINT_POST
+    return stages.run(
+        stage, lambda: look(built.model, snapshot, param_values=values, buffers=False)
+    )
+
+
+def before_wrap(
+    stages: Stages, built: BuiltModel | None, spec: Any, *, values: bool
+) -> tuple[Any, Any]:
+    """The look before wrapping, then the wrap plan (``spec``'s ``wrap_classes`` and
+    ``min_params``): each None where its stage did not run."""
+    from fsdpcheck.model import wrap
+
+    pre = look_at(stages, built, Snapshot.PRE_WRAP, values=values)
+    planned = stages.run(
+        Stage.WRAP_PLAN,
+        lambda: wrap.plan(built.model, spec.wrap_classes, min_params=spec.min_params),
+    )
+    return pre, planned
+
+
+def record_of(
+    env: EnvRecord, stages: Stages, built: BuiltModel | None, *looks: Any, **extra: Any
+) -> RankRecord:
+    """This rank's record: what its looks saw, its model's state, its error if a stage failed."""
+    from fsdpcheck.model.rank_state import rank_record
+
+    return rank_record(
+        env,
+        *looks,
+        error=stages.error,
+        model=built.model if built is not None else None,
+        config=built.config if built is not None else None,
+        **extra,
+    )

@@ -21,15 +21,19 @@ from fsdpcheck.vocab import (
     Agreement,
     BufferReason,
     Cause,
+    ChildStage,
     ErrorKind,
     ExitCode,
     FindingKind,
     InitValues,
+    LoaderFailure,
     LoaderVerdict,
     LoadMethod,
     LoadStatus,
     MemoryPeak,
     ModelKind,
+    ScanFamily,
+    SeedFailure,
     Snapshot,
     Stage,
     SyncDifference,
@@ -995,3 +999,80 @@ class Report:
     memory: tuple[MemoryRecord, ...] = ()  # every rank's, in rank order (empty: not measured)
     # --source / check_model(source=): every rank's tensors against the checkpoint on disk
     source_check: VerifyResult | None = None
+
+
+# ---------------------------------------------------------------- child jobs' JSON lines
+# What a child job's rank prints (``children.launch``: one JSON line each, never pickle) and
+# the parent reads back with ``from_dict``.
+
+
+@dataclass(frozen=True)
+class ChildLine:
+    """One line a child rank prints: where it is now, or one result record."""
+
+    stage: ChildStage | None = None
+    result: Mapping[str, Any] | None = None  # a record of the job's own type, as ``to_dict``
+
+
+@dataclass(frozen=True)
+class ScanTarget:
+    """One row of ``fsdpcheck scan``, as its children are told to build it."""
+
+    id: str  # the row's name: model_type, "<model_type> (masked-lm)" or "preset:<name>"
+    model_type: str
+    class_name: str
+    family: ScanFamily
+
+
+@dataclass(frozen=True)
+class SeedBuild:
+    """One model a hash-seed child built on meta (probe: the model; scan: each target), or why
+    it did not build."""
+
+    target: str  # the probed model or builder, or the scan row's id
+    fingerprint: Fingerprint | None = None  # None: it did not build
+    architecture: str | None = None  # the model class
+    config: str | None = None  # scan: the small-config attempt that built
+    layer_types: tuple[str, ...] = ()  # distinct layer types of the built config
+    failure: SeedFailure | None = None
+    message: str = ""  # why it did not build
+    seconds: float = 0.0
+
+    @property
+    def built(self) -> bool:
+        return self.fingerprint is not None
+
+
+@dataclass(frozen=True)
+class HeldTensor:
+    """What a loader child's rank holds under one name after its loader."""
+
+    kind: Literal["param", "buffer"]
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str | None  # of the local values; None on meta
+    persistent: bool | None = None  # buffers only
+    placements: tuple[str, ...] | None = None  # a DTensor's
+    values: tuple[float | str, ...] | None = None  # a small buffer's ("nan" where not finite)
+
+
+@dataclass(frozen=True)
+class LoaderError:
+    kind: LoaderFailure
+    stage: ChildStage  # where the rank was when it raised
+    message: str
+
+
+@dataclass(frozen=True)
+class LoaderRecord:
+    """One rank of a real loader's child job: what it holds after the loader, or its error."""
+
+    rank: int
+    loader: str
+    error: LoaderError | None = None
+    tensors: Mapping[str, HeldTensor] = field(default_factory=dict)
+    order: tuple[str, ...] = ()  # its buffers, in its own named_buffers() order
+    # Rank 0: per rank, per source entry, the digest of the part that rank must hold, per dtype.
+    expected: Mapping[int, Mapping[str, Mapping[str, str | None]]] = field(default_factory=dict)
+    reference: Mapping[str, str | None] = field(default_factory=dict)  # own non-persistent buffers
+    meta_built: bool = False  # some buffers were built on meta

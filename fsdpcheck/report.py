@@ -40,7 +40,6 @@ from fsdpcheck.vocab import (
     LoadStatus,
     Snapshot,
     Verdict,
-    errors_exit_code,
     finding_kind,
 )
 
@@ -153,15 +152,15 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
 
 def verdict(findings: Sequence[Finding], errors: Sequence[RankError]) -> tuple[Verdict, ExitCode]:
     """``latent``: the ranks agree now, but only because they share a hash seed."""
-    if errors:
-        return Verdict.ERROR, errors_exit_code(e.kind for e in errors)
     # A wrong prediction is fsdpcheck's bug, not a difference between the ranks.
     findings = [f for f in findings if f.kind != FindingKind.PREDICTION]
-    if findings and all(f.kind == FindingKind.HASH_SEED for f in findings):
-        return Verdict.LATENT, ExitCode.FINDINGS
-    if findings:
-        return Verdict.INCONSISTENT, ExitCode.FINDINGS
-    return Verdict.CONSISTENT, ExitCode.CONSISTENT
+    if errors:
+        judged = Verdict.ERROR
+    elif findings and all(f.kind == FindingKind.HASH_SEED for f in findings):
+        judged = Verdict.LATENT
+    else:
+        judged = Verdict.INCONSISTENT if findings else Verdict.CONSISTENT
+    return judged, judged.exit_code(e.kind for e in errors)
 
 
 def phrase(kind: str) -> str:
@@ -237,7 +236,7 @@ def error_report(
     """A report for a run that could not finish the gather."""
     return Report(
         verdict=Verdict.ERROR,
-        exit_code=errors_exit_code(e.kind for e in errors),
+        exit_code=Verdict.ERROR.exit_code(e.kind for e in errors),
         world_size=world_size,
         model=None,
         wrap=None,

@@ -62,11 +62,28 @@ class ExitCode(IntEnum):
         return str(int(self))
 
 
+class ChildExit(IntEnum):
+    """How a rank of a ``--reproduce`` loader child job ends: not a command's :class:`ExitCode`
+    (none of them is one). The parent reads only "finished or not" from it; what went wrong
+    is in the rank's record (its error's kind), so these only keep the two apart in ``ps``/logs."""
+
+    DONE = 0
+    REFUSED = 4  # the loader raised a clear exception
+    COLLECTIVE = 124  # a collective failed or timed out (the peer is gone or out of step)
+
+
 class Verdict(Word):
     CONSISTENT = "consistent"
     INCONSISTENT = "inconsistent"
     LATENT = "latent"  # the ranks agree now, but only because they share a hash seed
     ERROR = "error"
+
+    def exit_code(self, error_kinds: Iterable[str] = ()) -> ExitCode:
+        """The one mapping of a result to its exit code (audit, probe, scan): 0 consistent,
+        1 inconsistent or latent; an error's is 2 when every error is bad input, else 3."""
+        if self is Verdict.ERROR:
+            return errors_exit_code(error_kinds)
+        return ExitCode.CONSISTENT if self is Verdict.CONSISTENT else ExitCode.FINDINGS
 
 
 class Stage(Word):
@@ -238,6 +255,45 @@ class ScanVerdict(Word):
     SILENT_CORRUPTION = "silent-corruption"
     OK = "ok"
     SKIPPED = "skipped"
+
+
+class ScanFamily(Word):
+    """Where a ``fsdpcheck scan`` row comes from."""
+
+    CAUSAL_LM = "causal-lm"
+    MASKED_LM = "masked-lm"
+    PRESET = "preset"  # an fsdpcheck preset, asked for by name
+
+
+class ChildStage(Word):
+    """Where one rank of a child job got to: the stage marks it prints, in order."""
+
+    START = "start"  # nothing marked yet
+    INIT = "init"  # importing torch, joining its group
+    BUILD = "build"
+    LOADING = "loading"  # inside the loader's own collectives: the only stage a loader hangs in
+    RECORDING = "recording"
+    DONE = "done"
+
+    @property
+    def before_loader(self) -> bool:
+        """A rank that failed here never reached the loader: its job says nothing about it."""
+        return self in (ChildStage.START, ChildStage.INIT, ChildStage.BUILD)
+
+
+class SeedFailure(Word):
+    """Why a hash-seed child (probe, scan) built nothing."""
+
+    INPUT = "input"  # bad input, e.g. an unknown preset (exit 2)
+    RUNTIME = "runtime"
+    TIMEOUT = "timeout"  # killed at its deadline (a runtime failure, for the exit code)
+
+
+class LoaderFailure(Word):
+    """How a real loader failed on a child rank."""
+
+    COLLECTIVE = "collective"  # a collective failed or timed out: the peer is gone or out of step
+    REFUSED = "refused"  # the loader raised a clear exception of its own
 
 
 class LoadStatus(Word):

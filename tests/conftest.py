@@ -84,6 +84,30 @@ def run_cli(
     )
 
 
+def launch_worker(
+    worker: str,
+    args: list[str],
+    nprocs: int,
+    *,
+    rank_env: Callable[[int], dict[str, str]] | None,
+    timeout: float,
+) -> LaunchResult:
+    """``nprocs`` ranks of ``tests/workers/<worker> ARGS``, one thread each, in the repository:
+    what every worker runner below starts."""
+    return launch(
+        [str(REPO / "tests" / "workers" / worker), *args],
+        nprocs,
+        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
+        rank_env=rank_env,
+        timeout=timeout,
+        cwd=str(REPO),
+    )
+
+
+def _seeded(seeds: tuple[int, ...]) -> Callable[[int], dict[str, str]]:
+    return lambda rank: {"PYTHONHASHSEED": str(seeds[rank])}
+
+
 def run_worker_ranks(
     worker: str,
     out: Path,
@@ -96,13 +120,8 @@ def run_worker_ranks(
     """``nprocs`` ranks of ``tests/workers/<worker>`` (``seeds``: one per rank); returns the
     launch and each rank's JSON record."""
     out.mkdir(parents=True, exist_ok=True)
-    result = launch(
-        [str(REPO / "tests" / "workers" / worker), "--out", str(out), *args],
-        nprocs,
-        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
-        rank_env=lambda r: {"PYTHONHASHSEED": str(seeds[r])},
-        timeout=timeout,
-        cwd=str(REPO),
+    result = launch_worker(
+        worker, ["--out", str(out), *args], nprocs, rank_env=_seeded(seeds), timeout=timeout
     )
     records = []
     for rank in range(nprocs):
@@ -139,13 +158,12 @@ def run_worker_cases(
     root.mkdir(parents=True, exist_ok=True)
     listed = root / "cases.json"
     listed.write_text(json.dumps(cases))
-    job = launch(
-        [str(REPO / "tests" / "workers" / worker), "--cases", str(listed), "--out", str(root)],
+    job = launch_worker(
+        worker,
+        ["--cases", str(listed), "--out", str(root)],
         2,
-        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
-        rank_env=lambda r: {"PYTHONHASHSEED": str(seeds[r])},
+        rank_env=_seeded(seeds),
         timeout=timeout,
-        cwd=str(REPO),
     )
     done = {}
     for case in cases:
@@ -167,18 +185,11 @@ def run_audit_cases(
     its docstring for the case format); rank 0's per-case results."""
     (root / "cases.json").write_text(json.dumps(cases))
     out = root / "audited.json"
-    result = launch(
-        [
-            "tests/workers/audit_cases_worker.py",
-            "--out",
-            str(out),
-            "--cases",
-            str(root / "cases.json"),
-        ],
+    result = launch_worker(
+        "audit_cases_worker.py",
+        ["--out", str(out), "--cases", str(root / "cases.json")],
         2,
-        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
         rank_env=rank_env,
-        cwd=str(REPO),
         timeout=240,
     )
     assert result.codes == [0, 0] and out.is_file(), result.output(0) + result.output(1)

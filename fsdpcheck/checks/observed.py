@@ -23,12 +23,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fsdpcheck.records import Finding, LoaderPrediction, RankError
-from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoaderVerdict, Snapshot, Stage
+from fsdpcheck.records import Finding, LoaderPrediction, LoaderRecord, RankError
+from fsdpcheck.vocab import (
+    Cause,
+    ChildStage,
+    ErrorKind,
+    FindingKind,
+    LoaderFailure,
+    LoaderVerdict,
+    Snapshot,
+    Stage,
+)
 
-# Stages a child marks; "loading" is the only one inside the loader's own collectives.
-LOADING = "loading"
-_BEFORE = ("start", "init", "build")  # the stages a child passes before its loader
+LOADING = ChildStage.LOADING  # the only stage inside the loader's own collectives
 _LISTED = 8  # differing tensors kept in the detail
 _GARBAGE = "holds uninitialised memory (built on meta, never loaded)"
 
@@ -40,9 +47,15 @@ class RankRun:
     rank: int
     returncode: int | None  # None: killed at the deadline
     signal: str | None
-    stage: str | None  # the last stage it marked
+    stage: ChildStage | None  # the last stage it marked
     last_error: str  # the most telling stderr line
-    record: Mapping[str, Any] | None = field(default=None)  # what it emitted, if it got so far
+    record: LoaderRecord | None = field(default=None)  # what it emitted, if it got so far
+
+    @property
+    def error(self) -> Any:
+        """The error its child reported (a :class:`~fsdpcheck.records.LoaderError`), if any."""
+        return self.record.error if self.record is not None else None
+
     hash_seed: int | None = None  # its PYTHONHASHSEED
     stands_for: int | None = None  # the audit rank whose build it repeated
 
@@ -67,39 +80,39 @@ def classify(loader: str, runs: Sequence[RankRun], elapsed: float = 0.0) -> Obse
 
     # A rank that failed before its loader leaves the others alone in it: that says nothing
     # about the loader (a stand-in rank whose own files do not build, say).
-    before = [r for r in runs if ((r.record or {}).get("error") or {}).get("stage") in _BEFORE]
+    before = [r for r in runs if r.error is not None and r.error.stage.before_loader]
     if before:
         r = before[0]
-        message = r.record["error"]["message"]
+        message = r.error.message
         why = f"rank {r.rank} did not get through the loader (stage {r.stage})"
         return done(None, f"{why}: {message}")
     aborted = [r for r in runs if r.signal is not None and r.stage == LOADING]
     if aborted:
         r = aborted[0]
         return done(
-            "hang",
+            LoaderVerdict.HANG,
             f"rank {r.rank} was killed by {r.signal} inside the loader's collectives "
             f"({r.last_error or 'no message'}): gloo aborts a mismatched collective, NCCL blocks",
         )
-    refused = [r for r in runs if _error(r, "refused", LOADING)]
+    refused = [r for r in runs if _error(r, LoaderFailure.REFUSED)]
     if refused:
         r = refused[0]
-        return done("refused", f"rank {r.rank} raised {r.record['error']['message']}")
+        return done(LoaderVerdict.REFUSED, f"rank {r.rank} raised {r.error.message}")
     stuck = [r for r in runs if r.returncode is None and r.stage == LOADING]
-    failed = [r for r in runs if _error(r, "collective", LOADING)]
+    failed = [r for r in runs if _error(r, LoaderFailure.COLLECTIVE)]
     if stuck or failed:
         late = "still inside the loader's collectives at the deadline"
         parts = [f"rank {r.rank} {late}" for r in stuck]
-        parts += [f"rank {r.rank}: {r.record['error']['message']}" for r in failed]
-        return done("hang", "; ".join(parts))
-    unfinished = [r for r in runs if r.returncode != 0 or not r.record or r.record.get("error")]
+        parts += [f"rank {r.rank}: {r.error.message}" for r in failed]
+        return done(LoaderVerdict.HANG, "; ".join(parts))
+    unfinished = [r for r in runs if r.returncode != 0 or not r.record or r.error]
     if unfinished:
         r = unfinished[0]
         why = (
             "killed at the deadline"
             if r.returncode is None
-            else (r.record or {}).get("error", {}).get("message")
-            if r.record and r.record.get("error")
+            else r.error.message
+            if r.error
             else r.last_error or f"exit {r.returncode}"
         )
         return done(None, f"rank {r.rank} did not get through the loader (stage {r.stage}): {why}")
@@ -112,7 +125,7 @@ def classify(loader: str, runs: Sequence[RankRun], elapsed: float = 0.0) -> Obse
     if only:
         detail["only_on"] = only[:_LISTED]
     if not differing:
-        return done("ok", "every rank holds rank 0's values under every shared name")
+        return done(LoaderVerdict.OK, "every rank holds rank 0's values under every shared name")
     worst = max(differing, key=lambda d: LoaderVerdict(d["verdict"]).severity)
     first = next(d for d in differing if d["verdict"] == worst["verdict"])
     more = f" (and {len(differing) - 1} more)" if len(differing) > 1 else ""
@@ -121,83 +134,82 @@ def classify(loader: str, runs: Sequence[RankRun], elapsed: float = 0.0) -> Obse
 
 
 def compare_holdings(
-    records: Mapping[int, Mapping[str, Any]],
+    records: Mapping[int, LoaderRecord],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every tensor that is not what rank 0 holds or sent, and the names only one side has."""
     ref = records[min(records)]
-    ref_tensors = ref.get("tensors", {})
-    expected = ref.get("expected", {})
+    ref_tensors = ref.tensors
     first = min(records)
-    known = {t["digest"] for t in ref_tensors.values() if t["digest"]}
+    known = {t.digest for t in ref_tensors.values() if t.digest}
     differing: list[dict[str, Any]] = []
     only: list[dict[str, Any]] = []
     for rank in sorted(records):
         record = records[rank]
-        tensors = record.get("tensors", {})
-        own = record.get("reference", {})
-        wants = expected.get(str(rank), {})
+        tensors = record.tensors
+        own = record.reference
+        wants = ref.expected.get(rank, {})
         for name, t in tensors.items():
-            volatile = t["kind"] == "buffer" and t["persistent"] is False
-            if volatile and t["digest"] != own.get(name):
-                if record.get("meta_built") and t["digest"] not in known | set(own.values()):
-                    differing.append(_entry(name, rank, "uninitialized", _GARBAGE))
+            volatile = t.kind == "buffer" and t.persistent is False
+            if volatile and t.digest != own.get(name):
+                if record.meta_built and t.digest not in known | set(own.values()):
+                    differing.append(_entry(name, rank, LoaderVerdict.UNINITIALIZED, _GARBAGE))
                     continue
             if name in wants:
-                if t["digest"] == wants[name].get(t["dtype"]):
+                if t.digest == wants[name].get(t.dtype):
                     continue
                 state = f"differs from rank {first}'s source"
             elif name in ref_tensors:
-                if rank == first or t["digest"] == ref_tensors[name]["digest"]:
+                if rank == first or t.digest == ref_tensors[name].digest:
                     continue
                 state = f"differs from rank {first}'s"
-            elif volatile and t["digest"] != own.get(name):
+            elif volatile and t.digest != own.get(name):
                 state = "is only on this rank, and the loader overwrote its own value"
             else:
                 only.append({"name": name, "rank": rank})
                 continue
-            held = [n for n, o in ref_tensors.items() if o["digest"] == t["digest"] and n != name]
+            held = [n for n, o in ref_tensors.items() if o.digest == t.digest and n != name]
             if held:
                 state = f"holds {held[0]}'s values"
-            elif volatile and t["digest"] == own.get(name):
+            elif volatile and t.digest == own.get(name):
                 state = "kept its own value, not rank 0's"
-            differing.append(_entry(name, rank, "silent-corruption", state))
+            differing.append(_entry(name, rank, LoaderVerdict.SILENT_CORRUPTION, state))
         if rank != first:
             only += [{"name": n, "rank": first} for n in ref_tensors if n not in tensors]
     return differing, only
 
 
-def buffer_values(records: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:
+def buffer_values(records: Mapping[int, LoaderRecord]) -> list[dict[str, Any]]:
     """Per rank, its buffers in its own ``named_buffers()`` order, each ``ok`` (it holds what
     rank 0 holds under that name), ``swapped`` (what rank 0 holds under another name) or
     ``corrupted`` (neither), with the values of small ones next to rank 0's."""
-    ref = records[min(records)].get("tensors", {})
+    ref = records[min(records)].tensors
     by_digest: dict[str, str] = {}
     for name, t in ref.items():
-        if t["kind"] == "buffer" and t["digest"]:
-            by_digest.setdefault(t["digest"], name)
+        if t.kind == "buffer" and t.digest:
+            by_digest.setdefault(t.digest, name)
     out = []
     for rank in sorted(records):
         record = records[rank]
-        tensors = record.get("tensors", {})
-        order = record.get("order") or [n for n, t in tensors.items() if t["kind"] == "buffer"]
+        tensors = record.tensors
+        order = record.order or [n for n, t in tensors.items() if t.kind == "buffer"]
         buffers: dict[str, dict[str, Any]] = {}
         for name in order:
-            t, want = tensors.get(name), ref.get(name, {})
+            t, want = tensors.get(name), ref.get(name)
             if t is None:
                 continue
-            if t["digest"] is not None and t["digest"] == want.get("digest"):
+            if t.digest is not None and want is not None and t.digest == want.digest:
                 state, holds = "ok", name
             else:
-                holds = by_digest.get(t["digest"]) if t["digest"] else None
+                holds = by_digest.get(t.digest) if t.digest else None
                 state = "swapped" if holds is not None and holds != name else "corrupted"
             buffers[name] = {
                 "state": state,
                 "holds": holds,
-                "shape": t["shape"],
-                "digest": t["digest"],
-                "expected_digest": want.get("digest"),
-                "values": t.get("values"),
-                "expected_values": want.get("values"),
+                "shape": list(t.shape),
+                "digest": t.digest,
+                "expected_digest": want.digest if want else None,
+                "values": list(t.values) if t.values is not None else None,
+                "expected_values": list(want.values) if want and want.values is not None else None,
             }
         out.append(
             {
@@ -219,14 +231,13 @@ def _entry(name: str, rank: int, verdict: str, state: str) -> dict[str, Any]:
     return {"name": name, "rank": rank, "verdict": verdict, "state": state}
 
 
-def _error(run: RankRun, kind: str, stage: str) -> bool:
-    """The rank's child reported an error of ``kind`` raised in ``stage``."""
-    error = (run.record or {}).get("error")
-    return bool(error) and error.get("kind") == kind and error.get("stage") == stage
+def _error(run: RankRun, kind: LoaderFailure) -> bool:
+    """The rank's child reported an error of ``kind`` raised inside the loader."""
+    return run.error is not None and run.error.kind == kind and run.error.stage == LOADING
 
 
 def _rank_detail(run: RankRun) -> dict[str, Any]:
-    error = (run.record or {}).get("error") or {}
+    message = run.error.message if run.error is not None else None
     if run.returncode is None:
         exit_text = "killed at the deadline"
     elif run.signal:
@@ -239,7 +250,7 @@ def _rank_detail(run: RankRun) -> dict[str, Any]:
         "stands_for": run.stands_for,
         "exit": exit_text,
         "stage": run.stage,
-        "error": error.get("message") or (run.last_error if run.returncode != 0 else None),
+        "error": message or (run.last_error if run.returncode != 0 else None),
     }
 
 

@@ -48,6 +48,11 @@ class CollectiveCall:
     recv: tuple[int, ...] = ()
     peer: int | None = None  # point-to-point: the other rank (global)
     tag: int = 0
+    # torch.distributed.pipelining: the stage that moves it, "forward" (activations) or
+    # "backward" (gradients), and the schedule's microbatch index (None: not a pipeline's).
+    stage: int | None = None
+    phase: str = ""
+    microbatch: int | None = None
 
     def key(self) -> tuple:
         """What must agree across the group's members (all_to_all splits pair instead:
@@ -67,6 +72,10 @@ class CollectiveCall:
 
     def label(self) -> str:
         what = self.op.replace("_into_tensor", "").replace("_tensor", "").replace("_", "-")
+        if self.peer is not None:
+            what += f" {'to' if self.op == 'send' else 'from'} rank {self.peer}"
+            if self.microbatch is not None:
+                what += f" (stage {self.stage} {self.phase}, microbatch {self.microbatch})"
         if self.module is not None:
             owner = f"`{self.module}`" if self.module else "the root module"
             return f"{what} of {owner}"
@@ -180,7 +189,9 @@ Side = tuple  # (CollectiveCall | None, state): what one rank was doing where it
 
 def _what(side: Side) -> tuple:
     doing, state = side
-    return doing.key() + (doing.send, doing.recv) if doing is not None else (state,)
+    if doing is None:
+        return (state,)
+    return doing.key() + (doing.send, doing.recv, doing.peer, doing.phase, doing.microbatch)
 
 
 def _doing_text(side: Side) -> str:
@@ -253,7 +264,7 @@ def _group_finding(members: tuple[int, ...], view: dict[int, Side], rec: StepRec
         "issued_by": sorted(r for ranks, _ in issued for r in ranks),
         "not_issued_by": idle,
         "modules": sorted({call.module for _, call in issued if call.module is not None}),
-        "caught": "before the collective was issued: no rank issued it",
+        "caught": _caught(issued),
     }
     if rec.before:
         details["agreed_before"] = [c.label() for c in rec.before]
@@ -267,6 +278,16 @@ def _group_finding(members: tuple[int, ...], view: dict[int, Side], rec: StepRec
         tensors=tensors[:64],
         details=details,
     )
+
+
+def _caught(issued: Sequence[tuple[list[int], CollectiveCall]]) -> str:
+    if any(call.peer is not None for _, call in issued):
+        # A send or receive whose peer was itself waiting in the watch is posted ahead of its
+        # pair, and confirmed before anyone waits on it.
+        return (
+            "before any rank waited on it: a send or receive posted ahead of its pair stays posted"
+        )
+    return "before the collective was issued: no rank issued it"
 
 
 def _reason(issued: Sequence[tuple[list[int], CollectiveCall]]) -> str:
@@ -302,6 +323,9 @@ def _call_details(side: Side) -> dict[str, Any]:
         details["send"], details["recv"] = list(call.send), list(call.recv)
     if call.peer is not None:
         details["peer"], details["tag"] = call.peer, call.tag
+    if call.microbatch is not None:
+        details["stage"], details["phase"] = call.stage, call.phase
+        details["microbatch"] = call.microbatch
     return details
 
 
@@ -309,6 +333,11 @@ def _consequence(
     issued: Sequence[tuple[list[int], CollectiveCall]], idle: Sequence[int], reason: str
 ) -> str:
     """What the unwatched job would have done there."""
+    if reason.startswith("the pair never comes"):
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, the rank waits for it until the "
+            "collective timeout"
+        )
     if idle:
         waiting = sorted(r for ranks, _ in issued for r in ranks)
         verb = "issues" if len(waiting) == 1 else "issue"

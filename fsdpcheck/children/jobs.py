@@ -18,11 +18,10 @@ from typing import Any
 from fsdpcheck.checks.observed import RankRun
 from fsdpcheck.children.launch import JOB_ENV, last_error, launch
 from fsdpcheck.options import BuildSpec
+from fsdpcheck.records import HeldTensor, LoaderRecord
 
 log = logging.getLogger(__name__)
 
-EXIT_REFUSED = 3  # the loader raised a clear exception
-EXIT_COLLECTIVE = 124  # a collective failed or timed out (the peer is gone or out of step)
 COMMON_DTYPES = ("float32", "bfloat16", "float16")
 VALUES_SHOWN = 64  # buffers up to this many elements carry their values in the record
 STANDS_FOR = "FSDPCHECK_STANDS_FOR"  # a child rank's environment: its StandIn, as JSON
@@ -92,6 +91,7 @@ def run_job(
         env=JOB_ENV,
         rank_env=lambda r: stand_ins[r].env(),
         timeout=deadline,
+        record=LoaderRecord,
     )
     runs = tuple(
         RankRun(
@@ -118,49 +118,49 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line}"[:300]
 
 
-def tensors_held(model: Any) -> dict[str, dict[str, Any]]:
+def tensors_held(model: Any) -> dict[str, HeldTensor]:
     """Every parameter (deduplicated, as ``named_parameters`` gives them) and buffer, in that
     order: kind, persistence, dtype, local shape, placements, a digest of the local values (None
     on meta) and, for a small buffer, its values."""
     from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers, value_digest
 
     volatile = non_persistent_buffers(model)
-    held: dict[str, dict[str, Any]] = {}
+    held: dict[str, HeldTensor] = {}
     for name, param in model.named_parameters():
         placements = getattr(param, "placements", None)
         local = param.to_local() if placements is not None else param
-        held[name] = {
-            "kind": "param",
-            "persistent": None,
-            "dtype": dtype_name(local.dtype),
-            "shape": list(local.shape),
-            "placements": [str(p) for p in placements] if placements is not None else None,
-            "digest": value_digest(local),
-        }
+        held[name] = HeldTensor(
+            kind="param",
+            dtype=dtype_name(local.dtype),
+            shape=tuple(local.shape),
+            digest=value_digest(local),
+            placements=tuple(str(p) for p in placements) if placements is not None else None,
+        )
     for name, buf in model.named_buffers():
-        held[name] = {
-            "kind": "buffer",
-            "persistent": name not in volatile,
-            "dtype": dtype_name(buf.dtype),
-            "shape": list(buf.shape),
-            "placements": None,
-            "digest": value_digest(buf),
-            "values": small_values(buf),
-        }
+        held[name] = HeldTensor(
+            kind="buffer",
+            dtype=dtype_name(buf.dtype),
+            shape=tuple(buf.shape),
+            digest=value_digest(buf),
+            persistent=name not in volatile,
+            values=small_values(buf),
+        )
     return held
 
 
-def small_values(tensor: Any) -> list[Any] | None:
+def small_values(tensor: Any) -> tuple[float | str, ...] | None:
     """The values of a small tensor that holds any (None on meta or past :data:`VALUES_SHOWN`)."""
     if tensor.is_meta or tensor.numel() > VALUES_SHOWN:
         return None
     # Strict JSON has no NaN: uninitialised memory often holds some.
-    return [v if math.isfinite(v) else str(v) for v in tensor.detach().float().flatten().tolist()]
+    return tuple(
+        v if math.isfinite(v) else str(v) for v in tensor.detach().float().flatten().tolist()
+    )
 
 
 def expected_holdings(
     model: Any, source: Mapping[str, Any], world_size: int
-) -> dict[str, dict[str, dict[str, str | None]]]:
+) -> dict[int, dict[str, dict[str, str | None]]]:
     """Rank 0: for every rank and every entry of its source state dict, the digest of the part
     that rank must hold, cast to each common dtype (a loader may convert to the receiver's)."""
     import torch
@@ -169,7 +169,7 @@ def expected_holdings(
     from fsdpcheck.model.fingerprint import dtype_name, value_digest
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    out: dict[str, dict[str, dict[str, str | None]]] = {}
+    out: dict[int, dict[str, dict[str, str | None]]] = {}
     for rank in range(world_size):
         mine: dict[str, dict[str, str | None]] = {}
         for name, full in source.items():
@@ -183,7 +183,7 @@ def expected_holdings(
             if part.is_floating_point():
                 dtypes.update(COMMON_DTYPES)
             mine[name] = {d: value_digest(part.to(getattr(torch, d))) for d in sorted(dtypes)}
-        out[str(rank)] = mine
+        out[rank] = mine
     return out
 
 

@@ -8,7 +8,9 @@ the parent is interrupted, or when the job is over, every rank's whole process g
 so no process outlives its job.
 
 Child side: :func:`mark_stage` (where this rank is now) and :func:`emit` (one result record), each
-one JSON line on stdout that starts with :data:`MARK` (never pickle; other output is ignored).
+one JSON line on stdout that starts with :data:`MARK` (a :class:`~fsdpcheck.records.ChildLine`,
+never pickle; other output is ignored); the parent reads each result back as the job's record
+type (``record=``).
 A line is flushed before the next step starts, so the parent can tell a rank killed inside a
 collective (a hang) from one still importing torch at the deadline (too slow to say anything),
 and a broken process group never stands between the parent and the evidence.
@@ -35,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdpcheck.process import LOG_LINE
+from fsdpcheck.records import ChildLine, from_dict, to_dict
+from fsdpcheck.vocab import ChildStage
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +77,15 @@ class RankOutcome:
     stdout: str
     stderr: str
     elapsed: float  # seconds from launch to this rank's exit
-    stage: str | None = None  # the last stage it marked
-    records: tuple[Mapping[str, Any], ...] = ()  # the results it emitted, in order
+    stage: ChildStage | None = None  # the last stage it marked
+    records: tuple[Any, ...] = ()  # the results it emitted, in order, as the job's record type
 
     @property
     def signal(self) -> str | None:
         return signal_name(self.returncode)
 
     @property
-    def result(self) -> Mapping[str, Any] | None:
+    def result(self) -> Any | None:
         """Its last result record, if it emitted one."""
         return self.records[-1] if self.records else None
 
@@ -141,11 +145,13 @@ class _Rank:
         argv: Sequence[str],
         env: Mapping[str, str],
         cwd: str | None,
-        on_record: Callable[[int, Mapping[str, Any]], None] | None,
+        on_record: Callable[[int, Any], None] | None,
+        record: type[Any] | None,
     ):
         self.rank = rank
-        self.stage: str | None = None
-        self.records: list[Mapping[str, Any]] = []
+        self.stage: ChildStage | None = None
+        self.records: list[Any] = []
+        self._record = record
         self.lines: list[str] = []
         self.exited: float | None = None
         self.killed = False
@@ -169,13 +175,13 @@ class _Rank:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            kind, value = _parse(line)
-            if kind == "stage":
-                self.stage = value
-            elif kind == "result":
-                self.records.append(value)
+            stage, result = _parse(line, self._record)
+            if stage is not None:
+                self.stage = stage
+            if result is not None:
+                self.records.append(result)
                 if self._on_record is not None:
-                    self._on_record(self.rank, value)
+                    self._on_record(self.rank, result)
 
     def kill(self) -> None:
         """Kill its whole process group, whatever is left of it, and reap it."""
@@ -205,13 +211,15 @@ def launch(
     timeout: float = 120.0,
     cwd: str | None = None,
     port: int | None = None,
-    on_record: Callable[[int, Mapping[str, Any]], None] | None = None,
+    on_record: Callable[[int, Any], None] | None = None,
     cancel: threading.Event | None = None,
+    record: type[Any] | None = None,
 ) -> LaunchResult:
     """Start ``python <argv...>`` (``argv`` after the interpreter) as ``nprocs`` ranks of one
     job and wait for them, at most ``timeout`` seconds (or until ``cancel`` is set); then kill
-    every rank's process group. ``on_record(rank, record)`` is called as each record arrives
-    (from reader threads)."""
+    every rank's process group. ``record``: the type the ranks' results are read back as (else
+    plain mappings); ``on_record(rank, record)`` is called as each arrives (from reader
+    threads)."""
     port = port or free_port()
     start = time.monotonic()
     ranks: list[_Rank] = []
@@ -228,7 +236,7 @@ def launch(
                 **(rank_env(rank) if rank_env else {}),
             }
             rank_environ = child_env(os.environ, env or {}, rank_vars)
-            ranks.append(_Rank(rank, argv, rank_environ, cwd, on_record))
+            ranks.append(_Rank(rank, argv, rank_environ, cwd, on_record, record))
         log.info("launched %d rank(s), port %d: python %s", nprocs, port, " ".join(argv))
         deadline = start + timeout
         while True:
@@ -262,7 +270,8 @@ def run_each(
     *,
     jobs: int | None,
     timeout: float,
-    on_record: Callable[[int, Mapping[str, Any]], None] | None = None,
+    on_record: Callable[[int, Any], None] | None = None,
+    record: type[Any] | None = None,
 ) -> list[RankOutcome]:
     """``argv`` once per environment in ``envs``, each a one-rank job bounded by ``timeout``, at
     most ``jobs`` at a time (default: the usable cores). ``on_record(index, record)`` is called
@@ -271,13 +280,21 @@ def run_each(
     cancel = threading.Event()
 
     def one(index: int) -> RankOutcome:
-        def report(_: int, record: Mapping[str, Any]) -> None:
+        def report(_: int, result: Any) -> None:
             if on_record is not None:
                 with lock:
-                    on_record(index, record)
+                    on_record(index, result)
 
-        result = launch(argv, 1, env=envs[index], timeout=timeout, on_record=report, cancel=cancel)
-        return result.ranks[0]
+        job = launch(
+            argv,
+            1,
+            env=envs[index],
+            timeout=timeout,
+            on_record=report,
+            cancel=cancel,
+            record=record,
+        )
+        return job.ranks[0]
 
     workers = max(1, min(jobs or usable_cores(), len(envs)))
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fsdpcheck-job")
@@ -340,36 +357,37 @@ def kill_group(proc: subprocess.Popen) -> None:
 # ---------------------------------------------------------------- child side
 
 
-def mark_stage(name: str) -> None:
-    """Child side: this rank is now in stage ``name``."""
-    _write({"stage": name})
+def mark_stage(stage: ChildStage) -> None:
+    """Child side: this rank is now in ``stage``."""
+    _write(ChildLine(stage=stage))
 
 
-def emit(record: Mapping[str, Any]) -> None:
-    """Child side: one result record (the only things a child prints on purpose)."""
-    _write({"result": record})
+def emit(record: Any) -> None:
+    """Child side: one result record, a frozen record of the job's type (the only things a
+    child prints on purpose)."""
+    _write(ChildLine(result=to_dict(record)))
 
 
-def _write(line: Mapping[str, Any]) -> None:
-    sys.stdout.write(MARK + json.dumps(line, separators=(",", ":")) + "\n")
+def _write(line: ChildLine) -> None:
+    fields = {k: v for k, v in to_dict(line).items() if v is not None}
+    sys.stdout.write(MARK + json.dumps(fields, separators=(",", ":")) + "\n")
     sys.stdout.flush()
 
 
-def _parse(line: str) -> tuple[str | None, Any]:
+def _parse(line: str, record: type[Any] | None) -> tuple[ChildStage | None, Any]:
+    """A marked line's stage and its result, read as a ``record``; nothing for any other line,
+    nor for one cut short by a kill mid-write or not of this job's format."""
     if not line.startswith(MARK):
         return None, None
     try:
-        message = json.loads(line[len(MARK) :])
-    except json.JSONDecodeError:  # cut short by a kill mid-write
-        log.debug("a cut-short result line: %.80s", line)
+        parsed = from_dict(ChildLine, json.loads(line[len(MARK) :]))
+        result = parsed.result
+        if result is not None and record is not None:
+            result = from_dict(record, result)
+    except (ValueError, TypeError, AttributeError, KeyError):
+        log.debug("an unreadable child line: %.80s", line, exc_info=True)
         return None, None
-    if not isinstance(message, dict):
-        return None, None
-    if isinstance(message.get("stage"), str):
-        return "stage", message["stage"]
-    if isinstance(message.get("result"), dict):
-        return "result", message["result"]
-    return None, None
+    return parsed.stage, result
 
 
 # ---------------------------------------------------------------- reading a rank's end

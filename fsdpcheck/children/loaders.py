@@ -17,10 +17,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fsdpcheck.checks.observed import LOADING
 from fsdpcheck.children.jobs import (
-    EXIT_COLLECTIVE,
-    EXIT_REFUSED,
     expected_holdings,
     first_line,
     reference_buffers,
@@ -29,6 +26,8 @@ from fsdpcheck.children.jobs import (
 )
 from fsdpcheck.children.launch import emit, mark_stage
 from fsdpcheck.distributed.liveness import is_collective_failure
+from fsdpcheck.records import LoaderError, LoaderRecord
+from fsdpcheck.vocab import ChildExit, ChildStage, LoaderFailure
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ class _Run:
     def __init__(self, args: argparse.Namespace, ctx: Any):
         self.args, self.ctx = args, ctx
         self.rank = ctx.rank
-        self.current = "start"
+        self.current = ChildStage.START
         self.source: dict[str, Any] | None = None  # rank 0's full state dict, untouched
         self.meta_built = False
         self.stands_for = stand_in_here()  # what the audit rank this rank stands for built
@@ -80,9 +79,9 @@ class _Run:
 
         wrap.apply(wrap.plan(model).modules, self.ctx.mesh)
 
-    def stage(self, name: str) -> None:
-        self.current = name
-        mark_stage(name)
+    def stage(self, stage: ChildStage) -> None:
+        self.current = stage
+        mark_stage(stage)
 
 
 def _audit_built(run: _Run) -> Any:
@@ -112,7 +111,7 @@ def _dcp_load(run: _Run, model: Any) -> None:
 def dcp_broadcast(run: _Run) -> Any:
     """torch's set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True), alone."""
     model = _audit_built(run)
-    run.stage(LOADING)
+    run.stage(ChildStage.LOADING)
     _dcp_load(run, model)
     return model
 
@@ -134,7 +133,7 @@ def named_buffers_order(run: _Run) -> Any:
     """verl's fsdp2_load_full_state_dict before PR #6405: DCP for the state dict, then
     :func:`broadcast_each_buffer`."""
     model = _audit_built(run)
-    run.stage(LOADING)
+    run.stage(ChildStage.LOADING)
     _dcp_load(run, model)
     broadcast_each_buffer(model)
     return model
@@ -145,7 +144,7 @@ def sorted_names(run: _Run) -> Any:
     from fsdpcheck.loader.load import load_full_state_dict
 
     model = _audit_built(run)
-    run.stage(LOADING)
+    run.stage(ChildStage.LOADING)
     load_full_state_dict(model, run.source if run.rank == 0 else None, group=run.ctx.side_channel)
     return model
 
@@ -158,7 +157,7 @@ def ddp_sync(run: _Run) -> Any:
     built = run.build(init="all", seed=run.args.seed + run.rank)
     model = built.model
     run.keep_source(model.state_dict())
-    run.stage(LOADING)
+    run.stage(ChildStage.LOADING)
     DistributedDataParallel(model)
     return model
 
@@ -192,7 +191,7 @@ def state_dict_order(run: _Run) -> Any:
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     run.wrap(model)
-    run.stage(LOADING)
+    run.stage(ChildStage.LOADING)
     fsdp2_load_full_state_dict(_Accelerator(run.rank), model, original_sd)
     for fqn, tensor in kept.items():
         parent_name, _, local = fqn.rpartition(".")
@@ -232,31 +231,38 @@ def main(
     """One rank of one loader job. ``runners``: other loaders run the same way (a test's: verl's
     released function, read from its wheel)."""
     args = _parser(runners).parse_args(argv)
-    mark_stage("init")
+    mark_stage(ChildStage.INIT)
     from fsdpcheck.distributed import setup
 
     ctx = setup.init("gloo", args.timeout)
     run = _Run(args, ctx)
-    record: dict[str, Any] = {"rank": ctx.rank, "loader": args.loader, "error": None}
-    code = 0
+    code = ChildExit.DONE
     try:
-        run.stage("build")
+        run.stage(ChildStage.BUILD)
         model = runners[args.loader](run)
-        run.stage("recording")
-        record["tensors"] = tensors_held(model)
-        record["order"] = [name for name, _ in model.named_buffers()]
+        run.stage(ChildStage.RECORDING)
+        expected = {}
         if run.rank == 0 and run.source is not None:
-            record["expected"] = expected_holdings(model, run.source, ctx.world_size)
-        record["reference"] = reference_buffers(lambda: run.build(init="all").model)
-        record["meta_built"] = run.meta_built
+            expected = expected_holdings(model, run.source, ctx.world_size)
+        record = LoaderRecord(
+            rank=ctx.rank,
+            loader=args.loader,
+            tensors=tensors_held(model),
+            order=tuple(name for name, _ in model.named_buffers()),
+            expected=expected,
+            reference=reference_buffers(lambda: run.build(init="all").model),
+            meta_built=run.meta_built,
+        )
     except Exception as exc:  # every failure is evidence: say which kind, then leave
         log.debug("rank %d: %s failed in %s", ctx.rank, args.loader, run.current, exc_info=True)
-        kind = "collective" if is_collective_failure(exc) else "refused"
-        record["error"] = {"kind": kind, "stage": run.current, "message": first_line(exc)}
-        code = EXIT_COLLECTIVE if kind == "collective" else EXIT_REFUSED
-        print(f"rank {ctx.rank}: {record['error']['message']}", file=sys.stderr)
+        collective = is_collective_failure(exc)
+        kind = LoaderFailure.COLLECTIVE if collective else LoaderFailure.REFUSED
+        error = LoaderError(kind, run.current, first_line(exc))
+        record = LoaderRecord(rank=ctx.rank, loader=args.loader, error=error)
+        code = ChildExit.COLLECTIVE if collective else ChildExit.REFUSED
+        print(f"rank {ctx.rank}: {error.message}", file=sys.stderr)
     emit(record)
-    mark_stage("done")
+    mark_stage(ChildStage.DONE)
     sys.stderr.flush()
     sys.stdout.flush()
     # No destroy_process_group: after a loader broke the group it can block; the job is over.

@@ -22,6 +22,7 @@ from fsdpcheck.checks.observed import Observation, classify
 from fsdpcheck.children.jobs import ChildSpec, StandIn, run_job
 from fsdpcheck.children.loaders import MODULE, RUNNERS, accelerate_version
 from fsdpcheck.options import child_collective_timeout
+from fsdpcheck.vocab import Init
 
 MIN_JOB_SECONDS = 8.0  # below this a job cannot even import torch on a busy machine
 
@@ -41,7 +42,7 @@ def observe_loaders(
         stand_ins = [StandIn(rank, seed) for rank, seed in enumerate(seeds)]
     names = list(loaders) if loaders is not None else list(RUNNERS)
     out: dict[str, Observation] = {}
-    if spec.init == "meta":
+    if spec.init == Init.META:
         why = "--init meta: rank 0 holds no weights, so no loader has anything to load"
         return {n: Observation(n, None, {"summary": why}) for n in names}
     start = time.monotonic()

@@ -29,14 +29,15 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, compare_orders, tensor_names
-from fsdpcheck.children.launch import JOB_ENV, emit, run_each
+from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, tensor_names
+from fsdpcheck.children.launch import emit
+from fsdpcheck.children.seeds import check_seeds, compare_builds, over_seeds
 from fsdpcheck.distributed.environment import package_version
-from fsdpcheck.records import Fingerprint, from_dict, to_dict
-from fsdpcheck.vocab import ExitCode, Init, Snapshot, Verdict, errors_exit_code
+from fsdpcheck.records import SeedBuild
+from fsdpcheck.vocab import ExitCode, Init, SeedFailure, Snapshot, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -86,63 +87,40 @@ def probe(
     seed's child reports (from worker threads, one call at a time). ``builder``
     (``MODULE:FUNCTION`` or ``FILE.py:FUNCTION``): build with it instead of ``model``.
     """
-    if seeds < 2:
-        from fsdpcheck.errors import InputError
-
-        raise InputError(f"--seeds {seeds}: comparing orders needs at least 2 hash seeds.")
+    check_seeds(seeds)
     start = time.monotonic()
     target = ["--builder", builder] if builder else ["--model", model]
     argv = ["-m", "fsdpcheck.children.probe", "--child", *target]
     argv += ["--text-only"] * text_only + ["--trust-remote-code"] * trust_remote_code
-    seed_list = tuple(range(seeds))
-    done = 0
+    runs = over_seeds(argv, seeds, jobs=jobs, timeout=timeout, total=seeds, progress=progress)
 
-    def on_record(index: int, record: Mapping[str, Any]) -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, len(seed_list), f"PYTHONHASHSEED={seed_list[index]}")
-
-    envs = [{**JOB_ENV, "PYTHONHASHSEED": str(seed)} for seed in seed_list]
-    outcomes = dict(
-        zip(
-            seed_list,
-            run_each(argv, envs, jobs=jobs, timeout=timeout, on_record=on_record),
-            strict=True,
-        )
-    )
-
-    fingerprints: dict[int, Fingerprint] = {}
+    built: dict[int, SeedBuild] = {}
     errors: list[SeedError] = []
-    architecture = None
-    for seed in seed_list:
-        outcome = outcomes[seed]
-        record = outcome.result
-        if record is not None and record.get("ok"):
-            fingerprints[seed] = from_dict(Fingerprint, record["fingerprint"])
-            architecture = architecture or record.get("architecture")
-        elif record is not None:
-            errors.append(SeedError(seed, record.get("kind", "runtime"), record["message"]))
+    for seed in runs.seeds:
+        build = runs.builds[seed][-1] if runs.builds[seed] else None
+        if build is not None and build.built:
+            built[seed] = build
+        elif build is not None and build.failure is not None:
+            errors.append(SeedError(seed, build.failure, build.message))
         else:
-            kind = "timeout" if outcome.returncode is None else "runtime"
-            errors.append(SeedError(seed, kind, outcome.failure(timeout)))
-
-    reorders = compare_orders(fingerprints)
+            errors.append(runs.lost[seed])
+    architecture = next((b.architecture for b in built.values() if b.architecture), None)
+    reorders = compare_builds(built)
     orders = len(
-        {(tensor_names(fp.buffers), tensor_names(fp.params)) for fp in fingerprints.values()}
+        {
+            (tensor_names(b.fingerprint.buffers), tensor_names(b.fingerprint.params))
+            for b in built.values()
+        }
     )
-    if reorders:
-        verdict, code = Verdict.LATENT, ExitCode.FINDINGS
-    elif errors:
-        # A seed that ran out of time is a runtime failure (SeedError.kind "timeout").
-        kinds = ("runtime" if e.kind == "timeout" else e.kind for e in errors)
-        verdict, code = Verdict.ERROR, errors_exit_code(kinds)
-    else:
-        verdict, code = Verdict.CONSISTENT, ExitCode.CONSISTENT
+    verdict = Verdict.LATENT if reorders else Verdict.ERROR if errors else Verdict.CONSISTENT
+    # A seed that ran out of time is a runtime failure (SeedError.kind "timeout").
+    code = verdict.exit_code(
+        SeedFailure.RUNTIME if e.kind == SeedFailure.TIMEOUT else e.kind for e in errors
+    )
     return ProbeResult(
         model=builder or model,
         architecture=architecture,
-        seeds=seed_list,
+        seeds=runs.seeds,
         verdict=verdict,
         exit_code=code,
         reorders=reorders,
@@ -152,7 +130,7 @@ def probe(
         text_only=text_only,
         timings={
             "total": round(time.monotonic() - start, 3),
-            "slowest_child": round(max((o.elapsed for o in outcomes.values()), default=0.0), 3),
+            "slowest_child": round(runs.slowest, 3),
         },
     )
 
@@ -195,14 +173,16 @@ def _child(argv: Sequence[str]) -> int:
     except FsdpcheckError as exc:
         log.debug("probe of %s refused", what, exc_info=True)
         # resolve() speaks to ranks; here there is one process per hash seed.
-        emit({"ok": False, "kind": exc.kind, "message": str(exc).removeprefix("rank 0: ")})
+        message = str(exc).removeprefix("rank 0: ")
+        emit(SeedBuild(what, failure=SeedFailure(exc.kind), message=message))
         return exc.exit_code
     except Exception as exc:
         log.debug("probe of %s failed", what, exc_info=True)
         first = str(exc).splitlines()[0] if str(exc) else ""
-        emit({"ok": False, "kind": "runtime", "message": f"{type(exc).__name__}: {first}"})
+        message = f"{type(exc).__name__}: {first}"
+        emit(SeedBuild(what, failure=SeedFailure.RUNTIME, message=message))
         return ExitCode.RUNTIME
-    emit({"ok": True, "architecture": architecture, "fingerprint": to_dict(fp)})
+    emit(SeedBuild(what, fingerprint=fp, architecture=architecture))
     return 0
 
 

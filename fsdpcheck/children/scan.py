@@ -19,6 +19,7 @@ frozen records, never prints.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import fnmatch
 import json
@@ -30,20 +31,21 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdpcheck.checks.hash_seed import ModuleReorder, SeedError, compare_orders
-from fsdpcheck.children.launch import JOB_ENV, emit, run_each
+from fsdpcheck.checks.hash_seed import ModuleReorder, SeedError
+from fsdpcheck.children.launch import emit
 from fsdpcheck.children.probe import DEFAULT_SEEDS
+from fsdpcheck.children.seeds import check_seeds, compare_builds, over_seeds
 from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.errors import InputError
-from fsdpcheck.records import Fingerprint, from_dict, to_dict
+from fsdpcheck.records import ScanTarget, SeedBuild, from_dict, to_dict
 from fsdpcheck.text import int_ranges
-from fsdpcheck.vocab import ExitCode, Init, ScanVerdict
+from fsdpcheck.vocab import Init, ScanFamily, ScanVerdict, SeedFailure, Snapshot, Verdict
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 1800.0  # per child (one hash seed, every selected architecture)
 DEFAULT_ARCH_TIMEOUT = 60.0  # per architecture, inside a child
-FAMILIES = ("causal-lm", "masked-lm")
+FAMILIES = (ScanFamily.CAUSAL_LM, ScanFamily.MASKED_LM)
 LAYERS = 4  # layers in a small config (more when the config has more distinct layer types)
 
 # Integer config fields and the small value they are lowered to (never raised).
@@ -80,20 +82,12 @@ _MIXED = ("sliding_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class ScanTarget:
-    id: str  # the row's name: model_type, "<model_type> (masked-lm)" or "preset:<name>"
-    model_type: str
-    class_name: str
-    family: str  # "causal-lm" | "masked-lm" | "preset"
-
-
-@dataclass(frozen=True)
 class ScanRow:
     id: str
     model_type: str
     architecture: str  # model class
-    family: str
-    verdict: str  # "ok" | "hang" | "silent-corruption" | "skipped"
+    family: ScanFamily
+    verdict: ScanVerdict
     reason: str | None = None  # why it was skipped
     tensors: tuple[str, ...] = ()  # tensors whose order follows the hash seed
     reorders: tuple[ModuleReorder, ...] = ()
@@ -104,7 +98,9 @@ class ScanRow:
 
     @property
     def label(self) -> str:
-        return f"skipped: {self.reason}" if self.verdict == ScanVerdict.SKIPPED else self.verdict
+        return (
+            f"skipped: {self.reason}" if self.verdict == ScanVerdict.SKIPPED else str(self.verdict)
+        )
 
 
 @dataclass(frozen=True)
@@ -138,13 +134,13 @@ def available_targets(
         from transformers.models.auto import modeling_auto
 
         mappings = {
-            "causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-            "masked-lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+            ScanFamily.CAUSAL_LM: modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            ScanFamily.MASKED_LM: modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
         }
-        for family in families:
+        for family in map(ScanFamily, families):
             for model_type, names in mappings[family].items():
                 name = names if isinstance(names, str) else names[0]
-                suffix = "" if family == "causal-lm" else f" ({family})"
+                suffix = "" if family == ScanFamily.CAUSAL_LM else f" ({family})"
                 out.append(ScanTarget(model_type + suffix, model_type, name, family))
     if presets:
         from fsdpcheck.model.presets import PRESETS
@@ -155,7 +151,7 @@ def available_targets(
                 raise InputError(
                     f"--preset {name!r} is not a preset; choose from {', '.join(PRESETS)}."
                 )
-            out.append(ScanTarget(f"preset:{name}", name, preset.architecture, "preset"))
+            out.append(ScanTarget(f"preset:{name}", name, preset.architecture, ScanFamily.PRESET))
     return out
 
 
@@ -214,53 +210,35 @@ def scan(
     :class:`InputError` (exit 2). With the default 8 seeds a two-way set order goes unnoticed
     with probability 1/128.
     """
-    if seeds < 2:
-        raise InputError(f"--seeds {seeds}: comparing orders needs at least 2 hash seeds.")
+    check_seeds(seeds)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     start = time.monotonic()
     targets = select(filters, families, presets)
-    seed_list = tuple(range(seeds))
-    total = len(targets) * len(seed_list)
-    done = 0
-
-    def on_record(index: int, record: Mapping[str, Any]) -> None:
-        nonlocal done
-        if "arch" in record:
-            done += 1
-            if progress is not None:
-                progress(done, total, f"{record['arch']} (seed {seed_list[index]})")
-
     argv = [
         "-m", "fsdpcheck.children.scan", "--child",
         "--arch-timeout", str(arch_timeout),
         "--targets", json.dumps([to_dict(t) for t in targets]),
     ]  # fmt: skip
-    envs = [{**JOB_ENV, "PYTHONHASHSEED": str(seed)} for seed in seed_list]
-    outcomes = dict(
-        zip(
-            seed_list,
-            run_each(argv, envs, jobs=jobs, timeout=timeout, on_record=on_record),
-            strict=True,
-        )
+    runs = over_seeds(
+        argv,
+        seeds,
+        jobs=jobs,
+        timeout=timeout,
+        total=len(targets) * seeds,
+        progress=progress,
+        label=lambda seed, build: f"{build.target} (seed {seed})",
     )
-
-    per_arch: dict[str, dict[int, Mapping[str, Any]]] = {t.id: {} for t in targets}
-    errors: list[SeedError] = []
-    for seed, outcome in sorted(outcomes.items()):
-        for record in outcome.records:
-            if record.get("arch") in per_arch:
-                per_arch[record["arch"]][seed] = record
-        if outcome.returncode != 0:
-            kind = "timeout" if outcome.returncode is None else "runtime"
-            errors.append(SeedError(seed, kind, outcome.failure(timeout)))
+    seed_list = runs.seeds
+    per_arch = {t.id: runs.built(t.id) for t in targets}
+    errors = list(runs.lost.values())
     rows = tuple(scan_row(t, per_arch[t.id], seed_list, errors) for t in targets)
     counts = {v: sum(r.verdict == v for r in rows) for v in ScanVerdict}
-    if counts["hang"] or counts["silent-corruption"]:
-        code = ExitCode.FINDINGS
-    elif errors and not any(per_arch.values()):
-        code = ExitCode.RUNTIME
+    # Seeds that failed are only an error when no architecture has a result left.
+    if counts[ScanVerdict.HANG] or counts[ScanVerdict.SILENT_CORRUPTION]:
+        overall = Verdict.INCONSISTENT
     else:
-        code = ExitCode.CONSISTENT
+        overall = Verdict.ERROR if errors and not any(per_arch.values()) else Verdict.CONSISTENT
+    code = overall.exit_code()
     return ScanResult(
         rows=rows,
         seeds=seed_list,
@@ -279,7 +257,7 @@ def scan(
 
 def scan_row(
     target: ScanTarget,
-    by_seed: Mapping[int, Mapping[str, Any]],
+    by_seed: Mapping[int, SeedBuild],
     seeds: Sequence[int],
     errors: Sequence[SeedError],
 ) -> ScanRow:
@@ -289,37 +267,36 @@ def scan_row(
         architecture=target.class_name,
         family=target.family,
     )
-    built = {s: r for s, r in sorted(by_seed.items()) if r.get("ok")}
-    failed = {s: r for s, r in sorted(by_seed.items()) if not r.get("ok")}
+    built = {s: b for s, b in sorted(by_seed.items()) if b.built}
+    failed = {s: b for s, b in sorted(by_seed.items()) if not b.built}
     missing = [s for s in seeds if s not in by_seed]
-    seconds = max((float(r.get("seconds", 0.0)) for r in by_seed.values()), default=0.0)
+    seconds = max((b.seconds for b in by_seed.values()), default=0.0)
     first = next(iter(built.values()), None)
     extra = dict(
         seeds_built=tuple(built),
         seconds=round(seconds, 3),
-        config=first.get("config") if first else None,
-        layer_types=tuple(first.get("layer_types") or ()) if first else (),
+        config=first.config if first else None,
+        layer_types=first.layer_types if first else (),
     )
-    fingerprints = {s: from_dict(Fingerprint, r["fingerprint"]) for s, r in built.items()}
-    reorders = compare_orders(fingerprints)
+    reorders = compare_builds(built)
     if reorders:
-        verdict = "hang" if any(r.sizes_differ for r in reorders) else "silent-corruption"
+        worst = ScanVerdict(max((r.outcome for r in reorders), key=lambda v: v.severity))
         tensors = tuple(t.name for r in reorders for t in r.tensors)
-        return ScanRow(**base, verdict=verdict, tensors=tensors, reorders=reorders, **extra)
+        return ScanRow(**base, verdict=worst, tensors=tensors, reorders=reorders, **extra)
     if len(built) == len(seeds):
-        return ScanRow(**base, verdict="ok", **extra)
+        return ScanRow(**base, verdict=ScanVerdict.OK, **extra)
     if failed and not built:
-        reasons = list(dict.fromkeys(str(r.get("reason")) for r in failed.values()))
+        reasons = list(dict.fromkeys(b.message for b in failed.values()))
         reason = reasons[0] if len(reasons) == 1 else "; ".join(reasons[:2])
     elif failed:
-        seed, record = next(iter(failed.items()))
-        reason = f"built under seeds {int_ranges(built)} only; seed {seed}: {record.get('reason')}"
+        seed, build = next(iter(failed.items()))
+        reason = f"built under seeds {int_ranges(built)} only; seed {seed}: {build.message}"
     else:
         why = {e.seed: e.message for e in errors}
         reason = (
             f"no result from seed(s) {int_ranges(missing)}: {why.get(missing[0], 'child lost')}"
         )
-    return ScanRow(**base, verdict="skipped", reason=reason, **extra)
+    return ScanRow(**base, verdict=ScanVerdict.SKIPPED, reason=reason, **extra)
 
 
 # ---------------------------------------------------------------- small configs (child side)
@@ -488,21 +465,21 @@ def _alarm(signum: int, frame: Any) -> None:
     raise ArchTimeout
 
 
-def build_target(target: ScanTarget) -> dict[str, Any]:
+def build_target(target: ScanTarget) -> SeedBuild:
     """Build one target on meta and fingerprint it (child side); raises on failure."""
     import torch
 
     from fsdpcheck.model.fingerprint import fingerprint
 
-    if target.family == "preset":
+    if target.family == ScanFamily.PRESET:
         from fsdpcheck.options import BuildSpec
         from fsdpcheck.pipeline import build_or_raise
 
         built = build_or_raise(BuildSpec(target.model_type, init=Init.META), 0)
         config = getattr(built.model, "config", None)
         types = getattr(config, "layer_types", None) or ()
-        fp = fingerprint(built.model, "pre-wrap", with_values=False)
-        return {"config": "preset", "layer_types": list(dict.fromkeys(types)), "fp": fp}
+        fp = fingerprint(built.model, Snapshot.PRE_WRAP, with_values=False)
+        return SeedBuild(target.id, fp, config="preset", layer_types=tuple(dict.fromkeys(types)))
 
     import transformers
 
@@ -511,7 +488,7 @@ def build_target(target: ScanTarget) -> dict[str, Any]:
         raise RuntimeError(f"transformers has no {target.class_name}")
     first_error: Exception | None = None
     attempts = 0
-    decoder = target.family == "causal-lm"
+    decoder = target.family == ScanFamily.CAUSAL_LM
     for name, make_config in small_configs(target.model_type, decoder=decoder):
         try:
             config = _for_model(make_config(), model_class)
@@ -524,8 +501,8 @@ def build_target(target: ScanTarget) -> dict[str, Any]:
             continue
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         types = getattr(text, "layer_types", None) or ()
-        fp = fingerprint(model, "pre-wrap", with_values=False)
-        return {"config": name, "layer_types": list(dict.fromkeys(types)), "fp": fp}
+        fp = fingerprint(model, Snapshot.PRE_WRAP, with_values=False)
+        return SeedBuild(target.id, fp, config=name, layer_types=tuple(dict.fromkeys(types)))
     assert first_error is not None
     raise BuildFailed(f"{_describe(first_error)} ({attempts} config attempts; the first's error)")
 
@@ -553,27 +530,22 @@ def _child(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGALRM, _alarm)
     for target in targets:
         start = time.monotonic()
-        record: dict[str, Any] = {"arch": target.id}
         try:
             signal.setitimer(signal.ITIMER_REAL, args.arch_timeout)
             try:
-                built = build_target(target)
+                build = build_target(target)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-            record.update(
-                ok=True,
-                config=built["config"],
-                layer_types=built["layer_types"],
-                fingerprint=to_dict(built["fp"]),
-            )
         except ArchTimeout:
-            record.update(ok=False, reason=f"build exceeded {args.arch_timeout:g} s")
+            why = f"build exceeded {args.arch_timeout:g} s"
+            build = SeedBuild(target.id, failure=SeedFailure.TIMEOUT, message=why)
         except Exception as exc:
             log.debug("%s: build failed", target.id, exc_info=True)
             what = str(exc) if isinstance(exc, BuildFailed) else _describe(exc)
-            record.update(ok=False, reason=f"build failed: {what}")
-        record["seconds"] = round(time.monotonic() - start, 3)
-        emit(record)
+            build = SeedBuild(
+                target.id, failure=SeedFailure.RUNTIME, message=f"build failed: {what}"
+            )
+        emit(dataclasses.replace(build, seconds=round(time.monotonic() - start, 3)))
     return 0
 
 

@@ -8,14 +8,14 @@ otherwise end the value.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from fsdpcheck.records import Report
 from fsdpcheck.vocab import Annotations, ExitCode, LoaderVerdict, ScanVerdict
 
 if TYPE_CHECKING:
-    from fsdpcheck.checks.hash_seed import ProbeResult
+    from fsdpcheck.checks.hash_seed import ProbeResult, SeedError
     from fsdpcheck.children.scan import ScanResult
 
 WARNING_LOADER_VERDICTS = frozenset({LoaderVerdict.UNINITIALIZED})
@@ -85,10 +85,8 @@ def probe_annotations(result: ProbeResult) -> list[str]:
             f"{seeds}); a loader pairing them by local order would {r.outcome}"
         )
         lines.append(command("error", message, title=f"fsdpcheck probe: {r.kind} order"))
-    for e in result.errors:
-        title = f"fsdpcheck probe: seed {e.seed} failed"
-        lines.append(command("error" if not result.reorders else "warning", e.message, title=title))
-    return lines
+    level = "error" if not result.reorders else "warning"
+    return lines + _seed_failures("probe", result.errors, level)
 
 
 def scan_annotations(result: ScanResult) -> list[str]:
@@ -102,7 +100,10 @@ def scan_annotations(result: ScanResult) -> list[str]:
             lines.append(command("error", message, title=f"fsdpcheck scan: {row.id}"))
     # Seed failures fail the scan only when no child produced anything (exit 3).
     level = "error" if result.exit_code == ExitCode.RUNTIME else "warning"
-    for e in result.errors:
-        title = f"fsdpcheck scan: seed {e.seed} failed"
-        lines.append(command(level, e.message, title=title))
-    return lines
+    return lines + _seed_failures("scan", result.errors, level)
+
+
+def _seed_failures(tool: str, errors: Sequence[SeedError], level: str) -> list[str]:
+    return [
+        command(level, e.message, title=f"fsdpcheck {tool}: seed {e.seed} failed") for e in errors
+    ]

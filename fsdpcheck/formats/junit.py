@@ -34,7 +34,7 @@ from fsdpcheck.text import int_ranges
 from fsdpcheck.vocab import FindingKind, LoaderVerdict, LoadStatus, ScanVerdict
 
 if TYPE_CHECKING:
-    from fsdpcheck.checks.hash_seed import ProbeResult
+    from fsdpcheck.checks.hash_seed import ProbeResult, SeedError
     from fsdpcheck.children.scan import ScanResult
 
 FINDING_KINDS = tuple(kind.value for kind in FindingKind)
@@ -219,11 +219,7 @@ def probe_to_junit(result: ProbeResult) -> str:
             "transformers": result.transformers,
         }
     )
-    failed = {e.seed: e for e in result.errors}
-    for seed in result.seeds:
-        case = out.case(f"{suite}.seeds", f"PYTHONHASHSEED={seed}")
-        if seed in failed:
-            out.error(case, failed[seed].message, f"{failed[seed].kind} error")
+    failed = _seed_cases(out, suite, result.seeds, result.errors)
     seeds = f"{result.seeds[0]}..{result.seeds[-1]}" if result.seeds else "-"
     for kind, label in (("buffer", "buffer order"), ("param", "parameter order")):
         case = out.case(f"{suite}.orders", label)
@@ -244,6 +240,18 @@ def probe_to_junit(result: ProbeResult) -> str:
     return out.to_xml()
 
 
+def _seed_cases(
+    out: _Suite, suite: str, seeds: Sequence[int], errors: Sequence[SeedError]
+) -> dict[int, SeedError]:
+    """A case per hash seed (probe, scan): an ``<error>`` where its child failed."""
+    failed = {e.seed: e for e in errors}
+    for seed in seeds:
+        case = out.case(f"{suite}.seeds", f"PYTHONHASHSEED={seed}")
+        if seed in failed:
+            out.error(case, failed[seed].message, f"{failed[seed].kind} error")
+    return failed
+
+
 # ---------------------------------------------------------------- scan
 
 
@@ -260,11 +268,7 @@ def scan_to_junit(result: ScanResult) -> str:
             "filters": " ".join(result.filters),
         }
     )
-    failed = {e.seed: e for e in result.errors}
-    for seed in result.seeds:
-        case = out.case(f"{suite}.seeds", f"PYTHONHASHSEED={seed}")
-        if seed in failed:
-            out.error(case, failed[seed].message, f"{failed[seed].kind} error")
+    _seed_cases(out, suite, result.seeds, result.errors)
     for row in result.rows:
         case = out.case(f"{suite}.{row.family}", row.id, time=row.seconds)
         if row.verdict in SCAN_FAILURES:
@@ -272,7 +276,7 @@ def scan_to_junit(result: ScanResult) -> str:
             message = (
                 f"{row.architecture}: {len(row.tensors)} tensor(s) change order with "
                 f"PYTHONHASHSEED ({shown}); a loader pairing them by local order would "
-                f"{'hang' if row.verdict == 'hang' else 'corrupt them silently'}"
+                f"{'hang' if row.verdict == ScanVerdict.HANG else 'corrupt them silently'}"
             )
             out.fail(case, message, row.verdict, _scan_text(row, message))
         elif row.verdict == ScanVerdict.SKIPPED:

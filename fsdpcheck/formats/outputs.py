@@ -7,48 +7,23 @@ create a file next to the target) and removes what it made.
 
 from __future__ import annotations
 
-import logging
-import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+from fsdpcheck.output import unwritable
 
 
 def output_problem(option: str, path: Path | str) -> str | None:
     """Why ``path`` (given as ``option``) cannot be written, or None when it can."""
     path = Path(path)
-    if path.is_dir():
+    exc = unwritable(path)
+    if exc is None:
+        return None
+    if isinstance(exc, IsADirectoryError) and path.is_dir():
         return f"{option} {path} is a directory; pass a file path, e.g. {path / 'out'}"
-    parent = path.parent if str(path.parent) else Path(".")
-    missing = []
-    existing = parent
-    while not existing.exists():
-        missing.append(existing)
-        if existing.parent == existing:
-            break
-        existing = existing.parent
-    if existing.exists() and not existing.is_dir():
-        return f"{option} {path}: {existing} is a file, not a folder"
-    made: list[Path] = []
-    try:
-        for folder in reversed(missing):
-            folder.mkdir()
-            made.append(folder)
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".check")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        log.debug("%s %s is not writable", option, path, exc_info=True)
-        return f"{option} {path} cannot be written ({exc.strerror or type(exc).__name__})"
-    finally:
-        for folder in reversed(made):
-            try:
-                folder.rmdir()
-            except OSError:
-                pass
-    return None
+    if isinstance(exc, NotADirectoryError) and exc.filename == str(path):
+        return f"{option} {path}: {exc.strerror}"
+    return f"{option} {path} cannot be written ({exc.strerror or type(exc).__name__})"
 
 
 def output_problems(outputs: Iterable[tuple[str, Path | None]]) -> list[str]:

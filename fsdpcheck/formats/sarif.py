@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdpcheck.checks.set_order import SetOrderSite, find_sites_in_file
 from fsdpcheck.output import write_text
-from fsdpcheck.vocab import ExitCode, ScanVerdict
+from fsdpcheck.vocab import ExitCode, ScanFamily, ScanVerdict
 
 log = logging.getLogger(__name__)
 
@@ -38,45 +38,48 @@ if TYPE_CHECKING:
 SCHEMA_URI = "https://json.schemastore.org/sarif-2.1.0.json"
 INFO_URI = "https://github.com/huggingface/transformers/pull/48162"
 
+
+def _rule(number: int, name: str, short: str, full: str, level: str) -> dict[str, Any]:
+    return {
+        "id": f"FSDPCHECK{number:03d}",
+        "name": name,
+        "shortDescription": {"text": short},
+        "fullDescription": {"text": full},
+        "defaultConfiguration": {"level": level},
+        "helpUri": INFO_URI,
+    }
+
+
 RULES = (
-    {
-        "id": "FSDPCHECK001",
-        "name": "SetOrderHang",
-        "shortDescription": {"text": "tensor order follows the hash seed; sizes differ (hang)"},
-        "fullDescription": {
-            "text": "Tensors are registered while iterating a set, so named_buffers() / "
-            "named_parameters() order follows PYTHONHASHSEED and differs between ranks. The "
-            "reordered tensors differ in size: a loader that broadcasts them in local order "
-            "deadlocks (NCCL) or aborts (gloo). Iterate sorted(...) instead."
-        },
-        "defaultConfiguration": {"level": "error"},
-        "helpUri": INFO_URI,
-    },
-    {
-        "id": "FSDPCHECK002",
-        "name": "SetOrderSilentCorruption",
-        "shortDescription": {"text": "tensor order follows the hash seed; same sizes (corrupt)"},
-        "fullDescription": {
-            "text": "Tensors are registered while iterating a set, so their order follows "
-            "PYTHONHASHSEED. The reordered tensors have equal sizes: a loader that broadcasts "
-            "them in local order swaps their values without any error. Iterate sorted(...)."
-        },
-        "defaultConfiguration": {"level": "error"},
-        "helpUri": INFO_URI,
-    },
-    {
-        "id": "FSDPCHECK003",
-        "name": "SetOrderLatent",
-        "shortDescription": {"text": "registers tensors while iterating a set (latent)"},
-        "fullDescription": {
-            "text": "This loop iterates a set and registers tensors in its body. The scan did "
-            "not see the order change (its small config did not reach this code with two or "
-            "more elements, or the architecture was not built); a config that does will give "
-            "each rank its own tensor order. Iterate sorted(...) instead."
-        },
-        "defaultConfiguration": {"level": "warning"},
-        "helpUri": INFO_URI,
-    },
+    _rule(
+        1,
+        "SetOrderHang",
+        "tensor order follows the hash seed; sizes differ (hang)",
+        "Tensors are registered while iterating a set, so named_buffers() / "
+        "named_parameters() order follows PYTHONHASHSEED and differs between ranks. The "
+        "reordered tensors differ in size: a loader that broadcasts them in local order "
+        "deadlocks (NCCL) or aborts (gloo). Iterate sorted(...) instead.",
+        "error",
+    ),
+    _rule(
+        2,
+        "SetOrderSilentCorruption",
+        "tensor order follows the hash seed; same sizes (corrupt)",
+        "Tensors are registered while iterating a set, so their order follows "
+        "PYTHONHASHSEED. The reordered tensors have equal sizes: a loader that broadcasts "
+        "them in local order swaps their values without any error. Iterate sorted(...).",
+        "error",
+    ),
+    _rule(
+        3,
+        "SetOrderLatent",
+        "registers tensors while iterating a set (latent)",
+        "This loop iterates a set and registers tensors in its body. The scan did "
+        "not see the order change (its small config did not reach this code with two or "
+        "more elements, or the architecture was not built); a config that does will give "
+        "each rank its own tensor order. Iterate sorted(...) instead.",
+        "warning",
+    ),
 )
 _RULE_OF = {ScanVerdict.HANG: 0, ScanVerdict.SILENT_CORRUPTION: 1, "latent": 2}
 SEEN = (ScanVerdict.HANG, ScanVerdict.SILENT_CORRUPTION)
@@ -271,7 +274,7 @@ _SIBLING = re.compile(r"^from \.\.(\w+)\.(modeling_\w+) import", re.MULTILINE)
 def row_sources(row: ScanRow, base: Path | None) -> list[Path]:
     """The files that define ``row``'s model: its modeling files, and the sibling modeling
     modules they import from (a model may reuse another's rotary embedding)."""
-    if row.family == "preset":  # fsdpcheck's own, or a tiny config of a transformers class
+    if row.family == ScanFamily.PRESET:  # fsdpcheck's own, or a tiny config of a transformers class
         path, _ = class_location(row)
         return [Path(path)] if path else []
     if base is None:

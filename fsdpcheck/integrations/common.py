@@ -34,6 +34,25 @@ def validate_on_failure(on_failure: str) -> str:
     return on_failure
 
 
+class CheckSettings:
+    """What every hook is told (how a failure ends, the collectives' timeout, where rank 0
+    writes its report, the checkpoint resumed from) and its last ``result``."""
+
+    def __init__(
+        self,
+        *,
+        on_failure: str,
+        timeout: float,
+        json_path: str | Path | None,
+        checkpoint: str | os.PathLike[str] | None = None,
+    ):
+        self.on_failure = validate_on_failure(on_failure)
+        self.timeout = timeout
+        self.json_path = json_path
+        self.checkpoint = checkpoint
+        self.result: Any = None
+
+
 def missing_extra(framework: str, extra: str, exc: ImportError) -> ImportError:
     return ImportError(
         f"fsdpcheck.integrations.{extra} needs {framework}, which is not importable here "

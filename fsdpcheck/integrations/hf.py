@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from fsdpcheck.integrations.common import (
+    CheckSettings,
     FsdpcheckWarning,
     ModelCheckFailed,
     missing_extra,
     run_check,
     run_step_check,
-    validate_on_failure,
 )
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 
-class FsdpcheckCallback(TrainerCallback):
+class FsdpcheckCallback(TrainerCallback, CheckSettings):
     """Run :func:`fsdpcheck.check_model` on the Trainer's model at ``on_train_begin``.
 
     ``on_failure="raise"`` stops training with :class:`ModelCheckFailed` (its message is the
@@ -74,11 +74,9 @@ class FsdpcheckCallback(TrainerCallback):
         json_path: str | Path | None = None,
         checkpoint: str | os.PathLike[str] | None = None,
     ):
-        self.on_failure = validate_on_failure(on_failure)
-        self.timeout = timeout
-        self.json_path = json_path
-        self.checkpoint = checkpoint
-        self.result: Any = None
+        CheckSettings.__init__(
+            self, on_failure=on_failure, timeout=timeout, json_path=json_path, checkpoint=checkpoint
+        )
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs):
         if model is None:
@@ -115,16 +113,13 @@ def _resumed_from(args: Any, state: Any) -> Any:
     return path if isinstance(saved, dict) and saved.get("global_step") == step else None
 
 
-class FirstStepWatch:
+class FirstStepWatch(CheckSettings):
     """Stands in for ``trainer.training_step`` until its first call, which it runs under
     :func:`fsdpcheck.check_step` (see :func:`watch_first_step`); ``result`` holds that check."""
 
     def __init__(self, trainer: Any, *, on_failure: str, timeout: float, json_path: Any):
+        super().__init__(on_failure=on_failure, timeout=timeout, json_path=json_path)
         self.trainer = trainer
-        self.on_failure = validate_on_failure(on_failure)
-        self.timeout = timeout
-        self.json_path = json_path
-        self.result: Any = None
         # An instance attribute of the user's own (a wrapper of theirs) is put back as it was.
         self._own = trainer.__dict__.get("training_step")
 

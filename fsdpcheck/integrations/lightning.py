@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from fsdpcheck.integrations.common import (
+    CheckSettings,
     FsdpcheckWarning,
     ModelCheckFailed,
     missing_extra,
     run_check,
     run_step_check,
-    validate_on_failure,
 )
 
 try:
@@ -50,7 +50,7 @@ except ImportError:
 __all__ = ["FsdpcheckCallback", "FsdpcheckWarning", "ModelCheckFailed"]
 
 
-class FsdpcheckCallback(Callback):
+class FsdpcheckCallback(Callback, CheckSettings):
     """Run :func:`fsdpcheck.check_model` on the LightningModule at ``on_fit_start`` (under a
     strategy that loads the checkpoint after it, such as ``ModelParallelStrategy``: at
     ``on_sanity_check_start``, else ``on_train_start``, after that load).
@@ -79,14 +79,12 @@ class FsdpcheckCallback(Callback):
         step_json_path: str | Path | None = None,
         checkpoint: str | os.PathLike[str] | None = None,
     ):
-        self.on_failure = validate_on_failure(on_failure)
-        self.timeout = timeout
-        self.json_path = json_path
+        CheckSettings.__init__(
+            self, on_failure=on_failure, timeout=timeout, json_path=json_path, checkpoint=checkpoint
+        )
         self.attribute = attribute
         self.check_first_step = check_first_step
         self.step_json_path = step_json_path
-        self.checkpoint = checkpoint
-        self.result: Any = None
         self.step_result: Any = None
         self._pending = False  # the check waits for the strategy's checkpoint load (module doc)
         self._after_setup = False  # the strategy restores after setup, from rank 0's path

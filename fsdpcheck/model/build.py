@@ -21,6 +21,7 @@ from fsdpcheck.distributed.environment import all_cores, worker_threads
 from fsdpcheck.errors import InputError
 from fsdpcheck.model.resolve import ResolvedModel
 from fsdpcheck.records import ModelInfo
+from fsdpcheck.vocab import Init
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def build(
 ) -> BuiltModel:
     if init not in INIT_MODES:
         raise InputError(f"--init {init!r}: choose one of {', '.join(INIT_MODES)}.")
-    materialise = init == "all" or (init == "rank0" and rank == 0)
+    materialise = init == Init.ALL or (init == Init.RANK0 and rank == 0)
     config = _load_config(resolved, text_only=text_only, trust_remote_code=trust_remote_code)
     if config_changes:
         config = _changed(config, config_changes)
@@ -111,7 +112,7 @@ def materialising_threads(init: str) -> int:
     """Threads for filling and sharding real weights: with ``rank0`` the other ranks build on
     meta and then wait for rank 0, so rank 0 may use every core of the host; with ``all``
     every rank materialises, each on its share."""
-    return all_cores() if init == "rank0" else worker_threads()
+    return all_cores() if init == Init.RANK0 else worker_threads()
 
 
 def _load_config(resolved: ResolvedModel, *, text_only: bool, trust_remote_code: bool) -> Any:

@@ -114,14 +114,17 @@ class StageMeter:
 def process_memory(rank: int, model: Any = None) -> MemoryRecord:
     """``check_model``: the process's host peak so far (VmHWM, else ru_maxrss) and its RSS
     now, CUDA's peak and current allocation where it uses CUDA; nothing is reset."""
-    peak = _status("VmHWM") or _maxrss()
-    cuda = _cuda()
     full, shard = model_bytes(model) if model is not None else (None, None)
+    current = rss()
+    # The high-water mark is read after the RSS and is never below it: pages touched between
+    # the two reads (a few KiB) made the peak read first come out under the RSS read second.
+    peak = max(_status("VmHWM") or _maxrss(), current or 0)
+    cuda = _cuda()
     return MemoryRecord(
         rank,
         MemoryPeak.PROCESS,
         process_peak=peak,
-        current=rss(),
+        current=current,
         cuda_peak=cuda.max_memory_allocated() if cuda is not None else None,
         cuda_current=cuda.memory_allocated() if cuda is not None else None,
         model_bytes=full,

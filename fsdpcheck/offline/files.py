@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -19,6 +18,7 @@ from typing import Any
 
 from fsdpcheck.checks.value import value_digests
 from fsdpcheck.errors import InputError
+from fsdpcheck.output import unwritable, write_text
 from fsdpcheck.records import (
     EnvRecord,
     ModelInfo,
@@ -183,35 +183,19 @@ def write_fingerprint(content: FingerprintFile, path: str | os.PathLike) -> Path
         fsdpcheck=content.fsdpcheck or package_version("fsdpcheck") or "unknown",
     )
     path = Path(path)
-    tmp = None
+    data = to_dict(content)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w") as out:
-            data = to_dict(content)
-            json.dump({"schema": data.pop("schema"), **data}, out)  # the marker first
-            out.write("\n")
-        os.replace(tmp, path)
+        write_text(json.dumps({"schema": data.pop("schema"), **data}) + "\n", path)  # marker first
     except OSError as exc:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
         raise _unwritable(content.record.env.rank, path, exc) from None
     return path
 
 
 def check_writable(path: str | os.PathLike, rank: int) -> None:
-    """Fail before any work when the fingerprint could not be written (makes its folder)."""
-    path = Path(path)
-    try:
-        if path.is_dir():
-            raise IsADirectoryError(21, "is a directory; pass a file path, e.g. rank0.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".check")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise _unwritable(rank, path, exc) from None
+    """Fail before any work when the fingerprint could not be written."""
+    problem = unwritable(path)
+    if problem is not None:
+        raise _unwritable(rank, Path(path), problem)
 
 
 def _unwritable(rank: int, path: Path, exc: OSError) -> InputError:

@@ -12,7 +12,7 @@ from typing import Any
 from fsdpcheck.model.wrap import DEFAULT_MIN_PARAMS
 from fsdpcheck.offline.files import FingerprintFile, env_record, process_identity
 from fsdpcheck.options import BuildSpec
-from fsdpcheck.pipeline import Stages, build_from
+from fsdpcheck.pipeline import Stages, before_wrap, build_from, record_of
 from fsdpcheck.vocab import Init, Snapshot, Stage
 
 
@@ -32,21 +32,14 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
     record instead of raising, so ``diff`` names it. The record is the one the audit gathers:
     each fingerprint with its ties, the post-wrap one with this rank's shard coordinate."""
     from fsdpcheck.model import wrap
-    from fsdpcheck.model.rank_state import look, rank_record
+    from fsdpcheck.model.rank_state import look
 
     identity = process_identity(options.rank)
     stages = Stages(identity.rank)
     built, _ = build_from(options, identity.rank, stages)
     # As the audit: parameters' values are compared only where every rank holds its own.
     values = options.init == Init.ALL
-    pre = stages.run(
-        Stage.FINGERPRINT_PRE,
-        lambda: look(built.model, Snapshot.PRE_WRAP, param_values=values, buffers=False),
-    )
-    planned = stages.run(
-        Stage.WRAP_PLAN,
-        lambda: wrap.plan(built.model, options.wrap_classes, min_params=options.min_params),
-    )
+    pre, planned = before_wrap(stages, built, options, values=values)
     notes: list[str] = []
     post = None
     wrapped = False  # fully_shard was applied (or tried): the plan belongs in the file
@@ -65,14 +58,7 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
             post = stages.run(Stage.WRAP, wrap_and_look)
     elif not options.wrap:
         notes.append("not wrapped (--no-wrap): pre-wrap fingerprint only")
-    record = rank_record(
-        env_record(identity),
-        pre,
-        post,
-        error=stages.error,
-        model=built.model if built is not None else None,
-        config=built.config if built is not None else None,
-    )
+    record = record_of(env_record(identity), stages, built, pre, post)
     return FingerprintFile(
         record=record,
         model=built.info if built is not None else None,

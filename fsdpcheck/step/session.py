@@ -78,7 +78,7 @@ def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple
     returned, message = None, ""
     start = time.perf_counter()
     try:
-        with watch, watch.batches():
+        with watch, watch.batches(), watch.point_to_point():
             returned = step()
     except StepDiverged:
         log.debug("step unwound at collective #%s", watch.at)

@@ -14,17 +14,24 @@ member that has finished (or raised in, or stopped in) its step: no member issue
 raises :class:`StepDiverged`, which unwinds its step, and every rank that later needs one of
 them stops too.
 
+Point-to-point: a send or receive whose peer is itself waiting in the watch goes ahead of its
+pair, and the pair is confirmed before anyone waits on it (:meth:`CollectiveWatch.point_to_point`),
+so a stage running fewer microbatches than the next one is a finding, not a wait in gloo.
+
 DTensor's redistributions (``clip_grad_norm_`` over FSDP2 gradients, tensor parallelism) issue
 functional collectives inside DTensor's own dispatch, where a mode is off: for an op on a
 DTensor the watch steps aside and lets DTensor run with the watch on again, so those are seen
-too. Not seen: collectives from other threads (the mode is thread-local; FSDP2 on CPU issues its
-own from the step's thread), compiled graphs (``torch.compile`` traces the step before the mode
-sees it) and the ops :data:`UNWATCHED` lists. A divergence there is caught by the timeout.
+too. A ``torch.compile``d step runs eagerly under the watch (torch 2.13: dynamo compiles no frame
+and runs no cached graph while a dispatch mode is active), so its collectives are seen; what is
+checked is the eager form of the step. Not seen: collectives from other threads (the mode is
+thread-local; FSDP2 on CPU issues its own from the step's thread) and the ops :data:`UNWATCHED`
+lists. A divergence there is caught by the timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -127,6 +134,8 @@ _DIVERGED = "diverged"  # a rank's end mark when it stopped at a divergence
 _AHEAD = "ahead"  # a point-to-point peer waiting in the watch itself: it compares the pair
 _BLOCKED = b"blocked:"  # a peer stuck in a batch of its own that this rank's batch cannot serve
 _DEADLOCK_GRACE = 0.5  # seconds a peer's batch wait must stay the same to count as stuck
+_ENDED = (FINISHED, RAISED)
+_OWED = b"owed:"  # a peer confirming a send or receive it issued ahead: "owed:<n>:<call>"
 
 
 class StepDiverged(BaseException):
@@ -212,6 +221,8 @@ class CollectiveWatch(TorchDispatchMode):
         self._in_dtensor = 0  # depth of DTensor dispatches the watch is inside
         self._agreed_ahead = 0  # sends and receives of a batch agreed before it was issued
         self._blocked_seen: dict[int, tuple[bytes, float]] = {}  # a peer's batch wait, since
+        self._owed: list[_Owed] = []  # sends and receives issued ahead of their pair
+        self._pipeline_ops: dict[int, tuple[int, str, int]] = {}  # id(tensor) → stage, phase, mb
         self.calls: list[CollectiveCall] = []  # agreed and issued, in order
         self.at: int | None = None  # where the ranks differed (the group's sequence number)
         self.doing: CollectiveCall | None = None  # this rank's collective there
@@ -273,6 +284,118 @@ class CollectiveWatch(TorchDispatchMode):
             dist.distributed_c10d.batch_isend_irecv = original
             dist.batch_isend_irecv = original
 
+    @contextlib.contextmanager
+    def point_to_point(self) -> Iterator[None]:
+        """While the step runs: a send or receive issued ahead of its pair (its peer was
+        itself waiting in the watch: a ring exchange) has its pair confirmed before it is
+        waited on (``isend``/``irecv``'s work, ``send``/``recv``), or when the step ends, so a
+        pair that never comes is a finding, not a wait in the backend. A pipeline stage's
+        sends and receives carry the stage, the pass and the schedule's microbatch index."""
+        c10d = dist.distributed_c10d
+        originals = {name: getattr(c10d, name) for name in ("isend", "irecv")}
+        patched = {name: _Confirmed(self, fn) for name, fn in originals.items()}
+        stage_class, getters = _pipeline_getters()
+        own = {name: stage_class.__dict__[name] for name in getters}
+        for name, fn in patched.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, fn)
+        for name, phase in getters.items():
+            setattr(stage_class, name, self._tagging(own[name], phase))
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(c10d, name, fn)
+                setattr(dist, name, fn)
+            for name, fn in own.items():
+                setattr(stage_class, name, fn)
+            self._pipeline_ops.clear()
+
+    def _tagging(self, getter: Any, phase: str) -> Any:
+        def get_ops(stage: Any, chunk_id: int, *args: Any, **kwargs: Any) -> list:
+            ops = getter(stage, chunk_id, *args, **kwargs)
+            for op in ops:
+                self._pipeline_ops[id(op.tensor)] = (int(stage.stage_index), phase, chunk_id)
+            return ops
+
+        return get_ops
+
+    def _confirm(self, owed: _Owed) -> None:
+        """Before this rank waits on a send or receive it issued ahead of its pair: the peer's
+        side, compared; or the peer's end (it finished without it); or the peer confirming one
+        of its own that waits on this rank (each waits for the other: a deadlock)."""
+        if self.diverged or owed not in self._owed:
+            return
+        self._owed.remove(owed)
+        call, n, theirs, peer = owed.call, owed.n, owed.theirs, owed.call.peer
+        start = time.perf_counter()
+        deadline = time.monotonic() + self._timeout
+        waiting, pause = False, 0.0
+        try:
+            while True:
+                if self._store.check([theirs]):
+                    other = from_dict(CollectiveCall, json.loads(self._store.get(theirs)))
+                    reason = _pair_disagreement(call, self._rank, other, peer)
+                    if reason:
+                        self._stop(call, n, (PeerView(peer, doing=other),), reason)
+                    return
+                ended = f"step/end/{peer}"
+                if self._store.check([ended]):
+                    state = self._store.get(ended).decode()
+                    # A peer that stopped at a divergence names it; one that ended its step
+                    # without this pair is the finding.
+                    reason = _never_comes(call, self._rank, state) if state in _ENDED else ""
+                    self._stop(call, n, (PeerView(peer, state=state),), reason)
+                if not waiting:
+                    waiting = True
+                    mark = _OWED + f"{n}:".encode() + json.dumps(to_dict(call)).encode()
+                    self._store.set(f"step/wait/{self._rank}", mark)
+                other = self._owing_me(peer)
+                if other is not None:
+                    self._stop(call, n, (PeerView(peer, doing=other),), _deadlock(call, other))
+                if time.monotonic() > deadline:
+                    raise ChannelLost(
+                        TimeoutError(
+                            f"rank {peer} neither took nor ended within {self._timeout:g}s "
+                            f"where this rank waited for the pair of its {call.op} "
+                            f"{_with(call)} (stuck in a collective the watch cannot see, or gone)"
+                        ),
+                        (peer,),
+                    )
+                pause = min(max(pause * 2, 1e-4), 0.02)
+                time.sleep(pause)
+        except (ChannelLost, StepDiverged):
+            raise
+        except Exception as exc:  # the store's host is gone
+            log.debug("confirming a %s: the store failed", call.op, exc_info=True)
+            raise ChannelLost(exc) from exc
+        finally:
+            self.seconds += time.perf_counter() - start
+            if waiting:
+                with contextlib.suppress(Exception):  # the store is gone: nothing to clear
+                    self._store.set(f"step/wait/{self._rank}", "0")
+
+    def _owing_me(self, peer: int) -> CollectiveCall | None:
+        """The peer's own call issued ahead, when it waits for this rank's side of it (which
+        this rank, confirming, never leaves), the same mark for a while: a deadlock."""
+        key = f"step/wait/{peer}"
+        mark = self._store.get(key) if self._store.check([key]) else b""
+        if not mark.startswith(_OWED):
+            self._blocked_seen.pop(peer, None)
+            return None
+        n, _, payload = mark[len(_OWED) :].partition(b":")
+        other = from_dict(CollectiveCall, json.loads(payload))
+        if other.peer != self._rank or self._store.check(
+            ["step/" + _p2p_keys(peer, other, int(n))[1]]
+        ):
+            return None
+        now = time.monotonic()
+        since = self._blocked_seen.get(peer)
+        if since is None or since[0] != mark:
+            self._blocked_seen[peer] = (mark, now)
+            return None
+        return other if now - since[1] >= _DEADLOCK_GRACE else None
+
     def _agree_batch(self, ops: list) -> None:
         start = time.perf_counter()
         try:
@@ -291,6 +414,7 @@ class CollectiveWatch(TorchDispatchMode):
                     where=_script_line(),
                     peer=int(op.peer),
                     tag=int(op.tag or 0),
+                    **self._pipeline_fields(tensor),
                 )
                 pending.append((call, *self._publish(call)))
             for call, channel, n, wanted in pending:
@@ -324,6 +448,8 @@ class CollectiveWatch(TorchDispatchMode):
         start = time.perf_counter()
         try:
             if self._store is not None:
+                for owed in list(self._owed):  # issued ahead and never waited on
+                    self._confirm(owed)
                 self._mark_end(RAISED if raised else FINISHED)
             else:
                 self._agree_world(None, _RAISED if raised else _FINISHED)
@@ -342,16 +468,18 @@ class CollectiveWatch(TorchDispatchMode):
             self._agree_world(call, _CALL)
             return
         channel, n, wanted = self._publish(call)
-        self._settle(call, channel, n, self._collect(wanted, p2p=call.peer is not None))
+        seen = self._collect(wanted, p2p=call.peer is not None)
+        self._settle(call, channel, n, seen)
+        if call.peer is not None and seen.get(call.peer) == _AHEAD:
+            self._owed.append(_Owed(call, n, wanted[call.peer]))
 
     def _publish(self, call: CollectiveCall) -> tuple[str, int, dict[int, str]]:
         """Leave this rank's descriptor; its channel, number there, and the peers' keys."""
         if call.peer is not None:  # point to point: the sender's and receiver's sides pair
-            src, dst = (self._rank, call.peer) if call.op == "send" else (call.peer, self._rank)
-            channel = f"p/{src}-{dst}"
+            channel = _channel(self._rank, call)
             n = self._counts.get(channel, 0)
-            mine = f"{channel}/{n}/{'s' if call.op == 'send' else 'r'}"
-            theirs = {call.peer: f"{channel}/{n}/{'r' if call.op == 'send' else 's'}"}
+            mine, other = _p2p_keys(self._rank, call, n)
+            theirs = {call.peer: other}
         else:
             channel = f"c/{_group_key(call.group_ranks)}"
             n = self._counts.get(channel, 0)
@@ -379,6 +507,8 @@ class CollectiveWatch(TorchDispatchMode):
                 continue
             if isinstance(got, str):
                 views.append(PeerView(peer, state=got))
+                if call.peer is not None and got in _ENDED:
+                    reason = reason or _never_comes(call, self._rank, got)
                 continue
             if got.startswith(_BLOCKED):
                 other = from_dict(CollectiveCall, json.loads(got[len(_BLOCKED) :]))
@@ -468,7 +598,7 @@ class CollectiveWatch(TorchDispatchMode):
                 )
             elif (p2p or blocked is not None) and self._store.check([f"step/wait/{peer}"]):
                 mark = self._store.get(f"step/wait/{peer}")
-                if p2p and mark == b"1":
+                if p2p and (mark == b"1" or mark.startswith(_OWED)):
                     pending.pop(peer)
                     got[peer] = _AHEAD
                 elif blocked is not None and mark not in (b"0", b"1"):
@@ -567,6 +697,7 @@ class CollectiveWatch(TorchDispatchMode):
             local = bound.get("dst", bound.get("src"))
             peer = _global(pg, int(local)) if local is not None else None
             tag = int(bound.get("tag", 0) or 0)
+        pipeline = self._pipeline_fields(tensors[0]) if peer is not None and tensors else {}
         owner = self._owner()
         where = "" if owner is not None else _script_line()
         if where and self._in_dtensor:
@@ -589,7 +720,14 @@ class CollectiveWatch(TorchDispatchMode):
             recv=recv,
             peer=peer,
             tag=tag,
+            **pipeline,
         )
+
+    def _pipeline_fields(self, tensor: Any) -> dict[str, Any]:
+        found = self._pipeline_ops.pop(id(tensor), None)
+        if found is None:
+            return {}
+        return {"stage": found[0], "phase": found[1], "microbatch": found[2]}
 
     def _process_group(self, bound: dict[str, Any]) -> Any:
         for name in ("process_group", "group_name"):
@@ -621,6 +759,104 @@ class CollectiveWatch(TorchDispatchMode):
                 return owner
             frame = frame.f_back
         return None
+
+
+@dataclass(frozen=True)
+class _Owed:
+    """A send or receive issued ahead of its pair: its call, number on its channel, and the
+    store key the peer's side of it will be left under."""
+
+    call: CollectiveCall
+    n: int
+    theirs: str
+
+
+class _Confirmed:
+    """``isend``/``irecv`` while the watch runs: the work of one issued ahead of its pair
+    confirms the pair before it waits. Equal to (and hashed as) the function it stands for, so
+    ``P2POp`` and ``batch_isend_irecv`` accept ops built with either."""
+
+    def __init__(self, watch: CollectiveWatch, fn: Any):
+        self._watch, self._fn = watch, fn
+        functools.update_wrapper(self, fn)  # its __name__ tells a send from a receive
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owed = len(self._watch._owed)
+        work = self._fn(*args, **kwargs)
+        if work is None or len(self._watch._owed) <= owed:
+            return work
+        return _OwedWork(work, self._watch, self._watch._owed[-1])
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or other is self._fn or other == self._fn
+
+    def __hash__(self) -> int:
+        return hash(self._fn)
+
+
+class _OwedWork:
+    """A backend's work whose ``wait`` first confirms the pair (everything else passes)."""
+
+    def __init__(self, work: Any, watch: CollectiveWatch, owed: _Owed):
+        self._work, self._watch, self._owed = work, watch, owed
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._watch._confirm(self._owed)
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _pipeline_getters() -> tuple[Any, dict[str, str]]:
+    """torch.distributed.pipelining's stage class and the methods that build its sends and
+    receives per microbatch, with the pass each belongs to."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    return _PipelineStageBase, {
+        "get_fwd_recv_ops": "forward",
+        "get_fwd_send_ops": "forward",
+        "get_bwd_recv_ops": "backward",
+        "get_bwd_send_ops": "backward",
+    }
+
+
+def _channel(me: int, call: CollectiveCall) -> str:
+    src, dst = (me, call.peer) if call.op == "send" else (call.peer, me)
+    return f"p/{src}-{dst}"
+
+
+def _p2p_keys(me: int, call: CollectiveCall, n: int) -> tuple[str, str]:
+    """The store keys (below ``step/``) of ``me``'s side of a send or receive, and its pair's."""
+    channel = f"{_channel(me, call)}/{n}"
+    send = call.op == "send"
+    return f"{channel}/{'s' if send else 'r'}", f"{channel}/{'r' if send else 's'}"
+
+
+def _side(call: CollectiveCall) -> str:
+    return f"{call.op} {_with(call)} ({call.numel} {call.dtype}{_microbatch(call)})"
+
+
+def _microbatch(call: CollectiveCall) -> str:
+    if call.microbatch is None:
+        return ""
+    return f", stage {call.stage} {call.phase}, microbatch {call.microbatch}"
+
+
+def _never_comes(call: CollectiveCall, me: int, state: str) -> str:
+    ended = "finished" if state == FINISHED else "raised in"
+    return (
+        f"the pair never comes: rank {call.peer} {ended} its step without the other side of "
+        f"rank {me}'s {_side(call)}"
+    )
+
+
+def _deadlock(call: CollectiveCall, other: CollectiveCall) -> str:
+    return (
+        f"the sends and receives do not pair: rank {other.peer}'s {_side(call)} is never "
+        f"taken while rank {call.peer} waits for its own {_side(other)}, each for the other "
+        "(stages running different numbers of microbatches?)"
+    )
 
 
 def _pair_disagreement(mine: CollectiveCall, me: int, other: CollectiveCall, peer: int) -> str:

@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from fsdpcheck.children.launch import launch, run_each
+from fsdpcheck.vocab import ChildStage
 
 # torchrun's agent variables as its workers see them (torch 2.6+).
 TORCHRUN_VARS = {
@@ -41,13 +42,14 @@ def test_a_job_past_its_deadline_is_killed_with_everything_it_started() -> None:
     code = """
         import subprocess, sys, time
         from fsdpcheck.children.launch import mark_stage
+        from fsdpcheck.vocab import ChildStage
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        mark_stage("sleeping")
+        mark_stage(ChildStage.LOADING)  # a rank stuck inside a collective
         time.sleep(60)
     """
     result = launch(_py(code), 2, timeout=5.0)
     assert result.timed_out and result.codes == [None, None]
-    assert [r.stage for r in result.ranks] == ["sleeping", "sleeping"]
+    assert [r.stage for r in result.ranks] == [ChildStage.LOADING, ChildStage.LOADING]
     assert result.elapsed < 30
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
     # No grandchild of theirs is left anywhere either.

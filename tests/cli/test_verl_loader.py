@@ -19,7 +19,7 @@ from fsdpcheck.checks.observed import classify
 from fsdpcheck.checks.predict import predict_loaders
 from fsdpcheck.children.jobs import ChildSpec, StandIn, run_job
 from fsdpcheck.children.launch import JOB_ENV, run_each
-from fsdpcheck.records import EnvRecord, Fingerprint, RankRecord, from_dict
+from fsdpcheck.records import EnvRecord, RankRecord, SeedBuild
 
 WORKER = str(REPO / "tests" / "workers" / "verl_loader.py")
 SEEDS = (0, 1)
@@ -33,11 +33,10 @@ def seeded_predictions(model: str) -> dict:
     argv = ["-m", "fsdpcheck.children.probe", "--child", "--model", model]
     envs = [{**JOB_ENV, "PYTHONHASHSEED": str(seed)} for seed in SEEDS]
     records = {}
-    for rank, outcome in enumerate(run_each(argv, envs, jobs=2, timeout=120)):
-        assert outcome.result and outcome.result["ok"], outcome.failure(120)
+    for rank, outcome in enumerate(run_each(argv, envs, jobs=2, timeout=120, record=SeedBuild)):
+        assert outcome.result and outcome.result.built, outcome.failure(120)
         env = EnvRecord(rank, rank, 2, "node0", "gloo", "3.11", "2.13", None, str(SEEDS[rank]))
-        fp = from_dict(Fingerprint, outcome.result["fingerprint"])
-        records[rank] = RankRecord(env=env, pre_wrap=fp)
+        records[rank] = RankRecord(env=env, pre_wrap=outcome.result.fingerprint)
     groups = group_ranks({r: rec.group_digest() for r, rec in records.items()})
     return {p.name: p for p in predict_loaders(groups, records, meta_ranks=(1,))}
 

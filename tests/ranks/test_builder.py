@@ -51,17 +51,17 @@ VERL = "examples/verl_worker.py:build_actor"
 def audited(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("builders")
     cases = {
-        name: {"model": "hazard", "options": {"builder": builder, "timeout": 30}}
+        name: {"model": None, "options": {"builder": builder, "timeout": 30}}
         for name, builder in CASES.items()
     }
     for name, builder in STEP_CASES.items():
         cases[name] = {
-            "model": "hazard",
+            "model": None,
             "options": {"builder": builder, "step": True, "timeout": 30},
         }
     # --probe with a builder: rank 0 calls it under 4 hash seeds (the hazard model: latent).
     cases["verl-probe"] = {
-        "model": "hazard",
+        "model": None,
         "options": {"builder": VERL, "probe": 4, "timeout": 60},
     }
     # One common hash seed: the hazard model's buffer order follows it, and two ranks under

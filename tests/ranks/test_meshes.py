@@ -53,7 +53,11 @@ def _run(out: Path, ranks: int, cases: tuple[str, ...], audits: dict | None = No
     argv = [str(REPO / "tests" / "workers" / "mesh_worker.py"), "--out", str(out)]
     if audits:
         specs = {
-            name: {"model": options.pop("model", "tiny-llama"), "options": options}
+            # A builder builds its own model: no --model beside it (refused, as on the CLI).
+            name: {
+                "model": options.pop("model", None if "builder" in options else "tiny-llama"),
+                "options": options,
+            }
             for name, options in ((n, {"timeout": 60, **o}) for n, o in audits.items())
         }
         (out.parent / "audits.json").write_text(json.dumps(specs))

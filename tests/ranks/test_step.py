@@ -30,6 +30,10 @@ CASES = [
     "p2p-ring",
     "p2p-size",
     "pipeline-clean",
+    "p2p-unreceived",
+    "compiled-step",
+    # its sends posted ahead of their pair stay posted on the world group: last of the p2p cases
+    "pipeline-fewer-microbatches",
     "unseen-rank0",  # last: it ends the job (exit 3 on both ranks)
 ]
 
@@ -73,6 +77,7 @@ def _only(report: dict, kind: str) -> dict:
         "clip-all",
         "p2p-ring",  # each rank sends before it receives: no wait on each other
         "pipeline-clean",  # torch.distributed.pipelining, GPipe over 2 stages
+        "compiled-step",
     ],
 )
 def test_the_clean_twins_are_consistent_and_the_step_ran(ran, case):
@@ -162,6 +167,49 @@ def test_a_send_whose_receive_expects_another_size_is_named_before_either_is_iss
     assert "sends 4 float32" in found["summary"] and "expects 2 float32" in found["summary"]
     sides = found["details"]["ranks"]
     assert sides["rank 0"]["peer"] == 1 and sides["rank 1"]["peer"] == 0
+
+
+def test_a_stage_whose_sends_the_next_stage_never_receives_is_named_before_either_blocks(ran):
+    # torchtitan#775. Today: each stage posted its sends ahead (the other was waiting in the
+    # watch), then blocked in gloo's wait for a receive that never came: exit 3 on a timeout.
+    per_rank, report = _case(ran, "pipeline-fewer-microbatches")
+    assert [r["exit_code"] for r in per_rank] == [1, 1]
+    found = _only(report, "step")
+    assert "the sends and receives do not pair" in found["details"]["reason"]
+    sides = found["details"]["ranks"]
+    sender = sides["rank 0"]
+    assert (sender["op"], sender["peer"], sender["numel"], sender["dtype"]) == (
+        "send",
+        1,
+        16,
+        "float32",
+    )
+    # Stage 1's schedule takes 2 microbatches: stage 0's third forward send is never taken.
+    assert (sender["stage"], sender["phase"], sender["microbatch"]) == (0, "forward", 2)
+    assert sides["rank 1"]["phase"] == "backward" and sides["rank 1"]["peer"] == 0
+    assert "send to rank 1 (stage 0 forward, microbatch 2)" in found["summary"]
+
+
+def test_a_send_whose_peer_finishes_its_step_is_named_not_a_timeout(ran):
+    per_rank, report = _case(ran, "p2p-unreceived")
+    assert [r["exit_code"] for r in per_rank] == [1, 1]
+    found = _only(report, "step")
+    assert found["details"]["reason"].startswith(
+        "the pair never comes: rank 1 finished its step without the other side of rank 0's "
+        "send to rank 1 (2 float32"
+    )
+    assert found["details"]["not_issued_by"] == [1]
+
+
+def test_a_compiled_step_runs_eagerly_under_the_watch_and_compiles_after_it(ran):
+    # What docs/checks.md says runs (torch 2.13): under the watch's dispatch mode dynamo
+    # compiles no frame, so the step's collectives are the eager ones, all watched; and a
+    # function first called under the watch is not compiled on its next call either. A torch
+    # that compiles under a dispatch mode (collectives inside a graph the watch may not see)
+    # fails here.
+    for rank in ran:
+        case = rank["compiled-step"]
+        assert (case["frames_under_watch"], case["frames_after"]) == (0, 0), case
 
 
 def test_a_grad_norm_over_dtensor_gradients_on_rank_0_only_is_named_before_it_is_issued(ran):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from fsdpcheck.checks.observed import LOADING, Observation, RankRun, classify, with_observations
-from fsdpcheck.records import LoaderPrediction
+from fsdpcheck.records import LoaderPrediction, LoaderRecord, from_dict
 
 
 def t(digest, kind="param", persistent=None, dtype="float32"):
@@ -20,7 +21,9 @@ def t(digest, kind="param", persistent=None, dtype="float32"):
 
 
 def rank_run(rank, record=None, code=0, stage="done", sig=None, last=""):
-    return RankRun(rank, code, sig, stage, last, record, hash_seed=rank)
+    # As the parent reads a child's line back: JSON into the typed record.
+    typed = from_dict(LoaderRecord, {"loader": "x", **record}) if record is not None else None
+    return RankRun(rank, code, sig, stage, last, typed, hash_seed=rank)
 
 
 def finished(rank, tensors, expected=None, reference=None, meta=False):
@@ -62,7 +65,7 @@ def test_swapped_buffers_are_silent_corruption_naming_what_they_hold():
     buffers1[FULL]["values"], buffers1[SLIDE]["values"] = [2.0], [1.0]
     refs = {FULL: "f", SLIDE: "s"}
     runs = [finished(0, buffers0, {}, refs), finished(1, buffers1, reference=refs, meta=True)]
-    runs[1].record["order"] = [SLIDE, FULL]
+    runs[1] = replace(runs[1], record=replace(runs[1].record, order=(SLIDE, FULL)))
     seen = classify("named-buffers-order", runs)
     assert seen.verdict == "silent-corruption"
     assert seen.detail["differing"][0]["state"] == f"holds {SLIDE}'s values"

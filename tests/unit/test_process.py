@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from fsdpcheck.vocab import ErrorKind, ExitCode, errors_exit_code
+from fsdpcheck.vocab import ChildExit, ErrorKind, ExitCode, Verdict, errors_exit_code
 
 SCRIPT = (
     "import logging, fsdpcheck; "
@@ -46,6 +46,21 @@ def test_a_runtime_error_outranks_bad_input() -> None:
     assert errors_exit_code(["input", "input"]) is ExitCode.BAD_INPUT
     assert errors_exit_code([ErrorKind.INPUT, "runtime"]) is ExitCode.RUNTIME
     assert errors_exit_code([]) is ExitCode.RUNTIME
+
+
+def test_one_mapping_from_verdict_to_exit_code_and_child_exits_apart_from_it() -> None:
+    """Audit, probe and scan all end through ``Verdict.exit_code``; a loader child job's own
+    exits (``ChildExit``) never read as one of the command's codes."""
+    assert Verdict.CONSISTENT.exit_code() is ExitCode.CONSISTENT
+    assert Verdict.INCONSISTENT.exit_code() is Verdict.LATENT.exit_code() is ExitCode.FINDINGS
+    assert Verdict.ERROR.exit_code(["input"]) is ExitCode.BAD_INPUT
+    assert (
+        Verdict.ERROR.exit_code(["input", "runtime"])
+        is Verdict.ERROR.exit_code()
+        is ExitCode.RUNTIME
+    )
+    failures = {int(c) for c in ChildExit} - {ChildExit.DONE}
+    assert not failures & {int(c) for c in ExitCode}
 
 
 def test_every_log_line_carries_the_rank_and_a_child_reader_skips_them() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from fsdpcheck.checks.hash_seed import SeedError
 from fsdpcheck.children.scan import ScanTarget, matches, scan_row
+from fsdpcheck.records import SeedBuild
+from fsdpcheck.vocab import SeedFailure
 
 
 def test_filters_are_case_insensitive_substrings_or_globs() -> None:
@@ -16,7 +18,8 @@ def test_filters_are_case_insensitive_substrings_or_globs() -> None:
 
 def test_a_build_failure_is_a_skipped_row_with_its_reason() -> None:
     target = ScanTarget("broken", "broken", "BrokenForCausalLM", "causal-lm")
-    failed = {"arch": "broken", "ok": False, "reason": "build failed: TypeError: nope"}
+    why = "build failed: TypeError: nope"
+    failed = SeedBuild("broken", failure=SeedFailure.RUNTIME, message=why)
     row = scan_row(target, {0: failed, 1: failed}, (0, 1), [])
     assert (row.verdict, row.reason) == ("skipped", "build failed: TypeError: nope")
     assert row.label == "skipped: build failed: TypeError: nope"

@@ -2,7 +2,7 @@
 (as a training script's own group), so one launch covers what would otherwise be one launch
 per case (bad inputs, builders).
 
-``--cases FILE``: ``{name: {"model": str | [rank 0's, rank 1's], "options": {AuditOptions
+``--cases FILE``: ``{name: {"model": str | None | [rank 0's, rank 1's], "options": {AuditOptions
 field: value}, "env": {variable: value, set for that case}}}``. Rank 0 writes ``--out``: per
 case, every rank's exit code and the report (or, for an input refused before the gather, what
 every rank raised)."""

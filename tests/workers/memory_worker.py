@@ -79,7 +79,7 @@ def main() -> None:
     for name, rank1_real in cases.items():
         done[name] = _script(rank1_real)
     for name in ("meta_on_rank_1", "full_on_rank_1"):
-        result = run_audit(AuditOptions(model=name, builder=f"{__file__}:{name}", timeout=120))
+        result = run_audit(AuditOptions(builder=f"{__file__}:{name}", timeout=120))
         report = to_dict(result.report) if result.report is not None else None
         done[f"builder-{name}"] = {"exit_code": int(result.exit_code), "report": report}
     every: list = [None] * dist.get_world_size()

@@ -126,6 +126,8 @@ def collective_step(case: str, rank: int, model: WithTower, optimizer, stages):
             ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+        if case == "p2p-unreceived" and rank == 0:  # rank 1 never receives it
+            dist.send(torch.ones(2), 1)
         if case == "pp-subgroups":
             # Pipeline stages: each rank all-reduces its own layers' gradients over its own
             # 1-rank data group, stage 1 holding more layers; then the loss over every rank.
@@ -163,6 +165,37 @@ def unseen_step(rank: int, step):
         return loss
 
     return with_thread
+
+
+def compiled_step(rank: int, model: WithTower, optimizer):
+    """The model and an all-reduce both under torch.compile; the counter backend counts the
+    frames dynamo compiles (what the watch's docs promise about a compiled step)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+
+    @torch.compile(backend=counter)
+    def reduce(t):
+        dist.all_reduce(t)
+        return t * 2
+
+    def step():
+        ids, labels = batch(rank)
+        loss = compiled(ids, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reduce(torch.ones(4))
+        return loss.detach()
+
+    def after() -> dict:
+        # The same compiled function once more, outside the watch.
+        under = counter.frame_count
+        reduce(torch.ones(4))
+        return {"frames_under_watch": under, "frames_after": counter.frame_count}
+
+    return step, after
 
 
 def pipeline_step(rank: int, world: int, fewer: bool):
@@ -205,6 +238,7 @@ COLLECTIVE_CASES = (
     "pp-subgroups",
     "p2p-ring",
     "p2p-size",
+    "p2p-unreceived",
 )
 
 
@@ -254,6 +288,9 @@ def main() -> None:
             step = clip_step(rank, model, optimizer, everyone=case == "clip-all")
         else:
             step = case_step(case, rank, model, optimizer)
+        after = None
+        if case == "compiled-step":
+            step, after = compiled_step(rank, model, optimizer)
         timeout = args.timeout
         if case == "unseen-rank0":
             # Rank 0 issues an all-reduce from a thread of its own (the watch is thread-local):
@@ -276,6 +313,8 @@ def main() -> None:
             "params_changed": changed,
             "report": to_dict(result.report) if result.report is not None else None,
         }
+        if after is not None:
+            record[case].update(after())
         # Written after every case: a rank the last case ends (exit 3) keeps the others.
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"rank{rank}.json").write_text(json.dumps(record))
