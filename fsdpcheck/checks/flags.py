@@ -17,7 +17,7 @@ from fsdpcheck.records import (
     Fingerprint,
     RankRecord,
 )
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import clauses, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 _LISTED = 3
@@ -41,12 +41,13 @@ def requires_grad_difference(
             diffs.append((t.name, t.requires_grad, o.requires_grad))
     if not diffs:
         return None
-    shown = "; ".join(
-        f"{name} is {_trainable(x)} on {ref_label} but {_trainable(y)} on {other_label}"
-        for name, x, y in diffs[:_LISTED]
+    shown = clauses(
+        diffs,
+        lambda d: (
+            f"{d[0]} is {_trainable(d[1])} on {ref_label} but {_trainable(d[2])} on {other_label}"
+        ),
+        _LISTED,
     )
-    if len(diffs) > _LISTED:
-        shown += f"; and {len(diffs) - _LISTED} more"
     details = {
         "differences": [{"name": n, "reference": x, "other": y} for n, x, y in diffs],
     }
@@ -117,12 +118,11 @@ def _meta_finding(
     left: list[tuple[str, str, Sequence[int], Sequence[int]]],
 ) -> Finding:
     """``left``: (name, the real side's device, the ranks on meta, the ranks holding it)."""
-    text = "; ".join(
-        f"{ranks_label(on_meta)} left {name} on meta ({device} on {ranks_label(real)})"
-        for name, device, on_meta, real in left[:_LISTED]
+    text = clauses(
+        left,
+        lambda e: f"{ranks_label(e[2])} left {e[0]} on meta ({e[1]} on {ranks_label(e[3])})",
+        _LISTED,
     )
-    if len(left) > _LISTED:
-        text += f"; and {len(left) - _LISTED} more"
     snapshot = Snapshot.POST_WRAP if record.post_wrap is not None else Snapshot.PRE_WRAP
     return Finding(
         kind=FindingKind.DEVICE,
@@ -183,13 +183,14 @@ def _cross_rank(
             cause = Cause.CONSTRUCTION_TIME
         else:  # the pre-wrap devices agreed, or there were none to tell
             cause = Cause.WRAPPING if Snapshot.PRE_WRAP in stages else Cause.UNKNOWN
-        text = "; ".join(
-            f"{d['name']} is on {d['reference']} on rank {ref_rank} but on {d['other']} on "
-            f"{ranks_label(ranks)}"
-            for d in diffs[:_LISTED]
+        text = clauses(
+            diffs,
+            lambda d: (
+                f"{d['name']} is on {d['reference']} on rank {ref_rank} but on "
+                f"{d['other']} on {ranks_label(ranks)}"
+            ),
+            _LISTED,
         )
-        if len(diffs) > _LISTED:
-            text += f"; and {len(diffs) - _LISTED} more"
         return Finding(
             kind=FindingKind.DEVICE,
             ranks=tuple(ranks),

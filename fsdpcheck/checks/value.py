@@ -48,7 +48,7 @@ from fsdpcheck.records import (
     Fingerprint,
     RankRecord,
 )
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import clauses, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 _LISTED = 3
@@ -148,8 +148,7 @@ def _finding(
     cause = _CAUSE.get(first["snapshot"], Cause.UNKNOWN)
     if cause == Cause.WRAPPING and Snapshot.PRE_WRAP not in stages:
         cause = Cause.UNKNOWN  # no pre-wrap values to tell construction from wrapping
-    shown = "; ".join(_describe(d, ref_rank, who) for d in diffs[:_LISTED])
-    more = f"; and {len(diffs) - _LISTED} more" if len(diffs) > _LISTED else ""
+    shown = clauses(diffs, lambda d: _describe(d, ref_rank, who), _LISTED)
     where = {"pre-wrap": " (before wrapping)", "post-wrap": " (after wrapping)"}.get(
         first["snapshot"], ""
     )
@@ -159,7 +158,7 @@ def _finding(
         reference_rank=ref_rank,
         snapshot=first["snapshot"],
         cause=cause,
-        summary=f"{what} on {who} from rank {ref_rank}'s{where}: {shown}{more}",
+        summary=f"{what} on {who} from rank {ref_rank}'s{where}: {shown}",
         tensors=tuple(dict.fromkeys(d["name"] for d in diffs)),
         details={
             "examined": True,
