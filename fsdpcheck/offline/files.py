@@ -7,11 +7,12 @@ gathers, so ``diff`` runs the audit's own analysis over files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -326,10 +327,27 @@ def _parse(path: Path, data: dict) -> FingerprintFile:
             for t in (*fp.buffers, *fp.params):
                 tuple(int(d) for d in t.shape)
                 str(t.name), str(t.dtype)
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        raise InputError(
-            f"fsdpcheck diff: {path} has the fingerprint schema marker but its record is "
-            f"malformed ({type(exc).__name__}: {exc}); it was edited or damaged. Re-create it "
-            "with `fsdpcheck fingerprint` or fsdpcheck.save_fingerprint."
-        ) from None
+    except _DAMAGE as exc:
+        marked = f"{path} has the fingerprint schema marker but its record is"
+        raise malformed(marked, exc) from None
     return content
+
+
+# What reading a damaged record raises, in the checks above and in diff's own walk over it.
+_DAMAGE = (TypeError, ValueError, KeyError, AttributeError)
+
+
+@contextlib.contextmanager
+def damaged_as_input(what: str) -> Iterator[None]:
+    """Damage the checks above did not foresee, met while diffing: still bad input."""
+    try:
+        yield
+    except _DAMAGE as exc:
+        raise malformed(what, exc) from None
+
+
+def malformed(what: str, exc: BaseException) -> InputError:
+    return InputError(
+        f"fsdpcheck diff: {what} malformed ({type(exc).__name__}: {exc}); it was edited or "
+        "damaged. Re-create it with `fsdpcheck fingerprint` or fsdpcheck.save_fingerprint."
+    )
