@@ -17,7 +17,7 @@ _LAZY = {
     "verify_load": "fsdpcheck.loader.verify",
     "state_digests": "fsdpcheck.loader.sync",
     "compare_digests": "fsdpcheck.loader.sync",
-    "save_fingerprint": "fsdpcheck.offline.files",
+    "save_fingerprint": "fsdpcheck.offline.standalone",
     "diff_fingerprints": "fsdpcheck.offline.diff",
     "configure_logging": "fsdpcheck.process",
     "probe": "fsdpcheck.children.probe:probe_builder",

@@ -12,11 +12,39 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
+from fsdpcheck.children.jobs import ChildSpec
+from fsdpcheck.children.observe import observe_loaders, stand_ins_for
+from fsdpcheck.children.probe import probe
+from fsdpcheck.decision import AuditResult, decide, ended, give_up, never_met
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed import setup as distributed
-from fsdpcheck.distributed.environment import env_record, launch_record, torch_threads
+from fsdpcheck.distributed.environment import env_record, launch_record
+from fsdpcheck.distributed.gather import gather_memory, gather_records
+from fsdpcheck.distributed.wire import broadcast_decision
 from fsdpcheck.errors import FsdpcheckError, InputError
+from fsdpcheck.loader.agree import LoadFailedError
+from fsdpcheck.loader.load import load_full_state_dict
+from fsdpcheck.loader.resume import full_state_from, load_checkpoint
+from fsdpcheck.loader.source import verify_source
+from fsdpcheck.loader.verify import verify_load
+from fsdpcheck.model import build, parallel
+from fsdpcheck.model.build import BuiltModel
+from fsdpcheck.model.builder import BuildContext, builder_info, call_builder
+from fsdpcheck.model.builder import wrapped as is_wrapped
+from fsdpcheck.model.memory import process_memory
+from fsdpcheck.model.optimizer_state import optimizer_record
+from fsdpcheck.model.rank_state import model_record
+from fsdpcheck.model.resolve import download
 from fsdpcheck.model.resume import METADATA, checkpoint_record, resume_problem
+from fsdpcheck.model.state import (
+    buffer_problems,
+    buffer_reference,
+    non_finite_tensors,
+    tie_record,
+)
+from fsdpcheck.model.threads import torch_threads
 from fsdpcheck.options import AuditOptions
 from fsdpcheck.pipeline import Stages, before_wrap, build_from, look_at, record_of
 from fsdpcheck.records import (
@@ -33,25 +61,16 @@ from fsdpcheck.records import (
     VerifyResult,
     WrapPlan,
 )
-from fsdpcheck.report import AuditOutcome, assemble, error_report, report_headline
-from fsdpcheck.vocab import ErrorKind, ExitCode, Init, LoadStatus, Snapshot, Stage
+from fsdpcheck.report import AuditOutcome, assemble, error_report
+from fsdpcheck.step.synthetic import audit_step
+from fsdpcheck.vocab import ErrorKind, ExitCode, Init, LoadMethod, LoadStatus, Snapshot, Stage
 
 if TYPE_CHECKING:
     from fsdpcheck.checks.hash_seed import ProbeResult
-    from fsdpcheck.model.build import BuiltModel
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AuditOptions", "AuditResult", "check_model", "run_audit"]
-
-
-@dataclass(frozen=True)
-class AuditResult:
-    rank: int
-    exit_code: int
-    report: Report | None  # rank 0 only
-    own_error: RankError | None = None  # this rank's failure, for it to print
-    headline: str = ""  # rank 0's one-line conclusion, known on every rank
 
 
 @dataclass
@@ -137,8 +156,6 @@ def _preflight(
     publish: Callable[[Report], None] | None,
 ) -> AuditResult | None:
     """Collective: rank 0's preflight answer, on every rank; None to go on."""
-    from fsdpcheck.distributed.wire import broadcast_decision
-
     problem = preflight() if ctx.rank == 0 else ""
     try:
         code = ExitCode.BAD_INPUT if problem else ExitCode.CONSISTENT
@@ -153,19 +170,6 @@ def _preflight(
     if report is not None and publish is not None:
         publish(report)
     return AuditResult(ctx.rank, code, report, None, problem)
-
-
-def never_met(
-    exc: liveness.NeverMet,
-    options: AuditOptions | None = None,
-    publish: Callable[[Report], None] | None = None,
-) -> AuditResult:
-    """The ranks never met on the side channel: exit 3 on this rank, naming who never arrived
-    (rank 0 has the report)."""
-    try:
-        return ended(exc.ctx, exc.errors, None, options, publish, stage=Stage.LAUNCH)
-    finally:
-        distributed.shutdown(exc.ctx)
 
 
 def check_model(
@@ -223,8 +227,6 @@ def check_model(
     directory): every rank proves each of its local shards and persistent buffers equals its
     slice of it, reading only that slice; a difference is a ``source`` finding, which sees a
     load that is wrong the same way on every rank."""
-    from fsdpcheck.model.rank_state import model_record
-
     if end_on_abort is not None:
         import warnings
 
@@ -273,8 +275,6 @@ def _with_optimizer(
     resumed: CheckpointRecord | None,
 ) -> RankRecord:
     """``record`` with the rank's optimizer; a failure to read it is the rank's error."""
-    from fsdpcheck.model.optimizer_state import optimizer_record
-
     path = _optimizer_checkpoint(resumed)
     found = state.stages.run(
         Stage.FINGERPRINT, lambda: optimizer_record(model, optimizer, scheduler, path)
@@ -300,8 +300,6 @@ def _rank0_checkpoint(
 ) -> str | os.PathLike[str] | None:
     """Collective, on every rank whatever it passes: rank 0's checkpoint path (None where rank
     0 has none), or this rank's own where it passes one."""
-    from fsdpcheck.distributed.wire import broadcast_decision
-
     mine = os.fspath(checkpoint) if checkpoint is not None and ctx.rank == 0 else ""
     try:
         _, given = broadcast_decision(0, mine, ctx.side_channel)
@@ -312,9 +310,6 @@ def _rank0_checkpoint(
 
 
 def _audit(options: AuditOptions, state: _RankState, watch: liveness.AbortWatch) -> AuditResult:
-    from fsdpcheck.model import build, parallel
-    from fsdpcheck.model.builder import wrapped as is_wrapped
-
     ctx, stages = state.ctx, state.stages
     env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
     state.env = env
@@ -383,8 +378,6 @@ def _own_memory(
     options: AuditOptions | None, state: _RankState, built: BuiltModel | None
 ) -> MemoryRecord | None:
     """This rank's memory: the audit's measured stages, or the script's process so far."""
-    from fsdpcheck.model.memory import process_memory
-
     try:
         if options is None:
             return process_memory(state.ctx.rank, state.script_model)
@@ -424,8 +417,6 @@ def _conclude(
     ``source`` (``--source``, ``check_model(source=)``): after the load, every rank's tensors
     against their slices of that checkpoint.
     """
-    from fsdpcheck.distributed.gather import gather_memory, gather_records
-
     ctx, stages = state.ctx, state.stages
     try:
         if watch.aborted is not None:  # the others gave up on this rank: nobody will gather
@@ -461,8 +452,6 @@ def _conclude(
                 outcome = replace(outcome, source=checked)
         report = assemble(outcome, options) if outcome is not None else None
         if options is not None and options.step:  # collective: one step (the builder's), watched
-            from fsdpcheck.step.synthetic import audit_step
-
             report = audit_step(ctx, state.env, built, load, report, seed=options.seed)
         return decide(ctx, report, state.publish, own_error=stages.error)
     except Exception as exc:  # a peer died or timed out: name it from heartbeats and marks
@@ -473,62 +462,6 @@ def _conclude(
             message = f"{type(exc).__name__}: {exc}"
             own = RankError(ctx.rank, stages.current, message, ErrorKind.RUNTIME)
         return give_up(ctx, exc, own, options, state.publish)
-
-
-def decide(
-    ctx: distributed.DistContext,
-    report: Report | None,
-    publish: Callable[[Report], None] | None = None,
-    *,
-    own_error: RankError | None = None,
-) -> AuditResult:
-    """Collective: rank 0's report published, then its exit code and headline on every rank
-    (exit 3 where rank 0 has no report)."""
-    from fsdpcheck.distributed.wire import broadcast_decision
-
-    code, headline = ExitCode.RUNTIME, ""
-    if report is not None:
-        code, headline = report.exit_code, report_headline(report)
-        if publish is not None:
-            publish(report)
-    code, headline = broadcast_decision(code, headline, ctx.side_channel)
-    return AuditResult(ctx.rank, code, report, own_error, headline)
-
-
-def give_up(
-    ctx: distributed.DistContext,
-    exc: BaseException,
-    own: RankError | None,
-    options: AuditOptions | None = None,
-    publish: Callable[[Report], None] | None = None,
-    *,
-    stage: Stage = Stage.GATHER,
-) -> AuditResult:
-    """A peer died or stopped answering: name it from heartbeats and stage marks, end the
-    others, and give rank 0 an error report (exit 3 everywhere). ``own``: this rank's own
-    failure, if it had one; else it gave up waiting in ``stage``."""
-    errors = liveness.diagnose_peers(ctx, exc, own=own)
-    liveness.signal_abort(ctx, errors)
-    return ended(ctx, errors, own, options, publish, stage=stage)
-
-
-def ended(
-    ctx: distributed.DistContext,
-    errors: list[RankError],
-    own: RankError | None,
-    options: AuditOptions | None = None,
-    publish: Callable[[Report], None] | None = None,
-    *,
-    stage: Stage = Stage.GATHER,
-) -> AuditResult:
-    """The run is over without a report of findings: exit 3 on this rank, ``errors`` (which
-    name the rank responsible) in rank 0's error report (published) and as the headline."""
-    report = error_report(errors, ctx.world_size, options) if ctx.rank == 0 else None
-    if report is not None and publish is not None:
-        publish(report)
-    own = own or next((e for e in errors if e.rank == ctx.rank), None)
-    own = own or RankError(ctx.rank, stage, f"gave up: {errors[0].message}", ErrorKind.RUNTIME)
-    return AuditResult(ctx.rank, ExitCode.RUNTIME, report, own, errors[0].message)
 
 
 def _rank0_extras(
@@ -563,9 +496,6 @@ def _observe_loaders(
     job, within ``budget`` seconds in all: ``({loader: Observation}, a note if it could not
     run)``."""
     try:  # an extra: its failure, even to import, must not end the audit
-        from fsdpcheck.children.jobs import ChildSpec
-        from fsdpcheck.children.observe import observe_loaders, stand_ins_for
-
         if budget < 2.0:
             return {}, f"--reproduce: no time left to run the loaders ({budget:.1f} s)"
         spec = ChildSpec(**vars(options.build_spec))
@@ -579,9 +509,6 @@ def _observe_loaders(
 
 def _from_builder(options: AuditOptions, ctx: distributed.DistContext) -> BuiltModel:
     """``--builder``: the user's function builds this rank's model (the trust boundary)."""
-    from fsdpcheck.model.build import BuiltModel
-    from fsdpcheck.model.builder import BuildContext, builder_info, call_builder
-
     assert options.builder is not None
     mesh = ctx.mesh if options.mesh or options.tp or options.ep else None
     context = BuildContext(ctx.rank, ctx.world_size, ctx.local_rank, ctx.device, mesh)
@@ -601,8 +528,6 @@ def _from_builder(options: AuditOptions, ctx: distributed.DistContext) -> BuiltM
 def _rank0_has_state(built: BuiltModel | None, ctx: distributed.DistContext) -> bool:
     """Collective: whether rank 0's builder returned a state dict to load (False when rank 0
     failed, or a peer is gone: the gather then says why)."""
-    from fsdpcheck.distributed.wire import broadcast_decision
-
     mine = int(ctx.rank == 0 and built is not None and built.full_state_dict is not None)
     try:
         answer, _ = broadcast_decision(mine, "", ctx.side_channel)
@@ -616,10 +541,6 @@ def _rank0_has_state(built: BuiltModel | None, ctx: distributed.DistContext) -> 
 
 def _download_on_rank0(options: AuditOptions, state: _RankState) -> None:
     """Rank 0 downloads into the shared cache while the others wait, then all read the cache."""
-    import torch.distributed as dist
-
-    from fsdpcheck.model.resolve import download
-
     ctx, stages = state.ctx, state.stages
     if ctx.rank == 0:
         stages.run(
@@ -650,8 +571,6 @@ class _ProbeThread:
         self._thread.start()
 
     def _run(self) -> None:
-        from fsdpcheck.children.probe import probe
-
         o = self._options
         try:
             self._result = probe(
@@ -685,8 +604,6 @@ def _load_stage(
     """Collective: rank 0 decides whether the loader runs; then load, verify and look at every
     rank's ties and buffers, or say why not. The outcome is known on rank 0 (``None`` elsewhere
     when skipped)."""
-    from fsdpcheck.distributed.wire import broadcast_decision
-
     ctx = state.ctx
     skip = _load_skip_reason(options, gathered, built) if ctx.rank == 0 else ""
     go, _ = broadcast_decision(0 if skip else 1, "", ctx.side_channel)
@@ -725,10 +642,6 @@ def _load_and_verify(
     state: _RankState, built: BuiltModel | None
 ) -> tuple[LoadOutcome, VerifyResult | None]:
     """Collective: the sorted, validated loader, then the proof that every rank is equal."""
-    from fsdpcheck.loader.agree import LoadFailedError
-    from fsdpcheck.loader.load import load_full_state_dict
-    from fsdpcheck.loader.verify import verify_load
-
     ctx, stages = state.ctx, state.stages
     full = built.full_state_dict if ctx.rank == 0 else None
     # The gloo channel on every backend: the bucketed path stages CUDA shards through host
@@ -769,10 +682,6 @@ def _resume_and_verify(
 ) -> tuple[LoadOutcome, VerifyResult | None]:
     """Collective: ``--resume``: every rank loads its shards from the checkpoint it resolved
     with ``dcp.load``, then the proof that every rank holds what rank 0's checkpoint holds."""
-    from fsdpcheck.loader.resume import full_state_from, load_checkpoint
-    from fsdpcheck.loader.verify import verify_load
-    from fsdpcheck.vocab import LoadMethod
-
     ctx, stages = state.ctx, state.stages
     record = state.checkpoint
     # A peer that dies or times out inside dcp.load goes on up to _conclude (exit 3, naming it).
@@ -820,8 +729,6 @@ def _resume_and_verify(
 def _source_stage(state: _RankState, model: Any, source: str | os.PathLike[str]) -> VerifyResult:
     """Collective: every rank's tensors against their slices of ``source``; rank 0 has all
     ranks' mismatches."""
-    from fsdpcheck.loader.source import verify_source
-
     with state.stages.timed(Stage.SOURCE):
         checked = verify_source(model, source, group=state.ctx.side_channel)
     log.info("source: passed %s, %d checked", checked.passed, checked.checked)
@@ -831,14 +738,6 @@ def _source_stage(state: _RankState, model: Any, source: str | os.PathLike[str])
 def _state_after_load(state: _RankState, built: BuiltModel) -> Gathered | None:
     """Collective: every rank's ties, buffer problems and NaN/Inf after the load, gathered on
     rank 0 (``None`` elsewhere). Values are the verification's business."""
-    from fsdpcheck.distributed.gather import gather_records
-    from fsdpcheck.model.state import (
-        buffer_problems,
-        buffer_reference,
-        non_finite_tensors,
-        tie_record,
-    )
-
     ctx = state.ctx
     with state.stages.timed(Stage.STATE_AFTER_LOAD):
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -267,6 +267,23 @@ class _Outputs:
             for line in lines:
                 print(line, flush=True)
 
+    def finish(
+        self,
+        result: int,
+        lines: list[Any],
+        annotations: list[str],
+        writers: dict[str, Callable[[Path], None]],
+    ) -> NoReturn:
+        """A single-process command's end: its lines on stdout, its annotations and files, and
+        its exit code (3 where it found nothing but a file could not be written)."""
+        console = _stdout()
+        for line in lines:
+            console.print(line, highlight=False)
+        self.annotations(annotations)
+        for option, writer in writers.items():
+            self.write(option, writer)
+        raise typer.Exit(self.exit_code(result))
+
     def publish_report(self, report: Report, suite: str = "fsdpcheck.audit") -> None:
         from fsdpcheck.formats.annotations import report_annotations
         from fsdpcheck.formats.junit import report_to_junit, write_junit
@@ -458,17 +475,20 @@ def probe(
             timeout=timeout,
             progress=bar.update,
         )
-    console = _stdout()
-    console.print(probe_header(model, result), highlight=False)
-    if result.reorders:
-        console.print(probe_table(result))
-    for line in probe_errors(result):
-        console.print(line, highlight=False)
-    console.print(probe_summary(result), highlight=False)
-    outputs.annotations(probe_annotations(result))
-    outputs.write("--json", lambda path: write_json(result, path))
-    outputs.write("--junit", lambda path: write_junit(probe_to_junit(result), path))
-    raise typer.Exit(outputs.exit_code(result.exit_code))
+    outputs.finish(
+        result.exit_code,
+        [
+            probe_header(model, result),
+            *([probe_table(result)] if result.reorders else []),
+            *probe_errors(result),
+            probe_summary(result),
+        ],
+        probe_annotations(result),
+        {
+            "--json": lambda path: write_json(result, path),
+            "--junit": lambda path: write_junit(probe_to_junit(result), path),
+        },
+    )
 
 
 SCAN_EPILOG = """
@@ -547,16 +567,17 @@ def scan(
             arch_timeout=arch_timeout,
             progress=bar.update,
         )
-    console = _stdout()
-    console.print(scan_table(result, all_rows=not problems_only))
-    for line in scan_errors(result):
-        console.print(line, highlight=False)
-    console.print(scan_summary(result), highlight=False)
-    outputs.annotations(scan_annotations(result))
-    outputs.write("--json", lambda path: write_json(result, path))
-    outputs.write("--junit", lambda path: write_junit(scan_to_junit(result), path))
-    outputs.write("--sarif", lambda path: write_sarif(scan_to_sarif(result), path))
-    raise typer.Exit(outputs.exit_code(result.exit_code))
+    table = scan_table(result, all_rows=not problems_only)
+    outputs.finish(
+        result.exit_code,
+        [table, *scan_errors(result), scan_summary(result)],
+        scan_annotations(result),
+        {
+            "--json": lambda path: write_json(result, path),
+            "--junit": lambda path: write_junit(scan_to_junit(result), path),
+            "--sarif": lambda path: write_sarif(scan_to_sarif(result), path),
+        },
+    )
 
 
 FINGERPRINT_EPILOG = """
@@ -670,22 +691,14 @@ def diff(
     """Compare saved fingerprints as ranks, with the audit's analysis and report: ranks of one
     job (hung or not), or the same model across machines and library versions."""
     from fsdpcheck.console import diff_inputs, render
-    from fsdpcheck.errors import InputError
     from fsdpcheck.offline.diff import diff_records
-    from fsdpcheck.offline.files import read_inputs
+    from fsdpcheck.offline.files import damaged_as_input, read_inputs
 
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)
     _refuse_outputs("diff", outputs)
-    with _errors_exit("diff", outputs):
-        try:
-            report = diff_records(read_inputs(paths))
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            # A record damaged in a way the reader's checks did not foresee: still bad input.
-            raise InputError(
-                f"fsdpcheck diff: a fingerprint among {', '.join(map(str, paths))} is malformed "
-                f"({type(exc).__name__}: {exc}); re-create it with `fsdpcheck fingerprint` or "
-                "fsdpcheck.save_fingerprint."
-            ) from None
+    among = f"a fingerprint among {', '.join(map(str, paths))} is"
+    with _errors_exit("diff", outputs), damaged_as_input(among):
+        report = diff_records(read_inputs(paths))
     console = _stdout()
     for line in diff_inputs(report):
         console.print(line, highlight=False)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -503,8 +504,6 @@ class CountProgress:
         self._bar = None
         active = console.is_terminal if console is not None else sys.stderr.isatty()
         if active:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
             columns = (
                 TextColumn(f"[bold]{escape(title)}"),
                 BarColumn(),

@@ -9,18 +9,19 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+from fsdpcheck.distributed.liveness import is_collective_failure
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.faults import maybe_inject
+from fsdpcheck.model import wrap
+from fsdpcheck.model.build import BuiltModel, build
 from fsdpcheck.model.memory import MEASURED, StageMeter
+from fsdpcheck.model.rank_state import look, rank_record
 from fsdpcheck.model.resolve import resolve
 from fsdpcheck.options import BuildSpec
 from fsdpcheck.records import EnvRecord, RankError, RankRecord
 from fsdpcheck.vocab import ErrorKind, Snapshot, Stage
-
-if TYPE_CHECKING:
-    from fsdpcheck.model.build import BuiltModel
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class Stages:
             if self.raising:
                 raise
         except Exception as exc:  # any failure must reach the gather, not strand the others
-            if collective and _collective_failure(exc):
+            if collective and is_collective_failure(exc):
                 raise
             log.debug("rank %d: stage %s failed", self.rank, stage, exc_info=True)
             message = f"{type(exc).__name__}: {exc}"
@@ -86,12 +87,6 @@ class Stages:
             if self.raising:
                 raise
         return None
-
-
-def _collective_failure(exc: Exception) -> bool:
-    from fsdpcheck.distributed.liveness import is_collective_failure  # torch: imported lazily
-
-    return is_collective_failure(exc)
 
 
 def build_from(
@@ -110,8 +105,6 @@ def build_from(
     stages = stages if stages is not None else Stages(rank)
 
     def build_model() -> BuiltModel:
-        from fsdpcheck.model.build import build  # torch: after resolve, so bad input fails fast
-
         return build(
             resolved,
             rank=rank,
@@ -158,8 +151,6 @@ def build_or_raise(
 def look_at(stages: Stages, built: BuiltModel | None, snapshot: Snapshot, *, values: bool) -> Any:
     """The ``fingerprint-pre`` / ``fingerprint-post`` stage: this rank's look at its model
     (parameters' values only where ``values``; buffers are checked after the load)."""
-    from fsdpcheck.model.rank_state import look
-
     stage = Stage.FINGERPRINT_PRE if snapshot == Snapshot.PRE_WRAP else Stage.FINGERPRINT_POST
     return stages.run(
         stage, lambda: look(built.model, snapshot, param_values=values, buffers=False)
@@ -171,8 +162,6 @@ def before_wrap(
 ) -> tuple[Any, Any]:
     """The look before wrapping, then the wrap plan (``spec``'s ``wrap_classes`` and
     ``min_params``): each None where its stage did not run."""
-    from fsdpcheck.model import wrap
-
     pre = look_at(stages, built, Snapshot.PRE_WRAP, values=values)
     planned = stages.run(
         Stage.WRAP_PLAN,
@@ -185,8 +174,6 @@ def record_of(
     env: EnvRecord, stages: Stages, built: BuiltModel | None, *looks: Any, **extra: Any
 ) -> RankRecord:
     """This rank's record: what its looks saw, its model's state, its error if a stage failed."""
-    from fsdpcheck.model.rank_state import rank_record
-
     return rank_record(
         env,
         *looks,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def int_ranges(values: Iterable[int], sep: str = ",") -> str:
@@ -32,6 +35,13 @@ def name_list(names: Sequence[str], limit: int = 8) -> str:
     """The first ``limit`` names, then how many more."""
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def clauses(items: Sequence[T], show: Callable[[T], str], limit: int) -> str:
+    """``show`` of the first ``limit`` items, parted by semicolons (a clause may hold commas of
+    its own), then how many more: ``a; b; c; and 4 more``."""
+    shown = "; ".join(show(item) for item in items[:limit])
+    return shown + (f"; and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def size_label(n: int) -> str:

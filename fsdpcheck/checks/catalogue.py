@@ -44,7 +44,8 @@ from fsdpcheck.checks.unexplained import unexplained_findings
 from fsdpcheck.checks.uninitialized import uninitialized_findings
 from fsdpcheck.checks.value import value_findings
 from fsdpcheck.checks.wrap_plan import wrap_plan_findings
-from fsdpcheck.checks.wrapper import canonical_gathered, wrapper_findings
+from fsdpcheck.checks.wrapper import wrapper_findings
+from fsdpcheck.model.names import canonical_gathered
 from fsdpcheck.records import (
     Finding,
     Gathered,

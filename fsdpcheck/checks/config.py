@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdpcheck.records import ConfigRecord, Finding
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import clauses, ranks_label
 from fsdpcheck.vocab import FindingKind
 
 _LISTED = 3
@@ -38,12 +38,14 @@ def config_findings(
     if not diffs:  # equal content, different digests: nothing a person could act on
         return []
     ref_label, other_label = f"rank {ref_rank}", ranks_label(ranks)
-    text = "; ".join(
-        f"{d['path']}: {_show(d['reference'])} on {ref_label}, {_show(d['other'])} on {other_label}"
-        for d in diffs[:_LISTED]
+    text = clauses(
+        diffs,
+        lambda d: (
+            f"{d['path']}: {_show(d['reference'])} on {ref_label}, {_show(d['other'])} on "
+            f"{other_label}"
+        ),
+        _LISTED,
     )
-    if len(diffs) > _LISTED:
-        text += f"; and {len(diffs) - _LISTED} more"
     return [
         Finding(
             kind=FindingKind.CONFIG,

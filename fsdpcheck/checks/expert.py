@@ -25,21 +25,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdpcheck.checks.wrapper import canonical_record
+from fsdpcheck.model.keys import EXPERT_LEVEL, is_ep_dim, is_expert, latest
+from fsdpcheck.model.names import canonical_record
 from fsdpcheck.records import (
     ExpertKey,
     Finding,
-    Fingerprint,
     Gathered,
     MeshRecord,
     RankRecord,
     TensorRecord,
-    short_digest,
 )
 from fsdpcheck.text import ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
-EXPERT_LEVEL = "experts"
 # Config keys that count the routed experts, across transformers' MoE models.
 COUNT_KEYS = (
     "num_experts",
@@ -49,51 +47,6 @@ COUNT_KEYS = (
     "num_routed_experts",
 )
 _REPLICATE = ("R", "Replicate()")
-_KEY_SIZE = 8  # bytes of place and slot in the gather slot
-
-
-def is_ep_dim(name: str | None) -> bool:
-    return bool(name) and (name == "ep" or name.startswith(("ep_", "expert")))
-
-
-def is_expert(name: str) -> bool:
-    return EXPERT_LEVEL in name.split(".")
-
-
-def _latest(record: RankRecord) -> Fingerprint | None:
-    return record.post_wrap or record.pre_wrap
-
-
-def expert_key(record: RankRecord) -> ExpertKey | None:
-    """Where this rank's experts sit and what they hold; None where no expert parameter is a
-    DTensor on a recorded mesh (no slot to tell)."""
-    record = canonical_record(record)
-    fp = _latest(record)
-    if fp is None or record.error is not None:
-        return None
-    meshes = {m.id: m for m in record.meshes}
-    places, slots, digests = set(), set(), []
-    for t in fp.params:
-        if not is_expert(t.name):
-            continue
-        digests.append((t.name, t.digest))
-        mesh = meshes.get(t.mesh) if t.mesh is not None else None
-        if mesh is None or t.placements is None or mesh.coordinate is None:
-            continue
-        ep = [i for i, n in enumerate(mesh.dim_names or ()) if is_ep_dim(n)]
-        slots.add(("ep", tuple(mesh.coordinate[i] for i in ep)) if ep else ("mesh", mesh.ranks))
-        sharded = [i for i, p in enumerate(t.placements) if p not in _REPLICATE and i not in ep]
-        places.add((t.name, mesh.shape, tuple((i, mesh.coordinate[i]) for i in sharded)))
-    if not slots:
-        return None
-    values = None
-    if all(d is not None for _, d in digests):
-        values = short_digest(repr(sorted(digests)))
-    return ExpertKey(
-        place=short_digest(repr(sorted(places)), size=_KEY_SIZE),
-        slot=short_digest(repr(sorted(slots)), size=_KEY_SIZE),
-        digest=values,
-    )
 
 
 def expert_findings(gathered: Gathered) -> list[Finding]:
@@ -162,7 +115,7 @@ def _snapshot(record: RankRecord | None) -> Snapshot:
 
 
 def _expert_names(record: RankRecord | None) -> list[str]:
-    fp = _latest(canonical_record(record)) if record is not None else None
+    fp = latest(canonical_record(record)) if record is not None else None
     return [t.name for t in fp.params if is_expert(t.name)] if fp is not None else []
 
 
@@ -174,7 +127,7 @@ def _count(
     if record is None or record.error is not None or record.config is None:
         return None
     expected = config_counts(record.config.canonical)
-    fp = _latest(canonical_record(record))
+    fp = latest(canonical_record(record))
     if not expected or fp is None:
         return None
     slots = max(len(slot_ranks(keys)), 1)

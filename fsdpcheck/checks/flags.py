@@ -11,19 +11,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fsdpcheck.model.keys import device_exceptions, left_on_meta, tensors_of
 from fsdpcheck.records import (
     Finding,
     Fingerprint,
-    FsdpPlanRecord,
     RankRecord,
 )
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import clauses, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 _LISTED = 3
-# Backends whose collectives only take accelerator tensors. A mixed backend string such as
-# "cpu:gloo,cuda:nccl" also serves CPU tensors, so it is not in here.
-_DEVICE_ONLY_BACKENDS = {"nccl": "cuda", "xccl": "xpu", "hccl": "npu"}
 
 
 # ---------------------------------------------------------------- requires-grad
@@ -44,12 +41,13 @@ def requires_grad_difference(
             diffs.append((t.name, t.requires_grad, o.requires_grad))
     if not diffs:
         return None
-    shown = "; ".join(
-        f"{name} is {_trainable(x)} on {ref_label} but {_trainable(y)} on {other_label}"
-        for name, x, y in diffs[:_LISTED]
+    shown = clauses(
+        diffs,
+        lambda d: (
+            f"{d[0]} is {_trainable(d[1])} on {ref_label} but {_trainable(d[2])} on {other_label}"
+        ),
+        _LISTED,
     )
-    if len(diffs) > _LISTED:
-        shown += f"; and {len(diffs) - _LISTED} more"
     details = {
         "differences": [{"name": n, "reference": x, "other": y} for n, x, y in diffs],
     }
@@ -61,64 +59,6 @@ def _trainable(flag: bool) -> str:
 
 
 # ---------------------------------------------------------------- device
-
-
-def device_exceptions(record: RankRecord) -> list[dict[str, Any]]:
-    """This rank's tensors that sit where its job cannot use them, from its own record only.
-
-    Only the wrapped model is judged: before ``fully_shard`` any placement is fine, because
-    ``fully_shard`` moves every tensor of the modules it manages to the mesh's device. After
-    it, each tensor belongs where FSDP2 put it: the mesh's device type, or CPU for parameters
-    under a CPU offload policy; a buffer outside every ``fully_shard`` belongs on the backend's
-    device. Tensors on ``meta`` are never exceptions: ranks > 0 hold the model on meta until
-    the loader runs.
-    """
-    out: list[dict[str, Any]] = []
-    if record.post_wrap is None:
-        return out
-    backend = record.env.backend
-    backend_rule = (
-        (_DEVICE_ONLY_BACKENDS[backend], f"the {backend} backend")
-        if (backend in _DEVICE_ONLY_BACKENDS)
-        else None
-    )
-    params, buffers = _post_wrap_expectations(record.fsdp_plan, record.post_wrap)
-    for kind, t in _tensors(record.post_wrap):
-        # A parameter FSDP2 does not manage (or an unreadable plan) has no rule: it may be
-        # offloaded on purpose. A buffer outside every fully_shard belongs on the backend's.
-        rule = params.get(t.name) if kind == "param" else buffers.get(t.name, backend_rule)
-        if rule is not None and t.device not in ("meta", rule[0]):
-            out.append(
-                {
-                    "kind": kind,
-                    "name": t.name,
-                    "device": t.device,
-                    "expected": rule[0],
-                    "because": rule[1],
-                }
-            )
-    return out
-
-
-def left_on_meta(record: RankRecord) -> list[str]:
-    """Tensors still on ``meta`` in this rank's latest fingerprint once its parameters are
-    materialised (one or more of them real): what a load with ``assign=True`` leaves behind
-    (non-persistent buffers are in no state dict), which the first forward on this rank fails
-    on. A rank whose parameters are all on meta has not been loaded yet (ranks > 0 under
-    ``--init rank0``, a script that checks before its loader): nothing is left behind there."""
-    latest = record.post_wrap or record.pre_wrap
-    if latest is None or all(t.device == "meta" for t in latest.params):
-        return []
-    return [t.name for _, t in _tensors(latest) if t.device == "meta"]
-
-
-def misplaced(record: RankRecord) -> tuple[str, ...]:
-    """``name:device`` of each device exception and ``name:meta`` of each tensor left on meta
-    (:func:`left_on_meta`): what a rank puts in ``RankRecord.misplaced``, so that its group
-    digest separates it from ranks whose tensors are where they belong (devices themselves are
-    not in the group digest: ranks on meta before a load must not split off)."""
-    wrong = [f"{e['name']}:{e['device']}" for e in device_exceptions(record)]
-    return (*wrong, *(f"{name}:meta" for name in left_on_meta(record)))
 
 
 def device_findings(
@@ -168,7 +108,7 @@ def _real_devices(record: RankRecord) -> dict[str, str]:
     latest = record.post_wrap or record.pre_wrap
     if latest is None:
         return {}
-    return {t.name: t.device for _, t in _tensors(latest) if t.device != "meta"}
+    return {t.name: t.device for _, t in tensors_of(latest) if t.device != "meta"}
 
 
 def _meta_finding(
@@ -178,12 +118,11 @@ def _meta_finding(
     left: list[tuple[str, str, Sequence[int], Sequence[int]]],
 ) -> Finding:
     """``left``: (name, the real side's device, the ranks on meta, the ranks holding it)."""
-    text = "; ".join(
-        f"{ranks_label(on_meta)} left {name} on meta ({device} on {ranks_label(real)})"
-        for name, device, on_meta, real in left[:_LISTED]
+    text = clauses(
+        left,
+        lambda e: f"{ranks_label(e[2])} left {e[0]} on meta ({e[1]} on {ranks_label(e[3])})",
+        _LISTED,
     )
-    if len(left) > _LISTED:
-        text += f"; and {len(left) - _LISTED} more"
     snapshot = Snapshot.POST_WRAP if record.post_wrap is not None else Snapshot.PRE_WRAP
     return Finding(
         kind=FindingKind.DEVICE,
@@ -202,41 +141,6 @@ def _meta_finding(
             ]
         },
     )
-
-
-def _tensors(fp: Fingerprint):
-    yield from (("buffer", t) for t in fp.buffers)
-    yield from (("param", t) for t in fp.params)
-
-
-_Rule = tuple[str, str]  # (expected device type, why)
-
-
-def _post_wrap_expectations(
-    plan: FsdpPlanRecord | None, fp: Fingerprint
-) -> tuple[dict[str, _Rule], dict[str, _Rule]]:
-    """name → (expected device type, why), for the parameters and buffers FSDP2 manages."""
-    params: dict[str, _Rule] = {}
-    owners: list[tuple[str, str]] = []  # (fully_shard module prefix, mesh device type)
-    if plan is None:
-        return params, {}
-    mesh = "the FSDP2 mesh"
-    for group in plan.groups:
-        device = group.mesh_device_type
-        if device is None:
-            continue
-        offloaded = group.offload is not None and "CPU" in group.offload
-        rule = ("cpu", "the CPU offload policy") if offloaded else (device, mesh)
-        for name in group.params:
-            params[name] = rule
-        owners.extend((module, device) for module in group.modules)
-    buffers: dict[str, _Rule] = {}
-    for t in fp.buffers:
-        # fully_shard moves the buffers of every module under the one it was applied to.
-        under = [(m, d) for m, d in owners if m == "" or t.name.startswith(m + ".")]
-        if under:
-            buffers[t.name] = (max(under, key=lambda md: len(md[0]))[1], mesh)
-    return params, buffers
 
 
 def _exceptions_finding(
@@ -279,13 +183,14 @@ def _cross_rank(
             cause = Cause.CONSTRUCTION_TIME
         else:  # the pre-wrap devices agreed, or there were none to tell
             cause = Cause.WRAPPING if Snapshot.PRE_WRAP in stages else Cause.UNKNOWN
-        text = "; ".join(
-            f"{d['name']} is on {d['reference']} on rank {ref_rank} but on {d['other']} on "
-            f"{ranks_label(ranks)}"
-            for d in diffs[:_LISTED]
+        text = clauses(
+            diffs,
+            lambda d: (
+                f"{d['name']} is on {d['reference']} on rank {ref_rank} but on "
+                f"{d['other']} on {ranks_label(ranks)}"
+            ),
+            _LISTED,
         )
-        if len(diffs) > _LISTED:
-            text += f"; and {len(diffs) - _LISTED} more"
         return Finding(
             kind=FindingKind.DEVICE,
             ranks=tuple(ranks),
@@ -300,9 +205,9 @@ def _cross_rank(
 
 
 def _device_differences(a: Fingerprint, b: Fingerprint) -> list[dict[str, Any]]:
-    devices: Mapping[str, str] = {t.name: t.device for _, t in _tensors(a) if t.device != "meta"}
+    devices: Mapping[str, str] = {t.name: t.device for _, t in tensors_of(a) if t.device != "meta"}
     return [
         {"name": t.name, "reference": devices[t.name], "other": t.device}
-        for _, t in _tensors(b)
+        for _, t in tensors_of(b)
         if t.device != "meta" and t.name in devices and devices[t.name] != t.device
     ]

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fsdpcheck.checks.expert import expert_key
-from fsdpcheck.checks.hash_seed import seed_tag
-from fsdpcheck.checks.value import sibling_digest, value_digests, value_senders
+from fsdpcheck.distributed.environment import seed_tag
+from fsdpcheck.model.keys import expert_key, sibling_digest, value_digests, value_senders
 from fsdpcheck.records import Gathered, RankRecord
 
 

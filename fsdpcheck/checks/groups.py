@@ -3,10 +3,13 @@ pairs (reference, other group) every cross-rank check walks. Pure: no torch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
-from fsdpcheck.records import Gathered, Group, RankRecord
+from fsdpcheck.records import Finding, Gathered, Group, RankRecord
+
+T = TypeVar("T")
 
 
 def group_ranks(digests: Mapping[int, str], hosts: Mapping[int, str] | None = None) -> list[Group]:
@@ -63,6 +66,22 @@ def pairs(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> Iterato
     for group in usable_groups(groups, records):
         if group is not reference:
             yield Pair(reference, group, ref, records[group.representative])
+
+
+def own_findings(
+    groups: Sequence[Group],
+    records: Mapping[int, RankRecord],
+    found: Callable[[RankRecord], T | None],
+    finding: Callable[[Group, T], Finding],
+) -> list[Finding]:
+    """One finding per usable group whose representative's record holds something wrong in
+    itself (``found``: falsy when nothing is), whatever the other groups hold."""
+    findings = []
+    for group in usable_groups(groups, records):
+        problem = found(records[group.representative])
+        if problem:
+            findings.append(finding(group, problem))
+    return findings
 
 
 def _has_record(group: Group, records: Mapping[int, RankRecord]) -> bool:

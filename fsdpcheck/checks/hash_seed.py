@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from fsdpcheck.distributed.environment import seed_tag
 from fsdpcheck.records import Finding, Fingerprint, RankError, TensorRecord
 from fsdpcheck.text import int_ranges, ranks_label
 from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoaderVerdict, Snapshot, Stage, Verdict
@@ -179,16 +180,6 @@ def probe_finding(result: ProbeResult) -> Finding | None:
 # ---------------------------------------------------------------- ranks without a common seed
 
 RANDOM = "random"  # EnvRecord.hash_seed where PYTHONHASHSEED is unset (or "random")
-_TAGS = 127  # seed tags 1..127 fit the gather slot's 7 spare flag bits; 0: randomised
-
-
-def seed_tag(hash_seed: str) -> int:
-    """A rank's hash seed in 7 bits for the gather slot: 0 with hash randomisation on, else
-    1 + seed mod 127. Different tags prove different seeds; equal tags almost always mean equal
-    ones (two seeds 127 apart collide: the note is then missed, never raised wrongly)."""
-    if not hash_seed.isdigit():
-        return 0
-    return 1 + int(hash_seed) % _TAGS
 
 
 def hash_seed_note(

@@ -21,7 +21,7 @@ from fsdpcheck.records import (
     TensorRecord,
     param_mesh,
 )
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import clauses, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 STAGES = (Snapshot.PRE_WRAP, Snapshot.POST_WRAP)
@@ -291,12 +291,14 @@ def _field_difference(out: dict, kind: FindingKind, ref_list, other_list, sides:
             diffs.append((a, b))
     if not diffs:
         return
-    text = "; ".join(
-        f"{a.name} is {show(get(a))} on {sides.ref} but {show(get(b))} on {sides.other}"
-        for a, b in diffs[:_LISTED]
+    text = clauses(
+        diffs,
+        lambda d: (
+            f"{d[0].name} is {show(get(d[0]))} on {sides.ref} but {show(get(d[1]))} on "
+            f"{sides.other}"
+        ),
+        _LISTED,
     )
-    if len(diffs) > _LISTED:
-        text += f"; and {len(diffs) - _LISTED} more"
     details = {
         "differences": [
             {"name": a.name, "reference": jsonable(a), "other": jsonable(b)} for a, b in diffs
@@ -345,13 +347,14 @@ def _mesh_difference(out: dict, ref: RankRecord, other: RankRecord, sides: _Side
             diffs.append((a, b, ma, mb, ranks))
     if not diffs:
         return
-    text = "; ".join(
-        f"{a.name} is {_mesh_text(a, ma, r)} on {sides.ref} but {_mesh_text(b, mb, r)} on "
-        f"{sides.other}"
-        for a, b, ma, mb, r in diffs[:_LISTED]
+    text = clauses(
+        diffs,
+        lambda d: (
+            f"{d[0].name} is {_mesh_text(d[0], d[2], d[4])} on {sides.ref} but "
+            f"{_mesh_text(d[1], d[3], d[4])} on {sides.other}"
+        ),
+        _LISTED,
     )
-    if len(diffs) > _LISTED:
-        text += f"; and {len(diffs) - _LISTED} more"
     found = [
         {
             "name": a.name,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fsdpcheck.records import Finding, ModuleKind, ModuleStateRecord, NumericsRecord, RankRecord
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import clauses, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 _LISTED = 3
@@ -112,19 +112,36 @@ def module_state_findings(
     if not diffs:
         return []
     ref_label, other_label = f"rank {ref_rank}", ranks_label(ranks)
-    shown = "; ".join(_describe(d, ref_label, other_label) for d in diffs[:_LISTED])
-    if len(diffs) > _LISTED:
-        shown += f"; and {len(diffs) - _LISTED} more"
+    shown = clauses(diffs, lambda d: _describe(d, ref_label, other_label), _LISTED)
+    return _set_up_finding(
+        FindingKind.MODULE_STATE,
+        ref_rank,
+        ranks,
+        other,
+        f"{shown}: the same tensors compute other outputs there",
+        {"differences": diffs[:_MAX_DETAILS], "count": len(diffs)},
+    )
+
+
+def _set_up_finding(
+    kind: FindingKind,
+    ref_rank: int,
+    ranks: Sequence[int],
+    other: RankRecord,
+    text: str,
+    details: dict[str, Any],
+) -> list[Finding]:
+    """The one finding of a difference in how ``ranks`` set their process up (their modules'
+    state, the numerics switches) from the reference's, at ``other``'s last snapshot."""
     return [
         Finding(
-            kind=FindingKind.MODULE_STATE,
+            kind=kind,
             ranks=tuple(ranks),
             reference_rank=ref_rank,
             snapshot=_snapshot(other),
             cause=Cause.SET_UP,
-            summary=f"{FindingKind.MODULE_STATE.phrase}: {shown}: the same tensors compute "
-            "other outputs there",
-            details={"differences": diffs[:_MAX_DETAILS], "count": len(diffs)},
+            summary=f"{kind.phrase}: {text}",
+            details=details,
         )
     ]
 
@@ -158,21 +175,16 @@ def numerics_findings(
     if not diffs:
         return []
     who = ranks_label(ranks)
-    shown = "; ".join(
-        f"{d['name']} is {d['reference']} on rank {ref_rank} but {d['other']} on {who}"
-        for d in diffs[:_LISTED]
+    shown = clauses(
+        diffs,
+        lambda d: f"{d['name']} is {d['reference']} on rank {ref_rank} but {d['other']} on {who}",
+        _LISTED,
     )
-    if len(diffs) > _LISTED:
-        shown += f"; and {len(diffs) - _LISTED} more"
-    return [
-        Finding(
-            kind=FindingKind.NUMERICS,
-            ranks=tuple(ranks),
-            reference_rank=ref_rank,
-            snapshot=_snapshot(other),
-            cause=Cause.SET_UP,
-            summary=f"{FindingKind.NUMERICS.phrase}: {shown}: kernels round (or choose "
-            "algorithms) differently there",
-            details={"differences": diffs},
-        )
-    ]
+    return _set_up_finding(
+        FindingKind.NUMERICS,
+        ref_rank,
+        ranks,
+        other,
+        f"{shown}: kernels round (or choose algorithms) differently there",
+        {"differences": diffs},
+    )

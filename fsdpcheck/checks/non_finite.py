@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from fsdpcheck.checks.groups import usable_groups
+from fsdpcheck.checks.groups import own_findings
 from fsdpcheck.records import Finding, Group, NonFinite, RankRecord
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import clauses, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 _LISTED = 3
@@ -23,22 +23,18 @@ def non_finite_findings(
     groups: Sequence[Group], records: Mapping[int, RankRecord]
 ) -> list[Finding]:
     """One finding per group of ranks whose representative holds NaN or Inf."""
-    findings = []
-    for group in usable_groups(groups, records):
-        record = records[group.representative]
-        told = {p.name for p in record.uninitialized}
-        found = [n for n in record.non_finite_tensors() if not (n.buffer and n.name in told)]
-        if found:
-            findings.append(_finding(group, found))
-    return findings
+    return own_findings(groups, records, _non_finite, _finding)
+
+
+def _non_finite(record: RankRecord) -> list[NonFinite]:
+    told = {p.name for p in record.uninitialized}
+    return [n for n in record.non_finite_tensors() if not (n.buffer and n.name in told)]
 
 
 def _finding(group: Group, found: Sequence[NonFinite]) -> Finding:
     who = ranks_label(group.ranks)
     first = found[0]
-    shown = "; ".join(_describe(n) for n in found[:_LISTED])
-    if len(found) > _LISTED:
-        shown += f"; and {len(found) - _LISTED} more"
+    shown = clauses(found, _describe, _LISTED)
     return Finding(
         kind=FindingKind.NON_FINITE,
         ranks=tuple(group.ranks),

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdpcheck.checks.groups import reference_group, usable_groups
-from fsdpcheck.checks.value import comparisons, is_sharded
+from fsdpcheck.checks.groups import own_findings, reference_group, usable_groups
+from fsdpcheck.model.keys import comparisons, is_sharded
 from fsdpcheck.records import Finding, Gathered, Group, OptimizerRecord, RankRecord
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import clauses, name_list, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 _LISTED = 3
@@ -34,11 +34,13 @@ def optimizer_findings(groups: Sequence[Group], gathered: Gathered) -> list[Find
     # as a consequence: that finding says why.
     named = {r for f in findings for r in f.ranks}
     findings += [f for f in _value_findings(gathered) if not set(f.ranks) <= named]
-    for group in usable_groups(groups, records):
-        found = records[group.representative].optimizer
-        if found is not None and found.resumed:
-            findings.append(_resume_finding(group, found))
-    return findings
+    return findings + own_findings(groups, records, _resumed, _resume_finding)
+
+
+def _resumed(record: RankRecord) -> OptimizerRecord | None:
+    """The record's optimizer where its state falls short of the checkpoint, else None."""
+    found = record.optimizer
+    return found if found is not None and found.resumed else None
 
 
 def _record_findings(groups: Sequence[Group], records: Mapping[int, RankRecord]) -> list[Finding]:
@@ -55,8 +57,7 @@ def _record_findings(groups: Sequence[Group], records: Mapping[int, RankRecord])
         if not diffs:
             continue
         who = ranks_label(group.ranks)
-        shown = "; ".join(_describe(d, ref_rank) for d in diffs[:_LISTED])
-        more = f"; and {len(diffs) - _LISTED} more" if len(diffs) > _LISTED else ""
+        shown = clauses(diffs, lambda d: _describe(d, ref_rank), _LISTED)
         on_state = any(d["where"].startswith("parameter ") for d in diffs)
         findings.append(
             Finding(
@@ -65,7 +66,7 @@ def _record_findings(groups: Sequence[Group], records: Mapping[int, RankRecord])
                 reference_rank=ref_rank,
                 snapshot=Snapshot.LOAD if on_state else Snapshot.POST_WRAP,
                 cause=Cause.LOADING if on_state else Cause.SET_UP,
-                summary=f"optimizers differ on {who} from rank {ref_rank}'s: {shown}{more}",
+                summary=f"optimizers differ on {who} from rank {ref_rank}'s: {shown}",
                 tensors=_params(diffs),
                 details={"count": len(diffs), "differences": diffs[:16]},
             )
@@ -212,15 +213,14 @@ def _value_finding(
 ) -> Finding:
     who = ranks_label(ranks)
     what = "state values differ between replicas" if sharded else "state values differ"
-    shown = ", ".join(f"{d['param']} {d['key']}" for d in diffs[:_LISTED])
-    more = f" and {len(diffs) - _LISTED} more" if len(diffs) > _LISTED else ""
+    shown = name_list([f"{d['param']} {d['key']}" for d in diffs], _LISTED)
     return Finding(
         kind=FindingKind.OPTIMIZER,
         ranks=tuple(ranks),
         reference_rank=ref_rank,
         snapshot=Snapshot.LOAD,
         cause=Cause.LOADING,
-        summary=f"optimizer {what} on {who} from rank {ref_rank}'s: {shown}{more}",
+        summary=f"optimizer {what} on {who} from rank {ref_rank}'s: {shown}",
         tensors=tuple(dict.fromkeys(d["param"] for d in diffs)),
         details={"count": len(diffs), "differences": diffs[:16], "compared": list(members)},
     )
@@ -229,19 +229,21 @@ def _value_finding(
 def _resume_finding(group: Group, found: OptimizerRecord) -> Finding:
     who = ranks_label(group.ranks)
     mismatches = found.resumed
-    shown = "; ".join(
-        f"{m.param + ' ' if m.param else 'lr scheduler '}{m.field} {m.loaded} "
-        f"(checkpoint: {m.saved})"
-        for m in mismatches[:_LISTED]
+    shown = clauses(
+        mismatches,
+        lambda m: (
+            f"{m.param + ' ' if m.param else 'lr scheduler '}{m.field} {m.loaded} "
+            f"(checkpoint: {m.saved})"
+        ),
+        _LISTED,
     )
-    more = f"; and {len(mismatches) - _LISTED} more" if len(mismatches) > _LISTED else ""
     return Finding(
         kind=FindingKind.OPTIMIZER,
         ranks=tuple(group.ranks),
         reference_rank=group.representative,
         snapshot=Snapshot.LOAD,
         cause=Cause.LOADING,
-        summary=f"optimizer state not restored from the checkpoint on {who}: {shown}{more}",
+        summary=f"optimizer state not restored from the checkpoint on {who}: {shown}",
         tensors=tuple(dict.fromkeys(m.param for m in mismatches if m.param)),
         details={
             "count": len(mismatches),

@@ -8,10 +8,11 @@ share a group and one record speaks for them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from fsdpcheck.checks.groups import reference_group, usable_groups
 from fsdpcheck.records import Finding, Group, RankRecord, TieRecord
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import name_list, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
 _CAUSE = {
@@ -56,8 +57,7 @@ def _missing(group: Group, ties: Sequence[TieRecord]) -> Finding | None:
         missing = missing_ties(tie)
         if missing:
             who = ranks_label(group.ranks)
-            pairs = ", ".join(f"{t} and {s}" for t, s in missing[:3])
-            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            pairs = name_list([f"{t} and {s}" for t, s in missing], 3)
             return Finding(
                 kind=FindingKind.TIE,
                 ranks=tuple(group.ranks),
@@ -65,7 +65,7 @@ def _missing(group: Group, ties: Sequence[TieRecord]) -> Finding | None:
                 snapshot=tie.snapshot,
                 cause=_cause(tie.snapshot, ties),
                 summary=f"tied weights differ from the config on {who} ({tie.snapshot}): {pairs}"
-                f"{more} are separate tensors, but the config ties them (tie_word_embeddings / "
+                " are separate tensors, but the config ties them (tie_word_embeddings / "
                 "_tied_weights_keys): they drift apart from the first optimizer step",
                 tensors=tuple(dict.fromkeys(n for pair in missing for n in pair)),
                 details={
@@ -84,65 +84,69 @@ def _different(
         theirs = ref.get(tie.snapshot)
         if theirs is None:
             continue
-        if set(theirs.shared) == set(tie.shared):
-            found = _different_buffers(group, ties, tie, theirs, ref_rank)
-            if found is not None:
-                return found
-            continue
-        only_ref = sorted(set(theirs.shared) - set(tie.shared))
-        only_other = sorted(set(tie.shared) - set(theirs.shared))
-        who = ranks_label(group.ranks)
-        parts = []
-        if only_ref:
-            parts.append(f"only rank {ref_rank} ties {'; '.join(', '.join(s) for s in only_ref)}")
-        if only_other:
-            parts.append(f"only {who} tie {'; '.join(', '.join(s) for s in only_other)}")
-        return Finding(
-            kind=FindingKind.TIE,
-            ranks=tuple(group.ranks),
-            reference_rank=ref_rank,
-            snapshot=tie.snapshot,
-            cause=_cause(tie.snapshot, ties),
-            summary=f"tied weights differ on {who} from rank {ref_rank}'s ({tie.snapshot}): "
-            + "; ".join(parts),
-            tensors=tuple(dict.fromkeys(n for s in (*only_ref, *only_other) for n in s)),
-            details={
-                "only_reference": [list(s) for s in only_ref],
-                "only_other": [list(s) for s in only_other],
-            },
-        )
+        if set(theirs.shared) != set(tie.shared):
+            return _one_sided(group, ties, tie, ref_rank, (theirs.shared, tie.shared), _WEIGHTS)
+        # Buffers that share storage (with a buffer or a parameter) on one side only: a buffer
+        # that is a view on one rank and a copy on another sees writes there only.
+        if set(theirs.buffers) != set(tie.buffers):
+            return _one_sided(group, ties, tie, ref_rank, (theirs.buffers, tie.buffers), _BUFFERS)
     return None
 
 
-def _different_buffers(
-    group: Group, ties: Sequence[TieRecord], tie: TieRecord, theirs: TieRecord, ref_rank: int
-) -> Finding | None:
-    """Buffers that share storage (with a buffer or a parameter) on one side only: a buffer
-    that is a view on one rank and a copy on another sees writes there only."""
-    if set(theirs.buffers) == set(tie.buffers):
-        return None
-    only_ref = sorted(set(theirs.buffers) - set(tie.buffers))
-    only_other = sorted(set(tie.buffers) - set(theirs.buffers))
+@dataclass(frozen=True)
+class _Sharing:
+    """How a finding words one kind of sharing: weights tied, or buffers sharing storage."""
+
+    what: str  # "tied weights"
+    one: str  # the verb after "only rank 0"
+    many: str  # the verb after "only ranks 1-3"
+    suffix: str  # after the ranks' sets, the consequence
+    key: str  # after "only_reference" and "only_other" in the details
+
+
+_WEIGHTS = _Sharing("tied weights", "ties", "tie", "", "")
+_BUFFERS = _Sharing(
+    "tied buffers",
+    "shares storage between",
+    "share storage between",
+    ": a write through one is seen through the others on one side only",
+    "_buffers",
+)
+
+
+def _one_sided(
+    group: Group,
+    ties: Sequence[TieRecord],
+    tie: TieRecord,
+    ref_rank: int,
+    sets: tuple[Sequence[Sequence[str]], Sequence[Sequence[str]]],
+    sharing: _Sharing,
+) -> Finding:
+    """The sets of names that share storage on the reference only, and on ``group`` only."""
+    ref_sets, other_sets = (set(map(tuple, side)) for side in sets)
+    only_ref, only_other = sorted(ref_sets - other_sets), sorted(other_sets - ref_sets)
     who = ranks_label(group.ranks)
     parts = []
     if only_ref:
-        shown = "; ".join(", ".join(s) for s in only_ref)
-        parts.append(f"only rank {ref_rank} shares storage between {shown}")
+        parts.append(f"only rank {ref_rank} {sharing.one} {_sets_text(only_ref)}")
     if only_other:
-        shown = "; ".join(", ".join(s) for s in only_other)
-        parts.append(f"only {who} share storage between {shown}")
+        parts.append(f"only {who} {sharing.many} {_sets_text(only_other)}")
     return Finding(
         kind=FindingKind.TIE,
         ranks=tuple(group.ranks),
         reference_rank=ref_rank,
         snapshot=tie.snapshot,
         cause=_cause(tie.snapshot, ties),
-        summary=f"tied buffers differ on {who} from rank {ref_rank}'s ({tie.snapshot}): "
+        summary=f"{sharing.what} differ on {who} from rank {ref_rank}'s ({tie.snapshot}): "
         + "; ".join(parts)
-        + ": a write through one is seen through the others on one side only",
+        + sharing.suffix,
         tensors=tuple(dict.fromkeys(n for s in (*only_ref, *only_other) for n in s)),
         details={
-            "only_reference_buffers": [list(s) for s in only_ref],
-            "only_other_buffers": [list(s) for s in only_other],
+            f"only_reference{sharing.key}": [list(s) for s in only_ref],
+            f"only_other{sharing.key}": [list(s) for s in only_other],
         },
     )
+
+
+def _sets_text(sets: Sequence[Sequence[str]]) -> str:
+    return "; ".join(", ".join(s) for s in sets)

@@ -16,7 +16,7 @@ from typing import Any
 
 from fsdpcheck.checks.groups import reference_group, speakers
 from fsdpcheck.checks.launch import launch_alike
-from fsdpcheck.checks.value import is_sharded
+from fsdpcheck.model.keys import is_sharded
 from fsdpcheck.records import (
     COMPARED_AS,
     NOT_COMPARED,

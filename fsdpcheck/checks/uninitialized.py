@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from fsdpcheck.checks.groups import usable_groups
+from fsdpcheck.checks.groups import own_findings
 from fsdpcheck.records import BufferProblem, Finding, Group, RankRecord
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import clauses, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind
 
 _LISTED = 3
@@ -27,20 +27,13 @@ _WHY = {
 def uninitialized_findings(
     groups: Sequence[Group], records: Mapping[int, RankRecord]
 ) -> list[Finding]:
-    findings = []
-    for group in usable_groups(groups, records):
-        problems = records[group.representative].uninitialized
-        if problems:
-            findings.append(_finding(group, problems))
-    return findings
+    return own_findings(groups, records, lambda record: record.uninitialized, _finding)
 
 
 def _finding(group: Group, problems: Sequence[BufferProblem]) -> Finding:
     who = ranks_label(group.ranks)
     first = problems[0]
-    shown = "; ".join(_describe(p, who) for p in problems[:_LISTED])
-    if len(problems) > _LISTED:
-        shown += f"; and {len(problems) - _LISTED} more"
+    shown = clauses(problems, lambda p: _describe(p, who), _LISTED)
     return Finding(
         kind=FindingKind.UNINITIALIZED,
         ranks=tuple(group.ranks),

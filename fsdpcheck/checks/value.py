@@ -19,8 +19,9 @@ ranks, :class:`MeshRecord`) and the DTensors' placements, never from shapes alon
   Colwise/Rowwise shards make every rank's shard key its own. Those TP shards are never in
   that comparison.
 
-The keys that say so (:func:`replica_keys`, :func:`sibling_key`) travel in each rank's gather
-slot. Tensors on ``meta`` have no values and are never compared.
+The keys that say so (:func:`replica_keys`, :func:`sibling_key`, computed on each rank in
+:mod:`fsdpcheck.model.keys` with the digests below) travel in each rank's gather slot.
+Tensors on ``meta`` have no values and are never compared.
 
 Digest-first: each rank puts three digests in its gather slot (:func:`value_digests`,
 :func:`sibling_digest`); only the lowest rank of each distinct digest sends its full record
@@ -34,20 +35,22 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdpcheck.checks.wrapper import canonical_record
-from fsdpcheck.options import TP_DIMS
+from fsdpcheck.model.keys import (
+    SENDER_LIMIT,
+    by_digest,
+    is_sharded,
+    peer_sets,
+    shard_sets,
+    tp_whole_of,
+)
 from fsdpcheck.records import (
     Finding,
     Fingerprint,
-    MeshRecord,
     RankRecord,
-    TensorRecord,
-    short_digest,
 )
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import clauses, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
 
-SENDER_LIMIT = 8  # distinct value digests (and replica sets) examined in detail
 _LISTED = 3
 _CAUSE = {
     Snapshot.PRE_WRAP: Cause.CONSTRUCTION_TIME,
@@ -56,203 +59,10 @@ _CAUSE = {
 }
 
 
-_REPLICATE = ("R", "Replicate()")
 _SHARDS_DIFFER = {
     False: "values differ between HSDP replicas",
     True: "values differ between tensor-parallel replicas",
 }
-
-
-def is_sharded(t: TensorRecord) -> bool:
-    """Any placement but Replicate: ``S(0)``, ``_S(0, 2)``, ``Shard(dim=0)``, ``P(sum)``..."""
-    return t.placements is not None and any(p not in _REPLICATE for p in t.placements)
-
-
-def tp_whole(t: TensorRecord, mesh: MeshRecord | None) -> bool:
-    """``t`` is a local shard of what tensor parallelism left whole: sharded over data dims
-    only, on a TP rank's sibling sub-mesh (``MeshRecord.family``) or on a mesh with a tp dim
-    along which it is Replicate (a SequenceParallel norm). TP ranks hold the same such shard."""
-    if mesh is None or t.placements is None or not is_sharded(t):
-        return False
-    if mesh.family is not None:
-        return True
-    tp = [i for i, n in enumerate(mesh.dim_names or ()) if n in TP_DIMS and i < len(t.placements)]
-    return bool(tp) and all(t.placements[i] in _REPLICATE for i in tp)
-
-
-def _places(
-    params: tuple[TensorRecord, ...], meshes: tuple[MeshRecord, ...], *, whole: bool
-) -> tuple[set[str], set[tuple]]:
-    """(every mesh key ``params`` live on, their places on the non-Replicate dims) of the
-    parameters tensor parallelism left whole (``whole``, :func:`tp_whole`) or of the others."""
-    by_id = {m.id: m for m in meshes}
-    on: set[str] = set()
-    places: set[tuple] = set()
-    for t in params:
-        mesh = by_id.get(t.mesh) if t.mesh is not None else None
-        if mesh is None or t.placements is None:
-            continue
-        # TP ranks' sibling sub-meshes hold the same tensor: one mesh, for who is compared.
-        key = mesh.family or mesh.id
-        on.add(key)
-        if tp_whole(t, mesh) != whole:
-            continue
-        dims = tuple(i for i, p in enumerate(t.placements) if p not in _REPLICATE)
-        if dims and mesh.coordinate is not None:
-            places.add((key, dims, tuple(mesh.coordinate[i] for i in dims)))
-    return on, places
-
-
-def replica_keys(
-    params: tuple[TensorRecord, ...], meshes: tuple[MeshRecord, ...]
-) -> tuple[str | None, str | None]:
-    """(shard key, peer key) of a rank whose parameters are ``params`` (its latest look) on
-    ``meshes``. Ranks with equal shard keys hold the same local shards: for every sharded
-    parameter the same mesh (global ranks) and the same coordinate along its non-Replicate
-    dims (what tensor parallelism left whole is :func:`sibling_key`'s). Ranks with equal peer
-    keys hold DTensors on the same set of meshes, so their unsharded tensors must agree. None:
-    no such parameter (no DTensor at all, for the peer key)."""
-    on, places = _places(params, meshes, whole=False)
-    shard = short_digest(repr(sorted(places))) if places else None
-    peers = short_digest(repr(sorted(on))) if on else None
-    return shard, peers
-
-
-def sibling_key(params: tuple[TensorRecord, ...], meshes: tuple[MeshRecord, ...]) -> str | None:
-    """Equal on ranks that hold the same local shards of what tensor parallelism left whole
-    (:func:`tp_whole`): the same mesh (a sibling family counts as one) and the same coordinate
-    along the non-Replicate dims, whatever the TP coordinate. None: no such parameter."""
-    _, places = _places(params, meshes, whole=True)
-    return short_digest(repr(sorted(places))) if places else None
-
-
-def _whole(record: RankRecord):
-    """:func:`tp_whole` over ``record``'s own meshes."""
-    by_id = {m.id: m for m in record.meshes}
-    return lambda t: tp_whole(t, by_id.get(t.mesh) if t.mesh is not None else None)
-
-
-def value_digests(record: RankRecord) -> tuple[str | None, str | None]:
-    """(digest of what must agree on every rank, digest of this rank's local shards); ``None``
-    where the rank holds no values to compare (on meta, or nothing gathered). Each tensor that
-    holds values counts with its device: a buffer on ``cuda`` on one rank and ``cpu`` on another
-    makes them differ even with equal values (the ``device`` check names it)."""
-    shared: list[tuple[str, ...]] = []
-    replica: list[tuple[str, ...]] = []
-    record = canonical_record(record)  # a rank that wraps holds the same tensors by these names
-    whole = _whole(record)
-    for fp in record.fingerprints():
-        for t in fp.buffers:
-            if t.digest is not None:
-                shared.append((fp.snapshot, "buffer", t.name, t.device, t.digest))
-        for t in fp.params:
-            if t.digest is None or whole(t):
-                continue  # what tensor parallelism left whole: sibling_digest's
-            entry = (fp.snapshot, "param", t.name, t.device, t.digest)
-            (replica if is_sharded(t) else shared).append(entry)
-    # Optimizer state like its parameter's values: among replicas where sharded, else peers.
-    for state in record.optimizer.states if record.optimizer is not None else ():
-        for t in state.tensors:
-            if t.digest is not None:
-                entry = ("optimizer", state.param, t.key, t.digest)
-                (replica if is_sharded(t) else shared).append(entry)
-    return (
-        short_digest(repr(shared)) if shared else None,
-        short_digest(repr(replica)) if replica else None,
-    )
-
-
-def sibling_digest(record: RankRecord) -> str | None:
-    """Digest of this rank's local shards of what tensor parallelism left whole (what
-    :func:`value_digests` leaves out), compared among ranks with equal :func:`sibling_key`;
-    None: none with values."""
-    record = canonical_record(record)
-    whole = _whole(record)
-    held = [
-        (fp.snapshot, t.name, t.device, t.digest)
-        for fp in record.fingerprints()
-        for t in fp.params
-        if t.digest is not None and whole(t)
-    ]
-    return short_digest(repr(held)) if held else None
-
-
-def _by_digest(digests: Mapping[int, str | None], ranks: Sequence[int]) -> dict[str, list[int]]:
-    """digest → its ranks, lowest rank first; ranks without a digest left out."""
-    out: dict[str, list[int]] = {}
-    for rank in sorted(ranks):
-        digest = digests.get(rank)
-        if digest is not None:
-            out.setdefault(digest, []).append(rank)
-    return out
-
-
-def _replica_sets(shard_keys: Mapping[int, str | None]) -> list[list[int]]:
-    sets: dict[str, list[int]] = {}
-    for rank in sorted(shard_keys):
-        if shard_keys[rank] is not None:
-            sets.setdefault(shard_keys[rank], []).append(rank)
-    return [ranks for ranks in sets.values() if len(ranks) > 1]
-
-
-def peer_sets(ranks: Sequence[int], peer_keys: Mapping[int, str | None] | None) -> list[list[int]]:
-    """The sets of ranks whose unsharded values are compared with each other: ranks with equal
-    peer keys (a rank without one: with the others without one). One set of every rank when
-    no peer keys were gathered."""
-    sets: dict[str | None, list[int]] = {}
-    for rank in sorted(ranks):
-        sets.setdefault((peer_keys or {}).get(rank), []).append(rank)
-    return list(sets.values())
-
-
-def comparisons(
-    ranks: Sequence[int],
-    shard_keys: Mapping[int, str | None],
-    peer_keys: Mapping[int, str | None] | None = None,
-    sibling_keys: Mapping[int, str | None] | None = None,
-) -> dict[str, list[list[int]]]:
-    """Which ranks' values were compared with which: ``unsharded`` (buffers, unsharded
-    parameters), ``shards`` (local shards, among replicas) and ``siblings`` (local shards on TP
-    sibling sub-meshes, among the ranks that hold the same one), each a list of rank sets."""
-    return {
-        "unsharded": [s for s in peer_sets(ranks, peer_keys) if len(s) > 1],
-        "shards": _replica_sets({r: shard_keys.get(r) for r in ranks}),
-        "siblings": _replica_sets({r: (sibling_keys or {}).get(r) for r in ranks}),
-    }
-
-
-def _shard_sets(
-    shard_keys: Mapping[int, str | None],
-    replicas: Mapping[int, str | None],
-    sibling_keys: Mapping[int, str | None] | None,
-    siblings: Mapping[int, str | None] | None,
-) -> list[tuple[list[int], Mapping[int, str | None], bool]]:
-    """(ranks holding the same local shards, their digests, on sibling sub-meshes or not)."""
-    out = [(members, replicas, False) for members in _replica_sets(shard_keys)]
-    out += [(members, siblings or {}, True) for members in _replica_sets(sibling_keys or {})]
-    return out
-
-
-def value_senders(
-    values: Mapping[int, str | None],
-    replicas: Mapping[int, str | None],
-    shard_keys: Mapping[int, str | None],
-    peer_keys: Mapping[int, str | None] | None = None,
-    sibling_keys: Mapping[int, str | None] | None = None,
-    siblings: Mapping[int, str | None] | None = None,
-) -> set[int]:
-    """Ranks whose full record rank 0 needs to name differing tensors; every rank computes the
-    same set from the slots. Empty when every rank agrees."""
-    senders: set[int] = set()
-    differing = 0
-    compared = [(members, values) for members in peer_sets(list(values), peer_keys)]
-    compared += [(m, d) for m, d, _ in _shard_sets(shard_keys, replicas, sibling_keys, siblings)]
-    for members, digests in compared:
-        groups = _by_digest(digests, members)
-        if len(groups) > 1 and differing < SENDER_LIMIT:
-            differing += 1
-            senders.update(ranks[0] for ranks in list(groups.values())[:SENDER_LIMIT])
-    return senders
 
 
 def not_compared(
@@ -282,13 +92,13 @@ def value_findings(
     every rank is every rank's peer."""
     findings: list[Finding] = []
     for members in peer_sets(list(values), peer_keys):
-        groups = list(_by_digest(values, members).values())
+        groups = list(by_digest(values, members).values())
         for ranks in groups[1:]:
             finding = _finding(records, groups[0][0], ranks, sharded=False, compared=members)
             if finding is not None:
                 findings.append(finding)
-    for members, digests, on_siblings in _shard_sets(shard_keys, replicas, sibling_keys, siblings):
-        groups = list(_by_digest(digests, members).values())
+    for members, digests, on_siblings in shard_sets(shard_keys, replicas, sibling_keys, siblings):
+        groups = list(by_digest(digests, members).values())
         for ranks in groups[1:]:
             finding = _finding(
                 records, groups[0][0], ranks, sharded=True, compared=members, siblings=on_siblings
@@ -338,8 +148,7 @@ def _finding(
     cause = _CAUSE.get(first["snapshot"], Cause.UNKNOWN)
     if cause == Cause.WRAPPING and Snapshot.PRE_WRAP not in stages:
         cause = Cause.UNKNOWN  # no pre-wrap values to tell construction from wrapping
-    shown = "; ".join(_describe(d, ref_rank, who) for d in diffs[:_LISTED])
-    more = f"; and {len(diffs) - _LISTED} more" if len(diffs) > _LISTED else ""
+    shown = clauses(diffs, lambda d: _describe(d, ref_rank, who), _LISTED)
     where = {"pre-wrap": " (before wrapping)", "post-wrap": " (after wrapping)"}.get(
         first["snapshot"], ""
     )
@@ -349,7 +158,7 @@ def _finding(
         reference_rank=ref_rank,
         snapshot=first["snapshot"],
         cause=cause,
-        summary=f"{what} on {who} from rank {ref_rank}'s{where}: {shown}{more}",
+        summary=f"{what} on {who} from rank {ref_rank}'s{where}: {shown}",
         tensors=tuple(dict.fromkeys(d["name"] for d in diffs)),
         details={
             "examined": True,
@@ -369,7 +178,7 @@ def compare_values(
     the local shards on TP sibling sub-meshes (True) or only the others (False); None: all."""
     explained = {p.name for r in (ref, other) for p in r.uninitialized}
     theirs = {fp.snapshot: fp for fp in other.fingerprints()}
-    whole = (_whole(ref), _whole(other))
+    whole = (tp_whole_of(ref), tp_whole_of(other))
     diffs = []
     for fp in ref.fingerprints():
         match = theirs.get(fp.snapshot)

@@ -15,8 +15,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from fsdpcheck.checks.observed import RankRun
 from fsdpcheck.children.launch import JOB_ENV, last_error, launch
+from fsdpcheck.loader.shards import expected_shard
+from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers, value_digest
 from fsdpcheck.options import BuildSpec
 from fsdpcheck.records import HeldTensor, LoaderRecord
 
@@ -122,8 +126,6 @@ def tensors_held(model: Any) -> dict[str, HeldTensor]:
     """Every parameter (deduplicated, as ``named_parameters`` gives them) and buffer, in that
     order: kind, persistence, dtype, local shape, placements, a digest of the local values (None
     on meta) and, for a small buffer, its values."""
-    from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers, value_digest
-
     volatile = non_persistent_buffers(model)
     held: dict[str, HeldTensor] = {}
     for name, param in model.named_parameters():
@@ -163,11 +165,6 @@ def expected_holdings(
 ) -> dict[int, dict[str, dict[str, str | None]]]:
     """Rank 0: for every rank and every entry of its source state dict, the digest of the part
     that rank must hold, cast to each common dtype (a loader may convert to the receiver's)."""
-    import torch
-
-    from fsdpcheck.loader.shards import expected_shard
-    from fsdpcheck.model.fingerprint import dtype_name, value_digest
-
     params = dict(model.named_parameters(remove_duplicate=False))
     out: dict[int, dict[str, dict[str, str | None]]] = {}
     for rank in range(world_size):
@@ -190,7 +187,5 @@ def expected_holdings(
 def reference_buffers(build_reference: Callable[[], Any]) -> dict[str, str | None]:
     """Digests of this rank's non-persistent buffers as its own module computes them (a fresh
     CPU build): what "uninitialized" is measured against."""
-    from fsdpcheck.model.fingerprint import non_persistent_buffers, value_digest
-
     model = build_reference()
     return {n: value_digest(b) for n, b in non_persistent_buffers(model).items()}

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpcheck.distributed.launcher import FOREIGN
 from fsdpcheck.process import LOG_LINE
 from fsdpcheck.records import ChildLine, from_dict, to_dict
 from fsdpcheck.vocab import ChildStage
@@ -123,8 +124,6 @@ def child_env(
 ) -> dict[str, str]:
     """A rank's whole environment: ``environ`` without an enclosing job's launcher variables,
     then ``extra``, then its own rank variables; this fsdpcheck first on ``PYTHONPATH``."""
-    from fsdpcheck.distributed.launcher import FOREIGN
-
     inherited = {
         k: v
         for k, v in environ.items()

@@ -17,6 +17,11 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
 from fsdpcheck.children.jobs import (
     expected_holdings,
     first_line,
@@ -25,7 +30,14 @@ from fsdpcheck.children.jobs import (
     tensors_held,
 )
 from fsdpcheck.children.launch import emit, mark_stage
+from fsdpcheck.distributed import setup
+from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.distributed.liveness import is_collective_failure
+from fsdpcheck.loader.load import load_full_state_dict
+from fsdpcheck.model import wrap
+from fsdpcheck.model.fingerprint import non_persistent_buffers
+from fsdpcheck.options import BuildSpec
+from fsdpcheck.pipeline import build_or_raise
 from fsdpcheck.records import LoaderError, LoaderRecord
 from fsdpcheck.vocab import ChildExit, ChildStage, LoaderFailure
 
@@ -35,8 +47,6 @@ MODULE = "fsdpcheck.children.loaders"
 
 
 def accelerate_version() -> str | None:
-    from fsdpcheck.distributed.environment import package_version
-
     return package_version("accelerate")
 
 
@@ -52,9 +62,6 @@ class _Run:
         self.stands_for = stand_in_here()  # what the audit rank this rank stands for built
 
     def build(self, init: str | None = None, seed: int | None = None) -> Any:
-        from fsdpcheck.options import BuildSpec
-        from fsdpcheck.pipeline import build_or_raise
-
         a, parent = self.args, self.stands_for
         spec = BuildSpec(
             parent.get("model") or a.model,
@@ -75,8 +82,6 @@ class _Run:
         self.meta_built = any(b.is_meta for b in model.buffers())
 
     def wrap(self, model: Any) -> None:
-        from fsdpcheck.model import wrap
-
         wrap.apply(wrap.plan(model).modules, self.ctx.mesh)
 
     def stage(self, stage: ChildStage) -> None:
@@ -100,8 +105,6 @@ def _materialise_others(run: _Run, model: Any) -> None:
 
 
 def _dcp_load(run: _Run, model: Any) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     _materialise_others(run, model)
     payload = dict(run.source) if run.source is not None else {}  # DCP rewrites what it gets
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -120,8 +123,6 @@ def broadcast_each_buffer(model: Any, src: int = 0, group: Any = None) -> int:
     """verl's buffer loop before PR #6405: one broadcast per buffer in this rank's own
     ``named_buffers()`` order. Unsafe (ranks whose orders differ pair different tensors): only
     ever in a child job. Returns the number of broadcasts."""
-    import torch.distributed as dist
-
     count = 0
     for _, buf in model.named_buffers():
         dist.broadcast(buf, src, group=group)
@@ -141,8 +142,6 @@ def named_buffers_order(run: _Run) -> Any:
 
 def sorted_names(run: _Run) -> Any:
     """fsdpcheck's own loader (load_full_state_dict): checks, then pairs by sorted name."""
-    from fsdpcheck.loader.load import load_full_state_dict
-
     model = _audit_built(run)
     run.stage(ChildStage.LOADING)
     load_full_state_dict(model, run.source if run.rank == 0 else None, group=run.ctx.side_channel)
@@ -152,8 +151,6 @@ def sorted_names(run: _Run) -> Any:
 def ddp_sync(run: _Run) -> Any:
     """torch DistributedDataParallel's constructor: shape check, then the start-up broadcast.
     Every rank builds for real, each from its own seed, as DDP users do."""
-    from torch.nn.parallel import DistributedDataParallel
-
     built = run.build(init="all", seed=run.args.seed + run.rank)
     model = built.model
     run.keep_source(model.state_dict())
@@ -173,11 +170,8 @@ def state_dict_order(run: _Run) -> Any:
     """accelerate's fsdp2_prepare_model with cpu_ram_efficient_loading, step for step: keep each
     rank's non-persistent buffers, move to meta, fully_shard, accelerate's own
     fsdp2_load_full_state_dict, then put each rank's own buffers back."""
-    import torch
-
-    from fsdpcheck.model.fingerprint import non_persistent_buffers
-
     try:
+        # accelerate: an optional extra, imported only by this loader
         from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
     except ImportError as exc:  # the parent checks first; this is the backstop
         raise RuntimeError("accelerate is not installed") from exc
@@ -232,7 +226,6 @@ def main(
     released function, read from its wheel)."""
     args = _parser(runners).parse_args(argv)
     mark_stage(ChildStage.INIT)
-    from fsdpcheck.distributed import setup
 
     ctx = setup.init("gloo", args.timeout)
     run = _Run(args, ctx)

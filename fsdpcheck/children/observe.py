@@ -21,6 +21,7 @@ from typing import Any
 from fsdpcheck.checks.observed import Observation, classify
 from fsdpcheck.children.jobs import ChildSpec, StandIn, run_job
 from fsdpcheck.children.loaders import MODULE, RUNNERS, accelerate_version
+from fsdpcheck.model.config_record import REDACTED
 from fsdpcheck.options import child_collective_timeout
 from fsdpcheck.vocab import Init
 
@@ -106,8 +107,6 @@ def _own_directory(record: Any) -> str | None:
 
 def _config_changes(ref: Any, other: Any) -> dict[str, Any]:
     """Top-level keys of ``other``'s canonical config whose value is not ``ref``'s."""
-    from fsdpcheck.model.config_record import REDACTED
-
     if ref.config is None or other.config is None or ref.config.digest == other.config.digest:
         return {}
     mine, theirs = ref.config.canonical, other.config.canonical

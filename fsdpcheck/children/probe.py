@@ -32,10 +32,19 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, tensor_names
 from fsdpcheck.children.launch import emit
 from fsdpcheck.children.seeds import check_seeds, compare_builds, over_seeds
 from fsdpcheck.distributed.environment import package_version
+from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.model.builder import BuildContext, builder_spec, call_builder
+from fsdpcheck.model.fingerprint import fingerprint
+from fsdpcheck.model.wrap import model_class
+from fsdpcheck.options import BuildSpec
+from fsdpcheck.pipeline import build_or_raise
 from fsdpcheck.records import SeedBuild
 from fsdpcheck.vocab import ExitCode, Init, SeedFailure, Snapshot, Verdict
 
@@ -61,8 +70,6 @@ def probe_builder(
     ``ctx.world_size`` 1) or ``build()``, and returns the model, or ``(model, state_dict)``.
     Verdict ``latent`` (the differing tensors in ``reorders``), ``consistent`` or ``error``, as
     :func:`probe`."""
-    from fsdpcheck.model.builder import builder_spec
-
     return probe("", seeds=seeds, jobs=jobs, timeout=timeout, builder=builder_spec(build))
 
 
@@ -148,16 +155,11 @@ def _child(argv: Sequence[str]) -> int:
     parser.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args(argv)
 
-    from fsdpcheck.errors import FsdpcheckError
-
     what = args.builder or args.model
     try:
         if args.builder:
             model, architecture = _from_builder(args.builder)
         else:
-            from fsdpcheck.options import BuildSpec
-            from fsdpcheck.pipeline import build_or_raise
-
             spec = BuildSpec(
                 args.model,
                 init=Init.META,
@@ -166,8 +168,6 @@ def _child(argv: Sequence[str]) -> int:
             )
             built = build_or_raise(spec, 0)  # resolves before importing torch: fails fast
             model, architecture = built.model, built.info.architecture
-
-        from fsdpcheck.model.fingerprint import fingerprint
 
         fp = fingerprint(model, Snapshot.PRE_WRAP, with_values=False)
     except FsdpcheckError as exc:
@@ -189,12 +189,6 @@ def _child(argv: Sequence[str]) -> int:
 def _from_builder(spec: str) -> tuple[Any, str]:
     """The builder's model in this child, on a one-process gloo group of its own (in memory,
     no port), so a builder that shards its model with ``fully_shard`` runs as on a rank."""
-    import torch
-    import torch.distributed as dist
-
-    from fsdpcheck.model.builder import BuildContext, call_builder
-    from fsdpcheck.model.wrap import model_class
-
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     built = call_builder(spec, BuildContext(0, 1, 0, torch.device("cpu")))

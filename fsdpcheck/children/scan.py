@@ -31,12 +31,21 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import transformers
+from transformers.models.auto import modeling_auto
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
 from fsdpcheck.checks.hash_seed import ModuleReorder, SeedError
 from fsdpcheck.children.launch import emit
 from fsdpcheck.children.probe import DEFAULT_SEEDS
 from fsdpcheck.children.seeds import check_seeds, compare_builds, over_seeds
 from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.errors import InputError
+from fsdpcheck.model.fingerprint import fingerprint
+from fsdpcheck.model.presets import PRESETS
+from fsdpcheck.options import BuildSpec
+from fsdpcheck.pipeline import build_or_raise
 from fsdpcheck.records import ScanTarget, SeedBuild, from_dict, to_dict
 from fsdpcheck.text import int_ranges
 from fsdpcheck.vocab import Init, ScanFamily, ScanVerdict, SeedFailure, Snapshot, Verdict
@@ -131,8 +140,6 @@ def available_targets(
         raise InputError(f"unknown family {unknown[0]!r}: choose from {', '.join(FAMILIES)}.")
     out: list[ScanTarget] = []
     if families:
-        from transformers.models.auto import modeling_auto
-
         mappings = {
             ScanFamily.CAUSAL_LM: modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
             ScanFamily.MASKED_LM: modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -143,8 +150,6 @@ def available_targets(
                 suffix = "" if family == ScanFamily.CAUSAL_LM else f" ({family})"
                 out.append(ScanTarget(model_type + suffix, model_type, name, family))
     if presets:
-        from fsdpcheck.model.presets import PRESETS
-
         for name in presets:
             preset = PRESETS.get(name)
             if preset is None:
@@ -416,8 +421,6 @@ def small_configs(
     """Candidate configs for ``model_type`` as (attempt name, factory), smallest and most mixed
     first; a factory may raise (the config class validates its arguments). ``decoder`` sets
     ``is_decoder`` where the config has it (causal-LM heads of encoder models require it)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class()
     seen: list[dict[str, Any]] = []
@@ -467,21 +470,12 @@ def _alarm(signum: int, frame: Any) -> None:
 
 def build_target(target: ScanTarget) -> SeedBuild:
     """Build one target on meta and fingerprint it (child side); raises on failure."""
-    import torch
-
-    from fsdpcheck.model.fingerprint import fingerprint
-
     if target.family == ScanFamily.PRESET:
-        from fsdpcheck.options import BuildSpec
-        from fsdpcheck.pipeline import build_or_raise
-
         built = build_or_raise(BuildSpec(target.model_type, init=Init.META), 0)
         config = getattr(built.model, "config", None)
         types = getattr(config, "layer_types", None) or ()
         fp = fingerprint(built.model, Snapshot.PRE_WRAP, with_values=False)
         return SeedBuild(target.id, fp, config="preset", layer_types=tuple(dict.fromkeys(types)))
-
-    import transformers
 
     model_class = getattr(transformers, target.class_name, None)
     if model_class is None:

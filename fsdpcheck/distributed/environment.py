@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import platform
 import re
 import socket
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 
+from fsdpcheck.distributed.launcher import own_numbers
+from fsdpcheck.model.config_record import REDACTED, secret_value, without_addresses
 from fsdpcheck.records import HOST_WORD, RANK_WORD, EnvRecord, LaunchRecord
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ def package_version(name: str) -> str | None:
 
 def env_record(rank: int, local_rank: int, world_size: int, backend: str) -> EnvRecord:
     """The allowlisted environment of this rank: versions and placement, nothing else."""
-    import torch
+    import torch  # here only: the checks and `diff` import this module and never torch
 
     return EnvRecord(
         rank=rank,
@@ -46,7 +47,7 @@ def env_record(rank: int, local_rank: int, world_size: int, backend: str) -> Env
 
 def nccl_version() -> str | None:
     """The NCCL version torch was built with, ``2.21.5``; None without NCCL (CPU builds)."""
-    import torch
+    import torch  # here only: the checks and `diff` import this module and never torch
 
     try:
         version = torch.cuda.nccl.version()
@@ -58,47 +59,16 @@ def nccl_version() -> str | None:
     return str(version)
 
 
-def all_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+_TAGS = 127  # seed tags 1..127 fit the gather slot's 7 spare flag bits; 0: randomised
 
 
-@contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """Inside, torch's intra-op kernels (copies, fills) use ``count`` threads: for work only
-    this rank does while the others on the host wait (rank 0 materialising the model)."""
-    import torch
-
-    previous = torch.get_num_threads()
-    if count > previous:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != previous:
-            torch.set_num_threads(previous)
-
-
-def worker_threads() -> int:
-    """Threads for memory-bound work on this rank: this process's cores, shared with the other
-    ranks on the host (torchrun's LOCAL_WORLD_SIZE), at least one."""
-    return max(1, all_cores() // _local_ranks())
-
-
-def lead_threads() -> int:
-    """Threads for the rank with the most work while the others on the host do a small share
-    each (rank 0 checksumming every other rank's slices): every core but one per other rank."""
-    return max(worker_threads(), all_cores() - (_local_ranks() - 1))
-
-
-def _local_ranks() -> int:
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+def seed_tag(hash_seed: str) -> int:
+    """A rank's hash seed in 7 bits for the gather slot: 0 with hash randomisation on, else
+    1 + seed mod 127. Different tags prove different seeds; equal tags almost always mean equal
+    ones (two seeds 127 apart collide: the note is then missed, never raised wrongly)."""
+    if not hash_seed.isdigit():
+        return 0
+    return 1 + int(hash_seed) % _TAGS
 
 
 # ---------------------------------------------------------------- how the rank was started
@@ -190,8 +160,6 @@ def launch_record(
     process's own rank, local rank and node rank (``rank``, ``local_rank`` and the launcher's
     variables) where they name something in an argument or a value, its host name, its pid
     (as ``pid1234``) and memory addresses."""
-    from fsdpcheck.distributed.launcher import own_numbers
-
     argv = list(sys.argv if argv is None else argv)
     environ = os.environ if environ is None else environ
     per_process = _PerProcess(own_numbers(environ, rank, local_rank), host)
@@ -213,8 +181,6 @@ class _PerProcess:
         self.pid = str(os.getpid())
 
     def __call__(self, word: str) -> str:
-        from fsdpcheck.model.config_record import without_addresses
-
         word = without_addresses(word)
         for host in self.hosts:
             word = re.sub(rf"(?<![\w.-]){re.escape(host)}(?![\w-])", HOST_WORD, word)
@@ -237,8 +203,6 @@ def launch_argv(argv: Sequence[str], per_process: _PerProcess | None = None) -> 
     """``argv`` with the program by its base name (install paths differ per node), the values
     of secret-looking flags and token-like words redacted, per-rank flags' values masked and
     per-process words normalised (:func:`launch_record`). A Ray worker's is ``<ray worker>``."""
-    from fsdpcheck.model.config_record import REDACTED, secret_value
-
     if argv and _RAY_WORKER.search(argv[0]):
         return [RAY_WORKER]
     own = per_process or _PerProcess()
@@ -267,8 +231,6 @@ def launch_argv(argv: Sequence[str], per_process: _PerProcess | None = None) -> 
 
 
 def _mask_for(flag: str) -> str:
-    from fsdpcheck.model.config_record import REDACTED
-
     if _PER_RANK_FLAG.match(flag):
         return PER_RANK
     return REDACTED if _SECRET_FLAG.search(flag.lstrip("-")) else ""
@@ -279,8 +241,6 @@ def launch_env(
 ) -> dict[str, str]:
     """The allowlisted variables that are set, sorted; ``CUDA_VISIBLE_DEVICES`` as a count;
     per-process words in values normalised (:func:`launch_record`)."""
-    from fsdpcheck.model.config_record import REDACTED
-
     own = per_process or _PerProcess()
     found: dict[str, str] = {}
     for key in sorted(environ):

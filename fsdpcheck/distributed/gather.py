@@ -14,9 +14,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from fsdpcheck.checks.expert import expert_key
-from fsdpcheck.checks.hash_seed import seed_tag
-from fsdpcheck.checks.value import sibling_digest, value_digests, value_senders
+from fsdpcheck.distributed.environment import seed_tag
+from fsdpcheck.model.keys import expert_key, sibling_digest, value_digests, value_senders
 from fsdpcheck.model.memory import MEASURED
 from fsdpcheck.records import (
     ExpertKey,

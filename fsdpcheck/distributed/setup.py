@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from fsdpcheck.distributed import launcher
 from fsdpcheck.errors import InputError
+from fsdpcheck.model.parallel import ep_meshes
 from fsdpcheck.options import MeshSpec, resolve_mesh
 from fsdpcheck.vocab import Backend
 
@@ -143,8 +145,6 @@ def init(
         ctx.side_channel = dist.new_group(backend="gloo", timeout=wait)
         # Every rank builds the mesh here, before any stage can fail, because building a 2-D
         # mesh is itself a collective.
-        from torch.distributed.device_mesh import init_device_mesh
-
         names = spec.names or (("replicate", "shard") if len(spec.sizes) == 2 else None)
         # A dim over fewer ranks than the world gets groups of its own: with the run's timeout,
         # not the backend's 30 minutes (a whole-world dim reuses the default group, which has it).
@@ -159,7 +159,6 @@ def init(
             )
         else:  # torch 2.6 builds sub-mesh groups with the default group's options only
             ctx.mesh = init_device_mesh(device_type, spec.sizes, mesh_dim_names=names)
-        from fsdpcheck.model.parallel import ep_meshes
 
         # flattening a mesh dim is a collective too
         ctx.ep_meshes = ep_meshes(ctx.mesh, group_options(device_type, timeout))

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdpcheck.checks.set_order import SetOrderSite, find_sites_in_file
+from fsdpcheck.distributed.environment import package_version
 from fsdpcheck.output import write_text
 from fsdpcheck.vocab import ExitCode, ScanFamily, ScanVerdict
 
@@ -263,8 +264,6 @@ def _transformers_dir() -> Path | None:
 
 
 def _own_version() -> str:
-    from fsdpcheck.distributed.environment import package_version
-
     return package_version("fsdpcheck") or "0"
 
 
@@ -281,6 +280,7 @@ def row_sources(row: ScanRow, base: Path | None) -> list[Path]:
         return []
     folder = base / "models" / row.model_type.replace("-", "_")
     if not folder.is_dir():  # e.g. gemma3_text lives in gemma3: ask transformers (imports it)
+        # transformers: only for such a scan row; the other reports never import it
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 
         folder = base / "models" / model_type_to_module_name(row.model_type)
@@ -305,7 +305,7 @@ def class_location(row: ScanRow) -> tuple[str | None, int]:
     own = _class_in_source("fsdpcheck.model.hazard", row.architecture)
     if own is not None:
         return own
-    try:
+    try:  # transformers: only for a scan row's class; the other reports never import it
         import transformers
 
         cls = getattr(transformers, row.architecture, None)

@@ -8,7 +8,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from fsdpcheck.audit import check_model
 from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.output import write_json
+from fsdpcheck.step.api import check_step
 from fsdpcheck.vocab import ExitCode
 
 ON_FAILURE = ("raise", "warn")
@@ -85,8 +88,6 @@ def run_check(
     finding. ``rank0_checkpoint``: the framework loaded rank 0's path on every rank (see
     ``check_model``). ``optimizer``, ``scheduler``: what the framework steps with, forwarded to
     ``check_model`` (an ``optimizer`` finding)."""
-    from fsdpcheck.audit import check_model
-
     _check_json_path(json_path, where)
     result = check_model(
         model,
@@ -123,8 +124,6 @@ def run_step_check(
     """Collective: :func:`fsdpcheck.check_step` on the first real training step (``step``, a
     zero-argument callable that runs it), then raise or warn as :func:`run_check` does. After a
     divergence the step did not complete: training on from it ("warn") is at the user's risk."""
-    from fsdpcheck.step.api import check_step
-
     _check_json_path(json_path, where)
     result = check_step(model, step, timeout=timeout)
     return act_on(result, on_failure=on_failure, json_path=json_path, where=where)
@@ -140,8 +139,6 @@ def _check_json_path(json_path: str | Path | None, where: str) -> None:
 def act_on(result: Any, *, on_failure: str, json_path: str | Path | None, where: str) -> Any:
     """Write rank 0's report, then return the result, raise or warn, the same on every rank."""
     if json_path is not None and result.report is not None:  # rank 0 holds the report
-        from fsdpcheck.output import write_json
-
         write_json(result.report, Path(json_path))
     if result.exit_code == 0:
         return result

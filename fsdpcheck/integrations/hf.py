@@ -31,6 +31,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fsdpcheck.integrations.common import (
     CheckSettings,
     FsdpcheckWarning,
@@ -149,7 +151,6 @@ class FirstStepWatch(CheckSettings):
             return losses[0]
         # "warn" after a step that did not finish: the Trainer wants a loss tensor; a NaN one is
         # what its nan filter (``logging_nan_inf_filter``) already leaves out of the logged loss.
-        import torch
 
         return torch.tensor(float("nan"), device=trainer.args.device)
 

@@ -39,6 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+)
 
 from fsdpcheck.distributed.wire import transport_device
 from fsdpcheck.errors import InputError
@@ -174,11 +178,6 @@ def load_full_state_dict(
         messages, moved_bytes, biggest = moved.messages, moved.bytes, moved.largest
         failure = failure or moved.failure
     else:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
-
         # set_model_state_dict writes rank 0's local shards back into the dict it is given, so
         # it gets a copy: the caller's source stays intact (verify_load compares against it).
         payload = source if rank == 0 and source is not None else {}

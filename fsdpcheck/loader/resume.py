@@ -7,8 +7,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from fsdpcheck.distributed.liveness import is_collective_failure
 from fsdpcheck.errors import InputError
+from fsdpcheck.loader.load import materialise
 from fsdpcheck.model.resume import resume_problem
+from fsdpcheck.model.state import buffer_reference
 from fsdpcheck.records import CheckpointRecord
 from fsdpcheck.text import ranks_label
 
@@ -27,13 +37,6 @@ def load_checkpoint(model: Any, record: CheckpointRecord, *, rank: int, group: A
     its shards of, is bad input naming that rank (DCP raises it on every rank alike). A peer that
     died or timed out inside ``dcp.load`` is not: that exception goes on up unchanged, for the
     caller to name the peer from its heartbeat (exit 3)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    from fsdpcheck.distributed.liveness import is_collective_failure
-    from fsdpcheck.loader.load import materialise
-
     # This rank's own part before DCP's first collective (its .metadata is unpickled here):
     # a rank that fails it must not leave the others waiting inside dcp.load, so every rank
     # says whether it is ready, and all load or none does.
@@ -87,11 +90,6 @@ def load_checkpoint(model: Any, record: CheckpointRecord, *, rank: int, group: A
 def full_state_from(model: Any, record: CheckpointRecord) -> dict[str, Any]:
     """The model's full (unsharded) state dict as the checkpoint holds it, read by this process
     alone: the source rank 0 verifies every rank's shards against after the resume."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     reader = dcp.FileSystemReader(record.path)
     stored = reader.read_metadata().state_dict_metadata
     names = list(model.state_dict())
@@ -122,10 +120,6 @@ def _payload(state: dict[str, Any], reader: Any) -> dict[str, Any]:
 def restore_buffers(model: Any) -> int:
     """Non-persistent buffers recomputed from the model's config after ``to_empty()`` (what a
     trainer's ``init_weights`` does); the number restored (0: the class cannot recompute)."""
-    import torch
-
-    from fsdpcheck.model.state import buffer_reference
-
     reference = buffer_reference(model)
     if reference is None:
         return 0
@@ -150,9 +144,6 @@ _REASON_BYTES = 300  # each rank's one-line reason, cut to fit one fixed-size sl
 def _unready_ranks(reason: str, rank: int, group: Any) -> dict[int, str]:
     """Collective over ``group`` (bounded by its timeout): the ranks (global numbers) that
     could not get ready for ``dcp.load``, each with its one-line reason."""
-    import torch
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return {rank: reason} if reason else {}
     raw = reason.encode()[:_REASON_BYTES]
@@ -175,7 +166,6 @@ def _unready_ranks(reason: str, rank: int, group: Any) -> dict[int, str]:
 def _failed_ranks(record: CheckpointRecord, exc: Any, rank: int, group: Any) -> str:
     """The ranks whose own part of ``dcp.load`` failed, one ``- rank N:`` line each (how the
     report attributes a failed load), in one paragraph with the fix."""
-    import torch.distributed as dist
 
     def global_rank(r: int) -> int:  # DCP numbers them in ``group``
         if not dist.is_initialized():  # one process, no group: the failure is this rank's

@@ -8,10 +8,11 @@ plain ``Shard``, innermost mesh dim first.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from fsdpcheck.model.parallel import sibling_root
 
@@ -38,12 +39,21 @@ def _sibling_coordinate(mesh: Any, rank: int) -> list[int] | None:
     return [coordinate[root_names.index(n)] for n in names]
 
 
-def _cut_order(placements: Sequence[Any]) -> list[int]:
-    """Mesh dims in the order their cuts apply: plain placements left to right, then the
-    strided ones right to left (they were cut after the dims to their right)."""
+def _cuts(
+    placements: Sequence[Any], mesh_shape: Sequence[int], coordinate: Sequence[int]
+) -> Iterator[tuple[int, int, Any]]:
+    """(mesh dim size, coordinate, placement) of every cut, in the order they apply: plain
+    placements left to right, then the strided ones right to left (they were cut after the dims
+    to their right); ``Replicate`` dims cut nothing and are left out."""
+    from torch.distributed.tensor import Replicate
+
+    if not len(mesh_shape) == len(coordinate) == len(placements):
+        raise ValueError("placements, mesh shape and coordinate differ in length")
     strided = [i for i, p in enumerate(placements) if is_strided(p)]
     plain = [i for i in range(len(placements)) if i not in strided]
-    return plain + strided[::-1]
+    for i in plain + strided[::-1]:
+        if not isinstance(placements[i], Replicate):
+            yield mesh_shape[i], coordinate[i], placements[i]
 
 
 def is_strided(placement: Any) -> bool:
@@ -52,8 +62,6 @@ def is_strided(placement: Any) -> bool:
 
 def supported(placement: Any) -> bool:
     """A placement :func:`shard_of` can cut."""
-    from torch.distributed.tensor import Replicate, Shard
-
     return type(placement) in (Shard, Replicate) or is_strided(placement)
 
 
@@ -65,15 +73,8 @@ def local_shape(
 ) -> tuple[int, ...]:
     """The shape :func:`shard_of` cuts, from sizes alone: ``Shard(d)`` keeps
     chunk ``c`` of ``torch.chunk(t, n, d)``, ``ceil(L / n)`` long except at the end."""
-    from torch.distributed.tensor import Replicate
-
     dims = [int(d) for d in shape]
-    if not len(mesh_shape) == len(coordinate) == len(placements):
-        raise ValueError("placements, mesh shape and coordinate differ in length")
-    for i in _cut_order(placements):
-        size, coord, placement = mesh_shape[i], coordinate[i], placements[i]
-        if isinstance(placement, Replicate):
-            continue
+    for size, coord, placement in _cuts(placements, mesh_shape, coordinate):
         dim = placement.dim % max(len(dims), 1)
         length = dims[dim]
         chunk = -(-length // size)
@@ -111,15 +112,8 @@ def shard_of(
 ) -> torch.Tensor:
     """``Shard(d)`` on mesh dim i keeps ``torch.chunk(t, mesh_shape[i], d)[coordinate[i]]``, or an
     empty slice when the coordinate is past the last chunk (as FSDP2 and DTensor do)."""
-    from torch.distributed.tensor import Replicate
-
     tensor = full
-    if not len(mesh_shape) == len(coordinate) == len(placements):
-        raise ValueError("placements, mesh shape and coordinate differ in length")
-    for i in _cut_order(placements):
-        size, coord, placement = mesh_shape[i], coordinate[i], placements[i]
-        if isinstance(placement, Replicate):
-            continue
+    for size, coord, placement in _cuts(placements, mesh_shape, coordinate):
         if not supported(placement):
             raise ValueError(f"placement {placement} is not supported by verify")
         dim = placement.dim % max(tensor.dim(), 1)

@@ -39,11 +39,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdpcheck.loader.names import placement, state_dict_names, through_hooks_source
 from fsdpcheck.loader.shards import expected_shard
 from fsdpcheck.loader.verify import _same_bytes
+from fsdpcheck.model.resume import METADATA, checkpoint_record
 from fsdpcheck.records import VerifyResult
 from fsdpcheck.vocab import SourceLook
 
@@ -78,7 +84,6 @@ def _box(shape: Sequence[int], cut: _Cut) -> tuple[tuple[int, ...], tuple[int, .
     one DCP saves and loads by."""
     if cut.placements is None:
         return tuple(shape), (0,) * len(shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local, offset = compute_local_shape_and_global_offset(
         torch.Size(shape), cut.mesh, list(cut.placements)
@@ -159,8 +164,6 @@ class _Safetensors:
     def _sliced(
         self, cut: _Cut, file: Path, local: Sequence[int], offset: Sequence[int]
     ) -> torch.Tensor:
-        from safetensors import safe_open
-
         handle = self._handles.get(file)
         if handle is None:
             handle = self._handles[file] = safe_open(str(file), framework="pt")
@@ -193,9 +196,6 @@ class _Dcp:
     format = "dcp"
 
     def __init__(self, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         self._path = path
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         self.entries = {
@@ -206,9 +206,6 @@ class _Dcp:
 
     def read(self, cuts: Sequence[_Cut]) -> dict[_Cut, torch.Tensor]:
         """One ``dcp.load`` per round of distinct entries (a state dict holds a key once)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.tensor import DTensor
-
         out: dict[_Cut, torch.Tensor] = {}
         pending = list(cuts)
         while pending:
@@ -268,8 +265,6 @@ def open_source(path: str | os.PathLike[str]) -> _Safetensors | _Dcp:
     """The reader for ``path``: a ``.safetensors`` file, a sharded safetensors index (or the
     directory holding one, or a single ``.safetensors`` file), or a DCP directory (or a root
     whose ``LATEST`` file names one)."""
-    from fsdpcheck.model.resume import METADATA, checkpoint_record
-
     found = checkpoint_record(path)  # a checkpoint root's LATEST resolved, as --resume does
     root = Path(found.path) if found.path else Path(path)
     if root.is_dir():
@@ -289,8 +284,6 @@ def open_source(path: str | os.PathLike[str]) -> _Safetensors | _Dcp:
         weight_map = json.loads(root.read_text())["weight_map"]
         return _Safetensors({k: root.parent / v for k, v in weight_map.items()})
     if root.is_file():
-        from safetensors import safe_open
-
         with safe_open(str(root), framework="pt") as handle:
             names = list(handle.keys())
         return _Safetensors(dict.fromkeys(names, root))
@@ -640,7 +633,6 @@ def _swapped(cut: _Cut) -> _Cut:
     """``cut`` along the other dim of a 2-D entry (the whole entry stays whole)."""
     if cut.placements is None:
         return cut
-    from torch.distributed.tensor import Shard
 
     swapped = tuple(Shard(1 - p.dim % 2) if type(p) is Shard else p for p in cut.placements)
     return _Cut(cut.entry, swapped, cut.mesh)

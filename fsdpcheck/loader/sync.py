@@ -22,11 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate
 
-from fsdpcheck.distributed.environment import worker_threads
 from fsdpcheck.errors import InputError
 from fsdpcheck.loader.shards import shard_of, supported
 from fsdpcheck.model.checksum import Share, checksums, combine, share
+from fsdpcheck.model.threads import worker_threads
 from fsdpcheck.records import DigestComparison, DigestDifference, StateDigests, TensorDigest
 from fsdpcheck.vocab import SyncDifference, Verdict
 
@@ -223,8 +224,6 @@ def _dim_index(
 ) -> torch.Tensor:
     """The whole tensor's indices along ``dim`` that this rank's shard holds, in order: the
     cuts of ``dim`` alone (cuts of different dims commute) applied to ``arange``."""
-    from torch.distributed.tensor import Replicate
-
     ndim = len(shape)
     only = tuple(
         p if not isinstance(p, Replicate) and p.dim % ndim == dim else Replicate()

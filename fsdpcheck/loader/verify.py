@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.distributed.environment import lead_threads
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.loader.names import Placement, placement, state_dict_names, through_hooks_source
 from fsdpcheck.loader.shards import expected_shard
 from fsdpcheck.model.checksum import checksums
+from fsdpcheck.model.threads import lead_threads
 from fsdpcheck.records import VerifyResult
 from fsdpcheck.text import name_list
 

@@ -15,11 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
-from fsdpcheck.distributed.environment import all_cores, worker_threads
 from fsdpcheck.errors import InputError
+from fsdpcheck.model.fill import FILL, TRANSFORMERS_INIT, build_filled
+from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
 from fsdpcheck.model.resolve import ResolvedModel
+from fsdpcheck.model.threads import all_cores, worker_threads
 from fsdpcheck.records import ModelInfo
 from fsdpcheck.vocab import Init
 
@@ -68,8 +71,6 @@ def build(
         model = _from_checkpoint(resolved, torch_dtype, rank, trust_remote_code)
         init_values = "checkpoint"
     elif materialise:
-        from fsdpcheck.model.fill import FILL, TRANSFORMERS_INIT, build_filled
-
         torch.manual_seed(seed)
         with _default_dtype(torch_dtype):
             model = build_filled(
@@ -119,7 +120,7 @@ def _load_config(resolved: ResolvedModel, *, text_only: bool, trust_remote_code:
     if resolved.preset is not None:
         config = resolved.preset.make_config()
     else:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # HF models only: see _from_config
 
         try:  # huggingface_hub 1.x validates config values against their declared types
             from huggingface_hub.errors import StrictDataclassError as InvalidValue
@@ -176,12 +177,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _from_config(config: Any, trust_remote_code: bool) -> nn.Module:
-    from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
-
     if hasattr(config, "build_model"):  # fixtures build themselves (fsdpcheck.model.fixtures)
         return config.build_model()
     if isinstance(config, HazardConfig):
         return HazardForCausalLM(config)
+    # transformers only where a Hugging Face model is built: check_model, --builder and the
+    # fixtures import no framework (tests/unit/test_integration_extras.py).
     from transformers import AutoModel, AutoModelForCausalLM
 
     try:
@@ -192,7 +193,7 @@ def _from_config(config: Any, trust_remote_code: bool) -> nn.Module:
 
 
 def _dtype_kwarg() -> str:
-    import transformers
+    import transformers  # HF models only: see _from_config
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
@@ -201,8 +202,7 @@ def _dtype_kwarg() -> str:
 def _from_checkpoint(
     resolved: ResolvedModel, dtype: torch.dtype, rank: int, trust_remote_code: bool
 ) -> nn.Module:
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # HF models only: see _from_config
 
     kwargs = {_dtype_kwarg(): dtype}
     try:

@@ -32,6 +32,7 @@ from typing import Any
 from torch import nn
 
 from fsdpcheck.errors import InputError
+from fsdpcheck.model.wrap import model_class
 from fsdpcheck.records import ModelInfo
 from fsdpcheck.vocab import ModelKind
 
@@ -199,8 +200,6 @@ def wrapped(model: nn.Module) -> bool:
 
 
 def builder_info(spec: str, built: Built) -> ModelInfo:
-    from fsdpcheck.model.wrap import model_class
-
     model = built.model
     dtypes = {p.dtype for p in model.parameters()}
     dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else None

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdpcheck.distributed.environment import worker_threads
+from fsdpcheck.model.threads import worker_threads
 
 _COLS = 8192  # words per grid row (64 KiB)
 _BLOCK_ROWS = 16  # rows per block: 1 MiB, read twice (the second time from cache)

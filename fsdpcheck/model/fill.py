@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from fsdpcheck.distributed.environment import worker_threads
+from fsdpcheck.model.threads import worker_threads
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from fsdpcheck.model.checksum import checksum, checksums_and_non_finite
+from fsdpcheck.model.parallel import sibling_root
 from fsdpcheck.records import Fingerprint, MeshRecord, TensorRecord, short_digest
 
 
@@ -99,6 +102,16 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if getattr(param, "placements", None) is not None else param
 
 
+def _described(name: str, tensor: torch.Tensor) -> dict[str, Any]:
+    """What every tensor's record says of it: name, global shape, dtype and device type."""
+    return {
+        "name": name,
+        "shape": tuple(tensor.shape),
+        "dtype": dtype_name(tensor.dtype),
+        "device": tensor.device.type,
+    }
+
+
 def _buffer_record(
     name: str, buf: torch.Tensor, persistent: bool, digested: tuple[str | None, int | None]
 ) -> TensorRecord:
@@ -106,10 +119,7 @@ def _buffer_record(
     if non_finite and is_mask(buf):
         non_finite = 0
     return TensorRecord(
-        name=name,
-        shape=tuple(buf.shape),
-        dtype=dtype_name(buf.dtype),
-        device=buf.device.type,
+        **_described(name, buf),
         persistent=persistent,
         digest=digest,
         head=head_values(buf) if digest is not None else None,
@@ -145,8 +155,6 @@ def mesh_record(mesh: object) -> MeshRecord:
 
 
 def _family(mesh: object, shape: tuple[int, ...], names: object) -> str | None:
-    from fsdpcheck.model.parallel import sibling_root
-
     root = sibling_root(mesh)
     if root is None:
         return None
@@ -179,10 +187,7 @@ def _param_record(
             mesh = mesh_ids.get(id(device_mesh)) or mesh_record(device_mesh).id
             mesh_ids[id(device_mesh)] = mesh
     return TensorRecord(
-        name=name,
-        shape=tuple(param.shape),
-        dtype=dtype_name(param.dtype),
-        device=param.device.type,
+        **_described(name, param),
         placements=placements,
         local_shape=local_shape,
         digest=digest,

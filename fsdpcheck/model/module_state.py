@@ -15,11 +15,12 @@ import inspect
 import logging
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from fsdpcheck.model.wrap import model_class
 from fsdpcheck.records import ModuleKind, ModuleStateRecord, NumericsRecord
@@ -76,21 +77,18 @@ def qualified_name(obj: Any) -> str:
 
 
 def _hooks(module: nn.Module) -> tuple[str, ...]:
-    out = []
-    for kind, attribute in _HOOK_DICTS:
-        for hook in (getattr(module, attribute, None) or {}).values():
-            name = qualified_name(hook)
-            if not name.startswith(_OWN_HOOKS):
-                out.append(f"{kind}:{name}")
-    return tuple(out)
+    return _hooks_of(module, _HOOK_DICTS)
 
 
 def global_hooks() -> tuple[str, ...]:
-    from torch.nn.modules import module as torch_module
+    return _hooks_of(torch_module, _GLOBAL_HOOKS)
 
+
+def _hooks_of(owner: object, dicts: Sequence[tuple[str, str]]) -> tuple[str, ...]:
+    """``kind:qualified name`` of every hook in ``owner``'s hook dicts but fsdpcheck's own."""
     out = []
-    for kind, attribute in _GLOBAL_HOOKS:
-        for hook in (getattr(torch_module, attribute, None) or {}).values():
+    for kind, attribute in dicts:
+        for hook in (getattr(owner, attribute, None) or {}).values():
             name = qualified_name(hook)
             if not name.startswith(_OWN_HOOKS):
                 out.append(f"{kind}:{name}")

@@ -17,6 +17,8 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdpcheck.model.fingerprint import dtype_name, value_digest
 from fsdpcheck.records import (
@@ -166,9 +168,6 @@ def against_checkpoint(
     optimizer entries were compared: those of this optimizer's parameters): a moment absent or
     all zero where the saved one is non-zero, a step count other than the saved one, a
     scheduler that never stepped where the saved optimizer did."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     reader = dcp.FileSystemReader(path)
     stored = reader.read_metadata().state_dict_metadata  # DCP's own pickle: the one we read
     saved = _saved_entries(stored)

@@ -35,8 +35,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fsdpcheck.errors import InputError
+from fsdpcheck.model import wrap
 from fsdpcheck.options import DATA_DIMS, TP_DIMS
 
 log = logging.getLogger(__name__)
@@ -49,9 +52,6 @@ _REPLICATED = ("replicate", "replicated_with_grad_allreduce")
 def _styles() -> dict[str, Callable[[], Any]]:
     """transformers' style names (transformers/distributed/tensor_parallel.py) as torch styles
     with the same input and output layouts."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     return {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
@@ -145,8 +145,6 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: Mapping[str, Any]) -> None:
     rank 0 (``src_data_rank=None``), so a rank still on ``meta`` is fine and no collective runs
     outside the audit's timeouts; the loader puts rank 0's weights in afterwards."""
     import inspect
-
-    from torch.distributed.tensor.parallel import parallelize_module
 
     kwargs = {}
     if "src_data_rank" in inspect.signature(parallelize_module).parameters:
@@ -299,7 +297,7 @@ def ep_problem(model: nn.Module, ep: int, *, tp: int = 1) -> str:
             f"--ep {ep}: {name} has no expert-parallel plan (config.base_model_ep_plan); audit "
             "it without --ep, or pass a --builder that places your experts."
         )
-    try:
+    try:  # transformers 5 only, and only with --ep (a --builder model needs no transformers)
         from transformers.distributed.expert_parallel import apply_expert_parallelism  # noqa: F401
     except ImportError:
         import transformers
@@ -348,9 +346,7 @@ def apply_ep(
     """transformers' ``apply_expert_parallelism`` over ``plan`` (no collective: each rank keeps
     its own chunk, ``src_data_rank=None``), then FSDP2 on each experts module over the expert
     data dims; the experts modules, which the dense wrap must leave alone."""
-    from transformers.distributed.expert_parallel import apply_expert_parallelism
-
-    from fsdpcheck.model import wrap
+    from transformers.distributed.expert_parallel import apply_expert_parallelism  # see ep_problem
 
     try:
         apply_expert_parallelism(model, meshes.ep, meshes.tp, dict(plan))
@@ -403,8 +399,6 @@ def shard(
     rank, or its EP plan where it has an ``ep`` dim over more than one (``ep_meshes``: built
     with the mesh), then ``fully_shard`` on ``targets`` over the data dims. Every problem is
     raised before the model is touched. Returns the experts modules sharded first (--ep)."""
-    from fsdpcheck.model import wrap
-
     ep, tp = ep_size(mesh), tp_size(mesh)
     if ep > 1:
         problem = ep_problem(model, ep, tp=tp)

@@ -32,7 +32,7 @@ class Preset:
 
 
 def _transformers_config(class_name: str, preset: str, **kwargs: Any) -> Any:
-    import transformers
+    import transformers  # not for listing presets (the module docstring)
 
     config_class = getattr(transformers, class_name, None)
     if config_class is None:
@@ -91,20 +91,20 @@ def _qwen3_moe() -> Any:
 
 
 def _hazard() -> Any:
-    from fsdpcheck.model.hazard import HazardConfig
+    from fsdpcheck.model.hazard import HazardConfig  # torch: not for listing presets
 
     return HazardConfig()
 
 
 def _hazard_equal() -> Any:
-    from fsdpcheck.model.hazard import HazardConfig
+    from fsdpcheck.model.hazard import HazardConfig  # torch: not for listing presets
 
     return HazardConfig.equal_sizes()
 
 
 def _fixture(variant: str) -> Callable[[], Any]:
     def make() -> Any:
-        from fsdpcheck.model.fixtures import FixtureConfig
+        from fsdpcheck.model.fixtures import FixtureConfig  # torch: not for listing presets
 
         return FixtureConfig.of(variant)
 

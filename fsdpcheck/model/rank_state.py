@@ -11,11 +11,10 @@ from typing import Any
 
 from torch import nn
 
-from fsdpcheck.checks.flags import misplaced
-from fsdpcheck.checks.value import replica_keys, sibling_key
 from fsdpcheck.model.config_record import config_record
 from fsdpcheck.model.fingerprint import fingerprint
 from fsdpcheck.model.fsdp_plan import fsdp_plan
+from fsdpcheck.model.keys import misplaced, replica_keys, sibling_key
 from fsdpcheck.model.module_state import module_state, numerics_record
 from fsdpcheck.model.state import buffer_problems, buffer_reference, mesh_records, tie_record
 from fsdpcheck.model.wrappers import wrapper_record

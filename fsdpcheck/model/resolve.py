@@ -9,6 +9,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
+
 from fsdpcheck.errors import InputError
 from fsdpcheck.model.presets import PRESETS, Preset
 from fsdpcheck.text import name_list
@@ -64,7 +67,6 @@ def download(spec: str, *, rank: int = 0, allow_pickle: bool = False) -> Path | 
     read the cache). Config, tokenizer files and safetensors only, unless ``allow_pickle``."""
     if spec in PRESETS or Path(spec).expanduser().exists() or not _HUB_ID.match(spec):
         return None
-    from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
     if allow_pickle:
@@ -82,9 +84,6 @@ def download(spec: str, *, rank: int = 0, allow_pickle: bool = False) -> Path | 
 
 
 def _from_hub_cache(repo_id: str, *, rank: int) -> Path:
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
     try:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError) as exc:
@@ -171,7 +170,7 @@ def _check_config_values(config: Path, raw: object, *, rank: int) -> None:
     fraction, or a list for a number, may be meant)."""
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         return
-    try:
+    try:  # transformers only for a local config's values: a preset needs none
         import inspect
 
         from transformers import CONFIG_MAPPING

@@ -19,6 +19,7 @@ from torch import nn
 from fsdpcheck.model.checksum import non_finite_counts
 from fsdpcheck.model.fill import parameters_on_meta
 from fsdpcheck.model.fingerprint import head_values, is_mask, mesh_record, non_persistent_buffers
+from fsdpcheck.model.hazard import HazardForCausalLM
 from fsdpcheck.model.wrap import model_class
 from fsdpcheck.records import BufferProblem, MeshRecord, NonFinite, TieRecord
 from fsdpcheck.vocab import Snapshot
@@ -191,7 +192,6 @@ def _recomputable(model: nn.Module) -> bool:
     models and fsdpcheck's own fixture. Anything else gets the garbage test only."""
     if getattr(model, "config", None) is None:
         return False
-    from fsdpcheck.model.hazard import HazardForCausalLM
 
     cls = model_class(model)
     names = {c.__module__.split(".")[0] + "." + c.__name__ for c in cls.__mro__}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
 from fsdpcheck.options import DEFAULT_MIN_PARAMS
 from fsdpcheck.records import WrapPlan
@@ -20,8 +21,6 @@ from fsdpcheck.records import WrapPlan
 
 def model_class(model: nn.Module) -> type:
     """The model's own class: ``fully_shard`` swaps in a subclass named ``FSDP<class>``."""
-    from torch.distributed.fsdp import FSDPModule
-
     for cls in type(model).__mro__:
         if not issubclass(cls, FSDPModule):
             return cls
@@ -85,8 +84,6 @@ def _size_based(model: nn.Module, min_params: int) -> list[tuple[str, nn.Module]
 
 
 def apply(targets: list[tuple[str, nn.Module]], mesh: Any, *, cpu_offload: bool = False) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
     kwargs: dict[str, Any] = {}
     if cpu_offload:
         # Pinned host memory needs CUDA; a CPU mesh offloads to plain memory.

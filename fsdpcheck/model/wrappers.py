@@ -12,8 +12,9 @@ import logging
 from collections import Counter
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from fsdpcheck.checks.wrapper import DDP_LEVEL, WRAPPER_LEVELS, canonical_name
+from fsdpcheck.model.names import DDP_LEVEL, WRAPPER_LEVELS, canonical_name
 from fsdpcheck.records import Renamed, WrappedModule, WrapperRecord
 from fsdpcheck.vocab import Wrapper
 
@@ -50,8 +51,6 @@ def _levels(name: str, ddp: bool) -> set[str]:
 
 
 def _is_ddp(model: nn.Module) -> bool:
-    from torch.nn.parallel import DistributedDataParallel
-
     return isinstance(model, DistributedDataParallel)
 
 

@@ -14,6 +14,7 @@ from fsdpcheck.checks.gather_view import gathered_from
 from fsdpcheck.errors import InputError
 from fsdpcheck.offline.files import FingerprintFile, Inputs, Loaded, need_two, read_inputs
 from fsdpcheck.records import RankRecord, Report
+from fsdpcheck.report import AuditOutcome, assemble
 
 
 def diff_fingerprints(paths: Sequence[str | os.PathLike]) -> Report:
@@ -28,8 +29,6 @@ def diff_records(inputs: Inputs | Sequence[Loaded]) -> Report:
     (today's run against last week's), files take positions 0, 1, … in argument order instead,
     and a warning says so. ``options["inputs"]`` maps each rank to its file.
     """
-    from fsdpcheck.report import AuditOutcome, assemble
-
     if not isinstance(inputs, Inputs):
         inputs = Inputs(tuple(inputs))
     files = list(inputs.files)

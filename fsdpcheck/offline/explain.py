@@ -18,6 +18,7 @@ from fsdpcheck.errors import InputError
 from fsdpcheck.offline.files import FINGERPRINT_SCHEMA, FingerprintFile
 from fsdpcheck.offline.traces import TraceInputs, read_traces
 from fsdpcheck.records import Gathered, RankRecord, Report, from_dict
+from fsdpcheck.report import ranks_by_host, verdict
 from fsdpcheck.text import int_ranges, ranks_label
 
 
@@ -37,8 +38,6 @@ def explain_traces(
     inputs: TraceInputs, fingerprints: Sequence[tuple[str, FingerprintFile]] = ()
 ) -> Report:
     """The report over dumps already read (pure: no files, no processes)."""
-    from fsdpcheck.report import ranks_by_host, verdict
-
     traces = {f.trace.rank: f.trace for f in inputs.files}
     records = {content.record.env.rank: content.record for _, content in fingerprints}
     evidence = Evidence(Gathered({}, {}, records, 0), traces=traces)

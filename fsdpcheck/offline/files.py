@@ -7,17 +7,21 @@ gathers, so ``diff`` runs the audit's own analysis over files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fsdpcheck.checks.value import value_digests
+from fsdpcheck.distributed.environment import env_record as audit_env_record
+from fsdpcheck.distributed.environment import package_version
+from fsdpcheck.distributed.launcher import local_rank_hint, rank_hint
 from fsdpcheck.errors import InputError
+from fsdpcheck.model.keys import value_digests
 from fsdpcheck.output import unwritable, write_text
 from fsdpcheck.records import (
     EnvRecord,
@@ -67,10 +71,9 @@ def process_identity(rank: int | None = None) -> Identity:
     ``rank`` overrides the rank. The backend is the group's, else the one the audit would
     choose here (nccl with CUDA, else gloo), so that offline records compare with gathered ones.
     """
+    # torch here only: `diff` reads fingerprint files with this module and never imports torch.
     import torch
     import torch.distributed as dist
-
-    from fsdpcheck.distributed.launcher import local_rank_hint, rank_hint
 
     if dist.is_available() and dist.is_initialized():
         own, world, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
@@ -110,52 +113,9 @@ def _int_env(name: str, default: int) -> int:
 
 def env_record(identity: Identity) -> EnvRecord:
     """The audit's allowlisted environment record, for a process that has no group."""
-    from fsdpcheck.distributed.environment import env_record as audit_env_record
-
     return audit_env_record(
         identity.rank, identity.local_rank, identity.world_size, identity.backend
     )
-
-
-def describe_model(model: Any) -> ModelInfo:
-    """What a training script's model is, from the model alone."""
-    from fsdpcheck.model.wrap import model_class
-
-    config = getattr(model, "config", None)
-    tensors = [*model.parameters(), *model.buffers()]
-    dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
-    on_meta = any(t.device.type == "meta" for t in tensors)
-    architecture = model_class(model).__name__
-    name = getattr(config, "name_or_path", None) or architecture
-    return ModelInfo(
-        spec=architecture,
-        kind="script",
-        name=str(name),
-        path=None,
-        architecture=architecture,
-        dtype=dtype,
-        init="meta" if on_meta else "script",
-        checkpoint=False,
-    )
-
-
-def save_fingerprint(
-    model: Any, path: str | os.PathLike = DEFAULT_PATH, *, rank: int | None = None
-) -> Path:
-    """Write this process's fingerprint of ``model`` to ``path``, with no collective at all.
-
-    Call it on every rank, e.g. right after building (and wrapping) the model and before any
-    loader: it only reads local tensors, so it works when collectives are broken or a peer is
-    gone, and the files are there even if the job hangs afterwards. ``path`` may contain
-    ``{rank}``, ``{local_rank}``, ``{world_size}`` and ``{host}``. Returns the path written.
-    Compare the files with ``fsdpcheck diff DIR``.
-    """
-    from fsdpcheck.model.rank_state import model_record
-
-    identity = process_identity(rank)
-    env = env_record(identity)
-    content = FingerprintFile(record=model_record(model, env), model=describe_model(model))
-    return write_fingerprint(content, format_path(path, env))
 
 
 def format_path(path: str | os.PathLike, env: EnvRecord) -> Path:
@@ -175,8 +135,6 @@ def format_path(path: str | os.PathLike, env: EnvRecord) -> Path:
 
 def write_fingerprint(content: FingerprintFile, path: str | os.PathLike) -> Path:
     """Write atomically (a reader never sees half a file); unwritable paths are bad input."""
-    from fsdpcheck.distributed.environment import package_version
-
     content = replace(
         content,
         created=content.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -369,10 +327,27 @@ def _parse(path: Path, data: dict) -> FingerprintFile:
             for t in (*fp.buffers, *fp.params):
                 tuple(int(d) for d in t.shape)
                 str(t.name), str(t.dtype)
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        raise InputError(
-            f"fsdpcheck diff: {path} has the fingerprint schema marker but its record is "
-            f"malformed ({type(exc).__name__}: {exc}); it was edited or damaged. Re-create it "
-            "with `fsdpcheck fingerprint` or fsdpcheck.save_fingerprint."
-        ) from None
+    except _DAMAGE as exc:
+        marked = f"{path} has the fingerprint schema marker but its record is"
+        raise malformed(marked, exc) from None
     return content
+
+
+# What reading a damaged record raises, in the checks above and in diff's own walk over it.
+_DAMAGE = (TypeError, ValueError, KeyError, AttributeError)
+
+
+@contextlib.contextmanager
+def damaged_as_input(what: str) -> Iterator[None]:
+    """Damage the checks above did not foresee, met while diffing: still bad input."""
+    try:
+        yield
+    except _DAMAGE as exc:
+        raise malformed(what, exc) from None
+
+
+def malformed(what: str, exc: BaseException) -> InputError:
+    return InputError(
+        f"fsdpcheck diff: {what} malformed ({type(exc).__name__}: {exc}); it was edited or "
+        "damaged. Re-create it with `fsdpcheck fingerprint` or fsdpcheck.save_fingerprint."
+    )

@@ -1,19 +1,72 @@
 """One process, no job: build a model as the audit does, wrap it on a one-rank group of its own,
-and fingerprint it before and after (the ``fingerprint`` command)."""
+and fingerprint it before and after (the ``fingerprint`` command); or fingerprint a training
+script's own model (``save_fingerprint``)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
-from fsdpcheck.model.wrap import DEFAULT_MIN_PARAMS
-from fsdpcheck.offline.files import FingerprintFile, env_record, process_identity
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdpcheck.model import wrap
+from fsdpcheck.model.rank_state import look, model_record
+from fsdpcheck.model.wrap import DEFAULT_MIN_PARAMS, model_class
+from fsdpcheck.offline.files import (
+    DEFAULT_PATH,
+    FingerprintFile,
+    env_record,
+    format_path,
+    process_identity,
+    write_fingerprint,
+)
 from fsdpcheck.options import BuildSpec
 from fsdpcheck.pipeline import Stages, before_wrap, build_from, record_of
+from fsdpcheck.records import ModelInfo
 from fsdpcheck.vocab import Init, Snapshot, Stage
+
+
+def describe_model(model: Any) -> ModelInfo:
+    """What a training script's model is, from the model alone."""
+    config = getattr(model, "config", None)
+    tensors = [*model.parameters(), *model.buffers()]
+    dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
+    on_meta = any(t.device.type == "meta" for t in tensors)
+    architecture = model_class(model).__name__
+    name = getattr(config, "name_or_path", None) or architecture
+    return ModelInfo(
+        spec=architecture,
+        kind="script",
+        name=str(name),
+        path=None,
+        architecture=architecture,
+        dtype=dtype,
+        init="meta" if on_meta else "script",
+        checkpoint=False,
+    )
+
+
+def save_fingerprint(
+    model: Any, path: str | os.PathLike = DEFAULT_PATH, *, rank: int | None = None
+) -> Path:
+    """Write this process's fingerprint of ``model`` to ``path``, with no collective at all.
+
+    Call it on every rank, e.g. right after building (and wrapping) the model and before any
+    loader: it only reads local tensors, so it works when collectives are broken or a peer is
+    gone, and the files are there even if the job hangs afterwards. ``path`` may contain
+    ``{rank}``, ``{local_rank}``, ``{world_size}`` and ``{host}``. Returns the path written.
+    Compare the files with ``fsdpcheck diff DIR``.
+    """
+    identity = process_identity(rank)
+    env = env_record(identity)
+    content = FingerprintFile(record=model_record(model, env), model=describe_model(model))
+    return write_fingerprint(content, format_path(path, env))
 
 
 @dataclass(frozen=True)
@@ -31,9 +84,6 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
     builds, as in the audit; no peer is contacted. A stage that fails leaves its error in the
     record instead of raising, so ``diff`` names it. The record is the one the audit gathers:
     each fingerprint with its ties, the post-wrap one with this rank's shard coordinate."""
-    from fsdpcheck.model import wrap
-    from fsdpcheck.model.rank_state import look
-
     identity = process_identity(options.rank)
     stages = Stages(identity.rank)
     built, _ = build_from(options, identity.rank, stages)
@@ -69,8 +119,6 @@ def fingerprint_standalone(options: StandaloneOptions) -> FingerprintFile:
 
 def _cannot_wrap_alone() -> str:
     """Why this process cannot make a group of its own ("" when it can)."""
-    import torch.distributed as dist
-
     if not dist.is_available():
         return "not wrapped: this torch build has no torch.distributed"
     if dist.is_initialized():
@@ -87,9 +135,6 @@ def _cannot_wrap_alone() -> str:
 def private_mesh(timeout: float = 60.0) -> Iterator[Any]:
     """A one-rank gloo group on an in-memory store (no address, no port, no peer) and its 1-D
     mesh; torn down on exit. Needs a process without a default group."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     dist.init_process_group(
         "gloo",
         store=dist.HashStore(),

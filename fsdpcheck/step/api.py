@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fsdpcheck.audit import AuditResult, decide, give_up, never_met
+from fsdpcheck.decision import AuditResult, decide, give_up, never_met
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.distributed.environment import env_record

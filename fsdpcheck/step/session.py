@@ -29,8 +29,10 @@ from fsdpcheck.checks.step import (
     raised_errors,
 )
 from fsdpcheck.distributed import liveness
+from fsdpcheck.distributed.gather import gather_records
 from fsdpcheck.distributed.setup import DistContext
 from fsdpcheck.distributed.wire import exchange_slots
+from fsdpcheck.model.rank_state import look, rank_record
 from fsdpcheck.records import (
     EnvRecord,
     Finding,
@@ -118,13 +120,9 @@ def conclude_step(
 ) -> StepOutcome | None:
     """Collective: every rank's state after the step and its step record, judged on rank 0
     (``None`` elsewhere). Replicas (HSDP) are compared only after a step every rank finished."""
-    from fsdpcheck.distributed.gather import gather_records
-
     liveness.mark_stage(ctx, Stage.STEP_REPORT)
     state = RankRecord(env=env)
     if record.outcome == "finished" and _has_replicas(model):
-        from fsdpcheck.model.rank_state import look, rank_record
-
         # As the audit records a rank: the values, and which ranks the meshes make replicas.
         after = look(model, Snapshot.POST_WRAP, param_values=True, buffers=False)
         state = rank_record(env, after)

@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdpcheck.checks.step import (
@@ -958,8 +960,6 @@ class _OwedWork:
 def _pipeline_getters() -> tuple[Any, dict[str, str]]:
     """torch.distributed.pipelining's stage class and the methods that build its sends and
     receives per microbatch, with the pass each belongs to."""
-    from torch.distributed.pipelining.stage import _PipelineStageBase
-
     return _PipelineStageBase, {
         "get_fwd_recv_ops": "forward",
         "get_fwd_send_ops": "forward",
@@ -1087,8 +1087,6 @@ def _a2a_dtype(bound: dict[str, Any]) -> str:
 
 
 def _on_dtensor(args: tuple, kwargs: dict) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return any(
         isinstance(a, DTensor) or (isinstance(a, (list, tuple)) and _on_dtensor(tuple(a), {}))
         for a in (*args, *kwargs.values())

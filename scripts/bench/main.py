@@ -70,8 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_after": load_average(),
     }
     if args.merge:
+        run = {r.name for r in rows}
         rows = merged(rows, RESULTS)
-        meta["command"] += f" (rows not run kept from the previous {shown(RESULTS)})"
+        if kept := [r.name for r in rows if r.name not in run]:
+            meta["command"] += (
+                f" (rows {', '.join(kept)} kept from the previous {shown(RESULTS)}, each with "
+                "the date it was measured)"
+            )
+            meta["make"] = False
     results.write_text(json.dumps(to_json(rows, meta), indent=2) + "\n")
     report.write_text(to_markdown(rows, meta))
     print(f"bench: wrote {report} and {results}", file=sys.stderr)

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_worker_ranks
 
 from fsdpcheck import compare_digests
-from fsdpcheck.distributed.environment import all_cores
+from fsdpcheck.model.threads import all_cores
 from fsdpcheck.records import StateDigests, from_dict
 from fsdpcheck.vocab import ExitCode, SyncDifference, Verdict
 

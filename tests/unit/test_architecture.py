@@ -9,33 +9,44 @@ import fsdpcheck
 
 PACKAGE = Path(fsdpcheck.__file__).resolve().parent
 
-# Lower layers never import higher ones. Within a layer, modules may import each other as long
+# One layer per package, in the order data flows (docs/architecture.md): a module imports only
+# from its own package or a lower layer. Within a package, modules may import each other as long
 # as no circle forms (checked separately).
 LAYERS = {
     "fsdpcheck.vocab": 0,
-    "fsdpcheck.text": 0,
-    "fsdpcheck.errors": 1,
-    "fsdpcheck.records": 1,
-    "fsdpcheck.options": 1,
-    "fsdpcheck.faults": 1,
-    "fsdpcheck.process": 3,  # the command's own interpreter: log, re-exec, signals
-    "fsdpcheck.output": 2,
-    "fsdpcheck.model": 2,
-    "fsdpcheck.distributed": 2,
-    "fsdpcheck.checks": 2,
-    "fsdpcheck.loader": 3,
-    "fsdpcheck.pipeline": 3,  # one rank's stages, over model/ (resolve, build)
-    "fsdpcheck.children": 4,
-    "fsdpcheck.report": 5,
-    "fsdpcheck.formats": 6,
-    "fsdpcheck.offline": 6,
-    "fsdpcheck.audit": 6,
-    "fsdpcheck.step": 6,  # check_step and audit --step: the collective watch
-    "fsdpcheck.console": 6,
-    "fsdpcheck.integrations": 7,
-    "fsdpcheck.cli": 8,
-    "fsdpcheck.__main__": 9,
-    "fsdpcheck": 9,  # the package's lazy API
+    "fsdpcheck.text": 1,
+    "fsdpcheck.errors": 2,
+    "fsdpcheck.records": 3,
+    "fsdpcheck.options": 4,
+    "fsdpcheck.faults": 5,
+    "fsdpcheck.model": 6,  # resolve, build, wrap, fingerprint: one rank's model and its record
+    "fsdpcheck.distributed": 7,  # launch, process groups, liveness, gather to rank 0
+    "fsdpcheck.process": 8,  # the command's own interpreter: log, re-exec, signals
+    "fsdpcheck.pipeline": 9,  # one rank's stages, over model/ (resolve, build)
+    "fsdpcheck.checks": 10,  # analyse: gathered records in, findings out
+    "fsdpcheck.loader": 11,  # load and verify
+    "fsdpcheck.children": 12,  # probe, scan, every loader for real: child jobs
+    "fsdpcheck.report": 13,
+    "fsdpcheck.decision": 14,  # how a run ends on every rank: decide, give up
+    "fsdpcheck.step": 15,  # check_step and audit --step: the collective watch
+    "fsdpcheck.audit": 16,
+    "fsdpcheck.console": 17,
+    "fsdpcheck.output": 18,
+    "fsdpcheck.formats": 19,
+    "fsdpcheck.offline": 20,
+    "fsdpcheck.integrations": 21,
+    "fsdpcheck.cli": 22,
+    "fsdpcheck.__main__": 23,
+    "fsdpcheck": 24,  # the package's lazy API
+}
+
+# Where an fsdpcheck module may be imported inside a function: where a command is handed off,
+# so that what the command needs (torch, transformers) is imported only when it runs. The
+# package's lazy API (fsdpcheck/__init__.py) imports by name, with importlib.
+LAZY_IMPORTS = {
+    "fsdpcheck.cli": "each command imports its own work: --help and --version stay fast",
+    "fsdpcheck.model.presets": "a preset's config class (torch) is imported when it is built, "
+    "so that listing presets never imports torch",
 }
 
 
@@ -107,6 +118,32 @@ def test_import_graph_has_no_circle() -> None:
     for node in sorted(edges):
         visit(node, [])
     assert circles == []
+
+
+def test_one_layer_per_package() -> None:
+    shared = [layer for layer in LAYERS.values() if list(LAYERS.values()).count(layer) > 1]
+    assert shared == []
+
+
+def test_function_level_imports_only_where_a_command_is_handed_off() -> None:
+    """A module imports the package's other modules at its top: an import hidden in a function
+    hides its edge from a reader (and once hid circles from this file)."""
+    hidden = [
+        f"{module_name(path)}:{node.lineno}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if module_name(path) not in LAZY_IMPORTS
+        for function in ast.walk(ast.parse(path.read_text()))
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
+        for node in ast.walk(function)
+        if _imports_fsdpcheck(node)
+    ]
+    assert hidden == []
+
+
+def _imports_fsdpcheck(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(a.name.split(".")[0] == "fsdpcheck" for a in node.names)
+    return isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fsdpcheck"
 
 
 def test_every_module_has_a_layer() -> None:

@@ -92,3 +92,30 @@ def test_the_agreement_rounds_are_judged_on_bytes_per_rank_and_projected_from_th
 def test_byte_size_names_one_size_or_the_range() -> None:
     assert byte_size([121, 121]) == "121-byte"
     assert byte_size([130, 121]) == "121- to 130-byte"
+
+
+def test_the_rss_wrapper_reports_a_command_that_ends_with_os_exit(tmp_path: Path) -> None:
+    """fsdpcheck's CLI ends with os._exit once its exit handlers ran; the peak RSS still comes
+    out (the audit, init and trainer rows read it)."""
+    script = tmp_path / "ends.py"
+    script.write_text(
+        "from fsdpcheck.process import exit_skipping_teardown\nexit_skipping_teardown(0)\n"
+    )
+    wrapper = ROOT / "scripts" / "bench" / "workers" / "rss.py"
+    done = subprocess.run(
+        [sys.executable, str(wrapper), str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert [ln for ln in done.stderr.splitlines() if ln.startswith("@rss ")], done.stderr
+
+
+def test_the_init_rows_stages_add_up_to_the_wall() -> None:
+    """Rank 0's stages, the other stages and the time outside them make up each run's wall."""
+    from bench.rows.init import _stage_medians
+
+    run = {"build": 2.0, "wrap": 0.5, "load": 3.0, "verify": 0.5, "resolve": 0.1}
+    figures = {"wall": [10.0], "report": [{"timings": run}]}
+    stages = _stage_medians(figures)
+    assert stages["load"] == 3.0 and stages["gather"] == 0.0
+    assert stages["other stages"] == 0.1
+    assert abs(sum(stages.values()) - 10.0) < 1e-9

@@ -7,7 +7,7 @@ from dataclasses import replace
 from synthetic import EMBED, FULL, SCALE, state_record, valued
 
 from fsdpcheck.checks.catalogue import CHECKS, Evidence, Need, run_checks
-from fsdpcheck.checks.value import value_digests
+from fsdpcheck.model.keys import value_digests
 from fsdpcheck.records import (
     BufferProblem,
     ConfigRecord,

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from synthetic import env
 
-from fsdpcheck.checks.expert import config_counts, expert_key
+from fsdpcheck.checks.expert import config_counts
 from fsdpcheck.checks.gather_view import gathered_from
+from fsdpcheck.model.keys import expert_key
 from fsdpcheck.records import ConfigRecord, Fingerprint, MeshRecord, RankRecord, TensorRecord
 from fsdpcheck.report import AuditOutcome, assemble
 from fsdpcheck.vocab import Verdict

@@ -9,7 +9,8 @@ from dataclasses import replace
 from synthetic import FULL, SLIDING, state_record, tensor
 
 from fsdpcheck.checks.gather_view import gathered_from
-from fsdpcheck.checks.hash_seed import hash_seed_note, seed_tag
+from fsdpcheck.checks.hash_seed import hash_seed_note
+from fsdpcheck.distributed.environment import seed_tag
 from fsdpcheck.distributed.gather import _pack_slot, _unpack_slot
 from fsdpcheck.report import AuditOutcome, assemble
 

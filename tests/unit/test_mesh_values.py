@@ -12,9 +12,9 @@ from synthetic import env
 from fsdpcheck.checks.gather_view import gathered_from
 from fsdpcheck.checks.groups import Pair
 from fsdpcheck.checks.layout import layout_findings
-from fsdpcheck.checks.value import comparisons, replica_keys, sibling_key
 from fsdpcheck.distributed.gather import SLOT_BYTES, _pack_slot, _unpack_slot
 from fsdpcheck.model.fingerprint import mesh_id
+from fsdpcheck.model.keys import comparisons, replica_keys, sibling_key
 from fsdpcheck.records import Fingerprint, Group, MeshRecord, RankRecord, TensorRecord
 from fsdpcheck.report import AuditOutcome, assemble
 

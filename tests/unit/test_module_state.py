@@ -290,7 +290,7 @@ def test_a_module_without_tensors_on_one_rank_only_is_named_one_with_tensors_is_
 
 
 def test_wrapper_levels_fold_into_the_wrapped_module_name():
-    from fsdpcheck.checks.wrapper import canonical_record
+    from fsdpcheck.model.names import canonical_record
     from fsdpcheck.records import Renamed, WrapperRecord
 
     kinds = (ModuleKind("acme.Block"), ModuleKind("acme.Wrapper"))

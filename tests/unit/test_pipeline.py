@@ -92,7 +92,8 @@ def test_a_live_models_record_holds_its_ties_buffers_and_state() -> None:
 def test_save_fingerprint_writes_the_same_record(tmp_path: Path) -> None:
     from fsdpcheck.model.hazard import HazardConfig, HazardForCausalLM
     from fsdpcheck.model.rank_state import model_record
-    from fsdpcheck.offline.files import env_record, process_identity, save_fingerprint
+    from fsdpcheck.offline.files import env_record, process_identity
+    from fsdpcheck.offline.standalone import save_fingerprint
     from fsdpcheck.records import to_dict
 
     torch.manual_seed(0)

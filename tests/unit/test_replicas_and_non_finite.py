@@ -10,9 +10,10 @@ from synthetic import EMBED, SCALE, env, state_record, valued
 from torch import nn
 
 from fsdpcheck.checks.non_finite import non_finite_findings
-from fsdpcheck.checks.value import comparisons, replica_keys, value_digests, value_findings
+from fsdpcheck.checks.value import value_findings
 from fsdpcheck.model.checksum import checksums, checksums_and_non_finite, non_finite_counts
 from fsdpcheck.model.fingerprint import fingerprint, mesh_id
+from fsdpcheck.model.keys import comparisons, replica_keys, value_digests
 from fsdpcheck.model.state import garbage, non_finite_tensors
 from fsdpcheck.records import BufferProblem, Group, MeshRecord, NonFinite, RankRecord
 from fsdpcheck.vocab import FindingKind, Snapshot

@@ -14,14 +14,9 @@ from fsdpcheck.checks.groups import group_ranks
 from fsdpcheck.checks.loaded import load_errors, load_findings
 from fsdpcheck.checks.ties import missing_ties, tie_findings
 from fsdpcheck.checks.uninitialized import uninitialized_findings
-from fsdpcheck.checks.value import (
-    SENDER_LIMIT,
-    not_compared,
-    value_digests,
-    value_findings,
-    value_senders,
-)
+from fsdpcheck.checks.value import not_compared, value_findings
 from fsdpcheck.distributed.gather import SLOT_BYTES, _pack_slot, _unpack_slot
+from fsdpcheck.model.keys import SENDER_LIMIT, value_digests, value_senders
 from fsdpcheck.records import (
     BufferProblem,
     ExpertKey,

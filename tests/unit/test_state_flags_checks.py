@@ -10,9 +10,9 @@ import pytest
 from synthetic import EMBED, FULL, K_PROJ, Q_PROJ, SCALE, SLIDING, analyse, tensor
 
 from fsdpcheck.checks.config import config_differences
-from fsdpcheck.checks.flags import device_exceptions, misplaced
 from fsdpcheck.checks.groups import group_ranks
 from fsdpcheck.model.config_record import REDACTED, config_record
+from fsdpcheck.model.keys import device_exceptions, misplaced
 from fsdpcheck.records import (
     EnvRecord,
     Fingerprint,

@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from fsdpcheck.checks.gather_view import gathered_from
-from fsdpcheck.checks.wrapper import canonical_name
 from fsdpcheck.model.fingerprint import fingerprint
+from fsdpcheck.model.names import canonical_name
 from fsdpcheck.model.wrappers import wrapper_record
 from fsdpcheck.records import RankRecord
 from fsdpcheck.report import AuditOutcome, assemble

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdpcheck
-from fsdpcheck.distributed.environment import worker_threads
+from fsdpcheck.model.threads import worker_threads
 from fsdpcheck.records import to_dict
 
 CASES = ("clean", "dtype", "skipped", "stale")

@@ -3,7 +3,7 @@ keyed by rank 0's names; non-persistent buffers are left as each rank built them
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from fsdpcheck.checks.layout import describe
 from fsdpcheck.checks.predict.pairing import (
@@ -46,13 +46,14 @@ def installed(env: EnvRecord) -> str:
 
 def predict(ctx: Context) -> LoaderPrediction:
     reference = ctx.reference
-    results: list[tuple[Sequence[int], Issue | None]] = []
-    for group, ref_fp, other_fp in ctx.compared(Snapshot.POST_WRAP):
-        results.append((group.ranks, dcp_refusal(ref_fp, other_fp, ctx.ref_rank, group)))
+    results = ctx.issues(
+        Snapshot.POST_WRAP, lambda ctx, group, a, b: dcp_refusal(a, b, ctx.ref_rank, group)
+    )
     if any(stops(issue) for _, issue in results):
         return aggregate(Loader.DCP_BROADCAST, results, "")
-    for group, ref_fp, other_fp in ctx.compared(Snapshot.POST_WRAP):  # a rank keeps its own
-        results.append((group.ranks, kept_buffer_values(ref_fp, other_fp, ctx.ref_rank, group)))
+    results += ctx.issues(  # a rank keeps its own
+        Snapshot.POST_WRAP, lambda ctx, group, a, b: kept_buffer_values(a, b, ctx.ref_rank, group)
+    )
 
     # Not in the state dict, so DCP leaves these as built: garbage where built on meta.
     view = loader_view(ctx.ref)

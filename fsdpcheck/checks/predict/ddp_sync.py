@@ -20,7 +20,7 @@ from fsdpcheck.checks.predict.pairing import (
     worse,
 )
 from fsdpcheck.checks.predict.sizes import nbytes
-from fsdpcheck.records import EnvRecord, Group, LoaderPrediction, TensorRecord
+from fsdpcheck.records import EnvRecord, Fingerprint, Group, LoaderPrediction, TensorRecord
 from fsdpcheck.vocab import Backend, Loader, LoaderVerdict, Snapshot
 
 DESCRIPTION = (
@@ -37,16 +37,18 @@ def installed(env: EnvRecord) -> str:
 
 
 def predict(ctx: Context) -> LoaderPrediction:
-    results = []
-    for group, ref_fp, other_fp in ctx.compared(Snapshot.PRE_WRAP):
-        issue = _shape_check(ref_fp.params, other_fp.params, ctx.ref_rank, group)
-        if issue is None:
-            a = [*ref_fp.params, *ref_fp.buffers]
-            b = [*other_fp.params, *other_fp.buffers]
-            issue = _bucketed(a, b, ctx, group, canonical(ref_fp))
-        results.append((group.ranks, issue))
+    results = ctx.issues(Snapshot.PRE_WRAP, _judge)
     ok = "parameters and buffers fill the same flat buckets in the same order on every rank"
     return aggregate(Loader.DDP_SYNC, results, ok)
+
+
+def _judge(ctx: Context, group: Group, ref_fp: Fingerprint, other_fp: Fingerprint) -> Issue | None:
+    issue = _shape_check(ref_fp.params, other_fp.params, ctx.ref_rank, group)
+    if issue is None:
+        a = [*ref_fp.params, *ref_fp.buffers]
+        b = [*other_fp.params, *other_fp.buffers]
+        issue = _bucketed(a, b, ctx, group, canonical(ref_fp))
+    return issue
 
 
 def buckets(tensors: Sequence[TensorRecord]) -> list[list[int]]:

@@ -44,6 +44,15 @@ class Context:
             if views is not None:
                 yield group, *views
 
+    def issues(
+        self,
+        prefer: Snapshot,
+        judge: Callable[[Context, Group, Fingerprint, Fingerprint], Issue | None],
+    ) -> list[tuple[Sequence[int], Issue | None]]:
+        """(ranks, ``judge``'s first issue or None) for every group :meth:`compared` yields:
+        what :func:`aggregate` takes."""
+        return [(group.ranks, judge(self, group, a, b)) for group, a, b in self.compared(prefer)]
+
 
 # ---------------------------------------------------------------- issues and their aggregate
 

@@ -16,7 +16,7 @@ from fsdpcheck.checks.predict import (
     state_dict_order,
 )
 from fsdpcheck.checks.predict.pairing import Context
-from fsdpcheck.checks.wrapper import canonical_record, state_dict_record
+from fsdpcheck.model.names import canonical_record, state_dict_record
 from fsdpcheck.records import EnvRecord, Group, LoaderPrediction, RankRecord
 from fsdpcheck.vocab import RESOLVED_BACKENDS, Backend, Loader
 

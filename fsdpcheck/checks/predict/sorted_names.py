@@ -28,17 +28,19 @@ PRODUCTS = (
 
 
 def predict(ctx: Context) -> LoaderPrediction:
-    results = []
-    for group, ref_fp, other_fp in ctx.compared(Snapshot.POST_WRAP):
-        found = _first_name_difference(ref_fp, other_fp, ctx.ref_rank, group)
-        issue = None
-        if found is not None:
-            index, x, y, what = found
-            summary = f"{what} → the loader stops with a clear error before any broadcast"
-            issue = Issue(LoaderVerdict.REFUSED, index, x, y, group.representative, summary)
-        results.append((group.ranks, issue))
+    """Every difference in names, shapes or dtypes stops the load before a byte moves."""
+    results = ctx.issues(Snapshot.POST_WRAP, _judge)
     ok = "names, shapes and dtypes agree on every rank; buffers broadcast in name order"
     return aggregate(Loader.SORTED_NAMES, results, ok)
+
+
+def _judge(ctx: Context, group: Group, ref_fp: Fingerprint, other_fp: Fingerprint) -> Issue | None:
+    found = _first_name_difference(ref_fp, other_fp, ctx.ref_rank, group)
+    if found is None:
+        return None
+    index, x, y, what = found
+    summary = f"{what} → the loader stops with a clear error before any broadcast"
+    return Issue(LoaderVerdict.REFUSED, index, x, y, group.representative, summary)
 
 
 def _first_name_difference(a: Fingerprint, b: Fingerprint, ref_rank: int, group: Group):

@@ -54,6 +54,7 @@ def row_init(s: Settings) -> Row:
         )
     )
     row.raw["init_values"] = values
+    row.lines.append(_stages_line(figures, "rank0 (default: load + verify)", meta))
     if verify / load > VERIFY_GOAL:
         row.notes.append(VERIFY_FLOOR)
     row.notes.append(
@@ -65,6 +66,7 @@ def row_init(s: Settings) -> Row:
         f"is one. Median of {plural(s.repeats, 'round')}, the variants in rotating order; "
         "wall from launch to the last rank's exit."
     )
+    row.notes.append(_stages_note(figures["rank0 (default: load + verify)"], meta))
     row.notes.append(
         "What `--init rank0` adds over `--init meta`: rank 0 writes the 2.0 GiB of parameters "
         "(the fill) and FSDP2 copies its 1.0 GiB of shards out of them (`fully_shard` on real "
@@ -96,4 +98,65 @@ def _wall_line(variant: str, f: dict[str, list], meta: dict[str, list], goal: fl
         f"of the busier rank {fmt_s(median(f['cpu']))} vs {fmt_s(median(meta['cpu']))};"
         f" peak RSS {fmt_mib(median(f['rss']))} vs {fmt_mib(median(meta['rss']))}",
         ratio,
+    )
+
+
+# Rank 0's stages in the order an audit passes them; the rest of the wall is outside them.
+STAGES = ("build", "wrap", "gather", "load", "verify", "state-after-load")
+
+
+def _stage_medians(f: dict[str, list]) -> dict[str, float]:
+    """Rank 0's median time per stage (0 where the variant has no such stage), every other
+    stage together as ``other stages``, and the wall outside every stage as ``outside``."""
+    runs = [r["timings"] or {} for r in f["report"]]
+    out = {k: median([t.get(k, 0.0) for t in runs]) for k in STAGES}
+    out["other stages"] = median([sum(v for k, v in t.items() if k not in STAGES) for t in runs])
+    out["outside"] = median([w - sum(t.values()) for w, t in zip(f["wall"], runs, strict=True)])
+    return out
+
+
+def _stages_line(figures: dict[str, dict[str, list]], variant: str, meta: dict) -> Line:
+    ours, theirs = _stage_medians(figures[variant]), _stage_medians(meta)
+    added = {k: ours[k] - theirs[k] for k in ours}
+    shown = "; ".join(
+        f"{k} {fmt_s(ours[k])} (meta {fmt_s(theirs[k])})" for k in ours if ours[k] or theirs[k]
+    )
+    return Line(
+        "rank0 (default) − meta, stage by stage (rank 0)",
+        f"+{fmt_s(sum(added.values()))}",
+        "—",
+        None,
+        f"{shown}; `outside` is the wall outside every stage (interpreter start, imports, the "
+        "report, exit)",
+        sum(added.values()),
+    )
+
+
+def _stages_note(default: dict[str, list], meta: dict[str, list]) -> str:
+    """Where the default audit's time goes against ``--init meta``, stage by stage."""
+    ours, theirs = _stage_medians(default), _stage_medians(meta)
+    wall = median(meta["wall"])
+    values = ours["build"] - theirs["build"] + ours["wrap"] - theirs["wrap"]
+    moved = ours["load"] + ours["verify"] + ours["state-after-load"]
+    sent = median([(r.get("load") or {}).get("state_bytes", 0) for r in default["report"]])
+    rate = sent / ours["load"] / 2**30 if ours["load"] else 0.0
+    return (
+        "Where the default audit's time goes, against `--init meta` (rank 0's stage times, "
+        f"medians; the line above lists every stage): `--init meta` takes {fmt_s(wall)} in all "
+        f"and allocates no values. The default adds {fmt_s(values)} to build and wrap (the "
+        "fill of 2.0 GiB of parameters and FSDP2 copying rank 0's shards out of them), then "
+        f"load {fmt_s(ours['load'])}, verify {fmt_s(ours['verify'])} and the state check "
+        f"after the load {fmt_s(ours['state-after-load'])}: {fmt_s(moved)} of work that "
+        "`--init meta` has no values for. The ratio counts that work, not overhead around "
+        f"it: without the load and verify, {fmt_s(wall + values)} would remain "
+        f"({(wall + values) / wall:.2f}× `--init meta`; `--no-load` measures it on the first "
+        "line), so a default at ≤ 1.5× would need load + verify + the state check in "
+        f"{fmt_s(max(0.0, 1.5 * wall - wall - values))}. The load sends rank 1 its "
+        f"{sent / 2**30:.2f} GiB of shards point to point ({rate:.2f} GiB/s here) into memory "
+        "it has just allocated; the full load row measures the same loader on a 502M "
+        "float32 model against the bare point-to-point of the same bytes, its floor. "
+        "Where this stage runs slower per byte than that row's loader, the difference is "
+        "the audit's process around the load (rank 0 holds the filled model and its shards, "
+        "3.2 GiB, while rank 1 faults in fresh memory), a lead not yet profiled; verify is at "
+        "its own floor (the verify / load line)."
     )

@@ -94,6 +94,7 @@ class Figures:
     base: dict[str, list[float]]  # per method, each rank's RSS before the load
     loaded: dict  # rank 1's record of the first bucketed run
     verify: float  # verify_load after the bucketed load, the slower rank
+    read: float  # each rank reading what verify must read once (workers/load.py read_once)
     kernel: dict[str, tuple[float, float]]  # per method, rank 1's kernel seconds, minor faults
     floor_kernel: list[float]  # rank 1's kernel seconds in every p2p-floor run
     per_fault: list[float]  # kernel seconds per minor fault, every run with enough faults
@@ -121,6 +122,7 @@ class Figures:
             base=each_rank("rss_before"),
             loaded=runs["bucketed"][0][1],
             verify=median([max(r["verify_seconds"] for r in run) for run in runs["bucketed"]]),
+            read=median([max(r["read_seconds"] for r in run) for run in runs["bucketed"]]),
             kernel={m: (rank1("system_seconds", m), rank1("minor_faults", m)) for m in METHODS},
             floor_kernel=[run[1]["rusage"]["system_seconds"] for run in runs["p2p-floor"]],
             per_fault=[
@@ -155,6 +157,7 @@ class Figures:
             "first_touch_seconds": self.touch,
             "first_touch_bytes": self.touched,
             "verify_seconds": self.verify,
+            "read_seconds": self.read,
             "rank1_kernel": self.kernel,
         }
 
@@ -192,7 +195,10 @@ def _two_rank_lines(f: Figures) -> list[Line]:
             verify <= VERIFY_GOAL,
             f"verify_load {fmt_s(f.verify)}, load {fmt_s(seconds['bucketed'])}; of the "
             f"{fmt_mib(f.nbytes)} source, rank 0 checksums rank 1's half and compares its own "
-            "half in place while rank 1 checksums its shards",
+            "half in place while rank 1 checksums its shards; the floor of any verify (each "
+            "rank reading once what it must, rank 0 the whole source and its own shards, as "
+            f"64-bit sums) {fmt_s(f.read)}, {f.read / seconds['bucketed']:.2f}× the load: "
+            f"verify is {f.verify / f.read:.2f}× that floor",
             verify,
         ),
     ]

@@ -9,6 +9,7 @@ from bench.settings import Settings, shown, worker
 from bench.text import fmt_ms, fmt_s
 
 GOAL = 1.30  # check_step / plain step
+STEP_REPEATS = 2
 
 
 def row_step(s: Settings) -> Row:
@@ -21,7 +22,10 @@ def row_step(s: Settings) -> Row:
         f"FSDP2 per decoder layer and the root, 2 ranks, gloo): plain, under `check_step`, "
         f"and plain under TORCH_DISTRIBUTED_DEBUG=DETAIL ({shown(worker('step'))})",
     )
-    argv = [worker("step"), "--repeats", str(max(2, s.repeats))]
+    # Two repeats of each, whatever --repeats says: a step of the 1B shape takes about a minute
+    # on 2 cores, and the two jobs run 4 + 2 timed steps besides their warm-ups (and the one
+    # step the watch's counts come from); the median of two is their mean.
+    argv = [worker("step"), "--repeats", str(STEP_REPEATS)]
     if s.quick:
         argv.append("--quick")
     watched = run_ranks(argv, 2, timeout=1800)
@@ -77,11 +81,11 @@ def row_step(s: Settings) -> Row:
         )
     )
     row.notes.append(
-        "Median over the repeats of the slower rank's time; plain and watched steps alternate in "
-        "one job, DETAIL runs in a second job (it must be set before the process group starts). "
-        "The per-collective cost is measured apart, where the step's compute cannot hide it: "
-        f"the same {n} small all_reduces plain and under the watch, alternating, their "
-        "difference over the count."
+        f"Median over {STEP_REPEATS} repeats of the slower rank's time; plain and watched steps "
+        "alternate in one job, DETAIL runs in a second job (it must be set before the process "
+        "group starts). The per-collective cost is measured apart, where the step's compute "
+        f"cannot hide it: the same {n} small all_reduces plain and under the watch, "
+        "alternating, their difference over the count."
     )
     return row
 

@@ -1,8 +1,10 @@
 """One rank of the buffer-broadcast benchmark: 200 non-persistent buffers (RoPE-sized, 8 to 128
 float32 elements) broadcast from rank 0 one ``dist.broadcast`` per buffer (as loaders do) versus
 ``fsdpcheck.loader.load.broadcast_buffers`` (validated layout, one flat broadcast per dtype)
-versus the flat broadcast alone, and the validated path's two parts alone (describing and
-digesting; the exchange of slots). Methods alternate within each repeat, in rotating order.
+versus the flat broadcast alone, versus the bound of any validation (describe, then the flat
+broadcast), versus the cheapest two-round validation (describe, one digest all_reduce, the flat
+broadcast), and the validated path's parts alone (describing and digesting;
+the check with the values attached). Methods alternate within each repeat, in rotating order.
 Prints one line ``@bench {json}`` per rank with every repeat's (start, end) on the host's
 monotonic clock; run by scripts/bench (the buffers row) through fsdpcheck.children.launch."""
 
@@ -51,24 +53,49 @@ def flat_only(model: nn.Module, group) -> None:
 
 
 def describe(model: nn.Module, rank: int) -> bytes:
+    """What every rank must do before any validated broadcast: find its buffers and digest
+    their names, shapes and dtypes."""
     from fsdpcheck.loader.agree import layout_digest, local_layout
 
     return layout_digest(local_layout(model, rank, src=0, source=None, with_state=False).buffers)
 
 
-def exchange(model: nn.Module, rank: int, world: int, group):
-    """The check's round ``broadcast_buffers`` makes, with the same words and attachment size."""
-    from fsdpcheck.distributed.wire import span
-    from fsdpcheck.loader.agree import check_words, inline_capacity_for, local_layout
+def floor(model: nn.Module, rank: int, group) -> None:
+    """A bound no validated broadcast can beat: every rank describes and digests its buffers,
+    and the values move in one flat broadcast; here nothing compares the digests at all."""
+    describe(model, rank)
+    flat_only(model, group)
+
+
+def two_rounds(model: nn.Module, rank: int, group) -> None:
+    """The cheapest validation in two rounds: describe and digest, one all_reduce of the
+    digest (MAX of each word and of its negation: the ranks agree where the maximum is minus
+    the minimum), then the flat broadcast alone; no details on disagreement."""
+    digest = describe(model, rank)
+    words = [int.from_bytes(digest[i : i + 8], "big") >> 1 for i in range(0, len(digest), 8)]
+    both = torch.tensor([*words, *(-w for w in words)], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if both[: len(words)].tolist() != (-both[len(words) :]).tolist():
+        raise RuntimeError("buffer layouts differ")
+    flat_only(model, group)
+
+
+def check(model: nn.Module, rank: int, world: int, group):
+    """``broadcast_buffers``' check alone, as it calls it (rank 0's packed values attached),
+    without unpacking them."""
+    from fsdpcheck.loader.agree import agree, inline_capacity_for, local_layout
     from fsdpcheck.loader.load import _by_dtype, _inline_payload
 
     capacity = inline_capacity_for(world)
-    mine = local_layout(model, rank, src=0, source=None, with_state=False)
-    payload = _inline_payload(_by_dtype(mine.named, mine.buffers), capacity) if rank == 0 else b""
-    words = check_words(mine, None, inline=rank == 0)
-    return lambda: span(
-        words, group, size=world, root=0, attached=capacity, attachment=payload or b""
-    )
+    ranks = list(range(world))
+
+    def run() -> None:
+        mine = local_layout(model, rank, src=0, source=None, with_state=False)
+        packed = _by_dtype(mine.named, mine.buffers)
+        payload = _inline_payload(packed, capacity) if rank == 0 else None
+        agree(mine, src=0, group=group, ranks=ranks, inline=payload, inline_capacity=capacity)
+
+    return run
 
 
 def main() -> int:
@@ -87,10 +114,12 @@ def main() -> int:
         "per-buffer": lambda: per_buffer(model, group),
         "coalesced": lambda: broadcast_buffers(model, group=group),
         "flat-only": lambda: flat_only(model, group),
-        # The check's two parts, alone: each rank describing and digesting its buffers (no
-        # collective), and the exchange of slots with rank 0's packed values attached.
+        "floor": lambda: floor(model, ctx.rank, group),
+        "two-rounds": lambda: two_rounds(model, ctx.rank, group),
+        # The validated path's parts, alone: each rank describing and digesting its buffers (no
+        # collective), and the whole check with rank 0's packed values attached.
         "describe": lambda: describe(model, ctx.rank),
-        "exchange": exchange(model, ctx.rank, ctx.world_size, group),
+        "check": check(model, ctx.rank, ctx.world_size, group),
     }
     for fn in methods.values():  # warm-up: connections, allocator
         fn()

@@ -121,6 +121,27 @@ def p2p_floor(model: nn.Module, source: dict | None, rank: int, group) -> None:
         work.wait()
 
 
+def read_once(model, source: dict | None) -> None:
+    """The floor of any verify: each rank reads what it holds once (its local shards; rank 0
+    also the whole source, which only it holds), summed as 64-bit words (no arithmetic worth
+    the name), with the threads verify_load gives each rank."""
+    from fsdpcheck.distributed.environment import lead_threads, worker_threads
+
+    tensors = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    tensors += list(source.values()) if source is not None else []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(lead_threads() if source is not None else worker_threads())
+    try:
+        for tensor in tensors:
+            raw = tensor.detach().reshape(-1).view(torch.uint8)
+            try:
+                raw[: raw.numel() // 8 * 8].view(torch.int64).sum()
+            except RuntimeError:  # not 8-byte aligned: in its own dtype
+                tensor.detach().sum()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -228,7 +249,7 @@ def main() -> int:
         fresh.fill_(1)
         touch = {"bytes": fresh.numel(), "seconds": time.perf_counter() - begin}
         del fresh
-    verified = verify_seconds = None
+    verified = verify_seconds = read_seconds = None
     if args.verify and model is not None:
         from fsdpcheck.loader.verify import verify_load
 
@@ -237,6 +258,11 @@ def main() -> int:
         verified = verify_load(model, source, group=ctx.side_channel).passed
         dist.barrier(group=ctx.side_channel)
         verify_seconds = time.perf_counter() - begin
+        dist.barrier(group=ctx.side_channel)
+        begin = time.perf_counter()
+        read_once(model, source if rank == 0 else None)
+        dist.barrier(group=ctx.side_channel)
+        read_seconds = time.perf_counter() - begin
     record = {
         "rank": rank,
         "method": args.method,
@@ -249,6 +275,7 @@ def main() -> int:
         "peak_rss_process": status("VmHWM") if not reset else None,
         "verified": verified,
         "verify_seconds": verify_seconds,
+        "read_seconds": read_seconds,
         "first_touch": touch,
         "rusage": kernel,
         **extra,

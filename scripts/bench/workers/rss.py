@@ -9,6 +9,7 @@ the same way.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import resource
@@ -31,15 +32,15 @@ def _report() -> None:
 
 def main() -> None:
     args = sys.argv[1:]
-    try:
-        if args[:1] == ["-m"]:
-            sys.argv = [args[1], *args[2:]]
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = args
-            runpy.run_path(args[0], run_name="__main__")
-    finally:
-        _report()
+    # An exit handler, not a ``finally``: fsdpcheck's CLI ends with os._exit once its exit
+    # handlers have run (fsdpcheck.process.exit_skipping_teardown), which no ``finally`` survives.
+    atexit.register(_report)
+    if args[:1] == ["-m"]:
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        runpy.run_path(args[0], run_name="__main__")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ lightweight ranks (no model, no transformers), on a real TCPStore and real gloo 
 Each rank is a thread; a process hosts at most ``--per-proc`` of them (each rank holds a socket
 per peer it talks to, and a process has a limited number of file descriptors). Threads get their
 own c10d world (torch's ``ThreadLocalWorld``, as torch's multi-threaded test groups use), so
-``fsdpcheck.distributed.gather.gather_records`` and ``exchange_slots`` run unchanged on real gloo
+``fsdpcheck.distributed.gather.gather_records`` and ``wire.span`` run unchanged on real gloo
 groups.
 
 Bytes are counted at the call site, per rank: a wrapper around every ``torch.distributed``
