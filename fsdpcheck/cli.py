@@ -46,10 +46,20 @@ AUDIT_EPILOG = """
 """
 
 
-ANNOTATIONS_HELP = (
-    "GitHub workflow commands (::error/::warning) for findings on rank 0's stdout; auto: when "
-    "GITHUB_ACTIONS=true."
+ANNOTATIONS_OPTION = typer.Option(
+    Annotations.AUTO,
+    help="GitHub workflow commands (::error/::warning) for findings on rank 0's stdout; auto: "
+    "when GITHUB_ACTIONS=true.",
 )
+
+
+def _file_option(flag: str, what: str) -> Any:
+    """An output file flag (--json, --junit, --sarif): off unless given."""
+    return typer.Option(None, flag, help=f"Write {what} here.")
+
+
+OFFLINE_JSON_OPTION = _file_option("--json", "the machine-readable report (the audit's schema)")
+OFFLINE_JUNIT_OPTION = _file_option("--junit", "a JUnit XML file: a test case per check")
 
 
 # Every default is AuditOptions' own (BuildSpec's for the model options): typed once, there.
@@ -172,13 +182,11 @@ def audit(
     tp: int | None = _audit_option("tp"),
     ep: int | None = _audit_option("ep"),
     cpu_offload: bool = _audit_option("cpu_offload"),
-    json_path: Path | None = typer.Option(
-        None, "--json", help="Write the machine-readable report here (rank 0)."
+    json_path: Path | None = _file_option("--json", "the machine-readable report (rank 0)"),
+    junit_path: Path | None = _file_option(
+        "--junit", "a JUnit XML file (rank 0): a test case per check"
     ),
-    junit_path: Path | None = typer.Option(
-        None, "--junit", help="Write a JUnit XML file here (rank 0): a test case per check."
-    ),
-    annotations: Annotations = typer.Option(Annotations.AUTO, help=ANNOTATIONS_HELP),
+    annotations: Annotations = ANNOTATIONS_OPTION,
 ) -> None:
     """Build MODEL on every rank, fully_shard it, and compare every rank's buffers and params."""
     options = _audit_options(locals())  # first: locals() is the parameters, nothing else yet
@@ -432,11 +440,11 @@ def probe(
         help="Hash seeds to try, 0..K-1 \\[default: 8, missing a 2-way set order "
         "with probability 1/128].",
     ),
-    json_path: Path | None = typer.Option(None, "--json", help="Write the result as JSON here."),
-    junit_path: Path | None = typer.Option(
-        None, "--junit", help="Write a JUnit XML file here: a test case per seed and per order."
+    json_path: Path | None = _file_option("--json", "the result as JSON"),
+    junit_path: Path | None = _file_option(
+        "--junit", "a JUnit XML file: a test case per seed and per order"
     ),
-    annotations: Annotations = typer.Option(Annotations.AUTO, help=ANNOTATIONS_HELP),
+    annotations: Annotations = ANNOTATIONS_OPTION,
     text_only: bool = TEXT_ONLY_OPTION,
     trust_remote_code: bool = TRUST_REMOTE_CODE_OPTION,
     jobs: int | None = typer.Option(None, min=1, help="Children at a time \\[default: CPU count]."),
@@ -514,9 +522,9 @@ def scan(
         "or class name (repeatable; any may match) \\[default: all].",
     ),
     seeds: int | None = typer.Option(None, min=2, help="Hash seeds, 0..K-1 \\[default: 8]."),
-    json_path: Path | None = typer.Option(None, "--json", help="Write the table as JSON here."),
-    junit_path: Path | None = typer.Option(
-        None, "--junit", help="Write a JUnit XML file here: a test case per architecture."
+    json_path: Path | None = _file_option("--json", "the table as JSON"),
+    junit_path: Path | None = _file_option(
+        "--junit", "a JUnit XML file: a test case per architecture"
     ),
     sarif_path: Path | None = typer.Option(
         None,
@@ -524,7 +532,7 @@ def scan(
         help="Write SARIF 2.1.0 here: the modeling-file lines that register tensors while "
         "iterating a set (seen reordering, or latent).",
     ),
-    annotations: Annotations = typer.Option(Annotations.AUTO, help=ANNOTATIONS_HELP),
+    annotations: Annotations = ANNOTATIONS_OPTION,
     timeout: float = typer.Option(
         1800.0, min=1.0, help="Seconds each child (one seed, all architectures) may take."
     ),
@@ -680,13 +688,9 @@ def diff(
     paths: list[Path] = typer.Argument(
         ..., help="Fingerprint files, or directories of them (their *.json).", show_default=False
     ),
-    json_path: Path | None = typer.Option(
-        None, "--json", help="Write the machine-readable report here (the audit's schema)."
-    ),
-    junit_path: Path | None = typer.Option(
-        None, "--junit", help="Write a JUnit XML file here: a test case per check."
-    ),
-    annotations: Annotations = typer.Option(Annotations.AUTO, help=ANNOTATIONS_HELP),
+    json_path: Path | None = OFFLINE_JSON_OPTION,
+    junit_path: Path | None = OFFLINE_JUNIT_OPTION,
+    annotations: Annotations = ANNOTATIONS_OPTION,
 ) -> None:
     """Compare saved fingerprints as ranks, with the audit's analysis and report: ranks of one
     job (hung or not), or the same model across machines and library versions."""
@@ -738,18 +742,14 @@ def explain(
         help="The job's fingerprints (files or a directory; one per rank), to name the "
         "tensors each collective carried (repeatable).",
     ),
-    json_path: Path | None = typer.Option(
-        None, "--json", help="Write the machine-readable report here (the audit's schema)."
-    ),
-    junit_path: Path | None = typer.Option(
-        None, "--junit", help="Write a JUnit XML file here: a test case per check."
-    ),
+    json_path: Path | None = OFFLINE_JSON_OPTION,
+    junit_path: Path | None = OFFLINE_JUNIT_OPTION,
     allow_pickle: bool = typer.Option(
         False,
         help="Read pickle dumps (torch's dump-on-timeout format) too; only a pickle of plain "
         "values is loaded. Off: JSON only.",
     ),
-    annotations: Annotations = typer.Option(Annotations.AUTO, help=ANNOTATIONS_HELP),
+    annotations: Annotations = ANNOTATIONS_OPTION,
 ) -> None:
     """Name the first collective where the ranks of a hung or aborted job diverged, from their
     Flight Recorder dumps, and (with fingerprints) the tensors behind it."""
