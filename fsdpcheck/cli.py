@@ -247,7 +247,7 @@ class _Outputs:
 
     def check(self, *, distributed: bool = False) -> str:
         """One paragraph naming every output that cannot be written ("" when all can)."""
-        from fsdpcheck.formats.outputs import output_problems, problems_paragraph
+        from fsdpcheck.output import output_problems, problems_paragraph
 
         problems = output_problems(self.paths.items())
         self.skipped = {p.split(" ", 1)[0] for p in problems}
