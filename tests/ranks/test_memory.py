@@ -39,7 +39,8 @@ def _memory_findings(report: dict) -> list[dict]:
 def test_a_rank_that_held_the_full_model_under_rank0_loading_is_named(cases, case) -> None:
     done = cases[case]
     report = done["report"]
-    assert done["exit_codes"] == [1, 1] and report["verdict"] == "inconsistent"
+    # The measured records in the message: a miss says which rank's figure fell short.
+    assert done["exit_codes"] == [1, 1] and report["verdict"] == "inconsistent", report["memory"]
     (finding,) = _memory_findings(report)
     assert finding["ranks"] == [1] and finding["details"]["rule"] == "rank0-load"
     assert finding["details"]["model_bytes"] == MODEL_BYTES
