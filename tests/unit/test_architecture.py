@@ -160,3 +160,27 @@ def test_every_module_imports() -> None:
         if module.startswith(optional) or module == "fsdpcheck.__main__":
             continue
         importlib.import_module(module)
+
+
+def test_scripts_examples_and_tests_import_names_that_exist() -> None:
+    """Code outside the package (the bench's workers, examples, test workers) imports moved
+    names too, often inside functions a bench run reaches half an hour in: checked here."""
+    import importlib
+
+    root = PACKAGE.parent
+    missing = []
+    for folder in ("scripts", "examples", "tests"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                    continue
+                if not node.module.startswith("fsdpcheck") or node.module.startswith(
+                    "fsdpcheck.integrations."  # their frameworks are optional extras
+                ):
+                    continue
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    if not hasattr(module, alias.name) and importlib.util.find_spec(sub) is None:
+                        missing.append(f"{path.relative_to(root)}: {sub}")
+    assert missing == []

@@ -125,7 +125,7 @@ def read_once(model, source: dict | None) -> None:
     """The floor of any verify: each rank reads what it holds once (its local shards; rank 0
     also the whole source, which only it holds), summed as 64-bit words (no arithmetic worth
     the name), with the threads verify_load gives each rank."""
-    from fsdpcheck.distributed.environment import lead_threads, worker_threads
+    from fsdpcheck.model.threads import lead_threads, worker_threads
 
     tensors = [getattr(p, "_local_tensor", p) for p in model.parameters()]
     tensors += list(source.values()) if source is not None else []
