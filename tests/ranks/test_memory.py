@@ -35,11 +35,11 @@ def _memory_findings(report: dict) -> list[dict]:
     return [f for f in report["findings"] if f["kind"] == "memory"]
 
 
-# builder-full_on_rank_1 passes alone and with every tests/ranks file before it, and fails
-# (rank 1 not named) when tests/cli runs first in the same pytest process: twice in full
-# `make test` runs on 2026-12-02, cause not found yet. Not counted as coverage until it is.
+# builder-full_on_rank_1 passes alone, after every tests/ranks file before it, and after
+# tests/cli; it missed (rank 1 not named) in both full `make test` runs on 2026-12-02. Cause not
+# found yet; not counted as coverage until it is.
 _FULL_SUITE_ONLY_MISS = pytest.mark.xfail(
-    reason="misses in the full suite after tests/cli, not alone: under investigation",
+    reason="missed in full-suite runs only, not alone or in partial runs: under investigation",
     strict=False,
 )
 
