@@ -308,12 +308,13 @@ class CollectiveWatch(TorchDispatchMode):
         originals = {name: getattr(c10d, name) for name in ("isend", "irecv")}
         patched = {name: _Confirmed(self, fn) for name, fn in originals.items()}
         stage_class, getters = _pipeline_getters()
-        own = {name: stage_class.__dict__[name] for name in getters}
+        # Private API: a torch whose stage lacks one of the getters tags no microbatch there.
+        own = {name: stage_class.__dict__[name] for name in getters if name in stage_class.__dict__}
         for name, fn in patched.items():
             setattr(c10d, name, fn)
             setattr(dist, name, fn)
-        for name, phase in getters.items():
-            setattr(stage_class, name, self._tagging(own[name], phase))
+        for name, fn in own.items():
+            setattr(stage_class, name, self._tagging(fn, getters[name]))
         try:
             yield
         finally:
