@@ -23,6 +23,7 @@ from fsdpcheck.records import (
     MemoryRecord,
     RankRecord,
     StageMemory,
+    ValueKeys,
     from_dict,
     to_dict,
 )
@@ -180,7 +181,8 @@ def gather_records(
             meta_ranks.append(r)
     reps = set(representatives(digests).values())
     # Ranks whose values differ send too (no group's representative, no more than a few).
-    extra_senders = value_senders(values, replicas, keys, peers, sibling_keys, siblings) - reps
+    found = ValueKeys(values, replicas, keys, peers, sibling_keys, siblings)
+    extra_senders = value_senders(found) - reps
     senders = sorted((reps | extra_senders) - {0})
     _broadcast_ranks(senders, group)
     log.info("%d ranks, %d digests; full records from ranks %s", world_size, len(reps), senders)
@@ -194,14 +196,9 @@ def gather_records(
         records,
         sent,
         tuple(meta_ranks),
-        values,
-        replicas,
-        keys,
+        found,
         extra,
-        peers,
         expert_keys=experts,
-        sibling_keys=sibling_keys,
-        siblings=siblings,
         seed_tags=seed_tags,
     )
 

@@ -131,7 +131,7 @@ def conclude_step(
     if records is None:
         return None
     findings = run_checks(Evidence(gathered, step=records), checks_named(*STEP_CHECKS))
-    if gathered is not None and gathered.values is not None:
+    if gathered is not None and gathered.value_keys is not None:
         findings += [
             replace(f, snapshot=Snapshot.STEP, cause=Cause.DIVERGENT)
             for f in run_checks(Evidence(gathered), checks_named(*STATE_CHECKS))
