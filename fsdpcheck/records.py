@@ -12,7 +12,7 @@ import hashlib
 import json
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal, TypeVar
@@ -862,6 +862,55 @@ class Finding:
     summary: str
     tensors: tuple[str, ...] = ()
     details: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def about(
+        cls,
+        kind: FindingKind,
+        ranks: Iterable[int],
+        reference_rank: int,
+        summary: str,
+        *,
+        snapshot: Snapshot | None = None,
+        cause: Cause | None = None,
+        tensors: Iterable[str] = (),
+        details: Mapping[str, Any] | None = None,
+    ) -> Finding:
+        """A ``kind`` finding on ``ranks`` against ``reference_rank``'s, seen at the kind's usual
+        snapshot for its usual cause (:data:`USUAL`) unless told otherwise."""
+        usual_snapshot, usual_cause = USUAL.get(kind, (None, None))
+        snapshot, cause = snapshot or usual_snapshot, cause or usual_cause
+        if snapshot is None or cause is None:
+            raise ValueError(f"a {kind} finding says its own snapshot and cause")
+        return cls(
+            kind,
+            tuple(ranks),
+            reference_rank,
+            snapshot,
+            cause,
+            summary,
+            tuple(tensors),
+            details or {},
+        )
+
+
+# Where the findings of a kind are seen and why, whatever the ranks hold (Finding.about); None:
+# each finding of the kind says its own.
+USUAL: dict[FindingKind, tuple[Snapshot | None, Cause | None]] = {
+    FindingKind.ENV: (Snapshot.PRE_WRAP, Cause.ENVIRONMENT),
+    FindingKind.LAUNCH: (Snapshot.PRE_WRAP, Cause.LAUNCH),
+    FindingKind.CHECKPOINT: (Snapshot.PRE_WRAP, Cause.LAUNCH),
+    FindingKind.CONFIG: (Snapshot.PRE_WRAP, Cause.CONSTRUCTION_TIME),
+    FindingKind.WRAP_PLAN: (Snapshot.POST_WRAP, Cause.WRAPPING),
+    FindingKind.HASH_SEED: (Snapshot.PROBE, Cause.CONSTRUCTION_TIME),
+    FindingKind.VERIFY: (Snapshot.LOAD, Cause.LOADING),
+    FindingKind.SOURCE: (Snapshot.LOAD, Cause.LOADING),
+    FindingKind.MEMORY: (Snapshot.LOAD, Cause.LOADING),
+    FindingKind.OPTIMIZER: (Snapshot.LOAD, Cause.LOADING),
+    FindingKind.UNINITIALIZED: (None, Cause.LOADING),
+    FindingKind.PREDICTION: (Snapshot.REPRODUCE, Cause.FSDPCHECK),
+    FindingKind.STEP: (Snapshot.STEP, Cause.DIVERGENT),
+}
 
 
 @dataclass(frozen=True)

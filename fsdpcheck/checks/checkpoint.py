@@ -21,7 +21,7 @@ from typing import Any
 from fsdpcheck.checks.groups import reference_group, usable_groups
 from fsdpcheck.records import CheckpointRecord, Finding, Group, RankRecord
 from fsdpcheck.text import ranks_label
-from fsdpcheck.vocab import Cause, FindingKind, Snapshot
+from fsdpcheck.vocab import FindingKind
 
 # What must agree, in the order a person reads it.
 COMPARED = ("path", "step", "metadata", "shard_files", "saved_ranks", "problem")
@@ -57,21 +57,9 @@ def checkpoint_findings(
         return []
     ranks = sorted({*unreadable, *(r for d in differing for r in d["ranks"])})
     text = _summary(ref_rank, ref, differing, unreadable, records, groups)
-    return [
-        Finding(
-            kind=FindingKind.CHECKPOINT,
-            ranks=tuple(ranks),
-            reference_rank=ref_rank,
-            snapshot=Snapshot.PRE_WRAP,
-            cause=Cause.LAUNCH,
-            summary=f"{FindingKind.CHECKPOINT.phrase}: {text}",
-            details={
-                "reference": _view(ref),
-                "groups": differing,
-                "unreadable": sorted(set(unreadable)),
-            },
-        )
-    ]
+    summary = f"{FindingKind.CHECKPOINT.phrase}: {text}"
+    details = {"reference": _view(ref), "groups": differing, "unreadable": sorted(set(unreadable))}
+    return [Finding.about(FindingKind.CHECKPOINT, ranks, ref_rank, summary, details=details)]
 
 
 def _differences(

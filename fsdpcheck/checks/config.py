@@ -46,33 +46,21 @@ def config_findings(
         ),
         _LISTED,
     )
-    return [
-        Finding(
-            kind=FindingKind.CONFIG,
-            ranks=tuple(ranks),
-            reference_rank=ref_rank,
-            snapshot="pre-wrap",
-            cause="construction-time",
-            summary=f"{FindingKind.CONFIG.phrase}: {text}",
-            details={"differences": diffs[:_MAX_PATHS], "count": len(diffs)},
-        )
-    ]
+    summary = f"{FindingKind.CONFIG.phrase}: {text}"
+    details = {"differences": diffs[:_MAX_PATHS], "count": len(diffs)}
+    return [Finding.about(FindingKind.CONFIG, ranks, ref_rank, summary, details=details)]
 
 
 def _unrecorded(ref_rank: int, ranks: Sequence[int], *, reference_missing: bool) -> Finding:
     without, holder = f"rank {ref_rank}", ranks_label(ranks)
     if not reference_missing:
         without, holder = holder, without
-    return Finding(
-        kind=FindingKind.CONFIG,
-        ranks=tuple(ranks),
-        reference_rank=ref_rank,
-        snapshot="pre-wrap",
-        cause="construction-time",
-        summary=f"{FindingKind.CONFIG.phrase}: {without} recorded no config (none, or it could "
-        f"not be read there) while {holder} did, so the configs could not be compared",
-        details={"unrecorded": "reference" if reference_missing else "other"},
+    summary = (
+        f"{FindingKind.CONFIG.phrase}: {without} recorded no config (none, or it could not be "
+        f"read there) while {holder} did, so the configs could not be compared"
     )
+    details = {"unrecorded": "reference" if reference_missing else "other"}
+    return Finding.about(FindingKind.CONFIG, ranks, ref_rank, summary, details=details)
 
 
 def config_differences(a: Any, b: Any, path: str = "") -> list[dict[str, Any]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fsdpcheck.checks.groups import Pair
 from fsdpcheck.records import Finding
 from fsdpcheck.text import ranks_label
-from fsdpcheck.vocab import Cause, FindingKind, Snapshot
+from fsdpcheck.vocab import FindingKind
 
 ENV_FIELDS = ("python", "torch", "transformers", "backend", "accelerate", "nccl", "cuda")
 
@@ -24,15 +24,6 @@ def env_findings(pair: Pair) -> list[Finding]:
     text = "; ".join(
         f"{d['field']} {d['reference']} on {mine} but {d['other']} on {theirs}" for d in diffs
     )
-    return [
-        Finding(
-            kind=FindingKind.ENV,
-            ranks=tuple(pair.group.ranks),
-            reference_rank=pair.ref_rank,
-            snapshot=Snapshot.PRE_WRAP,
-            cause=Cause.ENVIRONMENT,
-            summary=f"{FindingKind.ENV.phrase}: {text}",
-            tensors=(),
-            details={"differences": diffs},
-        )
-    ]
+    summary, details = f"{FindingKind.ENV.phrase}: {text}", {"differences": diffs}
+    ranks, ref_rank = pair.group.ranks, pair.ref_rank
+    return [Finding.about(FindingKind.ENV, ranks, ref_rank, summary, details=details)]

@@ -8,7 +8,7 @@ differ silently; a tensor left on a device the job's collectives or kernels cann
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from fsdpcheck.model.keys import device_exceptions, left_on_meta, tensors_of
@@ -124,27 +124,22 @@ def _meta_finding(
         _LISTED,
     )
     snapshot = Snapshot.POST_WRAP if record.post_wrap is not None else Snapshot.PRE_WRAP
-    return Finding(
-        kind=FindingKind.DEVICE,
-        ranks=tuple(ranks),
-        reference_rank=ref_rank,
-        snapshot=snapshot,
-        cause=Cause.LOADING,
-        summary=f"{FindingKind.DEVICE.phrase}: {text}, beside real parameters: no load fills "
-        "a tensor that is in no state dict (a non-persistent buffer after "
-        "load_state_dict(assign=True)), and the first forward on meta fails",
-        tensors=tuple(dict.fromkeys(name for name, *_ in left)),
-        details={
-            "left_on_meta": [
-                {"name": n, "ranks": list(on_meta), "device": d, "real_on": list(real)}
-                for n, d, on_meta, real in left
-            ]
-        },
+    summary = (
+        f"{FindingKind.DEVICE.phrase}: {text}, beside real parameters: no load fills a tensor "
+        "that is in no state dict (a non-persistent buffer after load_state_dict(assign=True)), "
+        "and the first forward on meta fails"
     )
+    names = dict.fromkeys(name for name, *_ in left)
+    where = [
+        {"name": n, "ranks": list(on_meta), "device": d, "real_on": list(real)}
+        for n, d, on_meta, real in left
+    ]
+    details = {"left_on_meta": where}
+    return _device(ranks, ref_rank, snapshot, Cause.LOADING, summary, names, details)
 
 
 def _exceptions_finding(
-    ref_rank: int, ranks: Sequence[int], shown: list[dict[str, Any]], cause: str
+    ref_rank: int, ranks: Sequence[int], shown: list[dict[str, Any]], cause: Cause
 ) -> Finding:
     text = ", ".join(
         f"{e['name']} on {e['device']}, not {e['expected']} ({e['because']})"
@@ -154,16 +149,8 @@ def _exceptions_finding(
         text += f"; and {len(shown) - _LISTED} more"
     verb = "has" if len(ranks) == 1 else "have"
     summary = f"{FindingKind.DEVICE.phrase}: {ranks_label(ranks)} {verb} {text}"
-    return Finding(
-        kind=FindingKind.DEVICE,
-        ranks=tuple(ranks),
-        reference_rank=ref_rank,
-        snapshot="post-wrap",
-        cause=cause,
-        summary=summary,
-        tensors=tuple(e["name"] for e in shown),
-        details={"misplaced": shown},
-    )
+    names, details = (e["name"] for e in shown), {"misplaced": shown}
+    return _device(ranks, ref_rank, Snapshot.POST_WRAP, cause, summary, names, details)
 
 
 def _cross_rank(
@@ -191,17 +178,26 @@ def _cross_rank(
             ),
             _LISTED,
         )
-        return Finding(
-            kind=FindingKind.DEVICE,
-            ranks=tuple(ranks),
-            reference_rank=ref_rank,
-            snapshot=fp.snapshot,
-            cause=cause,
-            summary=f"{FindingKind.DEVICE.phrase}: {text}",
-            tensors=tuple(d["name"] for d in diffs),
-            details={"differences": diffs},
-        )
+        summary = f"{FindingKind.DEVICE.phrase}: {text}"
+        names, details = (d["name"] for d in diffs), {"differences": diffs}
+        return _device(ranks, ref_rank, fp.snapshot, cause, summary, names, details)
     return None
+
+
+def _device(
+    ranks: Sequence[int],
+    ref_rank: int,
+    snapshot: Snapshot,
+    cause: Cause,
+    summary: str,
+    names: Iterable[str],
+    details: dict[str, Any],
+) -> Finding:
+    """A ``device`` finding: where and why it was seen differ from one to the next."""
+    return Finding.about(
+        FindingKind.DEVICE, ranks, ref_rank, summary, snapshot=snapshot, cause=cause,
+        tensors=names, details=details,
+    )  # fmt: skip
 
 
 def _device_differences(a: Fingerprint, b: Fingerprint) -> list[dict[str, Any]]:

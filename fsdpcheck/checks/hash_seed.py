@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fsdpcheck.distributed.environment import seed_tag
 from fsdpcheck.records import Finding, Fingerprint, RankError, TensorRecord
 from fsdpcheck.text import int_ranges, ranks_label
-from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoaderVerdict, Snapshot, Stage, Verdict
+from fsdpcheck.vocab import ErrorKind, FindingKind, LoaderVerdict, Stage, Verdict
 
 
 @dataclass(frozen=True)
@@ -151,13 +151,11 @@ def probe_finding(result: ProbeResult) -> Finding | None:
         f"{'differ' if result.sizes_differ else 'are equal'}, so a loader that broadcasts in "
         f"local order would {outcome}"
     )
-    return Finding(
-        kind=FindingKind.HASH_SEED,
-        ranks=(),
-        reference_rank=-1,
-        snapshot=Snapshot.PROBE,
-        cause=Cause.CONSTRUCTION_TIME,
-        summary=summary,
+    return Finding.about(
+        FindingKind.HASH_SEED,
+        (),
+        -1,
+        summary,
         tensors=result.tensors,
         details={
             "modules": modules,

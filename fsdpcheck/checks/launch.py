@@ -25,7 +25,7 @@ from typing import Any
 from fsdpcheck.checks.groups import reference_group, usable_groups
 from fsdpcheck.records import HOST_WORD, RANK_WORD, Finding, Group, LaunchRecord, RankRecord
 from fsdpcheck.text import name_list, ranks_label
-from fsdpcheck.vocab import Cause, FindingKind, Snapshot
+from fsdpcheck.vocab import FindingKind
 
 _UNSET = "<unset>"
 _PARTS = re.compile(r"(<rank>|\d+)")
@@ -75,20 +75,12 @@ def launch_findings(groups: Sequence[Group], records: Mapping[int, RankRecord]) 
             said.append("environment " + name_list([d["key"] for d in entry["env"]]))
         parts.append(f"{ranks_label(entry['ranks'])}: {'; '.join(said)}")
     ranks = sorted(r for entry in differing for r in entry["ranks"])
-    return [
-        Finding(
-            kind=FindingKind.LAUNCH,
-            ranks=tuple(ranks),
-            reference_rank=ref_rank,
-            snapshot=Snapshot.PRE_WRAP,
-            cause=Cause.LAUNCH,
-            summary=(
-                f"{FindingKind.LAUNCH.phrase} from rank {ref_rank}'s: {' | '.join(parts)}: these "
-                "ranks run other code paths with the same model (a hang or a silent divergence)"
-            ),
-            details={"groups": differing},
-        )
-    ]
+    summary = (
+        f"{FindingKind.LAUNCH.phrase} from rank {ref_rank}'s: {' | '.join(parts)}: these ranks "
+        "run other code paths with the same model (a hang or a silent divergence)"
+    )
+    details = {"groups": differing}
+    return [Finding.about(FindingKind.LAUNCH, ranks, ref_rank, summary, details=details)]
 
 
 def launch_alike(a: RankRecord, b: RankRecord) -> bool:

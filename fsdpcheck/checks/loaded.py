@@ -6,7 +6,7 @@ import re
 
 from fsdpcheck.records import Finding, LoadOutcome, RankError, VerifyResult
 from fsdpcheck.text import ranks_label
-from fsdpcheck.vocab import Cause, ErrorKind, FindingKind, LoadMethod, LoadStatus, Snapshot, Stage
+from fsdpcheck.vocab import ErrorKind, FindingKind, LoadMethod, LoadStatus, Stage
 
 
 def load_findings(load: LoadOutcome, world_size: int) -> list[Finding]:
@@ -15,18 +15,11 @@ def load_findings(load: LoadOutcome, world_size: int) -> list[Finding]:
     if load.outcome != LoadStatus.REFUSED:
         return []
     lines = load.message.strip().splitlines()
-    return [
-        Finding(
-            kind=FindingKind.VERIFY,
-            ranks=tuple(range(world_size)),
-            reference_rank=0,
-            snapshot=Snapshot.LOAD,
-            cause=Cause.LOADING,
-            summary="the sorted loader refused to load (nothing moved): "
-            + (lines[0] if lines else "no reason given"),
-            details={"outcome": LoadStatus.REFUSED, "message": load.message},
-        )
-    ]
+    summary = "the sorted loader refused to load (nothing moved): " + (
+        lines[0] if lines else "no reason given"
+    )
+    details = {"outcome": LoadStatus.REFUSED, "message": load.message}
+    return [Finding.about(FindingKind.VERIFY, range(world_size), 0, summary, details=details)]
 
 
 def load_errors(load: LoadOutcome) -> tuple[RankError, ...]:
@@ -50,18 +43,13 @@ def verify_findings(verified: VerifyResult, loader: str = "the sorted loader") -
     findings = []
     for mismatch in verified.mismatches:
         ranks = tuple(mismatch.get("ranks", ()))
+        name = str(mismatch.get("name"))
+        summary = (
+            f"after {loader}, {mismatch.get('kind', 'tensor')} {name} differs from rank 0's "
+            f"source on {ranks_label(ranks)}: {mismatch.get('reason', '')}"
+        )
+        details = dict(mismatch)
         findings.append(
-            Finding(
-                kind=FindingKind.VERIFY,
-                ranks=ranks,
-                reference_rank=0,
-                snapshot=Snapshot.LOAD,
-                cause=Cause.LOADING,
-                summary=f"after {loader}, {mismatch.get('kind', 'tensor')} "
-                f"{mismatch.get('name')} differs from rank 0's source on "
-                f"{ranks_label(ranks)}: {mismatch.get('reason', '')}",
-                tensors=(str(mismatch.get("name")),),
-                details=dict(mismatch),
-            )
+            Finding.about(FindingKind.VERIFY, ranks, 0, summary, tensors=(name,), details=details)
         )
     return findings

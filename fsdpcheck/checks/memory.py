@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from fsdpcheck.records import Finding, MemoryRecord
 from fsdpcheck.text import ranks_label, size_label
-from fsdpcheck.vocab import Cause, FindingKind, Snapshot, Stage
+from fsdpcheck.vocab import FindingKind, Stage
 
 MIB = 2**20
 # Below this a model never makes a finding: allocator noise and import-time differences are
@@ -78,20 +78,13 @@ def _held_full(m: MemoryRecord, reference: MemoryRecord | None, full: int) -> Fi
         if ref is None or ref - bytes_held >= SHARE * gap:
             return None
     when = "its build and wrap" if m.stages else "its process, at its peak,"
-    return Finding(
-        kind=FindingKind.MEMORY,
-        ranks=(m.rank,),
-        reference_rank=0,
-        snapshot=Snapshot.LOAD,
-        cause=Cause.LOADING,
-        summary=(
-            f"rank {m.rank} held {size_label(bytes_held)} of host memory for a "
-            f"{size_label(full)} model under rank-0 loading, where it should hold its shards "
-            f"({size_label(shard)}): "
-            f"{when} held about the full model"
-        ),
-        details=_details(m, bytes_held, full, shard, "rank0-load"),
+    summary = (
+        f"rank {m.rank} held {size_label(bytes_held)} of host memory for a {size_label(full)} "
+        f"model under rank-0 loading, where it should hold its shards ({size_label(shard)}): "
+        f"{when} held about the full model"
     )
+    details = _details(m, bytes_held, full, shard, "rank0-load")
+    return Finding.about(FindingKind.MEMORY, (m.rank,), 0, summary, details=details)
 
 
 def _outlier(m: MemoryRecord, others: list[MemoryRecord], full: int) -> Finding | None:
@@ -104,19 +97,13 @@ def _outlier(m: MemoryRecord, others: list[MemoryRecord], full: int) -> Finding 
     if bytes_held <= OUTLIER_FACTOR * median or excess < max(FLOOR, SHARE * full):
         return None
     label = ranks_label([o.rank for o in others])
-    return Finding(
-        kind=FindingKind.MEMORY,
-        ranks=(m.rank,),
-        reference_rank=min(o.rank for o in others),
-        snapshot=Snapshot.LOAD,
-        cause=Cause.LOADING,
-        summary=(
-            f"rank {m.rank} held {size_label(bytes_held)} of host memory for a "
-            f"{size_label(full)} model, {size_label(excess)} above the median of {label} "
-            f"({size_label(median)})"
-        ),
-        details={**_details(m, bytes_held, full, m.shard_bytes, "outlier"), "median": median},
+    summary = (
+        f"rank {m.rank} held {size_label(bytes_held)} of host memory for a {size_label(full)} "
+        f"model, {size_label(excess)} above the median of {label} ({size_label(median)})"
     )
+    details = {**_details(m, bytes_held, full, m.shard_bytes, "outlier"), "median": median}
+    reference = min(o.rank for o in others)
+    return Finding.about(FindingKind.MEMORY, (m.rank,), reference, summary, details=details)
 
 
 def _details(m: MemoryRecord, bytes_held: int, full: int, shard: int | None, rule: str) -> dict:

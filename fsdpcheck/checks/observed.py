@@ -25,13 +25,11 @@ from typing import Any
 
 from fsdpcheck.records import Finding, LoaderPrediction, LoaderRecord, RankError
 from fsdpcheck.vocab import (
-    Cause,
     ChildStage,
     ErrorKind,
     FindingKind,
     LoaderFailure,
     LoaderVerdict,
-    Snapshot,
     Stage,
 )
 
@@ -285,18 +283,11 @@ def with_observations(
         out.append(replace(p, observed=seen.verdict, observed_detail=dict(seen.detail)))
         expected = p.on_gloo or p.verdict  # the jobs run on gloo
         if seen.verdict is not None and seen.verdict != expected:
-            findings.append(
-                Finding(
-                    kind=FindingKind.PREDICTION,
-                    ranks=(),
-                    reference_rank=0,
-                    snapshot=Snapshot.REPRODUCE,
-                    cause=Cause.FSDPCHECK,
-                    summary=f"fsdpcheck predicted {p.name} → {expected} on gloo, but the real "
-                    f"loader was {seen.verdict}: {seen.detail.get('summary', '')} (a bug in "
-                    "fsdpcheck's model of this loader; please report it)",
-                    tensors=(),
-                    details={"loader": p.name, "predicted": expected, "observed": seen.verdict},
-                )
+            summary = (
+                f"fsdpcheck predicted {p.name} → {expected} on gloo, but the real loader was "
+                f"{seen.verdict}: {seen.detail.get('summary', '')} (a bug in fsdpcheck's model "
+                "of this loader; please report it)"
             )
+            details = {"loader": p.name, "predicted": expected, "observed": seen.verdict}
+            findings.append(Finding.about(FindingKind.PREDICTION, (), 0, summary, details=details))
     return tuple(out), tuple(findings)

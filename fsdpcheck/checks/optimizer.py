@@ -210,16 +210,11 @@ def _value_finding(
     who = ranks_label(ranks)
     what = "state values differ between replicas" if sharded else "state values differ"
     shown = name_list([f"{d['param']} {d['key']}" for d in diffs], _LISTED)
-    return Finding(
-        kind=FindingKind.OPTIMIZER,
-        ranks=tuple(ranks),
-        reference_rank=ref_rank,
-        snapshot=Snapshot.LOAD,
-        cause=Cause.LOADING,
-        summary=f"optimizer {what} on {who} from rank {ref_rank}'s: {shown}",
-        tensors=tuple(dict.fromkeys(d["param"] for d in diffs)),
-        details={"count": len(diffs), "differences": diffs[:16], "compared": list(members)},
-    )
+    summary = f"optimizer {what} on {who} from rank {ref_rank}'s: {shown}"
+    params = dict.fromkeys(d["param"] for d in diffs)
+    details = {"count": len(diffs), "differences": diffs[:16], "compared": list(members)}
+    kind = FindingKind.OPTIMIZER
+    return Finding.about(kind, ranks, ref_rank, summary, tensors=params, details=details)
 
 
 def _resume_finding(group: Group, found: OptimizerRecord) -> Finding:
@@ -233,19 +228,13 @@ def _resume_finding(group: Group, found: OptimizerRecord) -> Finding:
         ),
         _LISTED,
     )
-    return Finding(
-        kind=FindingKind.OPTIMIZER,
-        ranks=tuple(group.ranks),
-        reference_rank=group.representative,
-        snapshot=Snapshot.LOAD,
-        cause=Cause.LOADING,
-        summary=f"optimizer state not restored from the checkpoint on {who}: {shown}",
-        tensors=tuple(dict.fromkeys(m.param for m in mismatches if m.param)),
-        details={
-            "count": len(mismatches),
-            "mismatches": [
-                {"param": m.param, "field": m.field, "loaded": m.loaded, "saved": m.saved}
-                for m in mismatches[:16]
-            ],
-        },
-    )
+    summary = f"optimizer state not restored from the checkpoint on {who}: {shown}"
+    listed = [
+        {"param": m.param, "field": m.field, "loaded": m.loaded, "saved": m.saved}
+        for m in mismatches[:16]
+    ]
+    details = {"count": len(mismatches), "mismatches": listed}
+    params = dict.fromkeys(m.param for m in mismatches if m.param)
+    ranks, ref_rank = group.ranks, group.representative
+    kind = FindingKind.OPTIMIZER
+    return Finding.about(kind, ranks, ref_rank, summary, tensors=params, details=details)

@@ -7,7 +7,7 @@ from typing import Any
 
 from fsdpcheck.records import Finding, VerifyResult
 from fsdpcheck.text import ranks_label
-from fsdpcheck.vocab import Cause, FindingKind, Snapshot, SourceLook
+from fsdpcheck.vocab import FindingKind, SourceLook
 
 
 def source_findings(checked: VerifyResult) -> list[Finding]:
@@ -30,17 +30,10 @@ def source_findings(checked: VerifyResult) -> list[Finding]:
                 f"{ranks_label(ranks)}: {mismatch.get('reason', '')}"
                 f"{_where(per_rank[0] if per_rank else {})}"
             )
+        reference, tensors = ranks[0] if ranks else 0, () if name == "*" else (name,)
+        kind, details = FindingKind.SOURCE, dict(mismatch)
         findings.append(
-            Finding(
-                kind=FindingKind.SOURCE,
-                ranks=ranks,
-                reference_rank=ranks[0] if ranks else 0,
-                snapshot=Snapshot.LOAD,
-                cause=Cause.LOADING,
-                summary=summary,
-                tensors=() if name == "*" else (name,),
-                details=dict(mismatch),
-            )
+            Finding.about(kind, ranks, reference, summary, tensors=tensors, details=details)
         )
     return findings
 

@@ -268,16 +268,8 @@ def _group_finding(members: tuple[int, ...], view: dict[int, Side], rec: StepRec
     }
     if rec.before:
         details["agreed_before"] = [c.label() for c in rec.before]
-    return Finding(
-        kind=FindingKind.STEP,
-        ranks=tuple(others),
-        reference_rank=reference[0],
-        snapshot=Snapshot.STEP,
-        cause=Cause.DIVERGENT,
-        summary=summary,
-        tensors=tensors[:64],
-        details=details,
-    )
+    kind, shown = FindingKind.STEP, tensors[:64]
+    return Finding.about(kind, others, reference[0], summary, tensors=shown, details=details)
 
 
 def _caught(issued: Sequence[tuple[list[int], CollectiveCall]]) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from fsdpcheck.checks.groups import own_findings
 from fsdpcheck.records import BufferProblem, Finding, Group, RankRecord
 from fsdpcheck.text import clauses, ranks_label
-from fsdpcheck.vocab import Cause, FindingKind
+from fsdpcheck.vocab import FindingKind
 
 _LISTED = 3
 _WHY = {
@@ -34,14 +34,13 @@ def _finding(group: Group, problems: Sequence[BufferProblem]) -> Finding:
     who = ranks_label(group.ranks)
     first = problems[0]
     shown = clauses(problems, lambda p: _describe(p, who), _LISTED)
-    return Finding(
-        kind=FindingKind.UNINITIALIZED,
-        ranks=tuple(group.ranks),
-        reference_rank=group.representative,
+    return Finding.about(
+        FindingKind.UNINITIALIZED,
+        group.ranks,
+        group.representative,
+        f"buffers are not initialised on {who}: {shown}",
         snapshot=first.snapshot,
-        cause=Cause.LOADING,
-        summary=f"buffers are not initialised on {who}: {shown}",
-        tensors=tuple(p.name for p in problems),
+        tensors=(p.name for p in problems),
         details={
             "problems": [
                 {

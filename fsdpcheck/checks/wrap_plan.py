@@ -198,13 +198,5 @@ def _jsonable(value: Any) -> Any:
 
 
 def _finding(ref_rank, ranks, summary, details, tensors) -> Finding:
-    return Finding(
-        kind=FindingKind.WRAP_PLAN,
-        ranks=tuple(ranks),
-        reference_rank=ref_rank,
-        snapshot="post-wrap",
-        cause="wrapping",
-        summary=summary,
-        tensors=tuple(tensors),
-        details=details,
-    )
+    kind = FindingKind.WRAP_PLAN
+    return Finding.about(kind, ranks, ref_rank, summary, tensors=tensors, details=details)

@@ -15,6 +15,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from fsdpcheck.errors import InputError
 from fsdpcheck.model.presets import PRESETS, Preset
 from fsdpcheck.text import name_list
+from fsdpcheck.vocab import ModelKind
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ _INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
 @dataclass(frozen=True)
 class ResolvedModel:
     spec: str
-    kind: str  # "preset" | "local" | "hub"
+    kind: ModelKind  # PRESET, LOCAL or HUB
     name: str
     path: Path | None = None
     preset: Preset | None = None
@@ -43,13 +44,13 @@ def resolve(spec: str, *, rank: int = 0, allow_pickle: bool = False) -> Resolved
     """Resolve ``spec``; raise :class:`InputError` naming the rank, the input and the fix."""
     preset = PRESETS.get(spec)
     if preset is not None:
-        return ResolvedModel(spec=spec, kind="preset", name=spec, preset=preset)
+        return ResolvedModel(spec=spec, kind=ModelKind.PRESET, name=spec, preset=preset)
     path = Path(spec).expanduser()
     if path.is_dir():
-        return _local(spec, path, "local", spec, rank=rank, allow_pickle=allow_pickle)
+        return _local(spec, path, ModelKind.LOCAL, spec, rank=rank, allow_pickle=allow_pickle)
     if _HUB_ID.match(spec) and not path.exists():
         snapshot = _from_hub_cache(spec, rank=rank)
-        return _local(spec, snapshot, "hub", spec, rank=rank, allow_pickle=allow_pickle)
+        return _local(spec, snapshot, ModelKind.HUB, spec, rank=rank, allow_pickle=allow_pickle)
     if path.exists():
         raise InputError(
             f"rank {rank}: --model {spec!r} is a file; pass the directory that holds "
@@ -96,7 +97,7 @@ def _from_hub_cache(repo_id: str, *, rank: int) -> Path:
 
 
 def _local(
-    spec: str, path: Path, kind: str, name: str, *, rank: int, allow_pickle: bool
+    spec: str, path: Path, kind: ModelKind, name: str, *, rank: int, allow_pickle: bool
 ) -> ResolvedModel:
     config = path / "config.json"
     if not config.is_file():
