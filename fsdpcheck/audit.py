@@ -49,17 +49,12 @@ from fsdpcheck.options import AuditOptions
 from fsdpcheck.pipeline import Stages, before_wrap, build_from, look_at, record_of
 from fsdpcheck.records import (
     CheckpointRecord,
-    EnvRecord,
     Gathered,
     LoadOutcome,
-    MemoryRecord,
-    ModelInfo,
     RankError,
     RankRecord,
-    Report,
     SourceRecord,
     VerifyResult,
-    WrapPlan,
 )
 from fsdpcheck.report import AuditOutcome, assemble, error_report
 from fsdpcheck.step.synthetic import audit_step
@@ -67,6 +62,7 @@ from fsdpcheck.vocab import ErrorKind, ExitCode, Init, LoadMethod, LoadStatus, S
 
 if TYPE_CHECKING:
     from fsdpcheck.checks.hash_seed import ProbeResult
+    from fsdpcheck.records import EnvRecord, MemoryRecord, ModelInfo, Report, WrapPlan
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import MISSING, fields
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -418,6 +419,19 @@ def presets() -> None:
     Console().print(presets_table(PRESETS.values()))
 
 
+def _over_seeds(command: str, outputs: _Outputs, run: Callable[..., Any], **fan_out: Any) -> Any:
+    """probe and scan: refuse outputs that cannot be written, then ``run`` (the one fan-out over
+    hash seeds, :mod:`fsdpcheck.children.seeds`) behind a progress bar, its errors exiting as
+    the command's own."""
+    from fsdpcheck.children.probe import DEFAULT_SEEDS
+    from fsdpcheck.console import CountProgress
+
+    _refuse_outputs(command, outputs)
+    fan_out["seeds"] = fan_out["seeds"] or DEFAULT_SEEDS
+    with _errors_exit(command, outputs), CountProgress(command) as bar:
+        return run(progress=bar.update, **fan_out)
+
+
 PROBE_EPILOG = """
 [bold]Examples[/]
 
@@ -458,31 +472,15 @@ def probe(
     agree by chance with probability 2·2⁻⁸ = 1/128 (< 1%); seeds 0 and 1 already differ for
     {"sliding_attention", "full_attention"}.
     """
-    from fsdpcheck.children.probe import DEFAULT_SEEDS
     from fsdpcheck.children.probe import probe as run_probe
-    from fsdpcheck.console import (
-        CountProgress,
-        probe_errors,
-        probe_header,
-        probe_summary,
-        probe_table,
-    )
+    from fsdpcheck.console import probe_errors, probe_header, probe_summary, probe_table
     from fsdpcheck.formats.annotations import probe_annotations
     from fsdpcheck.formats.junit import probe_to_junit, write_junit
     from fsdpcheck.output import write_json
 
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)
-    _refuse_outputs("probe", outputs)
-    with _errors_exit("probe", outputs), CountProgress("probe") as bar:
-        result = run_probe(
-            model,
-            seeds=seeds or DEFAULT_SEEDS,
-            text_only=text_only,
-            trust_remote_code=trust_remote_code,
-            jobs=jobs,
-            timeout=timeout,
-            progress=bar.update,
-        )
+    run = partial(run_probe, model, text_only=text_only, trust_remote_code=trust_remote_code)
+    result = _over_seeds("probe", outputs, run, seeds=seeds, jobs=jobs, timeout=timeout)
     outputs.finish(
         result.exit_code,
         [
@@ -553,28 +551,17 @@ def scan(
     the config has layer types; the rows compare the orders. Verdicts: ok · hang (reordered
     tensors differ in size) · silent-corruption (same sizes) · skipped: why.
     """
-    from fsdpcheck.children.probe import DEFAULT_SEEDS
     from fsdpcheck.children.scan import scan as run_scan
-    from fsdpcheck.console import CountProgress, scan_errors, scan_summary, scan_table
+    from fsdpcheck.console import scan_errors, scan_summary, scan_table
     from fsdpcheck.formats.annotations import scan_annotations
     from fsdpcheck.formats.junit import scan_to_junit, write_junit
     from fsdpcheck.formats.sarif import scan_to_sarif, write_sarif
     from fsdpcheck.output import write_json
 
     outputs = _Outputs(annotations, json=json_path, junit=junit_path, sarif=sarif_path)
-    _refuse_outputs("scan", outputs)
     families = ("causal-lm", "masked-lm") if masked_lm else ("causal-lm",)
-    with _errors_exit("scan", outputs), CountProgress("scan") as bar:
-        result = run_scan(
-            filters,
-            seeds=seeds or DEFAULT_SEEDS,
-            families=families,
-            presets=preset,
-            jobs=jobs,
-            timeout=timeout,
-            arch_timeout=arch_timeout,
-            progress=bar.update,
-        )
+    run = partial(run_scan, filters, families=families, presets=preset, arch_timeout=arch_timeout)
+    result = _over_seeds("scan", outputs, run, seeds=seeds, jobs=jobs, timeout=timeout)
     table = scan_table(result, all_rows=not problems_only)
     outputs.finish(
         result.exit_code,
@@ -694,7 +681,7 @@ def diff(
 ) -> None:
     """Compare saved fingerprints as ranks, with the audit's analysis and report: ranks of one
     job (hung or not), or the same model across machines and library versions."""
-    from fsdpcheck.console import diff_inputs, render
+    from fsdpcheck.console import diff_inputs
     from fsdpcheck.offline.diff import diff_records
     from fsdpcheck.offline.files import damaged_as_input, read_inputs
 
@@ -703,12 +690,7 @@ def diff(
     among = f"a fingerprint among {', '.join(map(str, paths))} is"
     with _errors_exit("diff", outputs), damaged_as_input(among):
         report = diff_records(read_inputs(paths))
-    console = _stdout()
-    for line in diff_inputs(report):
-        console.print(line, highlight=False)
-    render(report, console, title="fsdpcheck diff")
-    outputs.publish_report(report, suite="fsdpcheck.diff")
-    raise typer.Exit(outputs.exit_code(report.exit_code))
+    _show_offline("diff", outputs, report, diff_inputs(report))
 
 
 EXPLAIN_EPILOG = """
@@ -753,18 +735,25 @@ def explain(
 ) -> None:
     """Name the first collective where the ranks of a hung or aborted job diverged, from their
     Flight Recorder dumps, and (with fingerprints) the tensors behind it."""
-    from fsdpcheck.console import render, trace_inputs
+    from fsdpcheck.console import trace_inputs
     from fsdpcheck.offline.explain import explain as explain_dumps
 
     outputs = _Outputs(annotations, json=json_path, junit=junit_path)
     _refuse_outputs("explain", outputs)
     with _errors_exit("explain", outputs):
         report = explain_dumps(paths, fingerprints=fingerprint, allow_pickle=allow_pickle)
+    _show_offline("explain", outputs, report, trace_inputs(report))
+
+
+def _show_offline(command: str, outputs: _Outputs, report: Report, inputs: list[str]) -> NoReturn:
+    """diff and explain: what was read, then the report and its files; exit with its code."""
+    from fsdpcheck.console import render
+
     console = _stdout()
-    for line in trace_inputs(report):
+    for line in inputs:
         console.print(line, highlight=False)
-    render(report, console, title="fsdpcheck explain")
-    outputs.publish_report(report, suite="fsdpcheck.explain")
+    render(report, console, title=f"fsdpcheck {command}")
+    outputs.publish_report(report, suite=f"fsdpcheck.{command}")
     raise typer.Exit(outputs.exit_code(report.exit_code))
 
 

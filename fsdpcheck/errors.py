@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fsdpcheck.vocab import ErrorKind, ExitCode
 
 
@@ -26,3 +28,17 @@ class OptionError(InputError):
     def __init__(self, message: str, option: str | None = None):
         super().__init__(message)
         self.option = option
+
+
+class ModelCheckFailed(FsdpcheckError):
+    """The ranks' models differ (or the check could not finish); ``headline`` says how."""
+
+    def __init__(self, headline: str, exit_code: int, result: Any = None):
+        super().__init__(f"fsdpcheck: {headline} (exit {exit_code})")
+        self.headline = headline
+        self.exit_code = exit_code
+        self.result = result  # the AuditResult; its report is on rank 0
+
+
+class FsdpcheckWarning(UserWarning):
+    """``on_failure="warn"``: the ranks' models differ, and training goes on anyway."""

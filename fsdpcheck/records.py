@@ -798,6 +798,22 @@ def mesh_layout(record: RankRecord) -> list:
 
 
 @dataclass(frozen=True)
+class ValueKeys:
+    """Per rank, what the value check (:mod:`fsdpcheck.checks.value`) compares, as the gather's
+    slots carry it; None where a rank holds none."""
+
+    values: dict[int, str | None]  # digest of what must agree on every peer
+    replicas: dict[int, str | None] = field(default_factory=dict)  # of its local shards
+    shard_keys: dict[int, str | None] = field(default_factory=dict)  # which shards it holds
+    # RankRecord.peer_key: unsharded values are compared among equal keys only (None: all peers).
+    peer_keys: dict[int, str | None] | None = None
+    # RankRecord.sibling_key and the digest of its local shards of what tensor parallelism left
+    # whole (fsdpcheck.model.keys.sibling_digest), compared among equal keys.
+    sibling_keys: dict[int, str | None] | None = None
+    siblings: dict[int, str | None] | None = None
+
+
+@dataclass(frozen=True)
 class Gathered:
     """What rank 0 holds after the gather: every rank's digest and host, and one record per
     distinct digest (keyed by its representative, the lowest rank with that digest)."""
@@ -807,17 +823,8 @@ class Gathered:
     records: dict[int, RankRecord]
     bytes_sent: int  # by this rank
     meta_ranks: tuple[int, ...] = ()  # ranks whose tensors were on meta before loading
-    # What the value check needs (fsdpcheck.checks.value): per rank, None where it holds none.
-    values: dict[int, str | None] | None = None
-    replicas: dict[int, str | None] | None = None
-    shard_keys: dict[int, str | None] | None = None
+    value_keys: ValueKeys | None = None  # what the value check compares; None: not gathered
     extra: dict[int, RankRecord] | None = None  # records of value senders that are no group's
-    # Per rank, RankRecord.peer_key: unsharded values are compared among equal keys only.
-    peer_keys: dict[int, str | None] | None = None
-    # Per rank, RankRecord.sibling_key and the digest of its local shards of what tensor
-    # parallelism left whole (fsdpcheck.checks.value.sibling_digest), compared among equal keys.
-    sibling_keys: dict[int, str | None] | None = None
-    siblings: dict[int, str | None] | None = None
     # Per rank, where its experts sit and their digest (fsdpcheck.checks.expert); None: none.
     expert_keys: dict[int, ExpertKey | None] | None = None
     # Per rank, its hash-seed tag (fsdpcheck.checks.hash_seed.seed_tag): 0 where hash

@@ -214,9 +214,10 @@ def _error_headline(errors: Sequence[RankError]) -> str:
 
 
 def _not_compared(gathered: Gathered) -> tuple[int, ...]:
-    if gathered.values is None or len(gathered.digests) < 2:
+    keys = gathered.value_keys
+    if keys is None or len(gathered.digests) < 2:
         return ()
-    return not_compared(gathered.values, gathered.replicas or {}, gathered.siblings)
+    return not_compared(keys.values, keys.replicas, keys.siblings)
 
 
 def _checkpoint(

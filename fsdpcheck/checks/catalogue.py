@@ -105,7 +105,7 @@ class Evidence:
 
     def has(self, need: Need) -> bool:
         present = {
-            Need.VALUES: self.gathered.values is not None,
+            Need.VALUES: self.gathered.value_keys is not None,
             Need.LOAD: self.load is not None,
             Need.VERIFY: self.verify is not None,
             Need.SOURCE: self.source is not None,
@@ -202,15 +202,7 @@ def _non_finite(e: Evidence) -> list[Finding]:
 def _values(e: Evidence) -> list[Finding]:
     g = e.gathered
     everyone = {**g.records, **(g.extra or {})}  # value senders that are no group's too
-    return value_findings(
-        everyone,
-        g.values,
-        g.replicas or {},
-        g.shard_keys or {},
-        g.peer_keys,
-        g.sibling_keys,
-        g.siblings,
-    )
+    return value_findings(everyone, g.value_keys)
 
 
 def _optimizer(e: Evidence) -> list[Finding]:

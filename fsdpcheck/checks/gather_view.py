@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from fsdpcheck.distributed.environment import seed_tag
-from fsdpcheck.model.keys import expert_key, sibling_digest, value_digests, value_senders
+from fsdpcheck.model.keys import expert_key, value_keys, value_senders
 from fsdpcheck.records import Gathered, RankRecord
 
 
@@ -24,31 +24,19 @@ def built_on_meta(record: RankRecord) -> bool:
 def gathered_from(records: Mapping[int, RankRecord]) -> Gathered:
     """The :class:`Gathered` of ``records`` (rank → its record), as the gather builds it."""
     digests = {rank: records[rank].group_digest() for rank in sorted(records)}
-    values, replicas = {}, {}
-    for rank in digests:
-        values[rank], replicas[rank] = value_digests(records[rank])
-    keys = {rank: records[rank].shard_key for rank in digests}
-    peers = {rank: records[rank].peer_key for rank in digests}
-    sibling_keys = {rank: records[rank].sibling_key for rank in digests}
-    siblings = {rank: sibling_digest(records[rank]) for rank in digests}
     reps: dict[str, int] = {}
     for rank, digest in digests.items():
         reps.setdefault(digest, rank)
-    extra_senders = value_senders(values, replicas, keys, peers, sibling_keys, siblings)
-    extra_senders -= set(reps.values())
+    keys = value_keys(records)
+    extra_senders = value_senders(keys) - set(reps.values())
     return Gathered(
         digests=digests,
         hosts={rank: records[rank].env.host for rank in digests},
         records={rank: records[rank] for rank in reps.values()},
         bytes_sent=0,
         meta_ranks=tuple(rank for rank in digests if built_on_meta(records[rank])),
-        values=values,
-        replicas=replicas,
-        shard_keys=keys,
-        peer_keys=peers,
-        sibling_keys=sibling_keys,
-        siblings=siblings,
-        seed_tags={rank: seed_tag(records[rank].env.hash_seed) for rank in digests},
+        value_keys=keys,
         extra={rank: records[rank] for rank in sorted(extra_senders)},
         expert_keys={rank: expert_key(records[rank]) for rank in digests},
+        seed_tags={rank: seed_tag(records[rank].env.hash_seed) for rank in digests},
     )

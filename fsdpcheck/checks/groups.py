@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from fsdpcheck.records import Finding, Gathered, Group, RankRecord
+from fsdpcheck.records import Finding, Gathered, Group, RankRecord, ValueKeys
 
 T = TypeVar("T")
 
@@ -95,8 +95,8 @@ def speakers(gathered: Gathered, reference: Group) -> list[tuple[tuple[int, ...]
     A group's representative speaks for the ranks of its group with its value digest (values
     and devices of what must agree everywhere); a value sender (:class:`Gathered` ``extra``), for
     the ranks that also hold its local shards' digest. Records with an error are left out."""
-    values, replicas = gathered.values or {}, gathered.replicas or {}
-    siblings = gathered.siblings or {}
+    keys = gathered.value_keys or ValueKeys({})
+    values, replicas, siblings = keys.values, keys.replicas, keys.siblings or {}
     extra = gathered.extra or {}
 
     def key(rank: int, fine: bool) -> tuple:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdpcheck.checks.groups import own_findings, reference_group, usable_groups
-from fsdpcheck.model.keys import comparisons, is_sharded
+from fsdpcheck.model.keys import by_digest, comparisons, is_sharded
 from fsdpcheck.records import Finding, Gathered, Group, OptimizerRecord, RankRecord
 from fsdpcheck.text import clauses, name_list, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
@@ -164,22 +164,18 @@ def _params(diffs: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
 
 def _value_findings(gathered: Gathered) -> list[Finding]:
     """Peers (or replicas of one shard) whose optimizer state values differ, by parameter."""
-    g = gathered
-    if g.values is None:
+    keys = gathered.value_keys
+    if keys is None:
         return []
-    everyone = {**g.records, **(g.extra or {})}
-    sets = comparisons(list(g.values), g.shard_keys or {}, g.peer_keys)
+    everyone = {**gathered.records, **(gathered.extra or {})}
+    sets = comparisons(list(keys.values), keys.shard_keys, keys.peer_keys)
     findings = []
     for sharded, members_list, digests in (
-        (False, sets["unsharded"], g.values),
-        (True, sets["shards"], g.replicas or {}),
+        (False, sets["unsharded"], keys.values),
+        (True, sets["shards"], keys.replicas),
     ):
         for members in members_list:
-            by_digest: dict[str, list[int]] = {}
-            for r in sorted(members):
-                if digests.get(r) is not None:
-                    by_digest.setdefault(digests[r], []).append(r)
-            groups = list(by_digest.values())
+            groups = list(by_digest(digests, members).values())
             for ranks in groups[1:]:
                 ref, other = everyone.get(groups[0][0]), everyone.get(ranks[0])
                 if ref is None or other is None:

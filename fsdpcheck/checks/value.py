@@ -47,6 +47,7 @@ from fsdpcheck.records import (
     Finding,
     Fingerprint,
     RankRecord,
+    ValueKeys,
 )
 from fsdpcheck.text import clauses, ranks_label
 from fsdpcheck.vocab import Cause, FindingKind, Snapshot
@@ -77,27 +78,19 @@ def not_compared(
     )
 
 
-def value_findings(
-    records: Mapping[int, RankRecord],
-    values: Mapping[int, str | None],
-    replicas: Mapping[int, str | None],
-    shard_keys: Mapping[int, str | None],
-    peer_keys: Mapping[int, str | None] | None = None,
-    sibling_keys: Mapping[int, str | None] | None = None,
-    siblings: Mapping[int, str | None] | None = None,
-) -> list[Finding]:
+def value_findings(records: Mapping[int, RankRecord], keys: ValueKeys) -> list[Finding]:
     """One finding per group of ranks whose must-agree values differ from their peers'
     reference (the lowest rank of the peer set), and one per replica set (or set of ranks
-    holding one shard on TP sibling sub-meshes) whose local shards differ. ``peer_keys`` None:
+    holding one shard on TP sibling sub-meshes) whose local shards differ. No peer keys:
     every rank is every rank's peer."""
     findings: list[Finding] = []
-    for members in peer_sets(list(values), peer_keys):
-        groups = list(by_digest(values, members).values())
+    for members in peer_sets(list(keys.values), keys.peer_keys):
+        groups = list(by_digest(keys.values, members).values())
         for ranks in groups[1:]:
             finding = _finding(records, groups[0][0], ranks, sharded=False, compared=members)
             if finding is not None:
                 findings.append(finding)
-    for members, digests, on_siblings in shard_sets(shard_keys, replicas, sibling_keys, siblings):
+    for members, digests, on_siblings in shard_sets(keys):
         groups = list(by_digest(digests, members).values())
         for ranks in groups[1:]:
             finding = _finding(

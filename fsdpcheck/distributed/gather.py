@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,12 +24,16 @@ from fsdpcheck.records import (
     MemoryRecord,
     RankRecord,
     StageMemory,
+    ValueKeys,
     from_dict,
+    short_digest,
     to_dict,
 )
 from fsdpcheck.vocab import MemoryPeak
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 _DIGEST_BYTES = 16
 _HOST_BYTES = 64
@@ -160,7 +165,7 @@ def gather_records(
         record.sibling_key,
         sibling_digest(record),
     )
-    slots = _gather_slots(mine, group, rank=rank, world_size=world_size)
+    slots = gather_slots(mine, group, rank=rank, world_size=world_size)
     sent = SLOT_BYTES
     if rank != 0:
         if rank in _broadcast_ranks(None, group):
@@ -180,34 +185,32 @@ def gather_records(
             meta_ranks.append(r)
     reps = set(representatives(digests).values())
     # Ranks whose values differ send too (no group's representative, no more than a few).
-    extra_senders = value_senders(values, replicas, keys, peers, sibling_keys, siblings) - reps
+    found = ValueKeys(values, replicas, keys, peers, sibling_keys, siblings)
+    extra_senders = value_senders(found) - reps
     senders = sorted((reps | extra_senders) - {0})
     _broadcast_ranks(senders, group)
     log.info("%d ranks, %d digests; full records from ranks %s", world_size, len(reps), senders)
     records: dict[int, RankRecord] = {0: record}
     extra: dict[int, RankRecord] = {}
     for sender in senders:
-        (extra if sender in extra_senders else records)[sender] = _recv_record(sender, group)
+        (extra if sender in extra_senders else records)[sender] = _recv_record(
+            RankRecord, sender, group
+        )
     return Gathered(
         digests,
         hosts,
         records,
         sent,
         tuple(meta_ranks),
-        values,
-        replicas,
-        keys,
+        found,
         extra,
-        peers,
         expert_keys=experts,
-        sibling_keys=sibling_keys,
-        siblings=siblings,
         seed_tags=seed_tags,
     )
 
 
-def _gather_slots(mine: bytes, group: object, *, rank: int, world_size: int) -> list[bytes]:
-    """Every rank's slot on rank 0 (in rank order); ``[]`` elsewhere."""
+def gather_slots(mine: bytes, group: object, *, rank: int, world_size: int) -> list[bytes]:
+    """Collective: every rank's fixed-size slot on rank 0 (in rank order); ``[]`` elsewhere."""
     tensor = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     out = [torch.empty_like(tensor) for _ in range(world_size)] if rank == 0 else None
     dist.gather(tensor, out, dst=0, group=group)
@@ -226,19 +229,38 @@ def _broadcast_ranks(ranks: list[int] | None, group: object) -> list[int]:
     return [int(r) for r in payload.tolist()]
 
 
-def _send_record(record: RankRecord, group: object) -> int:
-    payload = json.dumps(to_dict(record)).encode()
+def _send_record(record: Any, group: object) -> int:
+    payload = json.dumps(to_dict(record), sort_keys=True).encode()
     dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=0, group=group)
     dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0, group=group)
     return 8 + len(payload)
 
 
-def _recv_record(src: int, group: object) -> RankRecord:
+def _recv_record(kind: type[R], src: int, group: object) -> R:
     size = torch.empty(1, dtype=torch.int64)
     dist.recv(size, src=src, group=group)
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(payload, src=src, group=group)
-    return from_dict(RankRecord, json.loads(payload.numpy().tobytes()))
+    return from_dict(kind, json.loads(payload.numpy().tobytes()))
+
+
+def gather_distinct(record: R, group: object, *, rank: int, world_size: int) -> dict[int, R] | None:
+    """Collective over ``group``: every rank's ``record`` on rank 0 (rank → record), ``None``
+    elsewhere. Digest-first, as :func:`gather_records`: each rank's 16-byte digest of its record,
+    then one full record per distinct digest; ranks that agree send the digest only."""
+    digest = short_digest(json.dumps(to_dict(record), sort_keys=True))
+    slots = gather_slots(bytes.fromhex(digest), group, rank=rank, world_size=world_size)
+    if rank != 0:
+        if rank in _broadcast_ranks(None, group):
+            _send_record(record, group)
+        return None
+    first: dict[bytes, int] = {}
+    for r, slot in enumerate(slots):
+        first.setdefault(slot, r)
+    senders = sorted(set(first.values()) - {0})
+    _broadcast_ranks(senders, group)
+    by_sender = {0: record} | {s: _recv_record(type(record), s, group) for s in senders}
+    return {r: by_sender[first[slot]] for r, slot in enumerate(slots)}
 
 
 # gather_memory's fixed slot, int64 words (-1: None): the method, the record's own numbers,

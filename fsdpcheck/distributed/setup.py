@@ -35,8 +35,8 @@ class DistContext:
     backend: str
     device_type: str
     timeout: float
-    side_channel: Any
     owns_default_group: bool
+    side_channel: Any = None  # fsdpcheck's gloo group, set once every rank has arrived
     mesh: Any = None
     store: Any = None  # the default group's store, for stage marks; None when unavailable
     ep_meshes: Any = None  # model.parallel.EpMeshes: the views --ep shards over, built with mesh
@@ -128,16 +128,9 @@ def init(
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())
         spec = _mesh_spec(world_size=world_size, rank=rank, **asked)
+    store = _default_store()
     ctx = DistContext(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        backend=backend,
-        device_type=device_type,
-        timeout=timeout,
-        side_channel=None,
-        owns_default_group=owns,
-        store=_default_store(),
+        rank, local_rank, world_size, backend, device_type, timeout, owns, store=store
     )
     if arrive is not None:
         arrive(ctx)

@@ -11,59 +11,6 @@ import torch
 import torch.distributed as dist
 
 
-def exchange_slots(
-    raw: bytes,
-    group: Any,
-    *,
-    size: int,
-    device: Any = "cpu",
-    src: int = 0,
-    attached: int = 0,
-    attachment: bytes = b"",
-) -> tuple[list[bytes], bytes]:
-    """Collective: every rank's fixed-size ``raw``, in group order, on every rank.
-
-    With ``attached`` > 0 (the same on every rank), the rank at group index ``src`` also sends
-    every other rank its ``attachment``, padded to ``attached`` bytes, in the same round:
-    returned second on every rank, ``src`` included (``b""`` otherwise). Sizes never depend on
-    what a rank holds, so ranks that disagree still exchange cleanly. An all_to_all of the slot
-    rather than an all_gather: gloo's all_gather is a ring (world-1 hops, one after another),
-    its all_to_all one round of direct messages; 0.9 ms against 3.0 ms at 4 ranks on 2 cores
-    (see docs/benchmarks.md)."""
-    me = dist.get_rank(group=group)
-    if len(attachment) > attached:
-        raise ValueError(f"attachment of {len(attachment)} bytes exceeds attached={attached}")
-    width = len(raw)
-    # Each part padded to whole 8-byte words and moved as int64: gloo moves a uint8 tensor
-    # several times slower than the same bytes as int64.
-    padded_width, padded_attached = -(-width // 8) * 8, -(-attached // 8) * 8
-    slot = raw.ljust(padded_width, b"\0")
-    extra_to = [padded_attached if i == src and i != me else 0 for i in range(size)]
-    if me == src and padded_attached:  # the attachment to every other rank, not to itself
-        message = slot + attachment.ljust(padded_attached, b"\0")
-        own = b"".join(slot if i == me else message for i in range(size))
-        sent = [(padded_width + (0 if i == me else padded_attached)) // 8 for i in range(size)]
-    else:
-        own = slot * size
-        sent = [padded_width // 8] * size
-    word = torch.frombuffer(bytearray(own), dtype=torch.int64).to(device)
-    received = [(padded_width + extra_to[i]) // 8 for i in range(size)]
-    out = torch.empty(sum(received), dtype=torch.int64, device=device)
-    dist.all_to_all_single(
-        out, word, output_split_sizes=received, input_split_sizes=sent, group=group
-    )
-    flat = out.cpu().numpy().tobytes()
-    slots, extra, offset = [], b"", 0
-    for i, count in enumerate(received):
-        slots.append(flat[offset : offset + width])
-        if i == src:
-            extra = flat[offset + padded_width : offset + padded_width + attached]
-        offset += count * 8
-    if me == src and attached:
-        extra = attachment.ljust(attached, b"\0")
-    return slots, extra
-
-
 @dataclass(frozen=True)
 class Span:
     """Each word's least and greatest value over a group's members, and the root's attachment."""

@@ -16,14 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fsdpcheck.integrations.common import (
-    FsdpcheckWarning,
-    ModelCheckFailed,
-    missing_extra,
-    run_check,
-    run_step_check,
-    validate_on_failure,
-)
+from fsdpcheck.errors import FsdpcheckWarning, ModelCheckFailed
+from fsdpcheck.integrations.common import CheckSettings, missing_extra
 
 __all__ = ["FsdpcheckWarning", "ModelCheckFailed", "check_first_step", "check_prepared"]
 
@@ -51,12 +45,9 @@ def check_prepared(
         import accelerate  # noqa: F401  (the extra; the accelerator itself is the caller's)
     except ImportError as exc:
         raise missing_extra("accelerate", "accelerate", exc) from exc
-    validate_on_failure(on_failure)
-    return run_check(
+    settings = CheckSettings(on_failure=on_failure, timeout=timeout, json_path=json_path)
+    return settings.check(
         accelerator.unwrap_model(model),
-        on_failure=on_failure,
-        timeout=timeout,
-        json_path=json_path,
         where="after accelerator.prepare",
         checkpoint=checkpoint,
         optimizer=optimizer,
@@ -76,12 +67,8 @@ def check_first_step(
     """Collective: the first training step, run once by calling ``step()`` (forward,
     ``accelerator.backward``, ``optimizer.step()``), under :func:`fsdpcheck.check_step`.
     Returns the AuditResult; a failure raises :class:`ModelCheckFailed` or warns."""
-    validate_on_failure(on_failure)
-    return run_step_check(
-        accelerator.unwrap_model(model),
-        step,
-        on_failure=on_failure,
-        timeout=timeout,
-        json_path=json_path,
-        where="first training step",
+    settings = CheckSettings(on_failure=on_failure, timeout=timeout, json_path=json_path)
+    where = "first training step"
+    return settings.check_step(
+        accelerator.unwrap_model(model), step, where=where, json_path=json_path
     )

@@ -9,26 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from fsdpcheck.audit import check_model
-from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.errors import FsdpcheckWarning, ModelCheckFailed
 from fsdpcheck.output import write_json
 from fsdpcheck.step.api import check_step
 from fsdpcheck.vocab import ExitCode
 
 ON_FAILURE = ("raise", "warn")
-
-
-class ModelCheckFailed(FsdpcheckError):
-    """The ranks' models differ (or the check could not finish); ``headline`` says how."""
-
-    def __init__(self, headline: str, exit_code: int, result: Any = None):
-        super().__init__(f"fsdpcheck: {headline} (exit {exit_code})")
-        self.headline = headline
-        self.exit_code = exit_code
-        self.result = result  # the AuditResult; its report is on rank 0
-
-
-class FsdpcheckWarning(UserWarning):
-    """``on_failure="warn"``: the ranks' models differ, and training goes on anyway."""
 
 
 def validate_on_failure(on_failure: str) -> str:
@@ -55,49 +41,75 @@ class CheckSettings:
         self.checkpoint = checkpoint
         self.result: Any = None
 
+    def check(
+        self,
+        model: Any,
+        *,
+        where: str,
+        checkpoint: str | os.PathLike[str] | None = None,
+        rank0_checkpoint: bool = False,
+        optimizer: Any = None,
+        scheduler: Any = None,
+    ) -> Any:
+        """Collective: every rank must call it. Returns the AuditResult when the ranks agree;
+        otherwise raises :class:`ModelCheckFailed` or warns, the same on every rank.
+
+        ``json_path`` is checked on every rank before the check begins, so a path the report
+        cannot be written to fails every rank alike (exit 2, in either mode) instead of rank 0
+        alone after the check while the others train on. No rank is ended by the check when its
+        peers give up on it (a rank slower than ``timeout``): it returns exit 3, and raises or
+        warns, like them.
+
+        ``checkpoint``: what the framework resumed from, where the settings name none (see
+        :func:`local_checkpoint`), forwarded to ``check_model(checkpoint=)``: ranks that resumed
+        different saves are a ``checkpoint`` finding. ``rank0_checkpoint``: the framework loaded
+        rank 0's path on every rank (see ``check_model``). ``optimizer``, ``scheduler``: what
+        the framework steps with, forwarded to ``check_model`` (an ``optimizer`` finding)."""
+        _check_json_path(self.json_path, where)
+        result = check_model(
+            model,
+            checkpoint=local_checkpoint(self.checkpoint or checkpoint),
+            timeout=self.timeout,
+            rank0_checkpoint=rank0_checkpoint,
+            optimizer=optimizer,
+            scheduler=scheduler,
+        )
+        return self.act_on(result, where=where, json_path=self.json_path)
+
+    def check_step(
+        self, model: Any, step: Any, *, where: str, json_path: str | Path | None = None
+    ) -> Any:
+        """Collective: :func:`fsdpcheck.check_step` on the first real training step (``step``, a
+        zero-argument callable that runs it), rank 0's report written to ``json_path``, then
+        raise or warn as :meth:`check` does. After a divergence the step did not complete:
+        training on from it ("warn") is at the user's risk."""
+        _check_json_path(json_path, where)
+        result = check_step(model, step, timeout=self.timeout)
+        return self.act_on(result, where=where, json_path=json_path)
+
+    def act_on(self, result: Any, *, where: str, json_path: str | Path | None) -> Any:
+        """Write rank 0's report, then return the result, raise or warn, the same on every
+        rank."""
+        if json_path is not None and result.report is not None:  # rank 0 holds the report
+            write_json(result.report, Path(json_path))
+        if result.exit_code == 0:
+            return result
+        headline = result.headline or "the check failed; see rank 0's report"
+        if self.on_failure == "raise":
+            raise ModelCheckFailed(f"{where}: {headline}", result.exit_code, result)
+        warnings.warn(
+            f"fsdpcheck ({where}): {headline} (exit {result.exit_code})",
+            FsdpcheckWarning,
+            stacklevel=4,
+        )
+        return result
+
 
 def missing_extra(framework: str, extra: str, exc: ImportError) -> ImportError:
     return ImportError(
         f"fsdpcheck.integrations.{extra} needs {framework}, which is not importable here "
         f"({exc}); install it with: pip install 'fsdpcheck[{extra}]'"
     )
-
-
-def run_check(
-    model: Any,
-    *,
-    on_failure: str,
-    timeout: float,
-    json_path: str | Path | None,
-    where: str,
-    checkpoint: str | os.PathLike[str] | None = None,
-    rank0_checkpoint: bool = False,
-    optimizer: Any = None,
-    scheduler: Any = None,
-) -> Any:
-    """Collective: every rank must call it. Returns the AuditResult when the ranks agree;
-    otherwise raises :class:`ModelCheckFailed` or warns, the same on every rank.
-
-    ``json_path`` is checked on every rank before the check begins, so a path the report cannot
-    be written to fails every rank alike (exit 2, in either mode) instead of rank 0 alone after
-    the check while the others train on. No rank is ended by the check when its peers give up on
-    it (a rank slower than ``timeout``): it returns exit 3, and raises or warns, like them.
-
-    ``checkpoint``: what the framework resumed from (see :func:`local_checkpoint`), forwarded to
-    ``check_model(checkpoint=)``: ranks that resumed different saves are a ``checkpoint``
-    finding. ``rank0_checkpoint``: the framework loaded rank 0's path on every rank (see
-    ``check_model``). ``optimizer``, ``scheduler``: what the framework steps with, forwarded to
-    ``check_model`` (an ``optimizer`` finding)."""
-    _check_json_path(json_path, where)
-    result = check_model(
-        model,
-        checkpoint=local_checkpoint(checkpoint),
-        timeout=timeout,
-        rank0_checkpoint=rank0_checkpoint,
-        optimizer=optimizer,
-        scheduler=scheduler,
-    )
-    return act_on(result, on_failure=on_failure, json_path=json_path, where=where)
 
 
 def local_checkpoint(checkpoint: Any) -> str | os.PathLike[str] | None:
@@ -112,43 +124,11 @@ def local_checkpoint(checkpoint: Any) -> str | os.PathLike[str] | None:
     return checkpoint
 
 
-def run_step_check(
-    model: Any,
-    step: Any,
-    *,
-    on_failure: str,
-    timeout: float,
-    json_path: str | Path | None,
-    where: str,
-) -> Any:
-    """Collective: :func:`fsdpcheck.check_step` on the first real training step (``step``, a
-    zero-argument callable that runs it), then raise or warn as :func:`run_check` does. After a
-    divergence the step did not complete: training on from it ("warn") is at the user's risk."""
-    _check_json_path(json_path, where)
-    result = check_step(model, step, timeout=timeout)
-    return act_on(result, on_failure=on_failure, json_path=json_path, where=where)
-
-
 def _check_json_path(json_path: str | Path | None, where: str) -> None:
     if json_path is not None:
         problem = _json_path_problem(Path(json_path))
         if problem:
             raise ModelCheckFailed(f"{where}: {problem}", ExitCode.BAD_INPUT)
-
-
-def act_on(result: Any, *, on_failure: str, json_path: str | Path | None, where: str) -> Any:
-    """Write rank 0's report, then return the result, raise or warn, the same on every rank."""
-    if json_path is not None and result.report is not None:  # rank 0 holds the report
-        write_json(result.report, Path(json_path))
-    if result.exit_code == 0:
-        return result
-    headline = result.headline or "the check failed; see rank 0's report"
-    if on_failure == "raise":
-        raise ModelCheckFailed(f"{where}: {headline}", result.exit_code, result)
-    warnings.warn(
-        f"fsdpcheck ({where}): {headline} (exit {result.exit_code})", FsdpcheckWarning, stacklevel=4
-    )
-    return result
 
 
 def _json_path_problem(path: Path) -> str | None:

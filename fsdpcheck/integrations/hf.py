@@ -33,14 +33,8 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.integrations.common import (
-    CheckSettings,
-    FsdpcheckWarning,
-    ModelCheckFailed,
-    missing_extra,
-    run_check,
-    run_step_check,
-)
+from fsdpcheck.errors import FsdpcheckWarning, ModelCheckFailed
+from fsdpcheck.integrations.common import CheckSettings, missing_extra
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +77,10 @@ class FsdpcheckCallback(TrainerCallback, CheckSettings):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs):
         if model is None:
             raise ModelCheckFailed("Trainer passed no model to on_train_begin", 2)
-        self.result = run_check(
+        self.result = self.check(
             model,
-            on_failure=self.on_failure,
-            timeout=self.timeout,
-            json_path=self.json_path,
             where="Trainer on_train_begin",
-            checkpoint=self.checkpoint or _resumed_from(args, state),
+            checkpoint=_resumed_from(args, state),
             optimizer=kwargs.get("optimizer"),
             scheduler=kwargs.get("lr_scheduler"),
         )
@@ -139,13 +130,11 @@ class FirstStepWatch(CheckSettings):
             losses.append(trainer.training_step(model, *args, **kwargs))
             return losses[-1]
 
-        self.result = run_step_check(
+        self.result = self.check_step(
             trainer.accelerator.unwrap_model(model),
             step,
-            on_failure=self.on_failure,
-            timeout=self.timeout,
-            json_path=self.json_path,
             where="Trainer first training_step",
+            json_path=self.json_path,
         )
         if losses:
             return losses[0]

@@ -30,14 +30,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fsdpcheck.integrations.common import (
-    CheckSettings,
-    FsdpcheckWarning,
-    ModelCheckFailed,
-    missing_extra,
-    run_check,
-    run_step_check,
-)
+from fsdpcheck.errors import FsdpcheckWarning, ModelCheckFailed
+from fsdpcheck.integrations.common import CheckSettings, missing_extra
 
 try:
     from pytorch_lightning import Callback
@@ -113,13 +107,10 @@ class FsdpcheckCallback(Callback, CheckSettings):
             # pytorch_lightning 2.6) load rank 0's ckpt_path on every rank: they broadcast it,
             # so this rank's own ckpt_path is not what it loaded; rank 0's arrives instead.
             found = None
-        self.result = run_check(
+        self.result = self.check(
             model,
-            on_failure=self.on_failure,
-            timeout=self.timeout,
-            json_path=self.json_path,
             where=f"Lightning {hook}",
-            checkpoint=self.checkpoint or found,
+            checkpoint=found,
             # The same on every rank (the strategy), whatever checkpoint= each rank was given:
             # the broadcast is a collective.
             rank0_checkpoint=self._after_setup,
@@ -154,13 +145,8 @@ class FsdpcheckCallback(Callback, CheckSettings):
                 returned.append(original(*args, **kwargs))
                 return losses[-1] if losses else returned[-1]
 
-            self.step_result = run_step_check(
-                model,
-                step,
-                on_failure=self.on_failure,
-                timeout=self.timeout,
-                json_path=self.step_json_path,
-                where="Lightning first training step",
+            self.step_result = self.check_step(
+                model, step, where="Lightning first training step", json_path=self.step_json_path
             )
             return returned[0] if returned else None
 

@@ -23,6 +23,7 @@ from fsdpcheck.records import (
     MeshRecord,
     RankRecord,
     TensorRecord,
+    ValueKeys,
     short_digest,
 )
 
@@ -196,32 +197,37 @@ def comparisons(
     }
 
 
-def shard_sets(
-    shard_keys: Mapping[int, str | None],
-    replicas: Mapping[int, str | None],
-    sibling_keys: Mapping[int, str | None] | None,
-    siblings: Mapping[int, str | None] | None,
-) -> list[tuple[list[int], Mapping[int, str | None], bool]]:
+def shard_sets(keys: ValueKeys) -> list[tuple[list[int], Mapping[int, str | None], bool]]:
     """(ranks holding the same local shards, their digests, on sibling sub-meshes or not)."""
-    out = [(members, replicas, False) for members in _replica_sets(shard_keys)]
-    out += [(members, siblings or {}, True) for members in _replica_sets(sibling_keys or {})]
+    out = [(members, keys.replicas, False) for members in _replica_sets(keys.shard_keys)]
+    siblings = keys.siblings or {}
+    out += [(members, siblings, True) for members in _replica_sets(keys.sibling_keys or {})]
     return out
 
 
-def value_senders(
-    values: Mapping[int, str | None],
-    replicas: Mapping[int, str | None],
-    shard_keys: Mapping[int, str | None],
-    peer_keys: Mapping[int, str | None] | None = None,
-    sibling_keys: Mapping[int, str | None] | None = None,
-    siblings: Mapping[int, str | None] | None = None,
-) -> set[int]:
+def value_keys(records: Mapping[int, RankRecord]) -> ValueKeys:
+    """The :class:`ValueKeys` of ``records`` (rank → its record), as the gather's slots carry
+    them."""
+    values, replicas = {}, {}
+    for rank in sorted(records):
+        values[rank], replicas[rank] = value_digests(records[rank])
+    return ValueKeys(
+        values,
+        replicas,
+        {rank: records[rank].shard_key for rank in values},
+        {rank: records[rank].peer_key for rank in values},
+        {rank: records[rank].sibling_key for rank in values},
+        {rank: sibling_digest(records[rank]) for rank in values},
+    )
+
+
+def value_senders(keys: ValueKeys) -> set[int]:
     """Ranks whose full record rank 0 needs to name differing tensors; every rank computes the
     same set from the slots. Empty when every rank agrees."""
     senders: set[int] = set()
     differing = 0
-    compared = [(members, values) for members in peer_sets(list(values), peer_keys)]
-    compared += [(m, d) for m, d, _ in shard_sets(shard_keys, replicas, sibling_keys, siblings)]
+    compared = [(members, keys.values) for members in peer_sets(list(keys.values), keys.peer_keys)]
+    compared += [(members, digests) for members, digests, _ in shard_sets(keys)]
     for members, digests in compared:
         groups = by_digest(digests, members)
         if len(groups) > 1 and differing < SENDER_LIMIT:

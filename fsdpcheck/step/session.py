@@ -8,8 +8,6 @@ the side channel's timeout, and every rank that can still run takes the same bra
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import time
@@ -18,7 +16,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fsdpcheck.checks.catalogue import STATE_CHECKS, STEP_CHECKS, Evidence, checks_named, run_checks
 from fsdpcheck.checks.groups import group_ranks
@@ -29,9 +26,8 @@ from fsdpcheck.checks.step import (
     raised_errors,
 )
 from fsdpcheck.distributed import liveness
-from fsdpcheck.distributed.gather import gather_records
+from fsdpcheck.distributed.gather import gather_distinct, gather_records
 from fsdpcheck.distributed.setup import DistContext
-from fsdpcheck.distributed.wire import exchange_slots
 from fsdpcheck.model.rank_state import look, rank_record
 from fsdpcheck.records import (
     EnvRecord,
@@ -40,8 +36,6 @@ from fsdpcheck.records import (
     RankError,
     RankRecord,
     Report,
-    from_dict,
-    to_dict,
 )
 from fsdpcheck.report import headline, ranks_by_host, verdict
 from fsdpcheck.step.watch import ChannelLost, CollectiveWatch, StepDiverged, fsdp_owners
@@ -127,11 +121,11 @@ def conclude_step(
         after = look(model, Snapshot.POST_WRAP, param_values=True, buffers=False)
         state = rank_record(env, after)
     gathered = gather_records(state, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size)
-    records = gather_step_records(record, ctx.side_channel, rank=ctx.rank, world=ctx.world_size)
+    records = gather_distinct(record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size)
     if records is None:
         return None
     findings = run_checks(Evidence(gathered, step=records), checks_named(*STEP_CHECKS))
-    if gathered is not None and gathered.values is not None:
+    if gathered is not None and gathered.value_keys is not None:
         findings += [
             replace(f, snapshot=Snapshot.STEP, cause=Cause.DIVERGENT)
             for f in run_checks(Evidence(gathered), checks_named(*STATE_CHECKS))
@@ -179,34 +173,6 @@ def step_report(outcome: StepOutcome, world_size: int) -> Report:
 
 def step_headline(report: Report) -> str:
     return headline(report.findings, report.errors, report.world_size)
-
-
-def gather_step_records(
-    record: StepRecord, group: Any, *, rank: int, world: int
-) -> dict[int, StepRecord] | None:
-    """Collective: every rank's step record on rank 0 (``None`` elsewhere). Digest-first, as
-    the audit's gather: one fixed slot each, then one full record per distinct digest."""
-    payload = json.dumps(to_dict(record), sort_keys=True).encode()
-    digest = hashlib.blake2b(payload, digest_size=16).digest()
-    slots, _ = exchange_slots(digest, group, size=world)
-    first: dict[bytes, int] = {}
-    for r, slot in enumerate(slots):
-        first.setdefault(slot, r)
-    senders = sorted(set(first.values()) - {0})
-    if rank != 0:
-        if rank in senders:
-            size = torch.tensor([len(payload)], dtype=torch.int64)
-            dist.send(size, dst=0, group=group)
-            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0, group=group)
-        return None
-    by_sender = {0: record}
-    for sender in senders:
-        size = torch.empty(1, dtype=torch.int64)
-        dist.recv(size, src=sender, group=group)
-        raw = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(raw, src=sender, group=group)
-        by_sender[sender] = from_dict(StepRecord, json.loads(raw.numpy().tobytes()))
-    return {r: by_sender[first[slot]] for r, slot in enumerate(slots)}
 
 
 def _loss(returned: Any) -> float | None:

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from fsdpcheck.distributed.gather import gather_slots
 from fsdpcheck.distributed.setup import DistContext
-from fsdpcheck.distributed.wire import exchange_slots
+from fsdpcheck.distributed.wire import span
 from fsdpcheck.options import TP_DIMS
 from fsdpcheck.records import EnvRecord, LoadOutcome, Report
 from fsdpcheck.step.session import conclude_step, merged, watched_step
@@ -63,7 +64,8 @@ def token_step(model: Any, vocab_size: int, *, rank: int, device: Any, seed: int
     return step
 
 
-# Why a rank cannot take the step: one byte from each rank, so every rank takes the same branch.
+# Why a rank cannot take the step: the greatest code over the ranks, so every rank takes the same
+# branch; each rank's only when one cannot.
 _READY, _FAILED, _NO_MODEL, _NOT_LOADED, _NO_WEIGHTS, _NO_STEP = range(6)
 
 
@@ -82,9 +84,10 @@ def audit_step(
     own, or a transformers forward for the synthetic one). Otherwise a note on rank 0 naming
     the ranks and why. A peer that stops answering raises, as any failed collective does."""
     mine = _readiness(built, load, report, rank=ctx.rank)
-    slots, _ = exchange_slots(bytes([mine]), ctx.side_channel, size=ctx.world_size)
-    codes = [slot[0] for slot in slots]
-    if any(codes):
+    if span([mine], ctx.side_channel, size=ctx.world_size).high[0] != _READY:
+        # Someone cannot step: rank 0 learns who and why (the others' report is None).
+        channel, rank, world = ctx.side_channel, ctx.rank, ctx.world_size
+        codes = [s[0] for s in gather_slots(bytes([mine]), channel, rank=rank, world_size=world)]
         if report is None:
             return None
         return replace(report, warnings=(*report.warnings, _why_not(codes, load)))

@@ -72,6 +72,18 @@ log = logging.getLogger(__name__)
 # How a watched op is described: the name users know, its kind and the argument holding what
 # this rank sends (None: no size compared).
 _ALL, _A2A, _SEND, _RECV = "collective", "all_to_all", "send", "recv"
+# torch.distributed._functional_collectives: (op, kind, argument, the in-place or out= variants
+# torch registers beside it, watched alike).
+_FUNCTIONAL = (
+    ("all_reduce", _ALL, "input", ("_",)),
+    ("all_reduce_coalesced", _ALL, "inputs", ("_",)),
+    ("all_gather_into_tensor", _ALL, "input", ("_out",)),
+    ("all_gather_into_tensor_coalesced", _ALL, "inputs", ()),
+    ("reduce_scatter_tensor", _ALL, "input", ("_out",)),
+    ("reduce_scatter_tensor_coalesced", _ALL, "inputs", ()),
+    ("broadcast", _ALL, "input", ("_",)),
+    ("all_to_all_single", _A2A, None, ()),
+)
 WATCHED: dict[str, tuple[str, str, str | None]] = {
     "c10d::_allgather_base_": ("all_gather_into_tensor", _ALL, "input_tensor"),
     "c10d::allgather_": ("all_gather", _ALL, "input_tensors"),
@@ -93,32 +105,19 @@ WATCHED: dict[str, tuple[str, str, str | None]] = {
     "c10d::monitored_barrier_": ("monitored_barrier", _ALL, None),
     "c10d::send": ("send", _SEND, "tensors"),
     "c10d::recv_": ("recv", _RECV, "tensors"),
-    "_c10d_functional::all_reduce": ("all_reduce", _ALL, "input"),
-    "_c10d_functional::all_reduce_": ("all_reduce", _ALL, "input"),
-    "_c10d_functional::all_reduce_coalesced": ("all_reduce_coalesced", _ALL, "inputs"),
-    "_c10d_functional::all_reduce_coalesced_": ("all_reduce_coalesced", _ALL, "inputs"),
-    "_c10d_functional::all_gather_into_tensor": ("all_gather_into_tensor", _ALL, "input"),
-    "_c10d_functional::all_gather_into_tensor_out": ("all_gather_into_tensor", _ALL, "input"),
-    "_c10d_functional::all_gather_into_tensor_coalesced": (
-        "all_gather_into_tensor_coalesced",
-        _ALL,
-        "inputs",
-    ),
-    "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter_tensor", _ALL, "input"),
-    "_c10d_functional::reduce_scatter_tensor_out": ("reduce_scatter_tensor", _ALL, "input"),
-    "_c10d_functional::reduce_scatter_tensor_coalesced": (
-        "reduce_scatter_tensor_coalesced",
-        _ALL,
-        "inputs",
-    ),
-    "_c10d_functional::broadcast": ("broadcast", _ALL, "input"),
-    "_c10d_functional::broadcast_": ("broadcast", _ALL, "input"),
-    "_c10d_functional::all_to_all_single": ("all_to_all_single", _A2A, None),
+    **{
+        f"_c10d_functional::{op}{variant}": (op, kind, argument)
+        for op, kind, argument, variants in _FUNCTIONAL
+        for variant in ("", *variants)
+    },
     "_c10d_functional::isend": ("send", _SEND, "tensor"),
     "_c10d_functional::irecv": ("recv", _RECV, "tensor"),
-    "_c10d_functional_autograd::all_gather_into_tensor": ("all_gather_into_tensor", _ALL, "input"),
-    "_c10d_functional_autograd::reduce_scatter_tensor": ("reduce_scatter_tensor", _ALL, "input"),
-    "_c10d_functional_autograd::all_to_all_single": ("all_to_all_single", _A2A, None),
+    # The differentiable twins of three of them.
+    **{
+        f"_c10d_functional_autograd::{op}": (op, kind, argument)
+        for op, kind, argument, _ in _FUNCTIONAL
+        if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+    },
     # An even reshard: its input may be uneven across ranks, so only op and order are compared.
     "_dtensor::shard_dim_alltoall": ("shard_dim_alltoall", _ALL, None),
 }

@@ -1,5 +1,5 @@
 """The framework hooks' edge cases on 2 real CPU ranks (the HF Trainer hook, called as the
-Trainer calls it; every hook shares ``integrations.common.run_check``), all in one job: an
+Trainer calls it; every hook shares ``integrations.common.CheckSettings.check``), all in one job: an
 unwritable ``json_path`` fails every rank the same way before any collective, and a slow peer in
 ``on_failure="warn"`` mode ends no rank: every rank warns with the same result."""
 

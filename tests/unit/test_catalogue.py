@@ -16,6 +16,7 @@ from fsdpcheck.records import (
     Gathered,
     LoadOutcome,
     TieRecord,
+    ValueKeys,
 )
 from fsdpcheck.report import AuditOutcome, assemble
 from fsdpcheck.vocab import FindingKind
@@ -45,9 +46,7 @@ def _gathered(records) -> Gathered:
         representatives.setdefault(digests[rank], rank)
     kept = {r: records[r] for r in representatives.values()}
     extra = {r: rec for r, rec in records.items() if r not in kept}
-    return Gathered(
-        digests, {}, kept, 0, values=values, replicas=replicas, shard_keys={}, extra=extra
-    )
+    return Gathered(digests, {}, kept, 0, value_keys=ValueKeys(values, replicas), extra=extra)
 
 
 # Rank 1 unties and holds other values; ranks 2 and 3 differ in plan and config; 2 has garbage.
@@ -95,7 +94,7 @@ def test_the_report_is_the_catalogue_in_order_one_group_at_a_time():
 
 
 def test_a_check_runs_only_when_what_it_needs_is_there():
-    without_values = replace(AUDIT, values=None)
+    without_values = replace(AUDIT, value_keys=None)
     kinds = [f.kind for f in run_checks(Evidence(without_values))]
     assert FindingKind.VALUE not in kinds and FindingKind.TIE in kinds
     optional = {n for c in CHECKS for n in c.needs} - {Need.PRE_WRAP, Need.POST_WRAP, Need.FINDINGS}

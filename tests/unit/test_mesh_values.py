@@ -58,6 +58,11 @@ def _report(records):
     return assemble(AuditOutcome(gathered_from(records)), None)
 
 
+def _compared(ranks, gathered):
+    keys = gathered.value_keys
+    return comparisons(ranks, keys.shard_keys, keys.peer_keys, keys.sibling_keys)
+
+
 def _findings(report):
     return [(f.kind, f.ranks, f.reference_rank, f.tensors) for f in report.findings]
 
@@ -69,7 +74,7 @@ def test_fsdp_by_tp_compares_the_tp_replicated_norm_across_tp_ranks_only():
     records = {r: _fsdp_tp(r) for r in WORLD}
     g = gathered_from(records)
     # Every rank its own Colwise shard: no replica set; the norm's halves: 0,1 and 2,3.
-    assert comparisons(WORLD, g.shard_keys, g.peer_keys, g.sibling_keys) == {
+    assert _compared(WORLD, g) == {
         "unsharded": [[0, 1, 2, 3]],
         "shards": [],
         "siblings": [[0, 1], [2, 3]],
@@ -107,7 +112,7 @@ def test_a_sequence_parallel_norm_on_the_root_mesh_is_compared_across_tp_ranks_t
 
     clean = {r: rank_record(r) for r in WORLD}
     g = gathered_from(clean)
-    assert comparisons(WORLD, g.shard_keys, g.peer_keys, g.sibling_keys)["siblings"] == [
+    assert _compared(WORLD, g)["siblings"] == [
         [0, 1],
         [2, 3],
     ]
@@ -134,11 +139,11 @@ def test_hsdp_by_tp_compares_each_norm_shard_across_replicas_and_tp_ranks():
 
     clean = {r: rank_record(r) for r in world}
     g = gathered_from(clean)
-    assert comparisons(world, g.shard_keys, g.peer_keys, g.sibling_keys)["siblings"] == [
+    assert _compared(world, g)["siblings"] == [
         [0, 1, 4, 5],
         [2, 3, 6, 7],
     ]
-    assert comparisons(world, g.shard_keys)["shards"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _compared(world, g)["shards"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert _report(clean).verdict == "consistent"
     drifted = {**clean, 5: rank_record(5, drift=True)}
     assert _findings(_report(drifted)) == [("value", (5,), 0, (NORM,))]

@@ -15,7 +15,7 @@ from fsdpcheck.model.checksum import checksums, checksums_and_non_finite, non_fi
 from fsdpcheck.model.fingerprint import fingerprint, mesh_id
 from fsdpcheck.model.keys import comparisons, replica_keys, value_digests
 from fsdpcheck.model.state import garbage, non_finite_tensors
-from fsdpcheck.records import BufferProblem, Group, MeshRecord, NonFinite, RankRecord
+from fsdpcheck.records import BufferProblem, Group, MeshRecord, NonFinite, RankRecord, ValueKeys
 from fsdpcheck.vocab import FindingKind, Snapshot
 
 SHARD, HSDP, REPLICATE = ("S(0)",), ("R", "S(0)"), ("R",)
@@ -47,7 +47,7 @@ def _check(records):
         values[r], replicas[r] = value_digests(record)
     keys = {r: rec.shard_key for r, rec in records.items()}
     peers = {r: rec.peer_key for r, rec in records.items()}
-    return value_findings(records, values, replicas, keys, peers), keys, peers
+    return value_findings(records, ValueKeys(values, replicas, keys, peers)), keys, peers
 
 
 def test_ranks_of_different_expert_groups_are_never_compared():
@@ -101,7 +101,7 @@ def test_tensor_parallel_shards_differ_by_design_and_replicated_values_must_agre
 def test_without_peer_keys_every_rank_is_compared_as_before():
     records = {r: state_record(r, pre=([valued(SCALE, f"v{r}")], [])) for r in (0, 1)}
     values = {r: value_digests(rec)[0] for r, rec in records.items()}
-    (finding,) = value_findings(records, values, {}, {})
+    (finding,) = value_findings(records, ValueKeys(values, {}, {}))
     assert finding.details["compared"] == [0, 1]
 
 

@@ -24,6 +24,7 @@ from fsdpcheck.records import (
     LoadOutcome,
     RankRecord,
     TieRecord,
+    ValueKeys,
     from_dict,
     to_dict,
 )
@@ -54,8 +55,8 @@ def test_meta_ranks_have_no_value_digest_and_are_not_compared():
     meta = state_record(1, pre=([valued(FULL, None)], [valued(EMBED, None)]))
     values, replicas = _digests({0: real, 1: meta})
     assert values[0] is not None and values[1] is None and replicas == {0: None, 1: None}
-    assert value_senders(values, replicas, {}) == set()
-    assert value_findings({0: real, 1: meta}, values, replicas, {}) == []
+    assert value_senders(ValueKeys(values, replicas, {})) == set()
+    assert value_findings({0: real, 1: meta}, ValueKeys(values, replicas, {})) == []
     assert not_compared(values, replicas) == (1,)
 
 
@@ -65,8 +66,8 @@ def test_equal_values_send_nothing_extra_and_find_nothing():
     }
     values, replicas = _digests(records)
     assert len(set(values.values())) == 1
-    assert value_senders(values, replicas, {}) == set()
-    assert value_findings(records, values, replicas, {}) == []
+    assert value_senders(ValueKeys(values, replicas, {})) == set()
+    assert value_findings(records, ValueKeys(values, replicas, {})) == []
 
 
 def test_per_rank_initial_values_name_ranks_tensors_and_first_values():
@@ -79,8 +80,8 @@ def test_per_rank_initial_values_name_ranks_tensors_and_first_values():
         2: rec(2, "e0", ["0.5", "1"]),
     }
     values, replicas = _digests(records)
-    assert value_senders(values, replicas, {}) == {0, 1}
-    (finding,) = value_findings(records, values, replicas, {})
+    assert value_senders(ValueKeys(values, replicas, {})) == {0, 1}
+    (finding,) = value_findings(records, ValueKeys(values, replicas, {}))
     assert (finding.kind, finding.ranks, finding.reference_rank) == ("value", (1,), 0)
     assert (finding.snapshot, finding.cause, finding.tensors) == (
         "pre-wrap",
@@ -99,7 +100,7 @@ def test_buffers_reported_uninitialized_are_not_reported_again_as_values():
     bad = state_record(1, post=([valued(SCALE, "junk", ["1e-38"])], []), uninitialized=[garbage])
     records = {0: ref, 1: bad}
     values, replicas = _digests(records)
-    assert value_findings(records, values, replicas, {}) == []
+    assert value_findings(records, ValueKeys(values, replicas, {})) == []
 
 
 def test_hsdp_replicas_compare_local_shards_only_with_their_own_replicas():
@@ -114,8 +115,8 @@ def test_hsdp_replicas_compare_local_shards_only_with_their_own_replicas():
     }
     values, replicas = _digests(records)
     assert set(values.values()) == {None}  # sharded parameters never enter the all-rank digest
-    assert value_senders(values, replicas, keys) == {1, 3}
-    (finding,) = value_findings(records, values, replicas, keys)
+    assert value_senders(ValueKeys(values, replicas, keys)) == {1, 3}
+    (finding,) = value_findings(records, ValueKeys(values, replicas, keys))
     assert (finding.ranks, finding.reference_rank, finding.snapshot) == ((3,), 1, "post-wrap")
     assert finding.summary.startswith("values differ between HSDP replicas on rank 3")
     assert finding.details["replicas"] == [1, 3]
@@ -128,8 +129,8 @@ def test_plain_fsdp_shards_differ_by_design_and_are_never_compared():
         for r in (0, 1)
     }
     values, replicas = _digests(records)
-    assert value_senders(values, replicas, keys) == set()
-    assert value_findings(records, values, replicas, keys) == []
+    assert value_senders(ValueKeys(values, replicas, keys)) == set()
+    assert value_findings(records, ValueKeys(values, replicas, keys)) == []
 
 
 def test_replica_difference_already_seen_before_wrapping_is_reported_once():
@@ -144,16 +145,16 @@ def test_replica_difference_already_seen_before_wrapping_is_reported_once():
     records = {0: rec(0, "a"), 1: rec(1, "b")}
     values, replicas = _digests(records)
     keys = {0: "k0", 1: "k0"}
-    (finding,) = value_findings(records, values, replicas, keys)
+    (finding,) = value_findings(records, ValueKeys(values, replicas, keys))
     assert finding.snapshot == "pre-wrap"
 
 
 def test_value_senders_are_bounded_however_many_ranks_differ():
     values = {r: f"{r:032x}" for r in range(100)}
-    senders = value_senders(values, {}, {})
+    senders = value_senders(ValueKeys(values, {}, {}))
     assert senders == set(range(SENDER_LIMIT))
     records = {r: state_record(r, pre=([valued(FULL, values[r], ["1"])], [])) for r in senders}
-    findings = value_findings(records, values, {}, {})
+    findings = value_findings(records, ValueKeys(values, {}, {}))
     assert len(findings) == 99
     unexamined = [f for f in findings if not f.details["examined"]]
     assert len(unexamined) == 100 - SENDER_LIMIT and "not examined" in unexamined[0].summary
