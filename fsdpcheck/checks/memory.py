@@ -68,15 +68,17 @@ def _held_full(m: MemoryRecord, reference: MemoryRecord | None, full: int) -> Fi
     shard = min(full, m.shard_bytes or 0)
     gap = full - shard  # what holding its shards saves against holding the full model
     bytes_held = held(m, before_load=True)
-    if gap < FLOOR or bytes_held is None or bytes_held < shard + SHARE * gap:
+    if gap < FLOOR or bytes_held is None:
         return None  # HSDP's replicate dim holds the whole model: never one
+    above = bytes_held
     if m.stages:
-        # The build stage also pays for imports the first build makes (transformers, the
-        # model's module), alike on every rank: held about what rank 0, which built the full
-        # model, held, too.
-        ref = held(reference, before_load=True) if reference is not None else None
-        if ref is None or ref - bytes_held >= SHARE * gap:
-            return None
+        imports = _first_build_imports(reference, full)
+        if imports is None:
+            return None  # nothing to tell the build's imports from the model by
+        # They land in its build stage: never more is taken off than that stage grew.
+        above -= min(imports, _build_growth(m) or 0)
+    if above < shard + SHARE * gap:
+        return None
     when = "its build and wrap" if m.stages else "its process, at its peak,"
     summary = (
         f"rank {m.rank} held {size_label(bytes_held)} of host memory for a {size_label(full)} "
@@ -85,6 +87,28 @@ def _held_full(m: MemoryRecord, reference: MemoryRecord | None, full: int) -> Fi
     )
     details = _details(m, bytes_held, full, shard, "rank0-load")
     return Finding.about(FindingKind.MEMORY, (m.rank,), 0, summary, details=details)
+
+
+def _build_growth(m: MemoryRecord) -> int | None:
+    return next((s.growth for s in m.stages if s.stage == Stage.BUILD), None)
+
+
+def _first_build_imports(reference: MemoryRecord | None, full: int) -> int | None:
+    """What the audit's first build costs every rank besides the model, from rank 0's record
+    (None: rank 0 has no build stage measured).
+
+    The first build imports transformers and the model's module inside the ``build`` stage
+    (about 120 MiB), alike on every rank: rank 0, which built the full model under rank-0
+    loading, grew by those and the model, so its build above ``full`` is theirs. Only rank 0's
+    build is read, never its wrap: rank 0 keeps its state dict alive while FSDP copies its
+    shards out (the full model plus every shard), where a rank > 0 that built the full model
+    lets its weights go as they are sharded or only at the wrap's end, as its garbage
+    collector happens to run (tests/workers/memory_worker.py, a 192 MiB model: rank 1's wrap
+    peaked 224 or 288 MiB above its build's start, rank 0's 288 every time)."""
+    if reference is None or not reference.stages:
+        return None
+    growth = _build_growth(reference)
+    return None if growth is None else max(0, growth - full)
 
 
 def _outlier(m: MemoryRecord, others: list[MemoryRecord], full: int) -> Finding | None:

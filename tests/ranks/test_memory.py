@@ -35,18 +35,7 @@ def _memory_findings(report: dict) -> list[dict]:
     return [f for f in report["findings"] if f["kind"] == "memory"]
 
 
-# builder-full_on_rank_1 passes alone, after every tests/ranks file before it, and after
-# tests/cli; it missed (rank 1 not named) in both full `make test` runs on 2026-12-02. Cause not
-# found yet; not counted as coverage until it is.
-_FULL_SUITE_ONLY_MISS = pytest.mark.xfail(
-    reason="missed in full-suite runs only, not alone or in partial runs: under investigation",
-    strict=False,
-)
-
-
-@pytest.mark.parametrize(
-    "case", ["script-full", pytest.param("builder-full_on_rank_1", marks=_FULL_SUITE_ONLY_MISS)]
-)
+@pytest.mark.parametrize("case", ["script-full", "builder-full_on_rank_1"])
 def test_a_rank_that_held_the_full_model_under_rank0_loading_is_named(cases, case) -> None:
     done = cases[case]
     report = done["report"]

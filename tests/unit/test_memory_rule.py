@@ -194,6 +194,22 @@ def test_imports_made_inside_the_first_build_are_paid_alike() -> None:
     assert memory_findings(buggy[1:], rank0_load=True) == []
 
 
+def test_rank0_s_wrap_is_no_reference_for_a_rank_that_built_the_full_model() -> None:
+    # As tests/workers/memory_worker.py measured (full_on_rank_1, MiB above each build's start):
+    # rank 0 keeps its state dict alive while FSDP copies its shards out (192, then 288); rank 1
+    # built the same 192 and, in the runs where its garbage collector let each weight go as it
+    # was sharded, peaked at 224 (else 288). Held against rank 0's wrap peak, it fell 64 MiB
+    # short, more than half the gap: it went unnamed.
+    model, shard = 192 * MIB, 96 * MIB
+    rank0 = _staged(0, model, 96 * MIB, 0, full=model, shard=shard)
+    rank1 = _staged(1, model, 32 * MIB, 0, full=model, shard=shard)
+    (finding,) = memory_findings([rank0, rank1], rank0_load=True)
+    assert finding.ranks == (1,) and finding.details["bytes"] == model + 32 * MIB
+    # The clean twin beside the same rank 0: on meta, it held nothing before its load.
+    clean = _staged(1, 0, 0, 2 * shard, full=model, shard=shard)
+    assert memory_findings([rank0, clean], rank0_load=True) == []
+
+
 def test_where_the_peak_cannot_be_reset_the_record_says_lifetime(monkeypatch) -> None:
     # A kernel or sandbox that refuses /proc/self/clear_refs: ru_maxrss, never reset, gives a
     # lower bound (at least what the stage still holds at its end), and the record says so.
