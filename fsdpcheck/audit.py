@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -224,8 +225,6 @@ def check_model(
     slice of it, reading only that slice; a difference is a ``source`` finding, which sees a
     load that is wrong the same way on every rank."""
     if end_on_abort is not None:
-        import warnings
-
         warnings.warn(
             "check_model(end_on_abort=) is ignored: a library call never ends its process; "
             "it returns exit 3 naming the stuck rank",

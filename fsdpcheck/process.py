@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import atexit
 import gc
+import json
 import logging
 import os
 import re
 import signal
 import sys
 import threading
+import time
 from typing import NoReturn
 
 from fsdpcheck.distributed.launcher import rank_hint
@@ -110,8 +112,6 @@ def tell_torchrun(message: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    import json
-    import time
 
     try:
         with open(path, "w") as file:

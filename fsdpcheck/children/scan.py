@@ -27,6 +27,7 @@ import logging
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -317,8 +318,6 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
 
 
 def _config_fields(obj: Any) -> set[str]:
-    import dataclasses
-
     if dataclasses.is_dataclass(obj):
         return {f.name for f in dataclasses.fields(obj)}
     return set(vars(obj))
@@ -517,8 +516,6 @@ def _child(argv: Sequence[str]) -> int:
     parser.add_argument("--arch-timeout", type=float, default=DEFAULT_ARCH_TIMEOUT)
     args = parser.parse_args(argv)
     targets = [from_dict(ScanTarget, t) for t in json.loads(args.targets)]
-
-    import warnings
 
     warnings.filterwarnings("ignore")
     signal.signal(signal.SIGALRM, _alarm)

@@ -18,8 +18,11 @@ Reading sources only: nothing here imports or runs a modeling file.
 
 from __future__ import annotations
 
+import ast
 import fnmatch
+import importlib.util
 import inspect
+import json
 import logging
 import re
 from collections.abc import Iterable, Sequence
@@ -255,8 +258,6 @@ def _row_properties(row: ScanRow) -> dict[str, Any]:
 
 
 def _transformers_dir() -> Path | None:
-    import importlib.util
-
     spec = importlib.util.find_spec("transformers")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -324,9 +325,6 @@ def class_location(row: ScanRow) -> tuple[str | None, int]:
 
 
 def _class_in_source(module: str, name: str) -> tuple[str, int] | None:
-    import ast
-    import importlib.util
-
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.origin:
         return None
@@ -360,6 +358,4 @@ def _match(name: str, pattern: str) -> bool:
 
 
 def write_sarif(log: dict[str, Any], path: str | Path) -> None:
-    import json
-
     write_text(json.dumps(log, indent=2) + "\n", path)

@@ -26,6 +26,7 @@ Needs ``pip install 'fsdpcheck[hf]'``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -92,7 +93,6 @@ def _resumed_from(args: Any, state: Any) -> Any:
     state (a ``global_step`` above 0) and that directory's ``trainer_state.json`` holds the same
     step. The Trainer itself reads ``train(resume_from_checkpoint=...)``, not the argument, so a
     path there that the script resumed from elsewhere is no resume of this one."""
-    import json
 
     step = getattr(state, "global_step", 0)
     path = getattr(args, "resume_from_checkpoint", None)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -144,7 +145,6 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: Mapping[str, Any]) -> None:
     """``parallelize_module`` over ``plan``, each rank from its own values: no scatter from TP
     rank 0 (``src_data_rank=None``), so a rank still on ``meta`` is fine and no collective runs
     outside the audit's timeouts; the loader puts rank 0's weights in afterwards."""
-    import inspect
 
     kwargs = {}
     if "src_data_rank" in inspect.signature(parallelize_module).parameters:
@@ -260,8 +260,6 @@ def _ep_views(mesh: Any, layout: EpLayout, override: Any = None) -> tuple[Any, A
         flat = flatten(FLAT_DIM)
     dense = flat
     if layout.dense != (FLAT_DIM,):
-        import warnings
-
         with warnings.catch_warnings():  # HSDP: the flattened dim under dp_replicate, by name
             warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
             dense = mesh[layout.dense]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -172,8 +173,6 @@ def _check_config_values(config: Path, raw: object, *, rank: int) -> None:
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         return
     try:  # transformers only for a local config's values: a preset needs none
-        import inspect
-
         from transformers import CONFIG_MAPPING
 
         config_class = CONFIG_MAPPING[raw["model_type"]]

@@ -95,3 +95,25 @@ def test_a_load_that_did_not_run_keeps_its_empty_method() -> None:
     outcome = records.LoadOutcome(False, "skipped")
     back = from_dict(records.LoadOutcome, json.loads(json.dumps(to_dict(outcome))))
     assert back.method == "" and back.outcome is records.LoadStatus.SKIPPED
+
+
+def test_a_finding_about_a_kind_with_a_usual_context_takes_it_and_its_json_is_the_records() -> None:
+    found = records.Finding.about(records.FindingKind.CONFIG, [2, 1], 0, "config differs")
+    assert (found.snapshot, found.cause) == (
+        records.Snapshot.PRE_WRAP,
+        records.Cause.CONSTRUCTION_TIME,
+    )
+    assert found.ranks == (2, 1) and found.details == {} and found.tensors == ()
+    told = records.Finding.about(
+        records.FindingKind.OPTIMIZER, (1,), 0, "x", snapshot=records.Snapshot.POST_WRAP
+    )
+    assert (told.snapshot, told.cause) == (records.Snapshot.POST_WRAP, records.Cause.LOADING)
+    back = from_dict(records.Finding, json.loads(json.dumps(to_dict(found))))
+    assert back == found
+
+
+def test_a_finding_of_a_kind_without_a_usual_context_must_say_it() -> None:
+    with pytest.raises(ValueError, match="device"):
+        records.Finding.about(records.FindingKind.DEVICE, (1,), 0, "on meta")
+    with pytest.raises(ValueError, match="uninitialized"):
+        records.Finding.about(records.FindingKind.UNINITIALIZED, (1,), 0, "garbage")
