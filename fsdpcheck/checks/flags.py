@@ -74,7 +74,7 @@ def device_findings(
         wrong = device_exceptions(record)
         if wrong:
             # After wrapping with a pre-wrap record at hand, FSDP2's placement left it there.
-            after = "wrapping" if record.pre_wrap is not None else "unknown"
+            after = Cause.WRAPPING if record.pre_wrap is not None else Cause.UNKNOWN
             findings.append(_exceptions_finding(ref_rank, ranks, wrong, after))
     ref = next((rec for ranks, rec in groups if ref_rank in ranks), None)
     if ref is not None:
