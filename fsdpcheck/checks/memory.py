@@ -97,9 +97,9 @@ def _first_build_imports(reference: MemoryRecord | None, full: int) -> int | Non
     """What the audit's first build costs every rank besides the model, from rank 0's record
     (None: rank 0 has no build stage measured).
 
-    The first build imports transformers and the model's module inside the ``build`` stage
-    alike on every rank: rank 0, which built the full model under rank-0
-    loading, grew by those and the model, so its build above ``full`` is theirs. Only rank 0's
+    The first build imports transformers and the model's module inside the ``build`` stage,
+    alike on every rank: rank 0, which built the full model under rank-0 loading, grew by those
+    and the model, so its build above ``full`` is theirs. Only rank 0's
     build is read, never its wrap: rank 0 keeps its state dict alive while FSDP copies its
     shards out (the full model plus every shard), where a rank > 0 that built the full model
     lets its weights go as they are sharded or only at the wrap's end, as its garbage

@@ -8,6 +8,7 @@ record. When all ranks agree, each rank sends the same few bytes whatever the mo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from typing import Any, TypeVar
@@ -26,7 +27,6 @@ from fsdpcheck.records import (
     StageMemory,
     ValueKeys,
     from_dict,
-    short_digest,
     to_dict,
 )
 from fsdpcheck.vocab import MemoryPeak
@@ -169,7 +169,7 @@ def gather_records(
     sent = SLOT_BYTES
     if rank != 0:
         if rank in _broadcast_ranks(None, group):
-            sent += _send_record(record, group)
+            sent += _send_payload(_payload(record), group)
         log.debug("digest %s: sent %d bytes", digest[:12], sent)
         return None
     digests, hosts, meta_ranks = {}, {}, []
@@ -193,9 +193,8 @@ def gather_records(
     records: dict[int, RankRecord] = {0: record}
     extra: dict[int, RankRecord] = {}
     for sender in senders:
-        (extra if sender in extra_senders else records)[sender] = _recv_record(
-            RankRecord, sender, group
-        )
+        held = extra if sender in extra_senders else records
+        held[sender] = _recv_record(RankRecord, sender, group)
     return Gathered(
         digests,
         hosts,
@@ -229,8 +228,11 @@ def _broadcast_ranks(ranks: list[int] | None, group: object) -> list[int]:
     return [int(r) for r in payload.tolist()]
 
 
-def _send_record(record: Any, group: object) -> int:
-    payload = json.dumps(to_dict(record), sort_keys=True).encode()
+def _payload(record: Any) -> bytes:
+    return json.dumps(to_dict(record), sort_keys=True).encode()
+
+
+def _send_payload(payload: bytes, group: object) -> int:
     dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=0, group=group)
     dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0, group=group)
     return 8 + len(payload)
@@ -248,11 +250,12 @@ def gather_distinct(record: R, group: object, *, rank: int, world_size: int) -> 
     """Collective over ``group``: every rank's ``record`` on rank 0 (rank → record), ``None``
     elsewhere. Digest-first, as :func:`gather_records`: each rank's 16-byte digest of its record,
     then one full record per distinct digest; ranks that agree send the digest only."""
-    digest = short_digest(json.dumps(to_dict(record), sort_keys=True))
-    slots = gather_slots(bytes.fromhex(digest), group, rank=rank, world_size=world_size)
+    payload = _payload(record)
+    digest = hashlib.blake2b(payload, digest_size=_DIGEST_BYTES).digest()
+    slots = gather_slots(digest, group, rank=rank, world_size=world_size)
     if rank != 0:
         if rank in _broadcast_ranks(None, group):
-            _send_record(record, group)
+            _send_payload(payload, group)
         return None
     first: dict[bytes, int] = {}
     for r, slot in enumerate(slots):

@@ -68,7 +68,5 @@ def check_first_step(
     ``accelerator.backward``, ``optimizer.step()``), under :func:`fsdpcheck.check_step`.
     Returns the AuditResult; a failure raises :class:`ModelCheckFailed` or warns."""
     settings = CheckSettings(on_failure=on_failure, timeout=timeout, json_path=json_path)
-    where = "first training step"
-    return settings.check_step(
-        accelerator.unwrap_model(model), step, where=where, json_path=json_path
-    )
+    unwrapped = accelerator.unwrap_model(model)
+    return settings.check_step(unwrapped, step, where="first training step", json_path=json_path)

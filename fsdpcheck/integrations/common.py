@@ -60,15 +60,16 @@ class CheckSettings:
         peers give up on it (a rank slower than ``timeout``): it returns exit 3, and raises or
         warns, like them.
 
-        ``checkpoint``: what the framework resumed from, where the settings name none (see
-        :func:`local_checkpoint`), forwarded to ``check_model(checkpoint=)``: ranks that resumed
-        different saves are a ``checkpoint`` finding. ``rank0_checkpoint``: the framework loaded
-        rank 0's path on every rank (see ``check_model``). ``optimizer``, ``scheduler``: what
-        the framework steps with, forwarded to ``check_model`` (an ``optimizer`` finding)."""
+        ``checkpoint``: what this rank resumed from (the settings' own, else what the framework
+        says; see :func:`local_checkpoint`), forwarded to ``check_model(checkpoint=)``: ranks
+        that resumed different saves are a ``checkpoint`` finding. ``rank0_checkpoint``: the
+        framework loaded rank 0's path on every rank (see ``check_model``). ``optimizer``,
+        ``scheduler``: what the framework steps with, forwarded to ``check_model`` (an
+        ``optimizer`` finding)."""
         _check_json_path(self.json_path, where)
         result = check_model(
             model,
-            checkpoint=local_checkpoint(self.checkpoint or checkpoint),
+            checkpoint=local_checkpoint(checkpoint),
             timeout=self.timeout,
             rank0_checkpoint=rank0_checkpoint,
             optimizer=optimizer,

@@ -81,7 +81,7 @@ class FsdpcheckCallback(TrainerCallback, CheckSettings):
         self.result = self.check(
             model,
             where="Trainer on_train_begin",
-            checkpoint=self.checkpoint or _resumed_from(args, state),  # read only when needed
+            checkpoint=self.checkpoint or _resumed_from(args, state),
             optimizer=kwargs.get("optimizer"),
             scheduler=kwargs.get("lr_scheduler"),
         )

@@ -110,7 +110,7 @@ class FsdpcheckCallback(Callback, CheckSettings):
         self.result = self.check(
             model,
             where=f"Lightning {hook}",
-            checkpoint=found,
+            checkpoint=self.checkpoint or found,
             # The same on every rank (the strategy), whatever checkpoint= each rank was given:
             # the broadcast is a collective.
             rank0_checkpoint=self._after_setup,
