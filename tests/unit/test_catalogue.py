@@ -7,7 +7,7 @@ from dataclasses import replace
 from synthetic import EMBED, FULL, SCALE, state_record, valued
 
 from fsdpcheck.checks.catalogue import CHECKS, Evidence, Need, run_checks
-from fsdpcheck.model.keys import value_digests
+from fsdpcheck.model.keys import value_keys
 from fsdpcheck.records import (
     BufferProblem,
     ConfigRecord,
@@ -16,7 +16,6 @@ from fsdpcheck.records import (
     Gathered,
     LoadOutcome,
     TieRecord,
-    ValueKeys,
 )
 from fsdpcheck.report import AuditOutcome, assemble
 from fsdpcheck.vocab import FindingKind
@@ -37,16 +36,13 @@ def _record(rank, digest="bb", ties=(TIED,), problems=(), config="c0", dtype="fl
 
 def _gathered(records) -> Gathered:
     """As rank 0 holds it: one record per digest, every rank's value digests."""
-    values, replicas = {}, {}
-    for rank, record in records.items():
-        values[rank], replicas[rank] = value_digests(record)
     digests = {r: record.group_digest() for r, record in records.items()}
     representatives: dict[str, int] = {}
     for rank in sorted(digests):
         representatives.setdefault(digests[rank], rank)
     kept = {r: records[r] for r in representatives.values()}
     extra = {r: rec for r, rec in records.items() if r not in kept}
-    return Gathered(digests, {}, kept, 0, value_keys=ValueKeys(values, replicas), extra=extra)
+    return Gathered(digests, {}, kept, 0, value_keys=value_keys(records), extra=extra)
 
 
 # Rank 1 unties and holds other values; ranks 2 and 3 differ in plan and config; 2 has garbage.

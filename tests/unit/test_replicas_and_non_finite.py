@@ -13,7 +13,7 @@ from fsdpcheck.checks.non_finite import non_finite_findings
 from fsdpcheck.checks.value import value_findings
 from fsdpcheck.model.checksum import checksums, checksums_and_non_finite, non_finite_counts
 from fsdpcheck.model.fingerprint import fingerprint, mesh_id
-from fsdpcheck.model.keys import comparisons, replica_keys, value_digests
+from fsdpcheck.model.keys import comparisons, replica_keys, value_digests, value_keys
 from fsdpcheck.model.state import garbage, non_finite_tensors
 from fsdpcheck.records import BufferProblem, Group, MeshRecord, NonFinite, RankRecord, ValueKeys
 from fsdpcheck.vocab import FindingKind, Snapshot
@@ -42,12 +42,8 @@ def _ep(rank, digest, plain):
 
 
 def _check(records):
-    values, replicas = {}, {}
-    for r, record in records.items():
-        values[r], replicas[r] = value_digests(record)
-    keys = {r: rec.shard_key for r, rec in records.items()}
-    peers = {r: rec.peer_key for r, rec in records.items()}
-    return value_findings(records, ValueKeys(values, replicas, keys, peers)), keys, peers
+    keys = value_keys(records)
+    return value_findings(records, keys), keys.shard_keys, keys.peer_keys
 
 
 def test_ranks_of_different_expert_groups_are_never_compared():
