@@ -63,7 +63,14 @@ from fsdpcheck.vocab import ErrorKind, ExitCode, Init, LoadMethod, LoadStatus, S
 
 if TYPE_CHECKING:
     from fsdpcheck.checks.hash_seed import ProbeResult
-    from fsdpcheck.records import EnvRecord, MemoryRecord, ModelInfo, Report, WrapPlan
+    from fsdpcheck.records import (
+        BufferProblem,
+        EnvRecord,
+        MemoryRecord,
+        ModelInfo,
+        Report,
+        WrapPlan,
+    )
 
 log = logging.getLogger(__name__)
 
@@ -237,28 +244,58 @@ def check_model(
         return never_met(exc)
     try:
         with liveness.AbortWatch(ctx) as watch:
-            state = _RankState(ctx, rank0_load=rank0_load, script_model=model)
-            if rank0_checkpoint:
-                checkpoint = _rank0_checkpoint(ctx, checkpoint)
-            env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
-            record = state.stages.run(
-                Stage.FINGERPRINT, lambda: model_record(model, env, param_values=True)
+            return check_live(
+                ctx,
+                watch,
+                model,
+                checkpoint=checkpoint,
+                rank0_checkpoint=rank0_checkpoint,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                rank0_load=rank0_load,
+                source=source,
             )
-            if record is None:
-                record = RankRecord(env=env, error=state.stages.error)
-            else:
-                resumed = checkpoint_record(checkpoint) if checkpoint is not None else None
-                record = replace(
-                    record,
-                    checkpoint=resumed,
-                    launch=launch_record(rank=ctx.rank, local_rank=ctx.local_rank),
-                    memory=_own_memory(None, state, None),
-                )
-                if optimizer is not None:
-                    record = _with_optimizer(state, record, model, optimizer, scheduler, resumed)
-            return _conclude(None, state, record, watch, built=None, source=source, model=model)
     finally:
         distributed.shutdown(ctx)
+
+
+def check_live(
+    ctx: distributed.DistContext,
+    watch: liveness.AbortWatch,
+    model: Any,
+    *,
+    checkpoint: str | os.PathLike[str] | None = None,
+    rank0_checkpoint: bool = False,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    rank0_load: bool = False,
+    source: str | os.PathLike[str] | None = None,
+    unwritten: tuple[BufferProblem, ...] = (),
+) -> AuditResult:
+    """Collective: :func:`check_model` on a side channel the caller holds (``fsdpcheck run``
+    checks a script's model inside a session that outlives the check). ``unwritten``: this
+    rank's tensors that nothing wrote since ``to_empty()``, added to its record's problems."""
+    state = _RankState(ctx, rank0_load=rank0_load, script_model=model)
+    if rank0_checkpoint:
+        checkpoint = _rank0_checkpoint(ctx, checkpoint)
+    env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
+    record = state.stages.run(
+        Stage.FINGERPRINT, lambda: model_record(model, env, param_values=True)
+    )
+    if record is None:
+        record = RankRecord(env=env, error=state.stages.error)
+    else:
+        resumed = checkpoint_record(checkpoint) if checkpoint is not None else None
+        record = replace(
+            record,
+            checkpoint=resumed,
+            launch=launch_record(rank=ctx.rank, local_rank=ctx.local_rank),
+            memory=_own_memory(None, state, None),
+            uninitialized=(*record.uninitialized, *unwritten),
+        )
+        if optimizer is not None:
+            record = _with_optimizer(state, record, model, optimizer, scheduler, resumed)
+    return _conclude(None, state, record, watch, built=None, source=source, model=model)
 
 
 def _with_optimizer(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import MISSING, fields
@@ -232,6 +233,145 @@ def audit(
     if result.exit_code != 0:
         process.tell_torchrun(result.headline or "fsdpcheck audit failed; see rank 0's report")
     raise typer.Exit(result.exit_code)
+
+
+RUN_EPILOG = """
+[bold]Examples[/]
+
+  torchrun --nproc-per-node 2 -m fsdpcheck run train.py --lr 3e-4
+
+  torchrun --nproc-per-node 8 -m fsdpcheck run --steps 1 --json run.json train.py
+  [dim](a CI smoke job: stop after step 1, the verdict as exit code)[/]
+
+  torchrun --nproc-per-node 2 -m fsdpcheck run -m torchtitan.train --job.config_file c.toml
+
+  accelerate launch -m fsdpcheck run train.py
+
+fsdpcheck's options go before the script, the script's own after it. The script runs as
+[bold]python SCRIPT.py ARGS[/] would (its __main__, sys.argv, sys.path[0] and folder), with
+no line of it changed. Checked: every collective from its first fully_shard to the end of its
+first optimizer step, and before the model's first forward everything check_model checks,
+tensors nothing wrote since to_empty() included. Then every hook is removed. See docs/run.md.
+
+[bold]Exit codes[/]: the script's own when nothing is found · 1 findings (the job is stopped on
+every rank) · 2 bad usage or input (and, with --strict, a script fsdpcheck could not check) ·
+3 a rank died or stopped answering. With --steps N: the verdict's code after step N.
+"""
+
+RUN_HELP = {
+    "watch_steps": "Optimizer steps watched from the first forward (every collective agreed "
+    "on by every rank before it is issued).",
+    "steps": "Stop the job after this many optimizer steps, with the verdict as the exit code "
+    "(a CI smoke job) \\[default: run the job to its end].",
+    "source": "The checkpoint the model is checked against after the script's load (a "
+    ".safetensors file, an index, a DCP folder); 'none' to skip.",
+    "strict": "Exit 2 when something was not checked (no fully_shard, no forward, no step "
+    "seen), instead of a note.",
+}
+
+
+@app.command(
+    epilog=RUN_EPILOG,
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)
+def run(
+    timeout: float = _audit_option("timeout"),
+    watch_steps: int = typer.Option(1, min=1, help=RUN_HELP["watch_steps"]),
+    steps: int | None = typer.Option(None, min=1, help=RUN_HELP["steps"], show_default=False),
+    source: str | None = typer.Option(None, help=RUN_HELP["source"], show_default=False),
+    strict: bool = typer.Option(False, help=RUN_HELP["strict"]),
+    json_path: Path | None = _file_option("--json", "the machine-readable report (rank 0)"),
+    junit_path: Path | None = _file_option(
+        "--junit", "a JUnit XML file (rank 0): a test case per check"
+    ),
+    annotations: Annotations = ANNOTATIONS_OPTION,
+    script: list[str] = typer.Argument(
+        None, metavar="SCRIPT.py [ARGS]... | -m MODULE [ARGS]...", show_default=False
+    ),
+) -> None:
+    """Run a training script unmodified, checked from its first fully_shard to its first step."""
+    from fsdpcheck import process
+    from fsdpcheck.console import rank_failed
+    from fsdpcheck.distributed.launcher import rank_hint
+    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.options import RunOptions
+    from fsdpcheck.records import RankError
+    from fsdpcheck.script import runner
+    from fsdpcheck.script.session import RunStopped, ScriptSession
+    from fsdpcheck.vocab import Stage
+
+    rank = rank_hint(os.environ)
+    outputs = _Outputs(annotations, json=json_path, junit=junit_path)
+    try:
+        target = runner.Target.parse(list(script or []))
+        problem = target.problem()
+        if problem:
+            from fsdpcheck.errors import InputError
+
+            raise InputError(f"rank {rank}: {problem}")
+        options = RunOptions(
+            timeout=timeout, watch_steps=watch_steps, steps=steps, source=source, strict=strict
+        )
+    except FsdpcheckError as exc:
+        log.debug("rank %d: fsdpcheck run refused to start", rank, exc_info=True)
+        _fail(RankError(rank, Stage.LAUNCH, str(exc), exc.kind), exc.exit_code, outputs, None)
+    if rank == 0:
+        problem = outputs.check(distributed=True)
+        if problem:
+            _stderr().print(problem, highlight=False)
+
+    def publish(report: Report) -> None:
+        from fsdpcheck.console import render
+
+        render(report, _stdout(), title="fsdpcheck run")
+        outputs.publish_report(report, suite="fsdpcheck.run")
+
+    session = ScriptSession(options, publish)
+    session.install()
+    error: BaseException | None = None
+    try:
+        runner.run(target)
+    except KeyboardInterrupt:  # as without fsdpcheck: no collective, no report
+        session.remove()
+        raise
+    except BaseException as exc:  # the script's own end, or the run stopping it
+        log.debug("rank %d: the script ended with %s", rank, type(exc).__name__, exc_info=True)
+        error = exc
+    outcome = session.finish(None if isinstance(error, RunStopped) else error)
+    for note in outcome.notes:
+        _stderr().print(f"fsdpcheck run (rank {rank}): not checked: {note}", highlight=False)
+    if outcome.report is None and outcome.own_error is not None:
+        _stderr().print(rank_failed(outcome.own_error), highlight=False)
+    code = _run_exit_code(error, outcome.exit_code)
+    if code == 0 and strict and outcome.notes:
+        code = ExitCode.BAD_INPUT
+    if code not in (0, None):
+        process.tell_torchrun(outcome.headline or "fsdpcheck run failed; see rank 0's report")
+    raise typer.Exit(code)
+
+
+def _run_exit_code(error: BaseException | None, verdict: int | None) -> int:
+    """The run's exit code: the verdict's when it found something (every rank the same), else
+    the script's own, as Python gives it (an uncaught exception, printed here: 1)."""
+    from fsdpcheck.script.runner import print_script_error
+    from fsdpcheck.script.session import RunStopped
+    from fsdpcheck.step.watch import StepDiverged
+
+    if isinstance(error, RunStopped):
+        return error.exit_code
+    found = int(verdict) if verdict else 0
+    if isinstance(error, SystemExit):
+        if found:
+            return found
+        code = error.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        sys.stderr.write(f"{code}\n")
+        return 1
+    if error is not None and not isinstance(error, StepDiverged):
+        print_script_error(error)
+        return found or 1
+    return found
 
 
 class _Outputs:

@@ -348,3 +348,26 @@ def _named_problem(
                 f"--mesh, or drop {flag} (the mesh's {dim} dim says it)."
             )
     return ""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """``fsdpcheck run``: how a script is watched (the script and its arguments apart)."""
+
+    timeout: float = 60.0  # every exchange with the other ranks, as the audit's --timeout
+    watch_steps: int = 1  # optimizer steps watched, from the first forward
+    steps: int | None = None  # stop the job after this many steps, the verdict as exit code
+    # The checkpoint the model is checked against: None for the one the script was seen to
+    # load, "none" for no source check.
+    source: str | None = None
+    strict: bool = False  # what was not checked is bad input (exit 2), not a note
+
+    def __post_init__(self) -> None:
+        if self.watch_steps < 1:
+            raise OptionError("--watch-steps must be at least 1.", "--watch-steps")
+        if self.steps is not None and self.steps < self.watch_steps:
+            raise OptionError(
+                f"--steps {self.steps} ends the job before its {self.watch_steps} watched "
+                "steps are over: give --steps at least --watch-steps.",
+                "--steps",
+            )

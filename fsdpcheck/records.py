@@ -114,7 +114,9 @@ AGREEMENT: Mapping[str, Agreement] = _declare(
     NumericsRecord={_EVERY: "flags"},
     BufferProblem={
         _EVERY: "name snapshot reason",
-        _INFO: "got expected",  # garbage differs per rank; the problem itself is compared
+        # Garbage differs per rank, and so may the line that wrote the rest; the problem itself
+        # is compared.
+        _INFO: "got expected detail",
     },
     # Where a rank built from: per-node paths differ by design, and what the files hold is
     # compared (config, tensors); a child job standing for the rank builds the same.
@@ -502,6 +504,7 @@ class BufferProblem:
     reason: BufferReason
     got: tuple[str, ...] = ()  # first values on this rank ("%.6g")
     expected: tuple[str, ...] = ()  # first values of the reference, for "differs"
+    detail: str = ""  # "unwritten": where to_empty() ran and what wrote the other tensors
 
 
 @dataclass(frozen=True)

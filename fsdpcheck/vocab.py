@@ -232,6 +232,7 @@ class BufferReason(Word):
     NAN = "nan"
     INF = "inf"
     DENORMAL = "denormal"
+    UNWRITTEN = "unwritten"  # nothing wrote it since ``to_empty()`` (``fsdpcheck run``)
 
 
 class LoaderVerdict(Word):

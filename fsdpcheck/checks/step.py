@@ -23,6 +23,12 @@ FINISHED = "finished"  # its step returned: it issues no more collectives
 RAISED = "raised"  # its step raised its own exception
 STOPPED = "stopped"  # it stopped at a divergence on another of its groups
 _LISTED = 3
+# ``fsdpcheck run``'s points every rank must reach in the same place, agreed on like a
+# collective (op name → what it is to a reader).
+MARKS = {
+    "first_forward": "the first forward of an FSDP model",
+    "step_end": "the end of the watched step",
+}
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,8 @@ class CollectiveCall:
         )
 
     def label(self) -> str:
+        if self.op in MARKS:
+            return f"{MARKS[self.op]} at {self.where}" if self.where else MARKS[self.op]
         what = self.op.replace("_into_tensor", "").replace("_tensor", "").replace("_", "-")
         if self.peer is not None:
             what += f" {'to' if self.op == 'send' else 'from'} rank {self.peer}"
@@ -82,6 +90,8 @@ class CollectiveCall:
         return f"{what} at {self.where}" if self.where else what
 
     def size_text(self) -> str:
+        if self.op in MARKS:
+            return "no tensor: fsdpcheck run's mark"
         if self.send:
             size = f"sends {list(self.send)}, expects {list(self.recv)} elements"
         else:
@@ -325,6 +335,14 @@ def _consequence(
     issued: Sequence[tuple[list[int], CollectiveCall]], idle: Sequence[int], reason: str
 ) -> str:
     """What the unwatched job would have done there."""
+    marks = [(ranks, call) for ranks, call in issued if call.op in MARKS]
+    if marks and len(marks) < len(issued):
+        at = "; ".join(f"{ranks_label(ranks)} at {call.label()}" for ranks, call in marks)
+        return (
+            f"the ranks are at different places in the script ({at}; the others still issue "
+            "collectives: loading a checkpoint only they see, or running a step the others "
+            "do not): unwatched, each waits in its own collective until the timeout"
+        )
     if reason.startswith("the pair never comes"):
         return (
             f"{reason[0].upper()}{reason[1:]}: unwatched, the rank waits for it until the "

@@ -3,17 +3,21 @@
 Each rank that holds real buffers compares its non-persistent buffers with ones recomputed from
 the model's own config (:mod:`fsdpcheck.model.state`) and tests every other buffer for NaN, Inf
 and denormal values; the problems travel in its record (:attr:`RankRecord.uninitialized`). Ranks
-with the same problems share a group, so one finding per group names them all.
+with the same problems share a group, so one finding per group names them all. Under
+``fsdpcheck run`` a rank also records every parameter and buffer that nothing wrote between
+``to_empty()`` and the first forward (:mod:`fsdpcheck.model.writes`): those are named by the
+modules they belong to, whatever their garbage holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from fsdpcheck.checks.groups import own_findings
 from fsdpcheck.records import BufferProblem, Finding, Group, RankRecord
-from fsdpcheck.text import clauses, ranks_label
-from fsdpcheck.vocab import FindingKind
+from fsdpcheck.text import clauses, int_ranges, name_list, ranks_label
+from fsdpcheck.vocab import BufferReason, FindingKind
 
 _LISTED = 3
 _WHY = {
@@ -27,18 +31,38 @@ _WHY = {
 def uninitialized_findings(
     groups: Sequence[Group], records: Mapping[int, RankRecord]
 ) -> list[Finding]:
-    return own_findings(groups, records, lambda record: record.uninitialized, _finding)
+    found = own_findings(groups, records, lambda record: record.uninitialized, _finding)
+    # Groups differ by whatever else their records hold (garbage values, for one): the same
+    # problems on several groups are one finding naming all their ranks.
+    merged: dict[tuple, Finding] = {}
+    for finding in found:
+        key = tuple((p["name"], p["reason"]) for p in finding.details["problems"])
+        if key in merged:
+            first = merged[key]
+            ranks = tuple(sorted({*first.ranks, *finding.ranks}))
+            summary = first.summary.replace(ranks_label(first.ranks), ranks_label(ranks), 1)
+            merged[key] = replace(first, ranks=ranks, summary=summary)
+        else:
+            merged[key] = finding
+    return list(merged.values())
 
 
 def _finding(group: Group, problems: Sequence[BufferProblem]) -> Finding:
     who = ranks_label(group.ranks)
     first = problems[0]
-    shown = clauses(problems, lambda p: _describe(p, who), _LISTED)
+    unwritten = [p for p in problems if p.reason == BufferReason.UNWRITTEN]
+    others = [p for p in problems if p.reason != BufferReason.UNWRITTEN]
+    parts = []
+    if unwritten:
+        parts.append(_unwritten_text(unwritten, who))
+    if others:
+        parts.append(clauses(others, lambda p: _describe(p, who), _LISTED))
+    shown = "; ".join(parts)
     return Finding.about(
         FindingKind.UNINITIALIZED,
         group.ranks,
         group.representative,
-        f"buffers are not initialised on {who}: {shown}",
+        f"{'tensors are' if unwritten else 'buffers are'} not initialised on {who}: {shown}",
         snapshot=first.snapshot,
         tensors=(p.name for p in problems),
         details={
@@ -49,6 +73,7 @@ def _finding(group: Group, problems: Sequence[BufferProblem]) -> Finding:
                     "reason": p.reason,
                     "got": list(p.got),
                     "expected": list(p.expected),
+                    **({"detail": p.detail} if p.detail else {}),
                 }
                 for p in problems
             ]
@@ -64,3 +89,47 @@ def _describe(p: BufferProblem, who: str) -> str:
             text += f"; expected {', '.join(p.expected)}"
         text += ")"
     return text
+
+
+def _unwritten_text(problems: Sequence[BufferProblem], who: str) -> str:
+    """``20 tensors of layers.0-9 (…)`` were never written, and where, and what wrote the rest."""
+    modules = owning_modules([p.name for p in problems])
+    count = len(problems)
+    text = (
+        f"{count} tensor{'s' if count != 1 else ''} of {_module_text(modules)} were never "
+        f"written after to_empty() (uninitialised memory, whatever it holds"
+    )
+    got = problems[0].got
+    text += f"; first values on {who.split(',')[0]}: {', '.join(got)})" if got else ")"
+    if problems[0].detail:
+        text += f": {problems[0].detail}"
+    return text
+
+
+def owning_modules(names: Sequence[str]) -> list[str]:
+    """The module each tensor belongs to, at the depth a reader names it: up to the first
+    numbered child (``layers.3``), else the tensor's parent; in first-seen order."""
+    found: dict[str, None] = {}
+    for name in names:
+        parts = name.split(".")
+        cut = next((i + 1 for i, part in enumerate(parts[:-1]) if part.isdigit()), len(parts) - 1)
+        found[".".join(parts[:cut]) or "(root)"] = None
+    return list(found)
+
+
+def _module_text(modules: Sequence[str]) -> str:
+    """``layers.0-9``, ``norm``: numbered siblings folded into one range each."""
+    numbered: dict[str, list[int]] = {}
+    plain: list[str] = []
+    for module in modules:
+        stem, _, last = module.rpartition(".")
+        if stem and last.isdigit():
+            numbered.setdefault(stem, []).append(int(last))
+        else:
+            plain.append(module)
+    folded = [
+        f"{stem}.{int_ranges(sorted(set(ids)))}"
+        + (f" ({len(set(ids))} modules)" if len(ids) > 1 else "")
+        for stem, ids in numbered.items()
+    ]
+    return name_list([*folded, *plain])

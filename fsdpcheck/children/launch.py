@@ -213,12 +213,14 @@ def launch(
     on_record: Callable[[int, Any], None] | None = None,
     cancel: threading.Event | None = None,
     record: type[Any] | None = None,
+    rank_args: Callable[[int], Sequence[str]] | None = None,
 ) -> LaunchResult:
     """Start ``python <argv...>`` (``argv`` after the interpreter) as ``nprocs`` ranks of one
     job and wait for them, at most ``timeout`` seconds (or until ``cancel`` is set); then kill
     every rank's process group. ``record``: the type the ranks' results are read back as (else
     plain mappings); ``on_record(rank, record)`` is called as each arrives (from reader
-    threads)."""
+    threads). ``rank_args(rank)``: arguments only that rank gets, after ``argv`` (a node
+    launched with another flag)."""
     port = port or free_port()
     start = time.monotonic()
     ranks: list[_Rank] = []
@@ -235,7 +237,8 @@ def launch(
                 **(rank_env(rank) if rank_env else {}),
             }
             rank_environ = child_env(os.environ, env or {}, rank_vars)
-            ranks.append(_Rank(rank, argv, rank_environ, cwd, on_record, record))
+            own = [*argv, *(rank_args(rank) if rank_args else ())]
+            ranks.append(_Rank(rank, own, rank_environ, cwd, on_record, record))
         log.info("launched %d rank(s), port %d: python %s", nprocs, port, " ".join(argv))
         deadline = start + timeout
         while True:

@@ -85,6 +85,14 @@ def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple
         message = f"{type(exc).__name__}: {exc}"
     watch.finish(raised=bool(message))
     seconds = time.perf_counter() - start
+    return step_record(watch, model, returned, message), seconds
+
+
+def step_record(
+    watch: CollectiveWatch, model: Any, returned: Any = None, message: str = ""
+) -> StepRecord:
+    """This rank's record of a watched step that is over (:meth:`CollectiveWatch.finish` ran):
+    ``returned`` what the step returned (its loss), ``message`` the exception it raised."""
     outcome = "diverged" if watch.diverged else ("raised" if message else "finished")
     loss = _loss(returned)
     non_finite = _non_finite(model, loss) if outcome == "finished" else StepNonFinite()
@@ -105,8 +113,8 @@ def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple
         peers=watch.peers,
         reason=watch.reason,
     )
-    log.info("step %s after %d collectives in %.3f s", outcome, len(watch.calls), seconds)
-    return record, seconds
+    log.info("step %s after %d collectives", outcome, len(watch.calls))
+    return record
 
 
 def conclude_step(

@@ -46,7 +46,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,6 +245,8 @@ class CollectiveWatch(TorchDispatchMode):
         self.exchanges = 0
         self.channel_bytes = 0
         self.seconds = 0.0
+        # Called with every op before it runs (``fsdpcheck run``'s write log), watched or not.
+        self.observer: Callable[[Any, tuple, dict], None] | None = None
 
     @property
     def diverged(self) -> bool:
@@ -252,6 +254,8 @@ class CollectiveWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.observer is not None:
+            self.observer(func, args, kwargs)
         spec = WATCHED.get(func._schema.name)
         if self.diverged:
             return func(*args, **kwargs)
@@ -470,6 +474,29 @@ class CollectiveWatch(TorchDispatchMode):
             pass
         finally:
             self.seconds += time.perf_counter() - start
+
+    def agree_on(self, op: str, where: str) -> None:
+        """A point every rank must reach at the same place in its sequence, agreed on over the
+        world like a collective (``fsdpcheck run``: a model's first forward, a step's end), so
+        that a rank still loading while another trains differs here instead of waiting.
+        Raises :class:`StepDiverged` where the ranks differ."""
+        if self.diverged:
+            return
+        call = CollectiveCall(
+            seq=len(self.calls),
+            op=op,
+            group="default_pg",
+            group_ranks=tuple(range(self._world)),
+            numel=-1,
+            dtype="",
+            where=where,
+        )
+        start = time.perf_counter()
+        try:
+            self._agree(call)
+        finally:
+            self.seconds += time.perf_counter() - start
+        self.calls.append(call)
 
     def context(self) -> tuple[CollectiveCall, ...]:
         return tuple(self.calls[-_CONTEXT:])

@@ -30,14 +30,15 @@ LAYERS = {
     "fsdpcheck.decision": 14,  # how a run ends on every rank: decide, give up
     "fsdpcheck.step": 15,  # check_step and audit --step: the collective watch
     "fsdpcheck.audit": 16,
-    "fsdpcheck.console": 17,
-    "fsdpcheck.output": 18,
-    "fsdpcheck.formats": 19,
-    "fsdpcheck.offline": 20,
-    "fsdpcheck.integrations": 21,
-    "fsdpcheck.cli": 22,
-    "fsdpcheck.__main__": 23,
-    "fsdpcheck": 24,  # the package's lazy API
+    "fsdpcheck.script": 17,  # fsdpcheck run: a script under the audit's checks and the watch
+    "fsdpcheck.console": 18,
+    "fsdpcheck.output": 19,
+    "fsdpcheck.formats": 20,
+    "fsdpcheck.offline": 21,
+    "fsdpcheck.integrations": 22,
+    "fsdpcheck.cli": 23,
+    "fsdpcheck.__main__": 24,
+    "fsdpcheck": 25,  # the package's lazy API
 }
 
 # Where an fsdpcheck module may be imported inside a function: where a command is handed off,

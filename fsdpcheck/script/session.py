@@ -1,0 +1,399 @@
+"""``fsdpcheck run``: a training script, unmodified, checked from its first ``fully_shard`` to the
+end of its first step, then out of its way.
+
+What the session hooks, and when (docs/run.md; docs/architecture.md says why each patch):
+
+- ``fully_shard`` (patched: torch has no hook for it): the first call, on every rank, joins
+  the side channel and puts the collective watch on, with the write log as its observer.
+- ``Module.to_empty`` (patched: no hook either): from then on, the module's tensors are
+  tracked until the first forward (:mod:`fsdpcheck.model.writes`).
+- A global forward pre-hook: before the first forward of each outermost FSDP module, every
+  rank agrees it is there (so a rank still loading is a ``step`` finding, not a wait), then
+  checks the model as ``check_model`` would, the unwritten tensors included.
+- Global optimizer step hooks: the watched steps end when the last ``optimizer.step()``
+  returns; every rank's step record is gathered and judged, and one report (model and step)
+  decides for every rank.
+- Then every hook and patch is removed and the watch leaves the dispatch stack; with
+  ``--steps`` only the step counter stays.
+
+A finding ends the script on every rank by raising :class:`RunStopped` inside it (a
+``BaseException``: the script's ``except Exception`` does not hold it, its ``finally`` runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from fsdpcheck.audit import check_live
+from fsdpcheck.checks.step import MARKS
+from fsdpcheck.decision import AuditResult, decide, give_up, never_met
+from fsdpcheck.distributed import liveness
+from fsdpcheck.distributed.environment import env_record
+from fsdpcheck.distributed.setup import DistContext
+from fsdpcheck.model.writes import WriteLog, site_of
+from fsdpcheck.options import RunOptions
+from fsdpcheck.records import Report
+from fsdpcheck.step.session import conclude_step, merged, step_record, step_report
+from fsdpcheck.step.watch import ChannelLost, CollectiveWatch, StepDiverged, fsdp_owners
+from fsdpcheck.vocab import ExitCode, Stage
+
+log = logging.getLogger(__name__)
+
+# Where a script may find fully_shard: every module that exports it (torch 2.6-2.15).
+_FULLY_SHARD_HOMES = (
+    "torch.distributed.fsdp",
+    "torch.distributed.fsdp._fully_shard",
+    "torch.distributed.fsdp._fully_shard._fully_shard",
+    "torch.distributed._composable.fsdp",
+    "torch.distributed._composable.fsdp.fully_shard",
+)
+FIRST_FORWARD, STEP_END = MARKS  # the agreed points: a model's first forward, the step's end
+
+
+class RunStopped(BaseException):
+    """Ends the script on every rank: a finding, a peer gone, or ``--steps`` reached."""
+
+    def __init__(self, exit_code: int):
+        super().__init__(f"fsdpcheck run: stopped with exit code {exit_code}")
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """How the check of a script ended on this rank."""
+
+    exit_code: int | None  # the run's code for every rank; None: the script's own decides
+    report: Report | None  # rank 0, once the ranks concluded
+    headline: str
+    notes: tuple[str, ...]  # what was not checked, on every rank
+    own_error: Any = None  # this rank's RankError, when the run ended without a report
+
+
+class ScriptSession:
+    """One script's check on one rank: :meth:`install` before the script runs, :meth:`finish`
+    after it ends (returned, raised, stopped); ``publish`` renders rank 0's report."""
+
+    def __init__(self, options: RunOptions, publish: Callable[[Report], None] | None = None):
+        self.options = options
+        self._publish = publish
+        self._undo: list[Callable[[], None]] = []
+        self._ctx: DistContext | None = None
+        self._abort: liveness.AbortWatch | None = None
+        self._watch: CollectiveWatch | None = None
+        self._contexts = contextlib.ExitStack()
+        self._writes = WriteLog()
+        self._sharded: list[weakref.ref] = []
+        self._checked: set[int] = set()
+        self._model_report: Report | None = None
+        self._model: nn.Module | None = None  # the first model checked (its step's state)
+        self._steps = 0
+        self._step_start: float | None = None
+        self._concluded: RunOutcome | None = None
+        self.notes: list[str] = []
+
+    # ------------------------------------------------------------------ hooks in and out
+
+    def install(self) -> None:
+        original = _fully_shard()
+        if original is not None:
+            watched = functools.wraps(original)(self._fully_shard_wrapper(original))
+            for home in _FULLY_SHARD_HOMES:
+                module = sys.modules.get(home)
+                if module is not None and getattr(module, "fully_shard", None) is original:
+                    module.fully_shard = watched
+                    self._undo.append(functools.partial(setattr, module, "fully_shard", original))
+        to_empty = nn.Module.to_empty
+        session = self
+
+        @functools.wraps(to_empty)
+        def watched_to_empty(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+            result = to_empty(module, *args, **kwargs)
+            session._emptied(module)
+            return result
+
+        nn.Module.to_empty = watched_to_empty
+        self._undo.append(functools.partial(setattr, nn.Module, "to_empty", to_empty))
+        hooks = [
+            register_module_forward_pre_hook(self._pre_forward),
+            register_optimizer_step_pre_hook(self._step_pre),
+            register_optimizer_step_post_hook(self._step_post),
+        ]
+        self._undo.extend(h.remove for h in hooks)
+
+    def remove(self, *, keep_counter: bool = False) -> None:
+        """Every hook and patch out; the watch off the dispatch stack."""
+        self._leave_watch()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        if keep_counter:  # --steps: the one hook left on the path counts optimizer steps
+            handle = register_optimizer_step_post_hook(self._count)
+            self._undo.append(handle.remove)
+
+    def _fully_shard_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(module, *args, **kwargs)
+            for sharded in module if isinstance(module, (list, tuple)) else (module,):
+                self._sharded.append(weakref.ref(sharded))
+            if self._ctx is None and self._concluded is None:
+                self._start(site_of()[1])
+            return result
+
+        return fully_shard
+
+    # ------------------------------------------------------------------ the watch
+
+    def _start(self, site: str) -> None:
+        """The first ``fully_shard``, on every rank: join, and put the watch on."""
+        log.info("first fully_shard at %s: the watch starts", site)
+        try:
+            ctx = liveness.join("auto", self.options.timeout)
+        except liveness.NeverMet as exc:
+            self._conclude_with(never_met(exc))
+        self._ctx = ctx
+        self._abort = liveness.AbortWatch(ctx).__enter__()
+        liveness.mark_stage(ctx, Stage.STEP)
+        watch = CollectiveWatch(
+            ctx.side_channel,
+            ctx.world_size,
+            {},
+            store=ctx.store,
+            rank=ctx.rank,
+            timeout=ctx.timeout,
+        )
+        watch.observer = self._writes.saw
+        self._watch = watch
+        self._step_start = time.perf_counter()
+        self._contexts.enter_context(watch)
+        self._contexts.enter_context(watch.batches())
+        self._contexts.enter_context(watch.point_to_point())
+
+    def _leave_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.observer = None
+        self._contexts.close()
+
+    def _emptied(self, module: nn.Module) -> None:
+        if self._watch is None:
+            if self._concluded is None:
+                self.notes.append(
+                    f"to_empty() at {site_of(3)[1]} ran before the first fully_shard: its "
+                    "tensors were not tracked for writes (uninitialised memory not checked)"
+                )
+            return
+        self._writes.emptied(module, site_of(3)[1])
+
+    def _roots(self) -> list[nn.Module]:
+        """The outermost FSDP modules: sharded, and inside no other sharded module."""
+        sharded = [m for m in (ref() for ref in self._sharded) if m is not None]
+        inner = {id(sub) for m in sharded for sub in m.modules() if sub is not m}
+        return [m for m in sharded if id(m) not in inner]
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._watch is None or id(module) in self._checked:
+            return
+        if not any(root is module for root in self._roots()):
+            return
+        self._checked.add(id(module))
+        self._check_model(module, site_of(2)[1])
+
+    def _check_model(self, model: nn.Module, site: str) -> None:
+        """Before a root's first forward, on every rank: agreed on, then checked."""
+        watch, ctx = self._watch, self._ctx
+        assert watch is not None and ctx is not None
+        watch._owners.update(fsdp_owners(model))  # noqa: SLF001 - the watch's own table
+        watch.agree_on(FIRST_FORWARD, site)  # StepDiverged unwinds the script
+        unwritten = self._writes.unwritten(model)
+        if self._model is None:
+            self._model = model
+            watch.observer = None  # writes are tracked up to the first forward only
+        with _modes_off():
+            result = self._guarded(
+                lambda: check_live(ctx, self._abort, model, unwritten=unwritten, **self._source())
+            )
+        if result.exit_code != ExitCode.CONSISTENT:
+            self._conclude_with(result)
+        report = result.report
+        if report is not None and self._model_report is not None:
+            report = _combined(self._model_report, report)
+        self._model_report = report or self._model_report
+        self._step_start = time.perf_counter()
+
+    def _source(self) -> dict[str, Any]:
+        source = self.options.source
+        return {"source": source} if source not in (None, "none") else {}
+
+    def _step_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        return None
+
+    def _step_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._steps += 1
+        if self._watch is None or self._model is None:
+            return
+        if self._steps < self.options.watch_steps:
+            return
+        self._watch.agree_on(STEP_END, site_of(2)[1])
+        outcome = self._conclude(message="")
+        if outcome.exit_code != ExitCode.CONSISTENT:
+            raise RunStopped(outcome.exit_code)
+        keep = self.options.steps is not None and self.options.steps > self._steps
+        self.remove(keep_counter=keep)
+        self._stop_if_done()
+
+    def _count(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._steps += 1
+        self._stop_if_done()
+
+    def _stop_if_done(self) -> None:
+        if self.options.steps is not None and self._steps >= self.options.steps:
+            code = self._concluded.exit_code if self._concluded else ExitCode.CONSISTENT
+            raise RunStopped(int(code or 0))
+
+    # ------------------------------------------------------------------ the end
+
+    def _guarded(self, work: Callable[[], AuditResult]) -> AuditResult:
+        """A collective of the session's own; a peer that stopped answering is named."""
+        ctx = self._ctx
+        assert ctx is not None
+        try:
+            return work()
+        except (Exception, ChannelLost) as exc:
+            log.debug("rank %d: fsdpcheck run gave up", ctx.rank, exc_info=True)
+            if self._abort is not None:
+                self._abort.disarm()
+            return give_up(ctx, exc, None, stage=Stage.STEP)
+
+    def _conclude(self, message: str) -> RunOutcome:
+        """Collective: the watch ends, every rank's step record is judged with the model's
+        report, and rank 0's verdict is every rank's."""
+        if self._concluded is not None:
+            return self._concluded
+        watch, ctx = self._watch, self._ctx
+        assert watch is not None and ctx is not None
+        self._leave_watch()
+        model = self._model if self._model is not None else _Nothing()
+        with _modes_off():
+
+            def judged() -> AuditResult:
+                watch.finish(raised=bool(message))
+                record = step_record(watch, model, None, message)
+                seconds = time.perf_counter() - (self._step_start or time.perf_counter())
+                env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
+                outcome = conclude_step(ctx, model, env, record, seconds)
+                report = None
+                if outcome is not None:
+                    base = self._model_report
+                    report = merged(base, outcome) if base is not None else None
+                    report = report or step_report(outcome, ctx.world_size)
+                    report = replace(report, warnings=(*report.warnings, *self._unseen()))
+                return decide(ctx, report)
+
+            result = self._guarded(judged)
+        return self._conclude_with(result, raise_stop=False)
+
+    def _conclude_with(self, result: AuditResult, *, raise_stop: bool = True) -> RunOutcome:
+        """The run's result on this rank: rank 0 publishes; a failing one stops the script."""
+        outcome = RunOutcome(
+            exit_code=result.exit_code,
+            report=result.report,
+            headline=result.headline,
+            notes=tuple(self.notes),
+            own_error=result.own_error,
+        )
+        self._concluded = outcome
+        if result.report is not None and self._publish is not None:
+            self._publish(result.report)
+        self._close()
+        if raise_stop and result.exit_code != ExitCode.CONSISTENT:
+            raise RunStopped(result.exit_code)
+        return outcome
+
+    def _close(self) -> None:
+        self._leave_watch()
+        if self._abort is not None:
+            self._abort.__exit__(None, None, None)
+            self._abort = None
+
+    def _unseen(self) -> tuple[str, ...]:
+        notes = list(self.notes)
+        if self._model is None:
+            notes.append("no FSDP module ran a forward under the watch: the model was not checked")
+        elif self._watch is not None and not any(c.module is not None for c in self._watch.calls):
+            notes.append(
+                "the watched step issued no FSDP collective the watch could see (a step "
+                "compiled before the check, or run on another thread): the step was not checked"
+            )
+        return tuple(notes)
+
+    def finish(self, error: BaseException | None) -> RunOutcome:
+        """After the script ended on this rank: returned (``error`` None), raised, or stopped.
+        Every rank still watching concludes with the others; the notes say what was not seen."""
+        try:
+            if self._concluded is not None:
+                return self._concluded
+            if self._watch is None:  # the script never called fully_shard
+                self.notes.append(
+                    "the script never called fully_shard: nothing was checked (fsdpcheck run "
+                    "checks FSDP2 jobs; a DDP, FSDP1 or single-process script runs unchecked)"
+                )
+                return RunOutcome(None, None, "", tuple(self.notes))
+            message = ""
+            if error is not None and not isinstance(error, (StepDiverged, SystemExit)):
+                message = f"{type(error).__name__}: {error}"
+            if self._model is None and error is None:
+                self.notes.append("the script ended before any FSDP module's forward")
+            elif self._steps < self.options.watch_steps and error is None:
+                self.notes.append(
+                    f"the script ended after {self._steps} optimizer step(s), before the "
+                    f"{self.options.watch_steps} watched: the step was checked as far as it ran"
+                )
+            return self._conclude(message)
+        finally:
+            self.remove()
+
+
+class _Nothing(nn.Module):
+    """No model ran a forward: a step's state check has nothing to read."""
+
+
+def _combined(first: Report, second: Report) -> Report:
+    """Two roots' reports (an actor and a reference model): every finding, the worse verdict."""
+    worse = max(first, second, key=lambda r: int(r.exit_code))
+    return replace(worse, findings=(*first.findings, *second.findings))
+
+
+@contextlib.contextmanager
+def _modes_off():
+    """The session's own collectives on the side channel, out of the watch's sight."""
+    disable = getattr(torch.utils._python_dispatch, "_disable_current_modes", None)
+    with disable() if disable is not None else contextlib.nullcontext():
+        yield
+
+
+def _fully_shard() -> Callable[..., Any] | None:
+    """torch's ``fully_shard`` (its public home since 2.6; the composable one before)."""
+    for home in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            module = __import__(home, fromlist=["fully_shard"])
+        except ImportError:
+            continue
+        found = getattr(module, "fully_shard", None)
+        if found is not None:
+            return found
+    return None
