@@ -345,7 +345,7 @@ def run(
     code = _run_exit_code(error, outcome.exit_code)
     if code == 0 and strict and outcome.notes:
         code = ExitCode.BAD_INPUT
-    if code not in (0, None):
+    if outcome.exit_code:  # fsdpcheck's verdict ended the job, not the script's own failure
         process.tell_torchrun(outcome.headline or "fsdpcheck run failed; see rank 0's report")
     raise typer.Exit(code)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -188,7 +189,9 @@ def against_checkpoint(
     steps: list[float] = []
     for batch in _batches(wanted):
         payload = {ckpt_key: _template(p, meta, key) for p, key, ckpt_key, meta in batch}
-        dcp.load(payload, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        with warnings.catch_warnings():  # "assuming ... a single process": as meant
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(payload, storage_reader=dcp.FileSystemReader(path), no_dist=True)
         for p, key, ckpt_key, _ in batch:
             held = _local(payload[ckpt_key])
             if key == "step":

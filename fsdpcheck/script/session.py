@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
+import os
 import sys
 import time
 import weakref
@@ -105,6 +107,8 @@ class ScriptSession:
         self._steps = 0
         self._step_start: float | None = None
         self._concluded: RunOutcome | None = None
+        self._loaded: list[tuple[str, str]] = []  # ("dcp" | "safetensors", path) the script read
+        self._checking = False  # inside the session's own check: its reads are not the script's
         self.notes: list[str] = []
 
     # ------------------------------------------------------------------ hooks in and out
@@ -129,6 +133,7 @@ class ScriptSession:
 
         nn.Module.to_empty = watched_to_empty
         self._undo.append(functools.partial(setattr, nn.Module, "to_empty", to_empty))
+        self._patch_loads()
         hooks = [
             register_module_forward_pre_hook(self._pre_forward),
             register_optimizer_step_pre_hook(self._step_pre),
@@ -145,6 +150,44 @@ class ScriptSession:
         if keep_counter:  # --steps: the one hook left on the path counts optimizer steps
             handle = register_optimizer_step_post_hook(self._count)
             self._undo.append(handle.remove)
+
+    def _patch_loads(self) -> None:
+        """DCP's ``load`` and safetensors' ``load_file`` (no hook for either): the checkpoint
+        the script loads is the model's reference (``--source``) and its resume record."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict_loader
+
+        session = self
+
+        def seen(kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def load(*args: Any, **kwargs: Any) -> Any:
+                if not session._checking:
+                    path = _loaded_path(kind, args, kwargs)
+                    if path:
+                        session._loaded.append((kind, path))
+                return original(*args, **kwargs)
+
+            return load
+
+        homes: list[tuple[Any, str, str]] = [
+            (dcp, "load", "dcp"),
+            (state_dict_loader, "load", "dcp"),
+        ]
+        try:
+            import safetensors.torch
+
+            homes.append((safetensors.torch, "load_file", "safetensors"))
+        except ImportError:  # safetensors is a dependency; a broken install loads nothing
+            log.debug("safetensors not importable: its loads are not seen", exc_info=True)
+        patched: dict[int, Callable[..., Any]] = {}
+        for module, name, kind in homes:
+            original = getattr(module, name, None)
+            if original is None:
+                continue
+            wrapper = patched.setdefault(id(original), seen(kind, original))
+            setattr(module, name, wrapper)
+            self._undo.append(functools.partial(setattr, module, name, original))
 
     def _fully_shard_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
@@ -223,10 +266,15 @@ class ScriptSession:
         if self._model is None:
             self._model = model
             watch.observer = None  # writes are tracked up to the first forward only
-        with _modes_off():
-            result = self._guarded(
-                lambda: check_live(ctx, self._abort, model, unwritten=unwritten, **self._source())
-            )
+        checks = self._references(model)
+        self._checking = True
+        try:
+            with _modes_off():
+                result = self._guarded(
+                    lambda: check_live(ctx, self._abort, model, unwritten=unwritten, **checks)
+                )
+        finally:
+            self._checking = False
         if result.exit_code != ExitCode.CONSISTENT:
             self._conclude_with(result)
         report = result.report
@@ -235,9 +283,22 @@ class ScriptSession:
         self._model_report = report or self._model_report
         self._step_start = time.perf_counter()
 
-    def _source(self) -> dict[str, Any]:
+    def _references(self, model: nn.Module) -> dict[str, Any]:
+        """What the model is checked against: the checkpoint the script loaded (or
+        ``--source``), the DCP folder it resumed from, and its optimizer, if one exists."""
+        found: dict[str, Any] = {}
         source = self.options.source
-        return {"source": source} if source not in (None, "none") else {}
+        if source is None and self._loaded:
+            source = self._loaded[-1][1]
+        if source is not None and source != "none":
+            found["source"] = source
+        resumed = [path for kind, path in self._loaded if kind == "dcp"]
+        if resumed:
+            found["checkpoint"] = resumed[-1]
+        optimizer = _optimizer_of(model)
+        if optimizer is not None:
+            found["optimizer"] = optimizer
+        return found
 
     def _step_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         return None
@@ -396,4 +457,29 @@ def _fully_shard() -> Callable[..., Any] | None:
         found = getattr(module, "fully_shard", None)
         if found is not None:
             return found
+    return None
+
+
+def _loaded_path(kind: str, args: tuple, kwargs: dict) -> str:
+    """The path a load reads: DCP's ``checkpoint_id`` or its reader's path, safetensors' file."""
+    if kind == "safetensors":
+        path = args[0] if args else kwargs.get("filename")
+    else:
+        path = kwargs.get("checkpoint_id") or (args[1] if len(args) > 1 else None)
+        reader = kwargs.get("storage_reader")
+        path = path or getattr(reader, "path", None)
+    return str(path) if isinstance(path, (str, os.PathLike)) else ""
+
+
+def _optimizer_of(model: nn.Module) -> Any:
+    """The optimizer that holds ``model``'s parameters, if one exists yet: found among live
+    objects once, at the first forward (torch has no hook for an optimizer's creation)."""
+    params = {id(p) for p in model.parameters()}
+    for candidate in gc.get_objects():
+        # type(), not isinstance: isinstance reads __class__, which some live objects (torch's
+        # deprecated aliases) answer with a warning.
+        if issubclass(type(candidate), torch.optim.Optimizer):
+            groups = getattr(candidate, "param_groups", ())
+            if any(id(p) in params for group in groups for p in group.get("params", ())):
+                return candidate
     return None

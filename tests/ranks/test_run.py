@@ -1,0 +1,254 @@
+"""``fsdpcheck run`` on real training scripts, unmodified, as real ranks (env://).
+
+The clean-stack corpus: a plain FSDP2 script in the style of PyTorch's examples
+(``examples/scripts/fsdp2_train.py``: meta init, ``reset_parameters``, DCP save and resume) is
+``consistent`` and bitwise transparent (the same losses and final weights as without
+fsdpcheck); each of its faulty twins is found on every rank with the same exit code: layers
+its ``reset_parameters`` never reaches (the published example's bug, one line), a checkpoint
+only rank 0 sees, mixed precision on rank 1 only, an extra micro-batch on rank 1. Then what
+``run`` does with the script's own ends (an exception, ``sys.exit``, a rank that dies), and
+that nothing of fsdpcheck is left on the script's path after the watched step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from fsdpcheck.children.launch import LaunchResult, launch
+from tests.conftest import QUIET_ENV, REPO
+
+TRAIN = REPO / "examples" / "scripts" / "fsdp2_train.py"
+PROBE = REPO / "tests" / "workers" / "run_probe.py"
+WATCH_TIMEOUT = 20  # fsdpcheck run --timeout: every case must end well inside the job's limit
+JOB_LIMIT = 120.0
+
+
+def job(
+    argv: Sequence[str],
+    *,
+    rank_args: Callable[[int], Sequence[str]] | None = None,
+    cwd: Path = REPO,
+) -> LaunchResult:
+    """Two env:// ranks of ``python ARGV``; ``rank_args``: what one rank alone is given."""
+    return launch(
+        list(argv),
+        2,
+        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
+        rank_args=rank_args,
+        timeout=JOB_LIMIT,
+        cwd=str(cwd),
+    )
+
+
+def plain_finished(result: LaunchResult) -> None:
+    """A plain run of the script (no fsdpcheck) ended well. torch keeps a destroyed gloo group
+    alive in its caches (DTensor's sharding cache holds the mesh), and the interpreter's
+    teardown now and then aborts on its threads after the script is done ("terminate called
+    without an active exception", -6): that is torch's, and fsdpcheck's exit skips it."""
+    for rank, code in enumerate(result.codes):
+        teardown = code == -6 and "terminate called without an active exception" in (
+            result.output(rank)
+        )
+        assert code == 0 or teardown, result.output(rank)
+
+
+def checked(
+    script: Path | str, args: Sequence[str], report: Path, *options: str, **kwargs
+) -> LaunchResult:
+    run = ["-m", "fsdpcheck", "run", "--timeout", str(WATCH_TIMEOUT), "--json", str(report)]
+    return job([*run, *options, str(script), *args], **kwargs)
+
+
+def findings(report: Path) -> dict[str, list[dict]]:
+    data = json.loads(report.read_text())
+    kinds: dict[str, list[dict]] = {}
+    for finding in data["findings"]:
+        kinds.setdefault(finding["kind"], []).append(finding)
+    return kinds
+
+
+def _weights(folder: Path) -> dict[str, bytes]:
+    from safetensors.torch import load_file
+
+    return {k: v.numpy().tobytes() for k, v in load_file(folder / "weights.safetensors").items()}
+
+
+def test_the_fsdp2_script_is_consistent_and_bitwise_transparent(tmp_path: Path) -> None:
+    plain_out, run_out, report = tmp_path / "plain", tmp_path / "run", tmp_path / "report.json"
+    args = ["--steps", "3", "--n-layers", "2"]
+    plain_finished(job([str(TRAIN), *args, "--out", str(plain_out)]))
+    result = checked(TRAIN, [*args, "--out", str(run_out)], report)
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    data = json.loads(report.read_text())
+    assert data["verdict"] == "consistent", data["findings"]
+    assert json.loads((run_out / "losses.json").read_text()) == json.loads(
+        (plain_out / "losses.json").read_text()
+    )
+    assert _weights(run_out) == _weights(plain_out)
+    # The job went on after the watched step and printed its own lines after the verdict.
+    output = result.output(0)
+    assert output.index("verdict: consistent") < output.index("step 3 loss")
+
+
+def test_a_resume_from_dcp_is_checked_against_the_checkpoint(tmp_path: Path) -> None:
+    """Both ranks resume from the DCP folder the script saved: the model matches it (the
+    checkpoint the script loaded is the source), and the run stays transparent."""
+    ckpt, report = tmp_path / "ckpt", tmp_path / "report.json"
+    plain_finished(job([str(TRAIN), "--steps", "2", "--checkpoint-dir", str(ckpt)]))
+    shutil.copytree(ckpt, tmp_path / "plain-ckpt")
+    plain_args = ["--steps", "2", "--checkpoint-dir", str(tmp_path / "plain-ckpt")]
+    plain_finished(job([str(TRAIN), *plain_args, "--out", str(tmp_path / "plain")]))
+    args = ["--steps", "2", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "run")]
+    result = checked(TRAIN, args, report)
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    data = json.loads(report.read_text())
+    assert data["verdict"] == "consistent", data["findings"]
+    assert data["source_check"]["passed"] and data["source_check"]["checked"] > 0
+    assert data["checkpoint"]["path"].endswith("step-2")
+    assert "resumed from step 2" in result.output(0)
+    losses = [json.loads((tmp_path / d / "losses.json").read_text()) for d in ("plain", "run")]
+    assert losses[0] == losses[1]
+    assert _weights(tmp_path / "run") == _weights(tmp_path / "plain")
+
+
+def _unreached_layers(tmp_path: Path) -> Path:
+    """The published example's bug: the model's reset_parameters never reaches its layers."""
+    source = TRAIN.read_text()
+    edited = source.replace("            layer.reset_parameters()\n", "            pass\n")
+    assert edited != source
+    script = tmp_path / "fsdp2_train_unreached.py"
+    script.write_text(edited)
+    return script
+
+
+FAULTS = {
+    # name: (script maker, rank 1's own arguments, the finding kind every rank stops on)
+    "layers-never-initialised": (_unreached_layers, [], "uninitialized"),
+    "checkpoint-only-rank-0-sees": (None, ["--checkpoint-dir", "{empty}"], "step"),
+    "mixed-precision-on-rank-1": (None, ["--mixed-precision"], "wrap-plan"),
+    "extra-micro-batch-on-rank-1": (None, ["--grad-accum", "2"], "launch"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_every_faulty_twin_is_found_on_every_rank(tmp_path: Path, fault: str) -> None:
+    make, own, kind = FAULTS[fault]
+    script = make(tmp_path) if make else TRAIN
+    ckpt, empty, report = tmp_path / "ckpt", tmp_path / "empty", tmp_path / "report.json"
+    empty.mkdir()
+    args = ["--steps", "2", "--n-layers", "3"]
+    if fault == "checkpoint-only-rank-0-sees":
+        plain_finished(
+            job([str(TRAIN), "--steps", "1", "--n-layers", "3", "--checkpoint-dir", str(ckpt)])
+        )
+        args += ["--checkpoint-dir", str(ckpt)]
+    rank1 = [a.format(empty=empty) for a in own]
+    result = checked(script, args, report, rank_args=lambda r: rank1 if r == 1 else [])
+    assert result.codes == [1, 1], result.output(0) + result.output(1)
+    assert result.elapsed < WATCH_TIMEOUT, "a finding must stop every rank inside --timeout"
+    found = findings(report)
+    assert kind in found, found
+    if fault == "layers-never-initialised":
+        (unwritten,) = found["uninitialized"]
+        assert unwritten["ranks"] == [0, 1]
+        problems = unwritten["details"]["problems"]
+        names = {p["name"] for p in problems}
+        # every tensor of every decoder layer, and nothing else, whatever its garbage holds
+        assert names == {n for n in names if n.startswith("layers.")}
+        assert {n.split(".")[1] for n in names} == {"0", "1", "2"}
+        assert len(names) == 3 * 10
+        assert "layers.0-2 (3 modules)" in unwritten["summary"]
+        assert "Transformer.reset_parameters" in unwritten["summary"]
+    if fault == "checkpoint-only-rank-0-sees":
+        (step,) = found["step"]
+        assert "the first forward of an FSDP model" in step["summary"]
+        assert "fsdp2_train.py" in step["summary"]  # the script's own line
+
+
+def test_the_clean_twins_of_the_faults_stay_consistent(tmp_path: Path) -> None:
+    """Every rank given the same flags the faults give one: mixed precision and two
+    micro-batches on both ranks, and a checkpoint both ranks see."""
+    ckpt, report = tmp_path / "ckpt", tmp_path / "report.json"
+    plain_finished(job([str(TRAIN), "--steps", "1", "--checkpoint-dir", str(ckpt)]))
+    args = ["--steps", "2", "--mixed-precision", "--grad-accum", "2", "--checkpoint-dir", str(ckpt)]
+    result = checked(TRAIN, args, report)
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    assert json.loads(report.read_text())["verdict"] == "consistent"
+
+
+def test_after_the_watched_step_nothing_of_fsdpcheck_is_on_the_path(tmp_path: Path) -> None:
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    result = checked(PROBE, ["--out", str(out), "--steps", "3"], report, "--watch-steps", "2")
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    for rank in (0, 1):
+        path = json.loads((out / f"rank{rank}.json").read_text())["path"]
+        watched, after = path[0], path[2]
+        assert watched["dispatch_modes"] == ["CollectiveWatch"]  # step 1 of the 2 watched
+        assert after["dispatch_modes"] == []
+        assert after["forward_pre_hooks"] == after["optimizer_pre_hooks"] == 0
+        assert after["optimizer_post_hooks"] == 0
+        assert "fsdpcheck" not in after["fully_shard"] + after["to_empty"]
+    data = json.loads(report.read_text())
+    assert data["verdict"] == "consistent"
+
+
+def test_steps_stops_the_job_with_the_verdict(tmp_path: Path) -> None:
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    result = checked(PROBE, ["--out", str(out), "--steps", "5"], report, "--steps", "2")
+    assert result.codes == [0, 0], result.output(0)
+    assert not out.exists()  # stopped after step 2, before the script's own end
+    assert json.loads(report.read_text())["verdict"] == "consistent"
+
+
+def test_the_script_s_own_exception_in_the_watched_step_is_named(tmp_path: Path) -> None:
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    result = checked(PROBE, ["--out", str(out), "--raise-at", "0"], report)
+    assert result.codes == [3, 3], result.output(0) + result.output(1)
+    assert "ValueError: rank 1 broke at step 0" in result.output(1)  # its own traceback
+    assert "run_probe.py" in result.output(1).split("Traceback")[1]
+    assert "fsdpcheck/script" not in result.output(1).split("Traceback")[1]
+    errors = json.loads(report.read_text())["errors"]
+    assert any(e["rank"] == 1 and "rank 1 broke at step 0" in e["message"] for e in errors)
+
+
+def test_an_exception_after_the_watch_is_the_script_s_own(tmp_path: Path) -> None:
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    result = checked(PROBE, ["--out", str(out), "--raise-at", "2"], report)
+    assert result.codes[1] == 1, result.output(1)  # as Python ends it
+    assert "ValueError: rank 1 broke at step 2" in result.output(1)
+    assert json.loads(report.read_text())["verdict"] == "consistent"
+
+
+def test_sys_exit_keeps_its_code_and_a_script_without_fsdp_gets_a_note(tmp_path: Path) -> None:
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    exited = checked(PROBE, ["--out", str(out), "--exit-code", "4"], report)
+    assert exited.codes == [4, 4], exited.output(0)
+    ddp = checked(PROBE, ["--out", str(out), "--ddp"], report)
+    assert ddp.codes == [0, 0], ddp.output(0)
+    for rank in (0, 1):
+        assert "never called fully_shard: nothing was checked" in ddp.output(rank)
+    strict = checked(PROBE, ["--out", str(out), "--ddp"], report, "--strict")
+    assert strict.codes == [2, 2], strict.output(0)
+
+
+def test_a_rank_that_dies_in_the_watched_step_is_named(tmp_path: Path) -> None:
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    result = checked(PROBE, ["--out", str(out), "--die-at", "0"], report)
+    assert result.codes[1] == 9
+    assert result.codes[0] == 3, result.output(0)
+    assert result.elapsed < WATCH_TIMEOUT * 2.5
+    errors = json.loads(report.read_text())["errors"]
+    assert any(e["rank"] == 1 for e in errors), errors
+
+
+def test_a_module_runs_as_python_m_would(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    args = ["--steps", "1", "--out", str(tmp_path / "out")]
+    result = checked("-m", ["examples.scripts.fsdp2_train", *args], report)
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    assert json.loads(report.read_text())["verdict"] == "consistent"

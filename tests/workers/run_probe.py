@@ -1,0 +1,85 @@
+"""A small FSDP2 (or DDP) training loop for tests/ranks/test_run.py, run under ``fsdpcheck run``:
+what the script itself sees of fsdpcheck after each step, and its own ways to end.
+
+    fsdpcheck run tests/workers/run_probe.py --out DIR [--steps N] [--ddp]
+        [--raise-at STEP] [--exit-code N] [--die-at STEP] [--sigint-at STEP]
+
+``--out``: each rank writes ``rank<r>.json``: its losses, and after each step what is on its
+path (global module and optimizer hooks, dispatch modes, the files ``fully_shard`` and
+``to_empty`` come from). ``--raise-at``, ``--die-at`` and ``--sigint-at`` act
+on rank 1 only, at that step (0-based).
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as fsdp
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.optim import optimizer as optimizer_hooks
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+
+def fsdpcheck_on_path() -> dict:
+    return {
+        "forward_pre_hooks": len(module_hooks._global_forward_pre_hooks),
+        "optimizer_pre_hooks": len(optimizer_hooks._global_optimizer_pre_hooks),
+        "optimizer_post_hooks": len(optimizer_hooks._global_optimizer_post_hooks),
+        "dispatch_modes": [type(m).__name__ for m in _get_current_dispatch_mode_stack()],
+        "fully_shard": fsdp.fully_shard.__code__.co_filename,
+        "to_empty": nn.Module.to_empty.__code__.co_filename,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--ddp", action="store_true")
+    parser.add_argument("--raise-at", type=int, default=None)
+    parser.add_argument("--exit-code", type=int, default=None)
+    parser.add_argument("--die-at", type=int, default=None)
+    parser.add_argument("--sigint-at", type=int, default=None)
+    args = parser.parse_args()
+    if args.exit_code is not None:
+        sys.exit(args.exit_code)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    if args.ddp:
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        for layer in (model[0], model[2]):
+            fsdp.fully_shard(layer)
+        fsdp.fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(rank)
+    record = {"losses": [], "path": []}
+    for step in range(args.steps):
+        if rank == 1 and step == args.die_at:
+            os._exit(9)
+        if rank == 1 and step == args.sigint_at:
+            os.kill(os.getpid(), signal.SIGINT)
+        x = torch.randn(8, 16, generator=data)
+        loss = model(x).square().mean()
+        loss.backward()
+        if rank == 1 and step == args.raise_at:
+            raise ValueError(f"rank 1 broke at step {step}")
+        optimizer.step()
+        optimizer.zero_grad()
+        record["losses"].append(loss.item())
+        record["path"].append(fsdpcheck_on_path())
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
