@@ -340,8 +340,8 @@ def _consequence(
         at = "; ".join(f"{ranks_label(ranks)} at {call.label()}" for ranks, call in marks)
         return (
             f"the ranks are at different places in the script ({at}; the others still issue "
-            "collectives: loading a checkpoint only they see, or running a step the others "
-            "do not): unwatched, each waits in its own collective until the timeout"
+            "collectives there: an extra micro-batch, a module only they run, or a checkpoint "
+            "only they load): unwatched, each waits in its own collective until the timeout"
         )
     if reason.startswith("the pair never comes"):
         return (

@@ -54,7 +54,7 @@ def _finding(group: Group, problems: Sequence[BufferProblem]) -> Finding:
     others = [p for p in problems if p.reason != BufferReason.UNWRITTEN]
     parts = []
     if unwritten:
-        parts.append(_unwritten_text(unwritten, who))
+        parts.append(_unwritten_text(unwritten, f"rank {group.representative}"))
     if others:
         parts.append(clauses(others, lambda p: _describe(p, who), _LISTED))
     shown = "; ".join(parts)
@@ -91,7 +91,7 @@ def _describe(p: BufferProblem, who: str) -> str:
     return text
 
 
-def _unwritten_text(problems: Sequence[BufferProblem], who: str) -> str:
+def _unwritten_text(problems: Sequence[BufferProblem], shown_rank: str) -> str:
     """``20 tensors of layers.0-9 (…)`` were never written, and where, and what wrote the rest."""
     modules = owning_modules([p.name for p in problems])
     count = len(problems)
@@ -100,7 +100,7 @@ def _unwritten_text(problems: Sequence[BufferProblem], who: str) -> str:
         f"written after to_empty() (uninitialised memory, whatever it holds"
     )
     got = problems[0].got
-    text += f"; first values on {who.split(',')[0]}: {', '.join(got)})" if got else ")"
+    text += f"; first values on {shown_rank}: {', '.join(got)})" if got else ")"
     if problems[0].detail:
         text += f": {problems[0].detail}"
     return text

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +41,9 @@ _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd
 @dataclass
 class _Tracked:
     name: str
-    tensor: weakref.ref
+    # id(), not a weakref: torch's swap_tensors (``Module._apply`` on DTensor parameters)
+    # refuses to swap a tensor that has one.
+    tensor: int
     version: int
     local_version: int
     storage: int
@@ -105,7 +106,7 @@ class WriteLog:
             if storage:
                 self._tracked[storage] = _Tracked(
                     name,
-                    weakref.ref(tensor),
+                    id(tensor),
                     tensor._version,
                     _local(tensor)._version,
                     storage,
@@ -140,7 +141,7 @@ class WriteLog:
             if storage in self._written or storage not in held:
                 continue
             name, tensor = held[storage]
-            if tracked.tensor() is not tensor:  # another tensor under its name
+            if tracked.tensor != id(tensor):  # another tensor under its name
                 continue
             if (tensor._version, _local(tensor)._version) != (
                 tracked.version,
