@@ -93,8 +93,10 @@ def main() -> None:
             print(f"step {step + 1} loss {total:.6f}", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        local = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
-        torch.save(local, os.path.join(args.out, f"rank{rank}.pt"))  # the test's own file
+        from safetensors.torch import save_file
+
+        local = {n: p.to_local().detach().contiguous() for n, p in model.named_parameters()}
+        save_file(local, os.path.join(args.out, f"rank{rank}.safetensors"))
         with open(os.path.join(args.out, f"losses{rank}.json"), "w") as f:
             json.dump(losses, f)
     dist.destroy_process_group()

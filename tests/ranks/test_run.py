@@ -23,6 +23,8 @@ from fsdpcheck.children.launch import LaunchResult, launch
 from tests.conftest import QUIET_ENV, REPO
 
 TRAIN = REPO / "examples" / "scripts" / "fsdp2_train.py"
+TITAN = REPO / "examples" / "scripts" / "titan_train.py"
+LIGHTNING = REPO / "examples" / "scripts" / "lightning_train.py"
 PROBE = REPO / "tests" / "workers" / "run_probe.py"
 WATCH_TIMEOUT = 20  # fsdpcheck run --timeout: every case must end well inside the job's limit
 JOB_LIMIT = 120.0
@@ -252,3 +254,50 @@ def test_a_module_runs_as_python_m_would(tmp_path: Path) -> None:
     result = checked("-m", ["examples.scripts.fsdp2_train", *args], report)
     assert result.codes == [0, 0], result.output(0) + result.output(1)
     assert json.loads(report.read_text())["verdict"] == "consistent"
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_torchtitan_style_trainer_and_its_uneven_data_split(tmp_path: Path) -> None:
+    """Clean (8 sequences over 2 ranks): consistent, the same losses and shards as without
+    fsdpcheck. Its twin (5 sequences): rank 0 runs one micro-batch more in every step, with
+    the same command line on both ranks; only the step watch sees it."""
+    report = tmp_path / "report.json"
+    plain_finished(job([str(TITAN), "--samples", "8", "--out", str(tmp_path / "plain")]))
+    clean = checked(TITAN, ["--samples", "8", "--out", str(tmp_path / "run")], report)
+    assert clean.codes == [0, 0], clean.output(0) + clean.output(1)
+    assert json.loads(report.read_text())["verdict"] == "consistent"
+    assert _files(tmp_path / "run") == _files(tmp_path / "plain")
+    uneven = checked(TITAN, ["--samples", "5"], report)
+    assert uneven.codes == [1, 1], uneven.output(0) + uneven.output(1)
+    (step,) = findings(report)["step"]
+    assert "all-gather of the root module" in step["summary"]
+    assert "the end of the watched step at titan_train.py" in step["summary"]
+
+
+def _lightning_without_reset(tmp_path: Path) -> Path:
+    """The norm's init under another name: Lightning cannot re-initialise it after to_empty."""
+    source = LIGHTNING.read_text()
+    edited = source.replace("def reset_parameters(self):", "def init_weights(self):").replace(
+        "self.reset_parameters()", "self.init_weights()"
+    )
+    assert edited != source
+    script = tmp_path / "lightning_no_reset.py"
+    script.write_text(edited)
+    return script
+
+
+def test_lightning_s_fsdp2_strategy_and_a_module_it_cannot_initialise(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    plain_finished(job([str(LIGHTNING), "--out", str(tmp_path / "plain")]))
+    clean = checked(LIGHTNING, ["--out", str(tmp_path / "run")], report)
+    assert clean.codes == [0, 0], clean.output(0) + clean.output(1)
+    assert json.loads(report.read_text())["verdict"] == "consistent"
+    assert _files(tmp_path / "run") == _files(tmp_path / "plain")
+    broken = checked(_lightning_without_reset(tmp_path), [], report)
+    assert broken.codes == [1, 1], broken.output(0) + broken.output(1)
+    (unwritten,) = findings(report)["uninitialized"]
+    names = {p["name"] for p in unwritten["details"]["problems"]}
+    assert names == {"blocks.0.norm.weight", "blocks.1.norm.weight", "norm.weight"}
