@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
-from fsdpcheck.children.launch import LaunchResult, launch
-from tests.conftest import QUIET_ENV, REPO
+from fsdpcheck.children.launch import LaunchResult, free_port, launch
+from tests.conftest import QUIET_ENV, REPO, run_plain
 
 TRAIN = REPO / "examples" / "scripts" / "fsdp2_train.py"
 TITAN = REPO / "examples" / "scripts" / "titan_train.py"
@@ -301,3 +302,25 @@ def test_lightning_s_fsdp2_strategy_and_a_module_it_cannot_initialise(tmp_path: 
     (unwritten,) = findings(report)["uninitialized"]
     names = {p["name"] for p in unwritten["details"]["problems"]}
     assert names == {"blocks.0.norm.weight", "blocks.1.norm.weight", "norm.weight"}
+
+
+def test_accelerate_launch_runs_the_script_checked(tmp_path: Path) -> None:
+    """``accelerate launch -m fsdpcheck run script.py``: accelerate's launcher (torch's elastic
+    agent and ACCELERATE_* variables; gloo on a host without GPUs), the clean script and its
+    twin whose layers are never initialised."""
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    for script, code, verdict in (
+        (TRAIN, 0, "consistent"),
+        (_unreached_layers(tmp_path), 1, "inconsistent"),
+    ):
+        report = tmp_path / f"{verdict}.json"
+        argv = [
+            accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), "-m", "fsdpcheck", "run",
+            "--timeout", str(WATCH_TIMEOUT), "--json", str(report), str(script), "--steps", "2",
+        ]  # fmt: skip
+        done = run_plain(argv, env={**QUIET_ENV, "OMP_NUM_THREADS": "1"}, timeout=JOB_LIMIT)
+        assert (done.returncode != 0) == bool(code), done.stdout + done.stderr
+        data = json.loads(report.read_text())
+        assert (data["verdict"], data["exit_code"], data["world_size"]) == (verdict, code, 2)
