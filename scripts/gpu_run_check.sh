@@ -4,7 +4,7 @@
 # One rank per GPU on NCCL: examples/scripts/fsdp2_train.py plain twice (is the host's own run
 # deterministic?), then under `fsdpcheck run` (the same losses and weights?), then its twin
 # whose layers reset_parameters never reaches (exit 1, `uninitialized`, on CUDA memory). Then
-# the gloo multi-rank tests of `run` on this host's torch (tests/ranks/test_run.py).
+# the gloo multi-rank tests of `run` on this host's torch, GPUs hidden (tests/ranks/test_run.py).
 set -u
 out=${1:-${OUT:-/tmp/fsdpcheck-gpu-run}}
 mkdir -p "$out"
@@ -49,7 +49,7 @@ for name in ("run", "unreached"):
           [(f["kind"], f["summary"][:240]) for f in r["findings"]])
 PY
 start=$SECONDS
-timeout 300 "$py" -m pytest -q -p no:cacheprovider tests/unit/test_run_parts.py \
+CUDA_VISIBLE_DEVICES= timeout 300 "$py" -m pytest -q -p no:cacheprovider tests/unit/test_run_parts.py \
     tests/ranks/test_run.py >"$out/pytest.log" 2>&1
 echo "== pytest test_run (gloo, this torch): exit $? in $((SECONDS - start))s" | tee -a "$log"
 tail -n 30 "$out/pytest.log" >>"$log"
