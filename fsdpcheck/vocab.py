@@ -487,8 +487,9 @@ class FindingKind(_Described):
     )
     UNINITIALIZED = (
         "uninitialized",
-        "a buffer is not what its module computes (garbage after to_empty, NaN, Inf)",
-        "buffers are not initialised",
+        "a buffer is not what its module computes (garbage after to_empty, NaN, Inf), or "
+        "a tensor nothing wrote after to_empty (fsdpcheck run)",
+        "tensors are not initialised",
     )
     NON_FINITE = (
         "non-finite",
