@@ -9,6 +9,7 @@ _LAZY = {
     "run_audit": "fsdpcheck.audit",
     "check_model": "fsdpcheck.audit",
     "check_step": "fsdpcheck.step.api",
+    "run_checked": "fsdpcheck.script.api",
     "AuditOptions": "fsdpcheck.options",
     "AuditResult": "fsdpcheck.audit",
     "load_full_state_dict": "fsdpcheck.loader.load",

@@ -293,11 +293,11 @@ def run(
     from fsdpcheck import process
     from fsdpcheck.console import rank_failed
     from fsdpcheck.distributed.launcher import rank_hint
-    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.errors import FsdpcheckError, InputError
     from fsdpcheck.options import RunOptions
     from fsdpcheck.records import RankError
     from fsdpcheck.script import runner
-    from fsdpcheck.script.session import RunStopped, ScriptSession
+    from fsdpcheck.script.api import watched_run
     from fsdpcheck.vocab import Stage
 
     rank = rank_hint(os.environ)
@@ -306,8 +306,6 @@ def run(
         target = runner.Target.parse(list(script or []))
         problem = target.problem()
         if problem:
-            from fsdpcheck.errors import InputError
-
             raise InputError(f"rank {rank}: {problem}")
         options = RunOptions(
             timeout=timeout, watch_steps=watch_steps, steps=steps, source=source, strict=strict
@@ -326,18 +324,7 @@ def run(
         render(report, _stdout(), title="fsdpcheck run")
         outputs.publish_report(report, suite="fsdpcheck.run")
 
-    session = ScriptSession(options, publish)
-    session.install()
-    error: BaseException | None = None
-    try:
-        runner.run(target)
-    except KeyboardInterrupt:  # as without fsdpcheck: no collective, no report
-        session.remove()
-        raise
-    except BaseException as exc:  # the script's own end, or the run stopping it
-        log.debug("rank %d: the script ended with %s", rank, type(exc).__name__, exc_info=True)
-        error = exc
-    outcome = session.finish(None if isinstance(error, RunStopped) else error)
+    outcome, error = watched_run(lambda: runner.run(target), options, publish)
     for note in outcome.notes:
         _stderr().print(f"fsdpcheck run (rank {rank}): not checked: {note}", highlight=False)
     if outcome.report is None and outcome.own_error is not None:

@@ -3,8 +3,9 @@ end of its first step, then out of its way.
 
 What the session hooks, and when (docs/run.md; docs/architecture.md says why each patch):
 
-- ``fully_shard`` (patched: torch has no hook for it): the first call, on every rank, joins
-  the side channel and puts the collective watch on, with the write log as its observer.
+- ``fully_shard`` (patched where every call passes, FSDP2's ``FSDPState.init``: torch has no
+  hook for it, and a script may hold ``fully_shard`` by name): the first call, on every rank,
+  joins the side channel and puts the collective watch on, with the write log as its observer.
 - ``Module.to_empty`` (patched: no hook either): from then on, the module's tensors are
   tracked until the first forward (:mod:`fsdpcheck.model.writes`).
 - A global forward pre-hook: before the first forward of each outermost FSDP module, every
@@ -100,7 +101,8 @@ class ScriptSession:
         self._watch: CollectiveWatch | None = None
         self._contexts = contextlib.ExitStack()
         self._writes = WriteLog()
-        self._sharded: list[weakref.ref] = []
+        self._sharded: list[weakref.ref] = []  # every module fully_shard was applied to
+        self._roots_known: set[int] | None = None
         self._checked: set[int] = set()
         self._model_report: Report | None = None
         self._model: nn.Module | None = None  # the first model checked (its step's state)
@@ -114,14 +116,21 @@ class ScriptSession:
     # ------------------------------------------------------------------ hooks in and out
 
     def install(self) -> None:
-        original = _fully_shard()
-        if original is not None:
-            watched = functools.wraps(original)(self._fully_shard_wrapper(original))
-            for home in _FULLY_SHARD_HOMES:
-                module = sys.modules.get(home)
-                if module is not None and getattr(module, "fully_shard", None) is original:
-                    module.fully_shard = watched
-                    self._undo.append(functools.partial(setattr, module, "fully_shard", original))
+        state = _fsdp_state_class()
+        if state is not None:  # every fully_shard, however the script imported it
+            init = state.init
+            session = self
+
+            @functools.wraps(init)
+            def watched_init(fsdp_state: Any, modules: Any, *args: Any, **kwargs: Any) -> Any:
+                result = init(fsdp_state, modules, *args, **kwargs)
+                session._sharding(modules)
+                return result
+
+            state.init = watched_init
+            self._undo.append(functools.partial(setattr, state, "init", init))
+        else:  # a torch without FSDP2's state class where we look: the exported function
+            self._patch_fully_shard()
         to_empty = nn.Module.to_empty
         session = self
 
@@ -189,16 +198,31 @@ class ScriptSession:
             setattr(module, name, wrapper)
             self._undo.append(functools.partial(setattr, module, name, original))
 
-    def _fully_shard_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _patch_fully_shard(self) -> None:
+        original = _fully_shard()
+        if original is None:
+            return
+        session = self
+
+        @functools.wraps(original)  # keeps contract's ``fully_shard.state``
         def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(module, *args, **kwargs)
-            for sharded in module if isinstance(module, (list, tuple)) else (module,):
-                self._sharded.append(weakref.ref(sharded))
-            if self._ctx is None and self._concluded is None:
-                self._start(site_of()[1])
+            session._sharding(module if isinstance(module, (list, tuple)) else (module,))
             return result
 
-        return fully_shard
+        for home in _FULLY_SHARD_HOMES:
+            module = sys.modules.get(home)
+            if module is not None and getattr(module, "fully_shard", None) is original:
+                module.fully_shard = fully_shard
+                self._undo.append(functools.partial(setattr, module, "fully_shard", original))
+
+    def _sharding(self, modules: Any) -> None:
+        """A ``fully_shard`` call: its modules are FSDP modules; the first one starts the watch."""
+        for sharded in modules:
+            self._sharded.append(weakref.ref(sharded))
+        self._roots_known = None
+        if self._ctx is None and self._concluded is None:
+            self._start(site_of()[1])
 
     # ------------------------------------------------------------------ the watch
 
@@ -242,16 +266,17 @@ class ScriptSession:
             return
         self._writes.emptied(module, site_of(3)[1])
 
-    def _roots(self) -> list[nn.Module]:
-        """The outermost FSDP modules: sharded, and inside no other sharded module."""
-        sharded = [m for m in (ref() for ref in self._sharded) if m is not None]
-        inner = {id(sub) for m in sharded for sub in m.modules() if sub is not m}
-        return [m for m in sharded if id(m) not in inner]
+    def _roots(self) -> set[int]:
+        """The outermost FSDP modules (sharded, and inside no other sharded module), by id;
+        read again only after another ``fully_shard``."""
+        if self._roots_known is None:
+            sharded = [m for m in (ref() for ref in self._sharded) if m is not None]
+            inner = {id(sub) for m in sharded for sub in m.modules() if sub is not m}
+            self._roots_known = {id(m) for m in sharded if id(m) not in inner}
+        return self._roots_known
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if self._watch is None or id(module) in self._checked:
-            return
-        if not any(root is module for root in self._roots()):
+        if self._watch is None or id(module) in self._checked or id(module) not in self._roots():
             return
         self._checked.add(id(module))
         self._check_model(module, site_of(2)[1])
@@ -445,6 +470,23 @@ def _modes_off():
     disable = getattr(torch.utils._python_dispatch, "_disable_current_modes", None)
     with disable() if disable is not None else contextlib.nullcontext():
         yield
+
+
+def _fsdp_state_class() -> Any:
+    """FSDP2's per-module state class, whose ``init`` every ``fully_shard`` call runs (private:
+    where torch 2.6-2.15 keep it, feature-detected)."""
+    for home in (
+        "torch.distributed.fsdp._fully_shard._fsdp_state",
+        "torch.distributed._composable.fsdp._fsdp_state",
+    ):
+        try:
+            module = __import__(home, fromlist=["FSDPState"])
+        except ImportError:
+            continue
+        state = getattr(module, "FSDPState", None)
+        if state is not None and callable(getattr(state, "init", None)):
+            return state
+    return None
 
 
 def _fully_shard() -> Callable[..., Any] | None:

@@ -196,6 +196,7 @@ def test_after_the_watched_step_nothing_of_fsdpcheck_is_on_the_path(tmp_path: Pa
         assert after["forward_pre_hooks"] == after["optimizer_pre_hooks"] == 0
         assert after["optimizer_post_hooks"] == 0
         assert "fsdpcheck" not in after["fully_shard"] + after["to_empty"]
+        assert "fsdpcheck" not in after["fsdp_state_init"]
     data = json.loads(report.read_text())
     assert data["verdict"] == "consistent"
 
@@ -324,3 +325,17 @@ def test_accelerate_launch_runs_the_script_checked(tmp_path: Path) -> None:
         assert (done.returncode != 0) == bool(code), done.stdout + done.stderr
         data = json.loads(report.read_text())
         assert (data["verdict"], data["exit_code"], data["world_size"]) == (verdict, code, 2)
+
+
+def test_run_checked_is_the_same_check_as_a_call(tmp_path: Path) -> None:
+    """``fsdpcheck.run_checked(train, ...)``, as a Ray actor calls it: the clean function goes on
+    after the watched step; its twin that all-reduces on rank 1 only is stopped on both ranks,
+    and neither process is ended by the call."""
+    worker = REPO / "tests" / "workers" / "run_checked_worker.py"
+    for variant, code in (("clean", 0), ("extra", 1)):
+        out = tmp_path / variant
+        result = job([str(worker), str(out), variant])
+        assert result.codes == [0, 0], result.output(0) + result.output(1)
+        records = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+        assert [r["exit_code"] for r in records] == [code, code], records
+        assert [r["report"] for r in records] == [True, False]

@@ -5,8 +5,8 @@ what the script itself sees of fsdpcheck after each step, and its own ways to en
         [--raise-at STEP] [--exit-code N] [--die-at STEP] [--sigint-at STEP]
 
 ``--out``: each rank writes ``rank<r>.json``: its losses, and after each step what is on its
-path (global module and optimizer hooks, dispatch modes, the files ``fully_shard`` and
-``to_empty`` come from). ``--raise-at``, ``--die-at`` and ``--sigint-at`` act
+path (global module and optimizer hooks, dispatch modes, the files ``fully_shard``,
+``to_empty`` and FSDP2's ``FSDPState.init`` come from). ``--raise-at``, ``--die-at`` and ``--sigint-at`` act
 on rank 1 only, at that step (0-based).
 """
 
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as fsdp
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -33,6 +34,7 @@ def fsdpcheck_on_path() -> dict:
         "dispatch_modes": [type(m).__name__ for m in _get_current_dispatch_mode_stack()],
         "fully_shard": fsdp.fully_shard.__code__.co_filename,
         "to_empty": nn.Module.to_empty.__code__.co_filename,
+        "fsdp_state_init": FSDPState.init.__code__.co_filename,
     }
 
 
