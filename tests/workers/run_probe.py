@@ -6,8 +6,8 @@ what the script itself sees of fsdpcheck after each step, and its own ways to en
 
 ``--out``: each rank writes ``rank<r>.json``: its losses, and after each step what is on its
 path (global module and optimizer hooks, dispatch modes, the files ``fully_shard``,
-``to_empty`` and FSDP2's ``FSDPState.init`` come from). ``--raise-at``, ``--die-at`` and ``--sigint-at`` act
-on rank 1 only, at that step (0-based).
+``to_empty`` and FSDP2's ``FSDPState.init`` come from). ``--raise-at``, ``--die-at`` and
+``--sigint-at`` act on rank 1 only, at that step (0-based).
 """
 
 import argparse
