@@ -324,7 +324,11 @@ def run(
         render(report, _stdout(), title="fsdpcheck run")
         outputs.publish_report(report, suite="fsdpcheck.run")
 
-    outcome, error = watched_run(lambda: runner.run(target), options, publish)
+    try:
+        outcome, error = watched_run(lambda: runner.run(target), options, publish)
+    except KeyboardInterrupt as interrupted:  # as Python ends on one: traceback, then SIGINT
+        runner.print_script_error(interrupted)
+        process.end_by_sigint()
     for note in outcome.notes:
         _stderr().print(f"fsdpcheck run (rank {rank}): not checked: {note}", highlight=False)
     if outcome.report is None and outcome.own_error is not None:

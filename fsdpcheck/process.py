@@ -148,3 +148,13 @@ def exit_skipping_teardown(code: int | str | None) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe: nothing more can reach it
             log.debug("could not flush %s", stream, exc_info=True)
     os._exit(code)
+
+
+def end_by_sigint() -> NoReturn:
+    """End this process as Python ends one on an uncaught ``KeyboardInterrupt``: killed by
+    SIGINT (its parent sees the signal, not an exit code), no teardown to wait on."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    os._exit(130)  # only if the signal did not end it

@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,7 @@ def parse_args():
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--n-layers", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--mixed-precision", action="store_true")
     parser.add_argument("--checkpoint-dir", default="")
     parser.add_argument("--out", default="", help="losses and final weights (rank 0)")
@@ -151,7 +153,7 @@ def main():
     mesh = init_device_mesh(device.type, (world,))
     torch.manual_seed(0)
 
-    model_args = ModelArgs(n_layers=args.n_layers)
+    model_args = ModelArgs(n_layers=args.n_layers, dim=args.dim)
     with torch.device("meta"):
         model = Transformer(model_args)
     fsdp_kwargs = {"mesh": mesh}
@@ -183,6 +185,7 @@ def main():
     data = torch.Generator().manual_seed(1234 + rank)
     losses = []
     for step in range(start, start + args.steps):
+        began = time.perf_counter()
         for _ in range(args.grad_accum):
             tokens = torch.randint(
                 0,
@@ -200,7 +203,8 @@ def main():
         optimizer.zero_grad()
         losses.append(loss.item())
         if rank == 0:
-            print(f"step {step + 1} loss {loss.item():.6f}")
+            took = time.perf_counter() - began
+            print(f"step {step + 1} loss {loss.item():.6f} ({took:.4f} s, at {time.time():.3f})")
 
     end = start + args.steps
     if args.checkpoint_dir:

@@ -339,3 +339,14 @@ def test_run_checked_is_the_same_check_as_a_call(tmp_path: Path) -> None:
         records = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
         assert [r["exit_code"] for r in records] == [code, code], records
         assert [r["report"] for r in records] == [True, False]
+
+
+def test_ctrl_c_ends_the_script_as_it_would_without_fsdpcheck(tmp_path: Path) -> None:
+    """SIGINT on rank 1 after the watched step: its KeyboardInterrupt's traceback, and the
+    process killed by SIGINT (-2), as Python ends it; nothing of fsdpcheck's in between."""
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    result = checked(PROBE, ["--out", str(out), "--sigint-at", "2"], report)
+    assert result.codes[1] == -2, result.output(1)
+    assert "KeyboardInterrupt" in result.output(1)
+    assert "Aborted" not in result.output(1)  # click's own word for it, never shown
+    assert json.loads(report.read_text())["verdict"] == "consistent"

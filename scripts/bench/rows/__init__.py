@@ -13,6 +13,7 @@ from bench.rows.gather import row_gather
 from bench.rows.init import row_init
 from bench.rows.load import row_load
 from bench.rows.probe import row_probe
+from bench.rows.run import row_run
 from bench.rows.scale import row_scale
 from bench.rows.source import row_source
 from bench.rows.step import row_step
@@ -34,6 +35,7 @@ RUNNERS: dict[str, Callable[[Settings], Row]] = {
     "probe": row_probe,
     "verdict": row_verdict,
     "step": row_step,
+    "run": row_run,
     "source": row_source,
     "weight_sync": row_weight_sync,
 }

@@ -1,0 +1,91 @@
+"""``fsdpcheck run`` on a real script against the bare script: the same job, the same arguments
+(``examples/scripts/fsdp2_train.py``: meta init, ``fully_shard``, ``reset_parameters``, AdamW)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from bench.measure import marked, median, require, rotated, run_ranks
+from bench.result import Line, Row
+from bench.settings import REPO, Settings, shown, worker
+from bench.text import fmt_mib, fmt_s
+
+SCRIPT = REPO / "examples" / "scripts" / "fsdp2_train.py"
+FIRST_GOAL, AFTER_GOAL, RSS_GOAL = 1.30, 1.01, 1.10
+_STEP = re.compile(r"^step (\d+) loss \S+ \(([\d.]+) s, at ([\d.]+)\)$", re.M)
+
+
+def row_run(s: Settings) -> Row:
+    layers, dim, steps = (2, 64, 6) if s.quick else (8, 512, 24)
+    args = [str(SCRIPT), "--n-layers", str(layers), "--dim", str(dim), "--steps", str(steps)]
+    row = Row(
+        "run",
+        "fsdpcheck run vs the bare script",
+        f"`fsdpcheck run {shown(SCRIPT)}` against `python {shown(SCRIPT)}` ({layers} layers, "
+        f"dim {dim}, {steps} steps, 2 ranks, gloo), both through {shown(worker('rss'))}: the "
+        "time from launch to the end of step 1 (the watched step), the median of the steps "
+        "after it, each process's peak RSS",
+    )
+    variants = {"bare": args, "run": ["-m", "fsdpcheck", "run", *args]}
+    figures = {v: {"first": [], "after": [], "rss": []} for v in variants}
+    rounds = s.repeats + (0 if s.quick else 1)
+    for attempt in range(rounds):
+        for variant in rotated(list(variants), attempt):
+            started = time.time()
+            result = run_ranks([worker("rss"), *variants[variant]], 2)
+            require(result, [0, 0], f"{variant} script")
+            found = [(int(n), float(took), float(at)) for n, took, at in _STEP.findall(
+                result.ranks[0].stdout
+            )]  # fmt: skip
+            if len(found) != steps:
+                raise RuntimeError(f"{variant}: {len(found)} step lines of {steps}")
+            if attempt == 0 and not s.quick:
+                continue  # the warm-up round: page cache, .pyc files
+            figures[variant]["first"].append(found[0][2] - started)
+            figures[variant]["after"].append(median([took for _, took, _ in found[1:]]))
+            usage = marked(result, "@rss ", "stderr")
+            figures[variant]["rss"].append(max(u["maxrss"] for u in usage))
+    row.raw = figures
+    bare, run = figures["bare"], figures["run"]
+    first = median(run["first"]) / median(bare["first"])
+    after = median(run["after"]) / median(bare["after"])
+    rss = median(run["rss"]) / median(bare["rss"])
+    row.lines.append(
+        Line(
+            "launch to the end of step 1",
+            f"{first:.2f}×",
+            f"≤ {FIRST_GOAL:.2f}×",
+            first <= FIRST_GOAL,
+            f"run {fmt_s(median(run['first']))}, bare {fmt_s(median(bare['first']))}",
+            first,
+        )
+    )
+    row.lines.append(
+        Line(
+            "a step after the watched one (median)",
+            f"{after:.3f}×",
+            f"≤ {AFTER_GOAL:.2f}×",
+            after <= AFTER_GOAL,
+            f"run {fmt_s(median(run['after']))}, bare {fmt_s(median(bare['after']))}",
+            after,
+        )
+    )
+    row.lines.append(
+        Line(
+            "peak RSS per process",
+            f"{rss:.2f}×",
+            f"≤ {RSS_GOAL:.2f}×",
+            rss <= RSS_GOAL,
+            f"run {fmt_mib(median(run['rss']))}, bare {fmt_mib(median(bare['rss']))}",
+            rss,
+        )
+    )
+    row.notes.append(
+        f"Median of {len(run['first'])} runs of each"
+        + ("" if s.quick else " after one warm-up round")
+        + ", alternating. The time to step 1's end counts from the launch: it includes "
+        "fsdpcheck's own imports, the side channel, the model check before the first forward "
+        "and the watched step. After it no fsdpcheck code is on the step's path."
+    )
+    return row
