@@ -350,3 +350,44 @@ def test_ctrl_c_ends_the_script_as_it_would_without_fsdpcheck(tmp_path: Path) ->
     assert "KeyboardInterrupt" in result.output(1)
     assert "Aborted" not in result.output(1)  # click's own word for it, never shown
     assert json.loads(report.read_text())["verdict"] == "consistent"
+
+
+HF_TRAINER = REPO / "examples" / "scripts" / "hf_trainer_train.py"
+# accelerate turns an FSDP plugin into DDP on a host without GPUs: this lets it take its FSDP2
+# path on CPU, the script unchanged (tests/workers/cpu_fsdp_gate/sitecustomize.py)
+CPU_FSDP_GATE = {"PYTHONPATH": str(REPO / "tests" / "workers" / "cpu_fsdp_gate")}
+
+
+def test_an_hf_trainer_with_fsdp2_under_accelerate_launch(tmp_path: Path) -> None:
+    """Clean: consistent, the same logged losses as the script alone. Twin: rank 1 alone
+    accumulates two micro-batches per step (env:// ranks, rank 1 given the flag): stopped on
+    both ranks before its first step runs a collective rank 0 never issues."""
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    env = {**QUIET_ENV, **CPU_FSDP_GATE, "OMP_NUM_THREADS": "1"}
+
+    def launched(out: Path, *run: str) -> None:
+        argv = [
+            accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), *run, str(HF_TRAINER), "--out", str(out),
+        ]  # fmt: skip
+        done = run_plain(argv, env=env, timeout=JOB_LIMIT)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    report = tmp_path / "report.json"
+    launched(tmp_path / "plain")
+    launched(tmp_path / "run", "-m", "fsdpcheck", "run", "--json", str(report))
+    data = json.loads(report.read_text())
+    assert data["verdict"] == "consistent", data["findings"]
+    for rank in (0, 1):
+        name = f"losses{rank}.json"
+        assert (tmp_path / "run" / name).read_text() == (tmp_path / "plain" / name).read_text()
+    twin = launch(
+        ["-m", "fsdpcheck", "run", "--timeout", str(WATCH_TIMEOUT), "--json", str(report),
+         str(HF_TRAINER), "--out", str(tmp_path / "twin")],
+        2, env={**env}, rank_args=lambda r: ["--grad-accum", "2"] if r == 1 else [],
+        timeout=JOB_LIMIT, cwd=str(REPO),
+    )  # fmt: skip
+    assert twin.codes == [1, 1], twin.output(0) + twin.output(1)
+    kinds = findings(report)
+    assert "launch" in kinds, kinds
