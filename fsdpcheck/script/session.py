@@ -151,8 +151,8 @@ class ScriptSession:
         self._undo.extend(h.remove for h in hooks)
 
     def remove(self, *, keep_counter: bool = False) -> None:
-        """Every hook and patch out; the watch off the dispatch stack."""
-        self._leave_watch()
+        """Every hook and patch out; the watch off the dispatch stack, the heartbeat stopped."""
+        self._close()
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()

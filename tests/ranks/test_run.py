@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from fsdpcheck.children.launch import LaunchResult, free_port, launch
-from tests.conftest import QUIET_ENV, REPO, run_plain
+from tests.conftest import QUIET_ENV, REPO, run_plain, torchrun_fsdpcheck
 
 TRAIN = REPO / "examples" / "scripts" / "fsdp2_train.py"
 TITAN = REPO / "examples" / "scripts" / "titan_train.py"
@@ -391,3 +391,14 @@ def test_an_hf_trainer_with_fsdp2_under_accelerate_launch(tmp_path: Path) -> Non
     assert twin.codes == [1, 1], twin.output(0) + twin.output(1)
     kinds = findings(report)
     assert "launch" in kinds, kinds
+
+
+def test_under_torchrun_the_verdict_is_torchrun_s_failure_summary(tmp_path: Path) -> None:
+    """As the README runs it: torchrun's own agent. The twin whose layers are never initialised
+    fails the job, and torchrun's summary names fsdpcheck's cause (its error file)."""
+    report = tmp_path / "report.json"
+    argv = torchrun_fsdpcheck(2, "run", "--json", str(report), str(_unreached_layers(tmp_path)))
+    done = run_plain(argv, env={**QUIET_ENV, "OMP_NUM_THREADS": "1"}, timeout=JOB_LIMIT)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "fsdpcheck: tensors are not initialised on ranks 0,1" in done.stderr
+    assert json.loads(report.read_text())["exit_code"] == 1
