@@ -23,6 +23,8 @@ FINISHED = "finished"  # its step returned: it issues no more collectives
 RAISED = "raised"  # its step raised its own exception
 STOPPED = "stopped"  # it stopped at a divergence on another of its groups
 _LISTED = 3
+# The members' digests differ and no field compared names why: never issued all the same.
+UNNAMED = "their digests differ but no compared field names the difference"
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,17 @@ def disagreement(a: CollectiveCall, a_rank: int, b: CollectiveCall, b_rank: int)
         )
     if a.send or b.send:
         members = a.group_ranks
+        # A rank's split to itself pairs with its own receive (an MoE rank that drops tokens
+        # for its own experts after announcing its counts): the other rank's digest sees it,
+        # no pair of two ranks does.
+        for rank, own in ((a_rank, a), (b_rank, b)):
+            if rank in members and len(own.send) == len(own.recv) == len(members):
+                i = members.index(rank)
+                if own.send[i] != own.recv[i]:
+                    return (
+                        f"their splits do not pair (rank {rank} sends itself {own.send[i]} "
+                        f"elements and expects {own.recv[i]} from itself)"
+                    )
         if a_rank in members and b_rank in members and len(a.send) == len(b.recv) == len(members):
             i, j = members.index(a_rank), members.index(b_rank)
             for src, dst, sent, expected in (
@@ -348,6 +361,12 @@ def _consequence(
             f"{reason[0].upper()}{reason[1:]}: unwatched, each root sends and no rank receives "
             "its data, or ranks take another root's tensor; a hang until the collective timeout"
         )
+    if reason.startswith("their splits") and "itself" in reason:
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, gloo raises on that rank "
+            "(`inLengthPerRank[myRank] == outLengthPerRank[myRank]`) while the others wait in "
+            "the all_to_all until the collective timeout; NCCL hangs or corrupts"
+        )
     if reason.startswith("their splits"):
         return (
             f"{reason[0].upper()}{reason[1:]}: unwatched, gloo aborts the receiving rank "
@@ -362,6 +381,11 @@ def _consequence(
         return (
             f"{reason[0].upper()}{reason[1:]}: unwatched, gloo aborts the receiving rank "
             "(`op.preamble.length <= op.nbytes`), NCCL hangs or corrupts"
+        )
+    if reason.startswith(UNNAMED):
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, it would have been issued with "
+            "whatever differs"
         )
     sizes = {(call.numel, call.sizes) for _, call in issued}
     if len(sizes) > 1:

@@ -60,6 +60,7 @@ from fsdpcheck.checks.step import (
     FINISHED,
     RAISED,
     STOPPED,
+    UNNAMED,
     CollectiveCall,
     PeerView,
     disagreement,
@@ -148,6 +149,9 @@ _PAUSE_FIRST, _PAUSE_ENDS, _PAUSE_MAX = 1e-4, 0.0128, 0.02
 _MASK64 = 2**64 - 1
 _ENDED = (FINISHED, RAISED)
 _OWED = b"owed:"  # a peer confirming a send or receive it issued ahead: "owed:<n>:<call>"
+# A descriptor left by a batch that is not yet whole: "held:<batch>:<call>". Its pair waits for
+# the batch's release (every op of it paired) before it is issued: a batch is held whole.
+_HELD = b"held:"
 
 
 class StepDiverged(BaseException):
@@ -234,6 +238,7 @@ class CollectiveWatch(TorchDispatchMode):
         self._agreed_ahead = 0  # sends and receives of a batch agreed before it was issued
         self._blocked_seen: dict[int, tuple[bytes, float]] = {}  # a peer's batch wait, since
         self._owed: list[_Owed] = []  # sends and receives issued ahead of their pair
+        self._batches = 0  # batches this rank left, each released once every op of it paired
         self._pipeline_ops: dict[int, tuple[int, str, int]] = {}  # id(tensor) → stage, phase, mb
         self.calls: list[CollectiveCall] = []  # agreed and issued, in order
         self.at: int | None = None  # where the ranks differed (the group's sequence number)
@@ -347,10 +352,12 @@ class CollectiveWatch(TorchDispatchMode):
         try:
             while True:
                 if self._store.check([theirs]):
-                    other = from_dict(CollectiveCall, json.loads(self._store.get(theirs)))
+                    other, batch = _descriptor(self._store.get(theirs))
                     reason = _pair_disagreement(call, self._rank, other, peer)
                     if reason:
                         self._stop(call, n, (PeerView(peer, doing=other),), reason)
+                    if batch is not None:
+                        self._await_release(call, n, peer, batch)
                     return
                 ended = f"step/end/{peer}"
                 if self._store.check([ended]):
@@ -409,9 +416,79 @@ class CollectiveWatch(TorchDispatchMode):
             return None
         return other if now - since[1] >= _DEADLOCK_GRACE else None
 
+    def _stuck_on_me(self, peer: int, mark: bytes) -> CollectiveCall | None:
+        """The peer's call when its wait ``mark`` (a batch's, a release's or a confirmation's)
+        is for this rank and has stayed the same for a while: it cannot move before this rank
+        does."""
+        if mark in (b"", b"0", b"1"):
+            self._blocked_seen.pop(peer, None)
+            return None
+        other = _mark_call(mark)
+        if other.peer != self._rank:
+            return None
+        now = time.monotonic()
+        since = self._blocked_seen.get(peer)
+        if since is None or since[0] != mark:
+            self._blocked_seen[peer] = (mark, now)
+            return None
+        return other if now - since[1] >= _DEADLOCK_GRACE else None
+
+    def _await_release(self, call: CollectiveCall, n: int, peer: int, batch: int) -> None:
+        """Before this rank issues ``call``, whose pair the peer left in a batch not yet whole:
+        the batch released; or the peer's end (it stopped there: so does this rank); or the
+        peer waiting on this rank meanwhile (the batch can never be whole: a deadlock)."""
+        released, ended = f"step/released/{peer}", f"step/end/{peer}"
+        wait = f"step/wait/{self._rank}"
+        deadline = time.monotonic() + self._timeout
+        waiting, pause = False, 0.0
+        try:
+            while True:
+                if self._store.check([released]) and int(self._store.get(released)) > batch:
+                    return
+                if self._store.check([ended]):
+                    state = self._store.get(ended).decode()
+                    self._stop(call, n, (PeerView(peer, state=state),), "")
+                if not waiting:
+                    waiting = True
+                    self._store.set(wait, json.dumps(to_dict(call)))
+                mark = (
+                    self._store.get(f"step/wait/{peer}")
+                    if self._store.check([f"step/wait/{peer}"])
+                    else b""
+                )
+                other = self._stuck_on_me(peer, mark)
+                if other is not None:
+                    self._stop(call, n, (PeerView(peer, doing=other),), _unreleased(call, other))
+                if time.monotonic() > deadline:
+                    raise ChannelLost(
+                        TimeoutError(
+                            f"rank {peer} did not release, within {self._timeout:g}s, the batch "
+                            f"holding the other side of this rank's {_side(call)} (stuck in a "
+                            "collective the watch cannot see, or gone)"
+                        ),
+                        (peer,),
+                    )
+                pause = min(max(pause * 2, 1e-4), 0.02)
+                time.sleep(pause)
+        except (ChannelLost, StepDiverged):
+            raise
+        except Exception as exc:  # the store's host is gone
+            log.debug("waiting for rank %d's batch: the store failed", peer, exc_info=True)
+            raise ChannelLost(exc) from exc
+        finally:
+            if waiting:
+                with contextlib.suppress(Exception):  # the store is gone: nothing to clear
+                    self._store.set(wait, "0")
+
     def _agree_batch(self, ops: list) -> None:
+        """Every descriptor of the batch left (held), then each paired; then the batch is
+        released, and issued once each batch of a peer that holds one of its pairs is released
+        too. A batch held back is held whole: a peer whose send pairs with one of its receives
+        waits for the release instead of issuing a send that would block on it."""
         start = time.perf_counter()
         try:
+            batch = self._batches
+            self._batches += 1
             pending = []
             for op in ops:
                 send = getattr(op.op, "__name__", "") in ("isend", "send")
@@ -429,10 +506,17 @@ class CollectiveWatch(TorchDispatchMode):
                     tag=int(op.tag or 0),
                     **self._pipeline_fields(tensor),
                 )
-                pending.append((call, *self._publish(call)))
+                pending.append((call, *self._publish(call, held=batch)))
+            partners: dict[int, tuple[int, CollectiveCall, int]] = {}
             for call, channel, n, wanted in pending:
-                self._settle(call, channel, n, self._collect(wanted, blocked=call))
-                self.calls.append(call)
+                seen = self._collect(wanted, blocked=call)
+                self._settle(call, channel, n, seen)
+                for peer, theirs in _held(seen).items():
+                    partners.setdefault(peer, (theirs, call, n))
+            self._leave(f"step/released/{self._rank}", str(batch + 1))
+            for peer, (theirs, call, n) in sorted(partners.items()):
+                self._await_release(call, n, peer, theirs)
+            self.calls.extend(call for call, *_ in pending)
         finally:
             self.seconds += time.perf_counter() - start
 
@@ -488,7 +572,10 @@ class CollectiveWatch(TorchDispatchMode):
                 return
         channel, n, wanted = self._publish(call)
         seen = self._collect(wanted, p2p=call.peer is not None)
-        self._settle(call, channel, n, seen)
+        # Here a group's tree verdict said its members differ.
+        self._settle(call, channel, n, seen, differed=call.peer is None)
+        for peer, batch in _held(seen).items():
+            self._await_release(call, n, peer, batch)
         if call.peer is not None and seen.get(call.peer) == _AHEAD:
             self._owed.append(_Owed(call, n, wanted[call.peer]))
 
@@ -574,8 +661,11 @@ class CollectiveWatch(TorchDispatchMode):
         )
         return _silent(silent or waited, self._timeout)
 
-    def _publish(self, call: CollectiveCall) -> tuple[str, int, dict[int, str]]:
-        """Leave this rank's descriptor; its channel, number there, and the peers' keys."""
+    def _publish(
+        self, call: CollectiveCall, *, held: int | None = None
+    ) -> tuple[str, int, dict[int, str]]:
+        """Leave this rank's descriptor (``held``: in that batch of this rank, not yet whole);
+        its channel, number there, and the peers' keys."""
         if call.peer is not None:  # point to point: the sender's and receiver's sides pair
             channel = _channel(self._rank, call)
             n = self._counts.get(channel, 0)
@@ -588,6 +678,8 @@ class CollectiveWatch(TorchDispatchMode):
             theirs = {r: f"{channel}/{n}/{r}" for r in call.group_ranks if r != self._rank}
         self._counts[channel] = n + 1
         payload = json.dumps(to_dict(call), separators=(",", ":"))
+        if held is not None:
+            payload = f"{_HELD.decode()}{held}:{payload}"
         try:
             self._store.set(f"step/{mine}", payload)
         except Exception as exc:  # the store's host is gone
@@ -599,9 +691,17 @@ class CollectiveWatch(TorchDispatchMode):
         return channel, n, {r: f"step/{k}" for r, k in theirs.items()}
 
     def _settle(
-        self, call: CollectiveCall, channel: str, n: int, seen: dict[int, bytes | str]
+        self,
+        call: CollectiveCall,
+        channel: str,
+        n: int,
+        seen: dict[int, bytes | str],
+        *,
+        differed: bool = False,
     ) -> None:
-        """Compare what the peers left with this rank's call; stop the step where they differ."""
+        """Compare what the peers left with this rank's call; stop the step where they differ.
+        ``differed``: the members' digests differ, so the collective is not issued even where
+        no compared field names why (a digest the comparison does not cover)."""
         views, reason = [], ""
         for peer, got in sorted(seen.items()):
             if got == _AHEAD:
@@ -612,21 +712,24 @@ class CollectiveWatch(TorchDispatchMode):
                     reason = reason or _never_comes(call, self._rank, got)
                 continue
             if got.startswith(_BLOCKED):
-                other = from_dict(CollectiveCall, json.loads(got[len(_BLOCKED) :]))
+                other = _mark_call(got[len(_BLOCKED) :])
                 views.append(PeerView(peer, doing=other))
                 reason = reason or (
                     f"the sends and receives do not pair: rank {self._rank} waits at its "
-                    f"{call.op} ({call.numel} {call.dtype}, {_with(call)}) while rank {peer} "
-                    f"waits at its {other.op} ({other.numel} {other.dtype}, {_with(other)}), "
-                    "each for the other (stages running different numbers of microbatches?)"
+                    f"{_side(call)} while rank {peer} waits at its {_side(other)}, each for the "
+                    "other (stages running different numbers of microbatches?)"
                 )
                 continue
-            other = from_dict(CollectiveCall, json.loads(got))
+            other, _ = _descriptor(got)
             views.append(PeerView(peer, doing=other))
             if not reason:
                 reason = _pair_disagreement(call, self._rank, other, peer)
         if not reason and all(v.doing is not None for v in views):
-            return
+            if not differed:
+                return
+            reason = f"{UNNAMED} (not issued: fsdpcheck never issues a collective whose "
+            reason += "members' digests differ)"
+            log.warning("collective #%d on %s: digests differ, no field named why", n, call.group)
         self._stop(call, n, tuple(views), reason)
 
     def _collect(
@@ -702,15 +805,9 @@ class CollectiveWatch(TorchDispatchMode):
                 if p2p and (mark == b"1" or mark.startswith(_OWED)):
                     pending.pop(peer)
                     got[peer] = _AHEAD
-                elif blocked is not None and mark not in (b"0", b"1"):
-                    # The same mark seen a while apart: the peer is still stuck there.
-                    now = time.monotonic()
-                    since = self._blocked_seen.get(peer)
-                    if since is None or since[0] != mark:
-                        self._blocked_seen[peer] = (mark, now)
-                    elif now - since[1] >= _DEADLOCK_GRACE:
-                        pending.pop(peer)
-                        got[peer] = _BLOCKED + mark
+                elif blocked is not None and self._stuck_on_me(peer, mark) is not None:
+                    pending.pop(peer)
+                    got[peer] = _BLOCKED + mark
         if pending and time.monotonic() > deadline:
             raise _silent(tuple(sorted(pending)), self._timeout)
 
@@ -1004,6 +1101,40 @@ def _deadlock(call: CollectiveCall, other: CollectiveCall) -> str:
         f"taken while rank {call.peer} waits for its own {_side(other)}, each for the other "
         "(stages running different numbers of microbatches?)"
     )
+
+
+def _unreleased(call: CollectiveCall, other: CollectiveCall) -> str:
+    return (
+        f"the sends and receives do not pair: rank {call.peer} holds the other side of rank "
+        f"{other.peer}'s {_side(call)} in a batch with its own {_side(other)}, which rank "
+        f"{other.peer} never takes; each waits for the other (stages running different numbers "
+        "of microbatches?)"
+    )
+
+
+def _descriptor(raw: bytes) -> tuple[CollectiveCall, int | None]:
+    """A descriptor a peer left, and its batch when that batch is not yet known whole."""
+    batch = None
+    if raw.startswith(_HELD):
+        number, _, raw = raw[len(_HELD) :].partition(b":")
+        batch = int(number)
+    return from_dict(CollectiveCall, json.loads(raw)), batch
+
+
+def _held(seen: Mapping[int, bytes | str]) -> dict[int, int]:
+    """The peers whose side of a pair was left in a batch not yet whole, with that batch."""
+    return {
+        peer: int(got[len(_HELD) :].partition(b":")[0])
+        for peer, got in seen.items()
+        if isinstance(got, bytes) and got.startswith(_HELD)
+    }
+
+
+def _mark_call(mark: bytes) -> CollectiveCall:
+    """The call a peer's wait mark names (a confirmation's carries its number first)."""
+    if mark.startswith(_OWED):
+        mark = mark[len(_OWED) :].partition(b":")[2]
+    return from_dict(CollectiveCall, json.loads(mark))
 
 
 def _pair_disagreement(mine: CollectiveCall, me: int, other: CollectiveCall, peer: int) -> str:

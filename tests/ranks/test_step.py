@@ -9,6 +9,13 @@ from conftest import run_worker_ranks
 
 TIMEOUT = 20.0
 BOUND = TIMEOUT + 10.0  # a divergence is reported within the timeout plus a small bound
+FAST = 6.0  # a pair that never comes is found by the ranks' wait marks, not the timeout
+# issue 37: every schedule torch ships, rank 1 built for other microbatch counts (each case its
+# own pipeline group), and its clean twin (equal counts). DualPipeV needs as many as stages.
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "loopedbfs", "interleavedzb", "zbv", "dualpipev")
+UNEVEN = {name: ("4-3", "4-2", "3-4") for name in SCHEDULES} | {"dualpipev": ("5-4", "6-4", "4-5")}
+SCHEDULE_FAILS = [f"schedule-{name}-{counts}" for name in SCHEDULES for counts in UNEVEN[name]]
+SCHEDULE_TWINS = [f"schedule-{name}-4-4" for name in SCHEDULES]
 CASES = [
     "equal",
     "extra-rank1",
@@ -22,6 +29,7 @@ CASES = [
     "broadcast-self-root",
     "reduce-sum-max",
     "a2a-unpaired",
+    "a2a-self",
     "collectives-agree",
     "pp-subgroups",
     "clip-all",
@@ -32,6 +40,8 @@ CASES = [
     "pipeline-clean",
     "p2p-unreceived",
     "compiled-step",
+    *SCHEDULE_FAILS,
+    *SCHEDULE_TWINS,
     # its sends posted ahead of their pair stay posted on the world group: last of the p2p cases
     "pipeline-fewer-microbatches",
     "unseen-rank0",  # last: it ends the job (exit 3 on both ranks)
@@ -42,7 +52,7 @@ CASES = [
 def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], object]:
     out = tmp_path_factory.mktemp("step")
     result, records = run_worker_ranks(
-        "step_worker.py", out, ["--timeout", str(TIMEOUT), *CASES], timeout=300
+        "step_worker.py", out, ["--timeout", str(TIMEOUT), *CASES], timeout=420
     )
     assert result.codes == [3, 3], result.output(0)[-3000:] + result.output(1)[-3000:]
     return records, result
@@ -142,6 +152,13 @@ def test_hsdp_replicas_that_differ_after_the_step_are_a_value_finding(ran):
             "splits do not pair",
             ["rank 1 sends rank 0 4 elements, rank 0 expects 2"],
         ),
+        # issue 37 today: the digests differed, no pair of ranks did, so it was issued; gloo
+        # raised on rank 1 and both ranks exited 3 after the timeout, blaming rank 0
+        (
+            "a2a-self",
+            "splits do not pair",
+            ["rank 1 sends itself 1 elements and expects 2 from itself", "gloo raises"],
+        ),
     ],
 )
 def test_a_collective_whose_members_disagree_beyond_its_size_is_named_before_it_is_issued(
@@ -188,6 +205,34 @@ def test_a_stage_whose_sends_the_next_stage_never_receives_is_named_before_eithe
     assert (sender["stage"], sender["phase"], sender["microbatch"]) == (0, "forward", 2)
     assert sides["rank 1"]["phase"] == "backward" and sides["rank 1"]["peer"] == 0
     assert "send to rank 1 (stage 0 forward, microbatch 2)" in found["summary"]
+
+
+@pytest.mark.parametrize("case", SCHEDULE_TWINS)
+def test_every_schedule_torch_ships_is_consistent_at_equal_microbatches(ran, case):
+    per_rank, report = _case(ran, case)
+    assert [r["exit_code"] for r in per_rank] == [0, 0]
+    assert report["verdict"] == "consistent" and report["findings"] == []
+    assert all(r["params_changed"] for r in per_rank)
+
+
+@pytest.mark.parametrize("case", SCHEDULE_FAILS)
+def test_every_schedule_with_a_stage_built_for_other_microbatches_is_named_in_a_second(ran, case):
+    # Issue 37: under Schedule1F1B rank 1's last gradient send paired with the receive of rank
+    # 0's fused [send F3, recv B2] batch, was issued while the batch waited for its send's pair,
+    # and blocked in gloo: exit 3 on both ranks after the timeout, blaming rank 1.
+    per_rank, report = _case(ran, case)
+    assert [r["exit_code"] for r in per_rank] == [1, 1], [r["headline"] for r in per_rank]
+    for rank in per_rank:
+        assert rank["seconds"] < FAST, rank["seconds"]
+    found = _only(report, "step")
+    assert found["details"]["group"] == "pipeline"
+    sides = [s for s in found["details"]["ranks"].values() if "op" in s]
+    assert sides and all(s["op"] in ("send", "recv") for s in sides), sides
+    # The stage and microbatch of each side that issued one, in the details and the summary.
+    for side in sides:
+        assert {"stage", "phase", "microbatch"} <= set(side), side
+        label = f"stage {side['stage']} {side['phase']}, microbatch {side['microbatch']}"
+        assert label in found["summary"], found["summary"]
 
 
 def test_a_send_whose_peer_finishes_its_step_is_named_not_a_timeout(ran):

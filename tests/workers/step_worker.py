@@ -104,10 +104,12 @@ def collective_step(case: str, rank: int, model: WithTower, optimizer, stages):
             dist.broadcast(t, src=rank)
         if case == "reduce-sum-max":
             dist.all_reduce(t, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
-        if case in ("collectives-agree", "a2a-unpaired"):
+        if case in ("collectives-agree", "a2a-unpaired", "a2a-self"):
             # Uneven MoE-like splits: rank 0 sends 3 to itself and 1 to rank 1, expects 2 back;
-            # rank 1 sends 2 (unpaired: 4) to rank 0 and 2 to itself.
-            send = [[3, 1], [4 if case == "a2a-unpaired" else 2, 2]][rank]
+            # rank 1 sends 2 (unpaired: 4) to rank 0 and 2 to itself ("a2a-self": 1, its own
+            # experts' tokens dropped after it announced 2).
+            own = 1 if case == "a2a-self" else 2
+            send = [[3, 1], [4 if case == "a2a-unpaired" else 2, own]][rank]
             recv = [[3, 2], [1, 2]][rank]
             out = torch.empty(sum(recv))
             dist.all_to_all_single(out, torch.ones(sum(send)), recv, send)
@@ -230,11 +232,73 @@ def pipeline_step(rank: int, world: int, fewer: bool):
     return stage_module, step
 
 
+# `schedule-<name>-<microbatches on rank 0>-<on rank 1>`: every schedule torch ships.
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "single"),
+    "1f1b": ("Schedule1F1B", "single"),
+    "interleaved": ("ScheduleInterleaved1F1B", "looped"),
+    "loopedbfs": ("ScheduleLoopedBFS", "looped"),
+    "interleavedzb": ("ScheduleInterleavedZeroBubble", "looped"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
+}
+
+
+def schedule_step(rank: int, world: int, case: str):
+    """torch.distributed.pipelining's schedule ``name`` over 2 ranks, each stage a Linear:
+    one stage per rank (``single``), two per rank looped (stages r, r + world) or in a V
+    (stages r, 2 * world - 1 - r); each rank's schedule built for its own microbatch count, its
+    batch sized for it (torchtitan#775 when they differ). Each case its own group: a send
+    posted ahead of its pair stays posted after a finding, and must not meet the next case's."""
+    from torch.distributed import pipelining
+
+    group = dist.new_group(list(range(world)), group_desc="pipeline")
+    _, name, *counts = case.split("-")
+    class_name, layout = SCHEDULES[name]
+    micro = int(counts[rank])
+    torch.manual_seed(rank)
+    if layout == "single":
+        indices = [rank]
+    elif layout == "looped":
+        indices = [rank, rank + world]
+    else:
+        indices = [rank, 2 * world - 1 - rank]
+    total = world * len(indices)
+    modules = [nn.Linear(8, 8) for _ in indices]
+    stages = [
+        pipelining.PipelineStage(m, i, total, torch.device("cpu"), group=group)
+        for m, i in zip(modules, indices, strict=True)
+    ]
+
+    def loss_fn(out, target):
+        return torch.nn.functional.mse_loss(out, target)
+
+    schedule_class = getattr(pipelining, class_name)
+    schedule = schedule_class(
+        stages[0] if layout == "single" else stages, n_microbatches=micro, loss_fn=loss_fn
+    )
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    first, last = 0 in indices, total - 1 in indices
+    x, y = torch.ones(2 * micro, 8), torch.zeros(2 * micro, 8)
+
+    def step():
+        losses: list = []
+        kwargs = {"target": y, "losses": losses} if last else {}
+        schedule.step(*([x] if first else []), **kwargs)
+        optimizer.step()
+        optimizer.zero_grad()
+        return torch.stack(losses).mean() if losses else None
+
+    return nn.ModuleList(modules), step
+
+
 COLLECTIVE_CASES = (
     "broadcast-self-root",
     "reduce-sum-max",
     "collectives-agree",
     "a2a-unpaired",
+    "a2a-self",
     "pp-subgroups",
     "p2p-ring",
     "p2p-size",
@@ -279,7 +343,10 @@ def main() -> None:
         model, optimizer = build(hsdp if case.startswith("hsdp") else mesh, lr)
         before = {n: p.to_local().clone() for n, p in model.named_parameters()}
         start = time.monotonic()
-        if case.startswith("pipeline-"):
+        if case.startswith("schedule-"):
+            model, step = schedule_step(rank, world, case)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        elif case.startswith("pipeline-"):
             model, step = pipeline_step(rank, world, fewer=case == "pipeline-fewer-microbatches")
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
         elif case in COLLECTIVE_CASES:
