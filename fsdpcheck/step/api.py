@@ -10,7 +10,7 @@ from fsdpcheck.decision import AuditResult, decide, give_up, never_met
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.distributed.environment import env_record
-from fsdpcheck.step.session import conclude_step, step_report, watched_step
+from fsdpcheck.step.session import conclude_step, step_raises, step_report, watched_step
 from fsdpcheck.step.watch import ChannelLost
 from fsdpcheck.vocab import Stage
 
@@ -51,6 +51,8 @@ def check_step(model: Any, step: Callable[[], Any], *, timeout: float = 60.0) ->
             except (Exception, ChannelLost) as exc:  # a peer stopped answering: name it
                 log.debug("rank %d: check_step gave up", ctx.rank, exc_info=True)
                 watch.disarm()
-                return give_up(ctx, exc, None, stage=Stage.STEP)
+                raises = step_raises(ctx)
+                own = next((e for e in raises if e.rank == ctx.rank), None)
+                return give_up(ctx, exc, own, stage=Stage.STEP, known=raises)
     finally:
         distributed.shutdown(ctx)

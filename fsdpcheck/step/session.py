@@ -8,6 +8,7 @@ the side channel's timeout, and every rank that can still run takes the same bra
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -39,6 +40,7 @@ from fsdpcheck.records import (
 )
 from fsdpcheck.report import headline, ranks_by_host, verdict
 from fsdpcheck.step.watch import ChannelLost, CollectiveWatch, StepDiverged, fsdp_owners
+from fsdpcheck.text import RAISED_AFTER
 from fsdpcheck.vocab import Cause, ErrorKind, Snapshot, Stage
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple
     except Exception as exc:  # the script's own failure: reported, never left to strand a peer
         log.debug("the step raised", exc_info=True)
         message = f"{type(exc).__name__}: {exc}"
+        _leave_raise(ctx, message)
     watch.finish(raised=bool(message))
     seconds = time.perf_counter() - start
     outcome = "diverged" if watch.diverged else ("raised" if message else "finished")
@@ -107,6 +110,51 @@ def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple
     )
     log.info("step %s after %d collectives in %.3f s", outcome, len(watch.calls), seconds)
     return record, seconds
+
+
+_RAISED_KEY = "fsdpcheck/step-raised/{}"
+
+
+def _leave_raise(ctx: DistContext, message: str) -> None:
+    """This rank's own exception in its step, for whichever rank has to give up on the run:
+    it names the rank that raised, not the one left waiting for it."""
+    if ctx.store is None:
+        return
+    try:
+        ctx.store.set(
+            _RAISED_KEY.format(ctx.rank), json.dumps({"message": message, "at": time.time()})
+        )
+    except Exception:  # the store's host is gone: the gather carries the exception instead
+        log.debug("could not leave the step's exception", exc_info=True)
+
+
+def step_raises(ctx: DistContext) -> tuple[RankError, ...]:
+    """Every rank's own exception in its step that it left in the store, the first raised
+    first; a later one is said to come after it (a peer's failure often ends another rank's
+    collective). O(world) store calls: only a run that gives up reads them."""
+    if ctx.store is None:
+        return ()
+    left = []
+    for rank in range(ctx.world_size):
+        key = _RAISED_KEY.format(rank)
+        try:
+            if ctx.store.check([key]):
+                value = json.loads(ctx.store.get(key))
+                left.append((float(value["at"]), rank, str(value["message"])))
+        except Exception:  # the store's host is gone: what the others left is lost
+            log.debug("could not read rank %d's step exception", rank, exc_info=True)
+    left.sort()
+    errors = []
+    for at, rank, message in left:
+        said = f"rank {rank}'s step raised: {message}"
+        if errors:
+            first_at, first = left[0][0], left[0][1]
+            said = (
+                f"rank {rank}'s step {RAISED_AFTER} rank {first}'s had ({at - first_at:.1f}s "
+                f"later): {message}"
+            )
+        errors.append(RankError(rank, Stage.STEP, said, ErrorKind.RUNTIME))
+    return tuple(errors)
 
 
 def conclude_step(

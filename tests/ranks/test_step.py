@@ -59,6 +59,17 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], object]:
 
 
 @pytest.fixture(scope="module")
+def raised(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], object]:
+    """A job of its own (it ends with exit 3): rank 1's step raises while rank 0 waits in a
+    collective the watch cannot see, until rank 1's process is gone."""
+    out = tmp_path_factory.mktemp("step-raised")
+    args = ["--timeout", str(TIMEOUT), "raise-rank1-unseen-rank0"]
+    result, records = run_worker_ranks("step_worker.py", out, args, timeout=120)
+    assert result.codes == [3, 3], result.output(0)[-3000:] + result.output(1)[-3000:]
+    return [r["raise-rank1-unseen-rank0"] for r in records], result
+
+
+@pytest.fixture(scope="module")
 def ran(job) -> list[dict]:
     return job[0]
 
@@ -286,3 +297,20 @@ def test_a_collective_the_watch_cannot_see_ends_every_rank_with_exit_3_naming_it
         assert rank["seconds"] < BOUND
     # Named by the rank that gave up first: rank 1 (rank 0 stuck), as seen in every run here.
     assert "rank 0 is stuck in stage 'step'" in per_rank[1]["headline"], per_rank[1]["headline"]
+
+
+def test_an_exit_3_names_the_rank_that_raised_and_holds_each_rank_s_own_exception(raised):
+    # Issue 37: rank 1 named rank 0 (waiting for it) "stuck", and rank 1's own error was
+    # nowhere in the report.
+    per_rank, _ = raised
+    assert [r["exit_code"] for r in per_rank] == [3, 3]
+    for rank in per_rank:
+        assert rank["seconds"] < BOUND
+        assert "rank 1's step raised: ValueError: rank 1's own failure" in rank["headline"], rank
+    report = per_rank[0]["report"]
+    assert report["verdict"] == "error"
+    said = {r: " | ".join(e["message"] for e in report["errors"] if e["rank"] == r) for r in (0, 1)}
+    assert "rank 1's step raised: ValueError: rank 1's own failure in its step" in said[1]
+    # Rank 0's own exception (its collective ended when rank 1's process went) is there too,
+    # said to come after rank 1's.
+    assert "rank 0's step raised only after rank 1's" in said[0], report["errors"]

@@ -157,13 +157,28 @@ def clip_step(rank: int, model: WithTower, optimizer, everyone: bool):
     return step
 
 
-def unseen_step(rank: int, step):
+def unseen_step(rank: int, step, *, raise_on_1: bool = False):
+    """Rank 0 all-reduces from a thread of its own (unseen by the thread-local watch), and
+    re-raises what the thread raised; ``raise_on_1``: rank 1's step raises its own error."""
+
     def with_thread():
         loss = step()
+        if rank == 1 and raise_on_1:
+            raise ValueError("rank 1's own failure in its step")
         if rank == 0:
-            worker = threading.Thread(target=lambda: dist.all_reduce(torch.ones(2)), daemon=True)
+            raised = []
+
+            def reduce():
+                try:
+                    dist.all_reduce(torch.ones(2))
+                except Exception as exc:  # ends when rank 1's process is gone
+                    raised.append(exc)
+
+            worker = threading.Thread(target=reduce, daemon=True)
             worker.start()
             worker.join()
+            if raised:
+                raise raised[0]
         return loss
 
     return with_thread
@@ -359,10 +374,11 @@ def main() -> None:
         if case == "compiled-step":
             step, after = compiled_step(rank, model, optimizer)
         timeout = args.timeout
-        if case == "unseen-rank0":
+        if case in ("unseen-rank0", "raise-rank1-unseen-rank0"):
             # Rank 0 issues an all-reduce from a thread of its own (the watch is thread-local):
             # it waits there; rank 1's check times out and must end every rank with exit 3.
-            step, timeout = unseen_step(rank, step), 5.0
+            raising = case == "raise-rank1-unseen-rank0"
+            step, timeout = unseen_step(rank, step, raise_on_1=raising), 5.0
         result = fsdpcheck.check_step(model, step, timeout=timeout)
         seconds = time.monotonic() - start
         # After a divergence FSDP2 may leave modules unsharded: plain parameters, not DTensors.
