@@ -372,6 +372,11 @@ def _consequence(
             f"{reason[0].upper()}{reason[1:]}: unwatched, gloo aborts the receiving rank "
             "(`Received data size doesn't match`), NCCL hangs or corrupts"
         )
+    if "form a cycle" in reason:
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, every rank of the cycle waits until "
+            "the collective timeout"
+        )
     if reason.startswith("the sends and receives do not pair"):
         return (
             f"{reason[0].upper()}{reason[1:]}: unwatched, both stages wait until the "

@@ -373,6 +373,7 @@ class CollectiveWatch(TorchDispatchMode):
                 other = self._owing_me(peer)
                 if other is not None:
                     self._stop(call, n, (PeerView(peer, doing=other),), _deadlock(call, other))
+                self._stop_at_cycle(call, n)
                 if time.monotonic() > deadline:
                     raise ChannelLost(
                         TimeoutError(
@@ -420,18 +421,45 @@ class CollectiveWatch(TorchDispatchMode):
         """The peer's call when its wait ``mark`` (a batch's, a release's or a confirmation's)
         is for this rank and has stayed the same for a while: it cannot move before this rank
         does."""
+        other = self._stable_call(peer, mark)
+        return other if other is not None and other.peer == self._rank else None
+
+    def _stable_call(self, rank: int, mark: bytes | None = None) -> CollectiveCall | None:
+        """The call ``rank`` waits at in the watch for one peer (a batch's, a release's or a
+        confirmation's mark), once the mark has stayed the same for a while; None while it
+        moves, or where the rank waits nowhere or lets its peers go ahead ("1")."""
+        if mark is None:
+            key = f"step/wait/{rank}"
+            mark = self._store.get(key) if self._store.check([key]) else b""
         if mark in (b"", b"0", b"1"):
-            self._blocked_seen.pop(peer, None)
-            return None
-        other = _mark_call(mark)
-        if other.peer != self._rank:
+            self._blocked_seen.pop(rank, None)
             return None
         now = time.monotonic()
-        since = self._blocked_seen.get(peer)
+        since = self._blocked_seen.get(rank)
         if since is None or since[0] != mark:
-            self._blocked_seen[peer] = (mark, now)
+            self._blocked_seen[rank] = (mark, now)
             return None
-        return other if now - since[1] >= _DEADLOCK_GRACE else None
+        return _mark_call(mark) if now - since[1] >= _DEADLOCK_GRACE else None
+
+    def _stop_at_cycle(self, call: CollectiveCall, n: int) -> None:
+        """Stop where this rank's wait for ``call``'s peer is one link of a cycle of three or
+        more ranks, each waiting in the watch for the next (the same marks for a while): none
+        can move first. Only the cycle's lowest rank stops on it (one finding); the others
+        stop when their peer does. O(cycle) store reads a poll, only once the peer stays put."""
+        chain: list[tuple[int, CollectiveCall]] = []
+        at: int | None = call.peer
+        while at is not None and at != self._rank:
+            if any(r == at for r, _ in chain) or len(chain) >= self._world:
+                return
+            other = self._stable_call(at)
+            if other is None:
+                return
+            chain.append((at, other))
+            at = other.peer
+        if at is None or len(chain) < 2 or self._rank > min(r for r, _ in chain):
+            return
+        views = tuple(PeerView(r, doing=c) for r, c in chain)
+        self._stop(call, n, views, _cycle(self._rank, call, chain))
 
     def _await_release(self, call: CollectiveCall, n: int, peer: int, batch: int) -> None:
         """Before this rank issues ``call``, whose pair the peer left in a batch not yet whole:
@@ -459,6 +487,7 @@ class CollectiveWatch(TorchDispatchMode):
                 other = self._stuck_on_me(peer, mark)
                 if other is not None:
                     self._stop(call, n, (PeerView(peer, doing=other),), _unreleased(call, other))
+                self._stop_at_cycle(call, n)
                 if time.monotonic() > deadline:
                     raise ChannelLost(
                         TimeoutError(
@@ -509,7 +538,7 @@ class CollectiveWatch(TorchDispatchMode):
                 pending.append((call, *self._publish(call, held=batch)))
             partners: dict[int, tuple[int, CollectiveCall, int]] = {}
             for call, channel, n, wanted in pending:
-                seen = self._collect(wanted, blocked=call)
+                seen = self._collect(wanted, blocked=call, at=n)
                 self._settle(call, channel, n, seen)
                 for peer, theirs in _held(seen).items():
                     partners.setdefault(peer, (theirs, call, n))
@@ -733,7 +762,12 @@ class CollectiveWatch(TorchDispatchMode):
         self._stop(call, n, tuple(views), reason)
 
     def _collect(
-        self, keys: dict[int, str], *, p2p: bool = False, blocked: CollectiveCall | None = None
+        self,
+        keys: dict[int, str],
+        *,
+        p2p: bool = False,
+        blocked: CollectiveCall | None = None,
+        at: int = 0,
     ) -> dict[int, bytes | str]:
         """Each peer's descriptor, or the state it ended its step in without issuing it;
         polls the store until every peer answered or the timeout passed.
@@ -745,7 +779,8 @@ class CollectiveWatch(TorchDispatchMode):
         that never comes (a stage running fewer microbatches) leaves the other waiting here
         until the timeout: exit 3, naming the stage that stopped answering.
 
-        ``blocked``: this rank's call in a batch, every descriptor of which is already left.
+        ``blocked``: this rank's call in a batch (number ``at`` on its channel), every
+        descriptor of which is already left.
         A peer that waits in a batch of its own for a while, for something this rank's batch
         does not hold, while this rank waits for something its batch does not hold, never
         answers: the pair is a deadlock of the schedule, returned as ``_BLOCKED`` + the
@@ -765,7 +800,7 @@ class CollectiveWatch(TorchDispatchMode):
                     waiting = True
                     mark = "1" if blocked is None else json.dumps(to_dict(blocked))
                     self._store.set(f"step/wait/{self._rank}", mark)
-                self._poll(pending, got, p2p=p2p, deadline=deadline, blocked=blocked)
+                self._poll(pending, got, p2p=p2p, deadline=deadline, blocked=blocked, at=at)
                 pause = min(max(pause * 2, 1e-4), 0.02)
                 if pending:
                     time.sleep(pause)
@@ -788,6 +823,7 @@ class CollectiveWatch(TorchDispatchMode):
         p2p: bool,
         deadline: float,
         blocked: CollectiveCall | None = None,
+        at: int = 0,
     ) -> None:
         for peer in list(pending):
             # The end mark first: a peer leaves its descriptors before it, so an end
@@ -808,13 +844,17 @@ class CollectiveWatch(TorchDispatchMode):
                 elif blocked is not None and self._stuck_on_me(peer, mark) is not None:
                     pending.pop(peer)
                     got[peer] = _BLOCKED + mark
+                elif blocked is not None:
+                    self._stop_at_cycle(blocked, at)
         if pending and time.monotonic() > deadline:
             raise _silent(tuple(sorted(pending)), self._timeout)
 
     def _stop(self, call: CollectiveCall, n: int, views: tuple[PeerView, ...], reason: str) -> None:
         self.at, self.doing, self.peers, self.reason = n, call, views, reason
         self.group_ranks = (
-            tuple(sorted((self._rank, call.peer))) if call.peer is not None else call.group_ranks
+            tuple(sorted({self._rank, call.peer, *(v.rank for v in views)}))
+            if call.peer is not None
+            else call.group_ranks
         )
         if not reason and any(v.state in (_DIVERGED, STOPPED) for v in views):
             self.state = STOPPED
@@ -1100,6 +1140,14 @@ def _deadlock(call: CollectiveCall, other: CollectiveCall) -> str:
         f"the sends and receives do not pair: rank {other.peer}'s {_side(call)} is never "
         f"taken while rank {call.peer} waits for its own {_side(other)}, each for the other "
         "(stages running different numbers of microbatches?)"
+    )
+
+
+def _cycle(me: int, call: CollectiveCall, chain: list[tuple[int, CollectiveCall]]) -> str:
+    links = "; ".join(f"rank {r} at its {_side(c)}" for r, c in chain)
+    return (
+        f"the sends and receives do not pair: they form a cycle: rank {me} waits at its "
+        f"{_side(call)}; {links}; each for the next, and none can move first"
     )
 
 

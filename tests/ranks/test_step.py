@@ -69,6 +69,29 @@ def raised(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], object
     return [r["raise-rank1-unseen-rank0"] for r in records], result
 
 
+# Three stages: a chain of batches, and a cycle of receives no rank can leave (issue 37: it
+# ended at the timeout, exit 3). Each case its own group.
+THREE_TWINS = ["p2p-ring-all", "schedule-1f1b-4-4-4", "schedule-interleaved-3-3-3"]
+THREE_FAILS = [
+    "schedule-1f1b-4-4-3",
+    "schedule-interleaved-3-3-2",
+    "schedule-gpipe-4-3-4",
+    "schedule-loopedbfs-4-4-3",
+    "p2p-cycle-all",
+]
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("step-three")
+    args = ["--timeout", str(TIMEOUT), *THREE_TWINS, *THREE_FAILS]
+    result, records = run_worker_ranks(
+        "step_worker.py", out, args, seeds=(1, 1, 1), nprocs=3, timeout=240
+    )
+    assert result.codes == [0, 0, 0], result.output(0)[-3000:]
+    return {case: [r[case] for r in records] for case in (*THREE_TWINS, *THREE_FAILS)}
+
+
 @pytest.fixture(scope="module")
 def ran(job) -> list[dict]:
     return job[0]
@@ -314,3 +337,29 @@ def test_an_exit_3_names_the_rank_that_raised_and_holds_each_rank_s_own_exceptio
     # Rank 0's own exception (its collective ended when rank 1's process went) is there too,
     # said to come after rank 1's.
     assert "rank 0's step raised only after rank 1's" in said[0], report["errors"]
+
+
+@pytest.mark.parametrize("case", THREE_TWINS)
+def test_three_stages_that_pair_are_consistent(three, case):
+    per_rank = three[case]
+    assert [r["exit_code"] for r in per_rank] == [0, 0, 0]
+    assert per_rank[0]["report"]["findings"] == []
+    if case.startswith("schedule-"):  # the ring moves activations only
+        assert all(r["params_changed"] for r in per_rank)
+
+
+@pytest.mark.parametrize("case", THREE_FAILS)
+def test_three_stages_that_cannot_pair_are_named_in_a_second_on_every_rank(three, case):
+    per_rank = three[case]
+    assert [r["exit_code"] for r in per_rank] == [1, 1, 1], [r["headline"] for r in per_rank]
+    assert all(r["seconds"] < FAST for r in per_rank), [r["seconds"] for r in per_rank]
+    found = per_rank[0]["report"]["findings"]
+    assert found and {f["kind"] for f in found} == {"step"}
+
+
+def test_a_cycle_of_receives_over_three_ranks_is_one_finding_naming_the_cycle(three):
+    found = _only(three["p2p-cycle-all"][0]["report"], "step")
+    assert found["details"]["group_ranks"] == [0, 1, 2]
+    reason = found["details"]["reason"]
+    assert "they form a cycle: rank 0 waits at its recv from rank 2" in reason, reason
+    assert "rank 2 at its recv from rank 1" in reason and "rank 1 at its recv from rank 0" in reason

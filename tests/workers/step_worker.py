@@ -141,6 +141,29 @@ def collective_step(case: str, rank: int, model: WithTower, optimizer, stages):
     return step
 
 
+def ring_step(rank: int, world: int, cycle: bool):
+    """Every rank sends its activation to the next rank and takes one from the previous, on a
+    group of its own: posted together (a ring exchange), or each first waiting to receive
+    before it sends (``cycle``: a cycle no rank can leave; unwatched, every rank waits in gloo)."""
+    group = dist.new_group(list(range(world)), group_desc="ring")
+    after, before = (rank + 1) % world, (rank - 1) % world
+
+    def step():
+        inbox, out = torch.empty(4), torch.full((4,), float(rank))
+        if cycle:
+            dist.recv(inbox, src=before, group=group)
+            dist.send(out, dst=after, group=group)
+        else:
+            for work in (
+                dist.isend(out, after, group=group),
+                dist.irecv(inbox, before, group=group),
+            ):
+                work.wait()
+        return inbox.sum()
+
+    return step
+
+
 def clip_step(rank: int, model: WithTower, optimizer, everyone: bool):
     """Rank 0 (or every rank) takes the grad norm of FSDP2's DTensor gradients for its log."""
 
@@ -366,6 +389,8 @@ def main() -> None:
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
         elif case in COLLECTIVE_CASES:
             step = collective_step(case, rank, model, optimizer, stages)
+        elif case in ("p2p-ring-all", "p2p-cycle-all"):
+            step = ring_step(rank, world, cycle=case == "p2p-cycle-all")
         elif case.startswith("clip-"):
             step = clip_step(rank, model, optimizer, everyone=case == "clip-all")
         else:
