@@ -59,9 +59,16 @@ class StepOutcome:
     watch_seconds: float  # the watch's share
 
 
-def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple[StepRecord, float]:
+def watched_step(
+    ctx: DistContext,
+    model: Any,
+    step: Callable[[], Any],
+    *,
+    forget: list[Callable[[], Any]] | None = None,
+) -> tuple[StepRecord, float]:
     """Collective: run ``step`` once under the watch; this rank's record and the seconds the
-    step took, watch included.
+    step took, watch included. ``forget``: gets the call that deletes what the watch left in
+    the store, for the caller to make once every rank has concluded.
 
     Raises :class:`ChannelLost` when a peer stopped answering (the caller names it)."""
     liveness.mark_stage(ctx, Stage.STEP)
@@ -73,6 +80,9 @@ def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple
         rank=ctx.rank,
         timeout=ctx.timeout,
     )
+    if forget is not None:
+        forget.append(watch.forget)
+        forget.append(lambda: _forget_raise(ctx))
     returned, message = None, ""
     start = time.perf_counter()
     try:
@@ -126,6 +136,14 @@ def _leave_raise(ctx: DistContext, message: str) -> None:
         )
     except Exception:  # the store's host is gone: the gather carries the exception instead
         log.debug("could not leave the step's exception", exc_info=True)
+
+
+def _forget_raise(ctx: DistContext) -> None:
+    if ctx.store is not None:
+        try:
+            ctx.store.delete_key(_RAISED_KEY.format(ctx.rank))
+        except Exception:  # the store's host is gone: nothing left to grow
+            log.debug("could not delete the step's exception", exc_info=True)
 
 
 def step_raises(ctx: DistContext) -> tuple[RankError, ...]:

@@ -239,6 +239,8 @@ class CollectiveWatch(TorchDispatchMode):
         self._blocked_seen: dict[int, tuple[bytes, float]] = {}  # a peer's batch wait, since
         self._owed: list[_Owed] = []  # sends and receives issued ahead of their pair
         self._batches = 0  # batches this rank left, each released once every op of it paired
+        self._gate: dict[int, tuple[int, CollectiveCall, int]] = {}  # the last op's held pair
+        self._left: set[str] = set()  # store keys this rank left, for forget()
         self._pipeline_ops: dict[int, tuple[int, str, int]] = {}  # id(tensor) → stage, phase, mb
         self.calls: list[CollectiveCall] = []  # agreed and issued, in order
         self.at: int | None = None  # where the ranks differed (the group's sequence number)
@@ -285,13 +287,19 @@ class CollectiveWatch(TorchDispatchMode):
         original = dist.distributed_c10d.batch_isend_irecv
 
         def agreed_batch(p2p_op_list):
+            p2p_op_list = _with_current_ops(p2p_op_list)
+            partners: dict[int, tuple[int, CollectiveCall, int]] = {}
             if not self.diverged and self._store is not None:
-                self._agree_batch(p2p_op_list)
+                partners = self._agree_batch(p2p_op_list)
                 self._agreed_ahead += len(p2p_op_list)
             try:
-                return original(p2p_op_list)
+                works = original(p2p_op_list)
             finally:
                 self._agreed_ahead = 0
+            if not partners or not works:
+                return works
+            gate = _IssuedGate(self, partners)
+            return [_GatedWork(work, gate) for work in works]
 
         dist.distributed_c10d.batch_isend_irecv = agreed_batch
         dist.batch_isend_irecv = agreed_batch
@@ -358,6 +366,7 @@ class CollectiveWatch(TorchDispatchMode):
                         self._stop(call, n, (PeerView(peer, doing=other),), reason)
                     if batch is not None:
                         self._await_release(call, n, peer, batch)
+                        self._await_issued({peer: (batch, call, n)})
                     return
                 ended = f"step/end/{peer}"
                 if self._store.check([ended]):
@@ -509,11 +518,63 @@ class CollectiveWatch(TorchDispatchMode):
                 with contextlib.suppress(Exception):  # the store is gone: nothing to clear
                     self._store.set(wait, "0")
 
-    def _agree_batch(self, ops: list) -> None:
+    def _await_issued(self, partners: Mapping[int, tuple[int, CollectiveCall, int]]) -> None:
+        """Before this rank waits on what it issued against peers' batches (each peer → its
+        batch, and this rank's call and number there): those batches issued too; or a peer's
+        end (it stopped before issuing, as a batch whose own partner never came does: so does
+        this rank, what it issued left posted); or a cycle of waits through them. A released
+        batch is whole, not yet issued: its own partners may still stop it."""
+        if self.diverged:
+            return
+        pending = dict(partners)
+        deadline = time.monotonic() + self._timeout
+        start, waiting, pause = time.perf_counter(), False, 0.0
+        wait = f"step/wait/{self._rank}"
+        try:
+            while True:
+                for peer, (batch, call, n) in list(pending.items()):
+                    issued, ended = f"step/issued/{peer}", f"step/end/{peer}"
+                    if self._store.check([issued]) and int(self._store.get(issued)) > batch:
+                        del pending[peer]
+                    elif self._store.check([ended]):
+                        state = self._store.get(ended).decode()
+                        self._stop(call, n, (PeerView(peer, state=state),), "")
+                if not pending:
+                    return
+                peer, (_, call, n) = next(iter(pending.items()))
+                if not waiting:
+                    waiting = True
+                    self._store.set(wait, json.dumps(to_dict(call)))
+                self._stop_at_cycle(call, n)
+                if time.monotonic() > deadline:
+                    raise ChannelLost(
+                        TimeoutError(
+                            f"rank {peer} did not issue, within {self._timeout:g}s, the batch "
+                            f"holding the other side of this rank's {_side(call)} (stuck in a "
+                            "collective the watch cannot see, or gone)"
+                        ),
+                        (peer,),
+                    )
+                pause = min(max(pause * 2, 1e-4), 0.02)
+                time.sleep(pause)
+        except (ChannelLost, StepDiverged):
+            raise
+        except Exception as exc:  # the store's host is gone
+            log.debug("waiting for rank %d's batch to issue: the store failed", peer, exc_info=True)
+            raise ChannelLost(exc) from exc
+        finally:
+            self.seconds += time.perf_counter() - start
+            if waiting:
+                with contextlib.suppress(Exception):  # the store is gone: nothing to clear
+                    self._store.set(wait, "0")
+
+    def _agree_batch(self, ops: list) -> dict[int, tuple[int, CollectiveCall, int]]:
         """Every descriptor of the batch left (held), then each paired; then the batch is
         released, and issued once each batch of a peer that holds one of its pairs is released
         too. A batch held back is held whole: a peer whose send pairs with one of its receives
-        waits for the release instead of issuing a send that would block on it."""
+        waits for the release instead of issuing a send that would block on it. Returns those
+        peers' batches (peer → its batch, this rank's call and number that pair with it): a
+        wait on what this batch issued first sees them issued (:meth:`_await_issued`)."""
         start = time.perf_counter()
         try:
             batch = self._batches
@@ -545,7 +606,9 @@ class CollectiveWatch(TorchDispatchMode):
             self._leave(f"step/released/{self._rank}", str(batch + 1))
             for peer, (theirs, call, n) in sorted(partners.items()):
                 self._await_release(call, n, peer, theirs)
+            self._leave(f"step/issued/{self._rank}", str(batch + 1))
             self.calls.extend(call for call, *_ in pending)
+            return partners
         finally:
             self.seconds += time.perf_counter() - start
 
@@ -584,6 +647,24 @@ class CollectiveWatch(TorchDispatchMode):
         finally:
             self.seconds += time.perf_counter() - start
 
+    def forget(self) -> int:
+        """Delete the store keys this rank left (O(its collectives)), once no member reads
+        them again: after every rank has concluded (``check_step`` calls it after its
+        decision), so that a job that checks often does not grow the store. The number
+        deleted."""
+        if self._store is None:
+            return 0
+        keys = sorted(self._left) + [f"step/{k}/{self._rank}" for k in ("wait", "end")]
+        self._left.clear()
+        deleted = 0
+        for key in keys:
+            try:
+                deleted += bool(self._store.delete_key(key))
+            except Exception:  # the store's host is gone: nothing left to grow
+                log.debug("could not delete %s", key, exc_info=True)
+                break
+        return deleted
+
     def context(self) -> tuple[CollectiveCall, ...]:
         return tuple(self.calls[-_CONTEXT:])
 
@@ -605,6 +686,7 @@ class CollectiveWatch(TorchDispatchMode):
         self._settle(call, channel, n, seen, differed=call.peer is None)
         for peer, batch in _held(seen).items():
             self._await_release(call, n, peer, batch)
+            self._gate = {peer: (batch, call, n)}
         if call.peer is not None and seen.get(call.peer) == _AHEAD:
             self._owed.append(_Owed(call, n, wanted[call.peer]))
 
@@ -637,6 +719,7 @@ class CollectiveWatch(TorchDispatchMode):
         return verdict.agreed()
 
     def _leave(self, key: str, value: str) -> None:
+        self._left.add(key)
         try:
             self._store.set(key, value)
         except Exception as exc:  # the store's host is gone
@@ -709,6 +792,7 @@ class CollectiveWatch(TorchDispatchMode):
         payload = json.dumps(to_dict(call), separators=(",", ":"))
         if held is not None:
             payload = f"{_HELD.decode()}{held}:{payload}"
+        self._left.add(f"step/{mine}")
         try:
             self._store.set(f"step/{mine}", payload)
         except Exception as exc:  # the store's host is gone
@@ -1068,10 +1152,14 @@ class _Confirmed:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owed = len(self._watch._owed)
+        self._watch._gate = {}
         work = self._fn(*args, **kwargs)
-        if work is None or len(self._watch._owed) <= owed:
+        gate, self._watch._gate = self._watch._gate, {}
+        if work is None:
             return work
-        return _OwedWork(work, self._watch, self._watch._owed[-1])
+        if len(self._watch._owed) > owed:
+            return _OwedWork(work, self._watch, self._watch._owed[-1])
+        return _GatedWork(work, _IssuedGate(self._watch, gate)) if gate else work
 
     def __eq__(self, other: object) -> bool:
         return other is self or other is self._fn or other == self._fn
@@ -1092,6 +1180,51 @@ class _OwedWork:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
+
+
+class _IssuedGate:
+    """What issued against peers' batches waits, once, for those batches to be issued too."""
+
+    def __init__(
+        self, watch: CollectiveWatch, partners: dict[int, tuple[int, CollectiveCall, int]]
+    ):
+        self._watch, self._partners = watch, partners
+
+    def pass_(self) -> None:
+        if self._partners:
+            partners, self._partners = self._partners, {}
+            self._watch._await_issued(partners)
+
+
+class _GatedWork:
+    """A backend's work whose ``wait`` first passes its gate (everything else passes)."""
+
+    def __init__(self, work: Any, gate: _IssuedGate):
+        self._work, self._gate = work, gate
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._gate.pass_()
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _with_current_ops(ops: list) -> list:
+    """``ops`` with ``isend``/``irecv`` as c10d now holds them: ``batch_isend_irecv`` tells a
+    send by identity (``op.op is isend``), so an op built before the watch patched them (the
+    plain function) would be issued as a receive's keywords and raise."""
+    c10d = dist.distributed_c10d
+    current = {"isend": c10d.isend, "irecv": c10d.irecv}
+    fixed = []
+    for op in ops:
+        name = getattr(op.op, "__name__", "")
+        now = current.get(name)
+        if now is None or op.op is now:
+            fixed.append(op)
+            continue
+        fixed.append(dist.P2POp(now, op.tensor, None, op.group, op.tag, group_peer=op.group_peer))
+    return fixed
 
 
 def _pipeline_getters() -> tuple[Any, dict[str, str]]:

@@ -164,6 +164,28 @@ def ring_step(rank: int, world: int, cycle: bool):
     return step
 
 
+def chain_step(rank: int, world: int, broken: bool):
+    """Three batches in a chain: rank 0 sends to rank 1, which in one batch receives it and
+    sends on to rank 2, which receives that and (``broken``) one more from rank 0 that rank 0
+    never sends. Rank 1's batch is whole; rank 2's never is."""
+    group = dist.new_group(list(range(world)), group_desc="chain")
+    box = torch.empty(4)
+    ops = {
+        0: [dist.P2POp(dist.isend, torch.ones(4), 1, group)],
+        1: [dist.P2POp(dist.irecv, box, 0, group), dist.P2POp(dist.isend, torch.ones(4), 2, group)],
+        2: [dist.P2POp(dist.irecv, box, 1, group)],
+    }
+    if broken:
+        ops[2].append(dist.P2POp(dist.irecv, torch.empty(4), 0, group))
+
+    def step():
+        for work in dist.batch_isend_irecv(ops[rank]):
+            work.wait()
+        return box.sum()
+
+    return step
+
+
 def clip_step(rank: int, model: WithTower, optimizer, everyone: bool):
     """Rank 0 (or every rank) takes the grad norm of FSDP2's DTensor gradients for its log."""
 
@@ -389,6 +411,8 @@ def main() -> None:
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
         elif case in COLLECTIVE_CASES:
             step = collective_step(case, rank, model, optimizer, stages)
+        elif case in ("p2p-chain-all", "p2p-chain-broken"):
+            step = chain_step(rank, world, broken=case == "p2p-chain-broken")
         elif case in ("p2p-ring-all", "p2p-cycle-all"):
             step = ring_step(rank, world, cycle=case == "p2p-cycle-all")
         elif case.startswith("clip-"):
@@ -423,6 +447,8 @@ def main() -> None:
         }
         if after is not None:
             record[case].update(after())
+        # Keys in the job's store after the case: what each check leaves behind.
+        record[case]["store_keys"] = dist.distributed_c10d._get_default_store().num_keys()
         # Written after every case: a rank the last case ends (exit 3) keeps the others.
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"rank{rank}.json").write_text(json.dumps(record))
