@@ -20,11 +20,17 @@ member that has finished, raised in, or stopped in its step) fetches the full de
 every member's from every member, to name the difference.
 Equal descriptors (all_to_all splits that pair): the collective is issued. Any difference, or an
 ended member: no member issues it; each raises :class:`StepDiverged`, which unwinds its step,
-and every rank that later needs one of them stops too.
+and every rank that later needs one of them stops too. Digests that differ are never issued,
+whether or not a compared field names why.
 
-Point-to-point: a send or receive whose peer is itself waiting in the watch goes ahead of its
-pair, and the pair is confirmed before anyone waits on it (:meth:`CollectiveWatch.point_to_point`),
-so a stage running fewer microbatches than the next one is a finding, not a wait in gloo.
+Point-to-point: a ``batch_isend_irecv`` is held whole (:meth:`CollectiveWatch.batches`): its
+descriptors are left held until every op of it paired, and a peer whose side pairs with one
+waits for that release before issuing its own, so a fused [send, receive] whose send never
+pairs never lets the peer's send block on its receive (``Schedule1F1B``). A lone send or receive
+whose peer is itself waiting in the watch goes ahead of its pair, and the pair is confirmed
+before anyone waits on it (:meth:`CollectiveWatch.point_to_point`). Ranks waiting on each other
+in the watch, directly or in a cycle, the same wait marks for a while, stop there: a stage
+running fewer microbatches than the next one is a finding, not a wait in gloo.
 
 DTensor's redistributions (``clip_grad_norm_`` over FSDP2 gradients, tensor parallelism) issue
 functional collectives inside DTensor's own dispatch, where a mode is off: for an op on a
