@@ -58,6 +58,7 @@ from fsdpcheck.records import (
     VerifyResult,
 )
 from fsdpcheck.report import AuditOutcome, assemble, error_report
+from fsdpcheck.step.session import step_raises
 from fsdpcheck.step.synthetic import audit_step
 from fsdpcheck.vocab import ErrorKind, ExitCode, Init, LoadMethod, LoadStatus, Snapshot, Stage
 
@@ -493,7 +494,9 @@ def _conclude(
         if own is None and not liveness.is_collective_failure(exc):  # this rank's own failure
             message = f"{type(exc).__name__}: {exc}"
             own = RankError(ctx.rank, stages.current, message, ErrorKind.RUNTIME)
-        return give_up(ctx, exc, own, options, state.publish)
+        # Under --step: each rank's own exception in the step, the first raised first.
+        known = step_raises(ctx) if options is not None and options.step else ()
+        return give_up(ctx, exc, own, options, state.publish, known=known)
 
 
 def _rank0_extras(

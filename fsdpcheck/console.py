@@ -235,6 +235,8 @@ def _render_step(report: Report, console: Console) -> None:
     if "step-watch" in report.timings:
         seconds += f", watch {report.timings['step-watch']:.3f} s"
     console.print(f"step: {verdict} · {what} ({seconds})", style="dim", highlight=False)
+    if report.step is not None:
+        console.print(f"  ran {report.step.description}", style="dim", highlight=False)
 
 
 def _load_method(load: LoadOutcome) -> str:

@@ -5,7 +5,7 @@ peer named and an error report (:func:`give_up`, :func:`never_met`). Shared by t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fsdpcheck.distributed import liveness
@@ -14,6 +14,7 @@ from fsdpcheck.distributed.wire import broadcast_decision
 from fsdpcheck.options import AuditOptions
 from fsdpcheck.records import RankError, Report
 from fsdpcheck.report import error_report, report_headline
+from fsdpcheck.text import GAVE_UP, waited_on_another
 from fsdpcheck.vocab import ErrorKind, ExitCode, Stage
 
 
@@ -65,11 +66,14 @@ def give_up(
     publish: Callable[[Report], None] | None = None,
     *,
     stage: Stage = Stage.GATHER,
+    known: Sequence[RankError] = (),
 ) -> AuditResult:
     """A peer died or stopped answering: name it from heartbeats and stage marks, end the
     others, and give rank 0 an error report (exit 3 everywhere). ``own``: this rank's own
-    failure, if it had one; else it gave up waiting in ``stage``."""
+    failure, if it had one; else it gave up waiting in ``stage``. ``known``: failures the
+    ranks left for each other (each rank's own exception in its step), listed first."""
     errors = liveness.diagnose_peers(ctx, exc, own=own)
+    errors = [*known, *(e for e in errors if e not in known)]
     liveness.signal_abort(ctx, errors)
     return ended(ctx, errors, own, options, publish, stage=stage)
 
@@ -89,5 +93,6 @@ def ended(
     if report is not None and publish is not None:
         publish(report)
     own = own or next((e for e in errors if e.rank == ctx.rank), None)
-    own = own or RankError(ctx.rank, stage, f"gave up: {errors[0].message}", ErrorKind.RUNTIME)
-    return AuditResult(ctx.rank, ExitCode.RUNTIME, report, own, errors[0].message)
+    first = min(errors, key=lambda e: waited_on_another(e.message))  # stable: a cause first
+    own = own or RankError(ctx.rank, stage, f"{GAVE_UP} {first.message}", ErrorKind.RUNTIME)
+    return AuditResult(ctx.rank, ExitCode.RUNTIME, report, own, first.message)

@@ -1033,6 +1033,15 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class StepRun:
+    """Which training step ran under the collective watch (``audit --step``)."""
+
+    source: str  # "builder": the --builder's own step; "synthetic": fsdpcheck's token step
+    description: str  # what it did, in words (the batch, the loss, the optimizer)
+    seed: int | None = None  # the synthetic batch's seed
+
+
+@dataclass(frozen=True)
 class Report:
     verdict: Verdict
     exit_code: ExitCode
@@ -1058,6 +1067,7 @@ class Report:
     memory: tuple[MemoryRecord, ...] = ()  # every rank's, in rank order (empty: not measured)
     # --source / check_model(source=): every rank's tensors against the checkpoint on disk
     source_check: VerifyResult | None = None
+    step: StepRun | None = None  # audit --step: the step that ran (None: none ran)
 
 
 # ---------------------------------------------------------------- child jobs' JSON lines

@@ -31,7 +31,7 @@ from fsdpcheck.records import (
     WrapPlan,
     to_dict,
 )
-from fsdpcheck.text import ranks_label
+from fsdpcheck.text import ranks_label, waited_on_another
 from fsdpcheck.vocab import (
     ExitCode,
     FindingKind,
@@ -199,7 +199,8 @@ def _headline_key(f: Finding) -> tuple:
 
 
 def _error_headline(errors: Sequence[RankError]) -> str:
-    ordered = sorted(errors, key=lambda e: e.rank)
+    # A rank that failed on its own before the ranks that only waited on it.
+    ordered = sorted(errors, key=lambda e: (waited_on_another(e.message), e.rank))
     first = ordered[0]
     alike = [e for e in ordered if (e.stage, e.message) == (first.stage, first.message)]
     lines = first.message.strip().splitlines()

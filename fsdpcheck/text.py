@@ -31,6 +31,18 @@ def ranks_label(ranks: Iterable[int]) -> str:
     return ("rank " if len(ordered) == 1 else "ranks ") + int_ranges(ordered)
 
 
+# What an error message says when the rank it names only waited on another rank's failure
+# (stuck waiting, gave up waiting, or raised only after another rank's step had raised): a
+# headline names a rank that failed on its own first.
+STUCK = "is stuck in stage"
+RAISED_AFTER = "raised only after"
+GAVE_UP = "gave up:"
+
+
+def waited_on_another(message: str) -> bool:
+    return message.startswith(GAVE_UP) or STUCK in message or RAISED_AFTER in message
+
+
 def name_list(names: Sequence[str], limit: int = 8) -> str:
     """The first ``limit`` names, then how many more."""
     shown = ", ".join(names[:limit])

@@ -29,6 +29,8 @@ MARKS = {
     "first_forward": "the first forward of an FSDP model",
     "step_end": "the end of the watched step",
 }
+# The members' digests differ and no field compared names why: never issued all the same.
+UNNAMED = "their digests differ but no compared field names the difference"
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,17 @@ def disagreement(a: CollectiveCall, a_rank: int, b: CollectiveCall, b_rank: int)
         )
     if a.send or b.send:
         members = a.group_ranks
+        # A rank's split to itself pairs with its own receive (an MoE rank that drops tokens
+        # for its own experts after announcing its counts): the other rank's digest sees it,
+        # no pair of two ranks does.
+        for rank, own in ((a_rank, a), (b_rank, b)):
+            if rank in members and len(own.send) == len(own.recv) == len(members):
+                i = members.index(rank)
+                if own.send[i] != own.recv[i]:
+                    return (
+                        f"their splits do not pair (rank {rank} sends itself {own.send[i]} "
+                        f"elements and expects {own.recv[i]} from itself)"
+                    )
         if a_rank in members and b_rank in members and len(a.send) == len(b.recv) == len(members):
             i, j = members.index(a_rank), members.index(b_rank)
             for src, dst, sent, expected in (
@@ -366,10 +379,21 @@ def _consequence(
             f"{reason[0].upper()}{reason[1:]}: unwatched, each root sends and no rank receives "
             "its data, or ranks take another root's tensor; a hang until the collective timeout"
         )
+    if reason.startswith("their splits") and "itself" in reason:
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, gloo raises on that rank "
+            "(`inLengthPerRank[myRank] == outLengthPerRank[myRank]`) while the others wait in "
+            "the all_to_all until the collective timeout; NCCL hangs or corrupts"
+        )
     if reason.startswith("their splits"):
         return (
             f"{reason[0].upper()}{reason[1:]}: unwatched, gloo aborts the receiving rank "
             "(`Received data size doesn't match`), NCCL hangs or corrupts"
+        )
+    if "form a cycle" in reason:
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, every rank of the cycle waits until "
+            "the collective timeout"
         )
     if reason.startswith("the sends and receives do not pair"):
         return (
@@ -380,6 +404,11 @@ def _consequence(
         return (
             f"{reason[0].upper()}{reason[1:]}: unwatched, gloo aborts the receiving rank "
             "(`op.preamble.length <= op.nbytes`), NCCL hangs or corrupts"
+        )
+    if reason.startswith(UNNAMED):
+        return (
+            f"{reason[0].upper()}{reason[1:]}: unwatched, it would have been issued with "
+            "whatever differs"
         )
     sizes = {(call.numel, call.sizes) for _, call in issued}
     if len(sizes) > 1:

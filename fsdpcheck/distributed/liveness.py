@@ -17,6 +17,7 @@ from typing import Any
 from fsdpcheck.distributed import setup
 from fsdpcheck.distributed.setup import DistContext
 from fsdpcheck.records import RankError, from_dict, to_dict
+from fsdpcheck.text import STUCK
 from fsdpcheck.vocab import STAGE_ORDER, ErrorKind, ExitCode, Stage
 
 log = logging.getLogger(__name__)
@@ -379,7 +380,7 @@ def _diagnose(ctx: DistContext, exc: BaseException, *, own: RankError | None) ->
         behind = [(r, stages.get(r) or mine) for r in silent]
     for r, stage in [] if dead else behind:
         message = (
-            f"rank {r} is stuck in stage '{stage}' (rank {ctx.rank} gave up waiting at "
+            f"rank {r} {STUCK} '{stage}' (rank {ctx.rank} gave up waiting at "
             f"'{mine}' after --timeout {ctx.timeout:g}s: {cause})"
         )
         errors.append(RankError(r, stage, message, ErrorKind.RUNTIME))

@@ -10,7 +10,7 @@ from fsdpcheck.decision import AuditResult, decide, give_up, never_met
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.distributed.environment import env_record
-from fsdpcheck.step.session import conclude_step, step_report, watched_step
+from fsdpcheck.step.session import conclude_step, step_raises, step_report, watched_step
 from fsdpcheck.step.watch import ChannelLost
 from fsdpcheck.vocab import Stage
 
@@ -42,15 +42,23 @@ def check_step(model: Any, step: Callable[[], Any], *, timeout: float = 60.0) ->
         with liveness.AbortWatch(ctx) as watch:
             env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
             try:
-                record, seconds = watched_step(ctx, model, step)
+                forget: list = []
+                record, seconds = watched_step(ctx, model, step, forget=forget)
                 outcome = conclude_step(ctx, model, env, record, seconds)
                 report = step_report(outcome, ctx.world_size) if outcome is not None else None
-                return decide(ctx, report)
+                decided = decide(ctx, report)
+                # Every rank is past its step (the decision is collective): nobody reads the
+                # watch's keys again.
+                for call in forget:
+                    call()
+                return decided
             # ChannelLost is a BaseException (a step's own ``except Exception`` must not
             # swallow it): caught by name, or a side-channel timeout escapes as a raw error.
             except (Exception, ChannelLost) as exc:  # a peer stopped answering: name it
                 log.debug("rank %d: check_step gave up", ctx.rank, exc_info=True)
                 watch.disarm()
-                return give_up(ctx, exc, None, stage=Stage.STEP)
+                raises = step_raises(ctx)
+                own = next((e for e in raises if e.rank == ctx.rank), None)
+                return give_up(ctx, exc, own, stage=Stage.STEP, known=raises)
     finally:
         distributed.shutdown(ctx)

@@ -8,6 +8,7 @@ the side channel's timeout, and every rank that can still run takes the same bra
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -39,6 +40,7 @@ from fsdpcheck.records import (
 )
 from fsdpcheck.report import headline, ranks_by_host, verdict
 from fsdpcheck.step.watch import ChannelLost, CollectiveWatch, StepDiverged, fsdp_owners
+from fsdpcheck.text import RAISED_AFTER
 from fsdpcheck.vocab import Cause, ErrorKind, Snapshot, Stage
 
 log = logging.getLogger(__name__)
@@ -57,9 +59,16 @@ class StepOutcome:
     watch_seconds: float  # the watch's share
 
 
-def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple[StepRecord, float]:
+def watched_step(
+    ctx: DistContext,
+    model: Any,
+    step: Callable[[], Any],
+    *,
+    forget: list[Callable[[], Any]] | None = None,
+) -> tuple[StepRecord, float]:
     """Collective: run ``step`` once under the watch; this rank's record and the seconds the
-    step took, watch included.
+    step took, watch included. ``forget``: gets the call that deletes what the watch left in
+    the store, for the caller to make once every rank has concluded.
 
     Raises :class:`ChannelLost` when a peer stopped answering (the caller names it)."""
     liveness.mark_stage(ctx, Stage.STEP)
@@ -71,6 +80,9 @@ def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple
         rank=ctx.rank,
         timeout=ctx.timeout,
     )
+    if forget is not None:
+        forget.append(watch.forget)
+        forget.append(lambda: _forget_raise(ctx))
     returned, message = None, ""
     start = time.perf_counter()
     try:
@@ -83,6 +95,7 @@ def watched_step(ctx: DistContext, model: Any, step: Callable[[], Any]) -> tuple
     except Exception as exc:  # the script's own failure: reported, never left to strand a peer
         log.debug("the step raised", exc_info=True)
         message = f"{type(exc).__name__}: {exc}"
+        _leave_raise(ctx, message)
     watch.finish(raised=bool(message))
     seconds = time.perf_counter() - start
     return step_record(watch, model, returned, message), seconds
@@ -115,6 +128,59 @@ def step_record(
     )
     log.info("step %s after %d collectives", outcome, len(watch.calls))
     return record
+
+
+_RAISED_KEY = "fsdpcheck/step-raised/{}"
+
+
+def _leave_raise(ctx: DistContext, message: str) -> None:
+    """This rank's own exception in its step, for whichever rank has to give up on the run:
+    it names the rank that raised, not the one left waiting for it."""
+    if ctx.store is None:
+        return
+    try:
+        ctx.store.set(
+            _RAISED_KEY.format(ctx.rank), json.dumps({"message": message, "at": time.time()})
+        )
+    except Exception:  # the store's host is gone: the gather carries the exception instead
+        log.debug("could not leave the step's exception", exc_info=True)
+
+
+def _forget_raise(ctx: DistContext) -> None:
+    if ctx.store is not None:
+        try:
+            ctx.store.delete_key(_RAISED_KEY.format(ctx.rank))
+        except Exception:  # the store's host is gone: nothing left to grow
+            log.debug("could not delete the step's exception", exc_info=True)
+
+
+def step_raises(ctx: DistContext) -> tuple[RankError, ...]:
+    """Every rank's own exception in its step that it left in the store, the first raised
+    first; a later one is said to come after it (a peer's failure often ends another rank's
+    collective). O(world) store calls: only a run that gives up reads them."""
+    if ctx.store is None:
+        return ()
+    left = []
+    for rank in range(ctx.world_size):
+        key = _RAISED_KEY.format(rank)
+        try:
+            if ctx.store.check([key]):
+                value = json.loads(ctx.store.get(key))
+                left.append((float(value["at"]), rank, str(value["message"])))
+        except Exception:  # the store's host is gone: what the others left is lost
+            log.debug("could not read rank %d's step exception", rank, exc_info=True)
+    left.sort()
+    errors = []
+    for at, rank, message in left:
+        said = f"rank {rank}'s step raised: {message}"
+        if errors:
+            first_at, first = left[0][0], left[0][1]
+            said = (
+                f"rank {rank}'s step {RAISED_AFTER} rank {first}'s had ({at - first_at:.1f}s "
+                f"later): {message}"
+            )
+        errors.append(RankError(rank, Stage.STEP, said, ErrorKind.RUNTIME))
+    return tuple(errors)
 
 
 def conclude_step(

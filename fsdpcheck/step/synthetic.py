@@ -21,7 +21,7 @@ from fsdpcheck.distributed.gather import gather_slots
 from fsdpcheck.distributed.setup import DistContext
 from fsdpcheck.distributed.wire import span
 from fsdpcheck.options import TP_DIMS
-from fsdpcheck.records import EnvRecord, LoadOutcome, Report
+from fsdpcheck.records import EnvRecord, LoadOutcome, Report, StepRun
 from fsdpcheck.step.session import conclude_step, merged, watched_step
 from fsdpcheck.step.watch import ChannelLost
 from fsdpcheck.vocab import LoadStatus
@@ -91,7 +91,7 @@ def audit_step(
         if report is None:
             return None
         return replace(report, warnings=(*report.warnings, _why_not(codes, load)))
-    step = _step_for(ctx, built, seed=seed)
+    step, ran = _step_for(ctx, built, seed=seed)
     try:
         record, seconds = watched_step(ctx, built.model, step)
         outcome = conclude_step(ctx, built.model, env, record, seconds)
@@ -99,7 +99,7 @@ def audit_step(
         raise exc.cause from None
     if report is None or outcome is None:
         return report
-    return merged(report, outcome)
+    return replace(merged(report, outcome), step=ran)
 
 
 def _readiness(built: Any, load: LoadOutcome | None, report: Report | None, *, rank: int) -> int:
@@ -158,12 +158,22 @@ def _listed(ranks: list[int]) -> str:
     return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
-def _step_for(ctx: DistContext, built: Any, *, seed: int) -> Callable[[], Any]:
-    """The builder's own step (on its batch, where it gave one), else the synthetic step."""
+def _step_for(ctx: DistContext, built: Any, *, seed: int) -> tuple[Callable[[], Any], StepRun]:
+    """The builder's own step (on its batch, where it gave one), else the synthetic step; and
+    which of them, for the report."""
     own = getattr(built, "step", None)
     if own is not None:
         batch = built.batch
-        return own if batch is None else (lambda: own(batch))
+        if batch is None:
+            return own, StepRun("builder", "the builder's own step, called with no argument")
+        ran = StepRun("builder", "the builder's own step, on the batch it returned")
+        return (lambda: own(batch)), ran
     vocab = getattr(built.config, "vocab_size", None) or 2
     batch_at = batch_index(ctx.mesh, ctx.rank)
-    return token_step(built.model, int(vocab), rank=batch_at, device=ctx.device, seed=seed)
+    step = token_step(built.model, int(vocab), rank=batch_at, device=ctx.device, seed=seed)
+    said = (
+        f"fsdpcheck's synthetic step: {BATCH}x{SEQUENCE} random tokens per data-parallel rank "
+        f"(vocabulary {int(vocab)}), labels = inputs (causal-LM loss), backward, one AdamW step "
+        "(lr 1e-5)"
+    )
+    return step, StepRun("synthetic", said, seed=seed)

@@ -20,11 +20,17 @@ member that has finished, raised in, or stopped in its step) fetches the full de
 every member's from every member, to name the difference.
 Equal descriptors (all_to_all splits that pair): the collective is issued. Any difference, or an
 ended member: no member issues it; each raises :class:`StepDiverged`, which unwinds its step,
-and every rank that later needs one of them stops too.
+and every rank that later needs one of them stops too. Digests that differ are never issued,
+whether or not a compared field names why.
 
-Point-to-point: a send or receive whose peer is itself waiting in the watch goes ahead of its
-pair, and the pair is confirmed before anyone waits on it (:meth:`CollectiveWatch.point_to_point`),
-so a stage running fewer microbatches than the next one is a finding, not a wait in gloo.
+Point-to-point: a ``batch_isend_irecv`` is held whole (:meth:`CollectiveWatch.batches`): its
+descriptors are left held until every op of it paired, and a peer whose side pairs with one
+waits for that release before issuing its own, so a fused [send, receive] whose send never
+pairs never lets the peer's send block on its receive (``Schedule1F1B``). A lone send or receive
+whose peer is itself waiting in the watch goes ahead of its pair, and the pair is confirmed
+before anyone waits on it (:meth:`CollectiveWatch.point_to_point`). Ranks waiting on each other
+in the watch, directly or in a cycle, the same wait marks for a while, stop there: a stage
+running fewer microbatches than the next one is a finding, not a wait in gloo.
 
 DTensor's redistributions (``clip_grad_norm_`` over FSDP2 gradients, tensor parallelism) issue
 functional collectives inside DTensor's own dispatch, where a mode is off: for an op on a
@@ -60,6 +66,7 @@ from fsdpcheck.checks.step import (
     FINISHED,
     RAISED,
     STOPPED,
+    UNNAMED,
     CollectiveCall,
     PeerView,
     disagreement,
@@ -148,6 +155,9 @@ _PAUSE_FIRST, _PAUSE_ENDS, _PAUSE_MAX = 1e-4, 0.0128, 0.02
 _MASK64 = 2**64 - 1
 _ENDED = (FINISHED, RAISED)
 _OWED = b"owed:"  # a peer confirming a send or receive it issued ahead: "owed:<n>:<call>"
+# A descriptor left by a batch that is not yet whole: "held:<batch>:<call>". Its pair waits for
+# the batch's release (every op of it paired) before it is issued: a batch is held whole.
+_HELD = b"held:"
 
 
 class StepDiverged(BaseException):
@@ -234,6 +244,9 @@ class CollectiveWatch(TorchDispatchMode):
         self._agreed_ahead = 0  # sends and receives of a batch agreed before it was issued
         self._blocked_seen: dict[int, tuple[bytes, float]] = {}  # a peer's batch wait, since
         self._owed: list[_Owed] = []  # sends and receives issued ahead of their pair
+        self._batches = 0  # batches this rank left, each released once every op of it paired
+        self._gate: dict[int, tuple[int, CollectiveCall, int]] = {}  # the last op's held pair
+        self._left: set[str] = set()  # store keys this rank left, for forget()
         self._pipeline_ops: dict[int, tuple[int, str, int]] = {}  # id(tensor) → stage, phase, mb
         self.calls: list[CollectiveCall] = []  # agreed and issued, in order
         self.at: int | None = None  # where the ranks differed (the group's sequence number)
@@ -284,13 +297,19 @@ class CollectiveWatch(TorchDispatchMode):
         original = dist.distributed_c10d.batch_isend_irecv
 
         def agreed_batch(p2p_op_list):
+            p2p_op_list = _with_current_ops(p2p_op_list)
+            partners: dict[int, tuple[int, CollectiveCall, int]] = {}
             if not self.diverged and self._store is not None:
-                self._agree_batch(p2p_op_list)
+                partners = self._agree_batch(p2p_op_list)
                 self._agreed_ahead += len(p2p_op_list)
             try:
-                return original(p2p_op_list)
+                works = original(p2p_op_list)
             finally:
                 self._agreed_ahead = 0
+            if not partners or not works:
+                return works
+            gate = _IssuedGate(self, partners)
+            return [_GatedWork(work, gate) for work in works]
 
         dist.distributed_c10d.batch_isend_irecv = agreed_batch
         dist.batch_isend_irecv = agreed_batch
@@ -351,10 +370,13 @@ class CollectiveWatch(TorchDispatchMode):
         try:
             while True:
                 if self._store.check([theirs]):
-                    other = from_dict(CollectiveCall, json.loads(self._store.get(theirs)))
+                    other, batch = _descriptor(self._store.get(theirs))
                     reason = _pair_disagreement(call, self._rank, other, peer)
                     if reason:
                         self._stop(call, n, (PeerView(peer, doing=other),), reason)
+                    if batch is not None:
+                        self._await_release(call, n, peer, batch)
+                        self._await_issued({peer: (batch, call, n)})
                     return
                 ended = f"step/end/{peer}"
                 if self._store.check([ended]):
@@ -370,6 +392,7 @@ class CollectiveWatch(TorchDispatchMode):
                 other = self._owing_me(peer)
                 if other is not None:
                     self._stop(call, n, (PeerView(peer, doing=other),), _deadlock(call, other))
+                self._stop_at_cycle(call, n)
                 if time.monotonic() > deadline:
                     raise ChannelLost(
                         TimeoutError(
@@ -413,9 +436,159 @@ class CollectiveWatch(TorchDispatchMode):
             return None
         return other if now - since[1] >= _DEADLOCK_GRACE else None
 
-    def _agree_batch(self, ops: list) -> None:
+    def _stuck_on_me(self, peer: int, mark: bytes) -> CollectiveCall | None:
+        """The peer's call when its wait ``mark`` (a batch's, a release's or a confirmation's)
+        is for this rank and has stayed the same for a while: it cannot move before this rank
+        does."""
+        other = self._stable_call(peer, mark)
+        return other if other is not None and other.peer == self._rank else None
+
+    def _stable_call(self, rank: int, mark: bytes | None = None) -> CollectiveCall | None:
+        """The call ``rank`` waits at in the watch for one peer (a batch's, a release's or a
+        confirmation's mark), once the mark has stayed the same for a while; None while it
+        moves, or where the rank waits nowhere or lets its peers go ahead ("1")."""
+        if mark is None:
+            key = f"step/wait/{rank}"
+            mark = self._store.get(key) if self._store.check([key]) else b""
+        if mark in (b"", b"0", b"1"):
+            self._blocked_seen.pop(rank, None)
+            return None
+        now = time.monotonic()
+        since = self._blocked_seen.get(rank)
+        if since is None or since[0] != mark:
+            self._blocked_seen[rank] = (mark, now)
+            return None
+        return _mark_call(mark) if now - since[1] >= _DEADLOCK_GRACE else None
+
+    def _stop_at_cycle(self, call: CollectiveCall, n: int) -> None:
+        """Stop where this rank's wait for ``call``'s peer is one link of a cycle of three or
+        more ranks, each waiting in the watch for the next (the same marks for a while): none
+        can move first. Only the cycle's lowest rank stops on it (one finding); the others
+        stop when their peer does. O(cycle) store reads a poll, only once the peer stays put."""
+        chain: list[tuple[int, CollectiveCall]] = []
+        at: int | None = call.peer
+        while at is not None and at != self._rank:
+            if any(r == at for r, _ in chain) or len(chain) >= self._world:
+                return
+            other = self._stable_call(at)
+            if other is None:
+                return
+            chain.append((at, other))
+            at = other.peer
+        if at is None or len(chain) < 2 or self._rank > min(r for r, _ in chain):
+            return
+        views = tuple(PeerView(r, doing=c) for r, c in chain)
+        self._stop(call, n, views, _cycle(self._rank, call, chain))
+
+    def _await_release(self, call: CollectiveCall, n: int, peer: int, batch: int) -> None:
+        """Before this rank issues ``call``, whose pair the peer left in a batch not yet whole:
+        the batch released; or the peer's end (it stopped there: so does this rank); or the
+        peer waiting on this rank meanwhile (the batch can never be whole: a deadlock)."""
+        released, ended = f"step/released/{peer}", f"step/end/{peer}"
+        wait = f"step/wait/{self._rank}"
+        deadline = time.monotonic() + self._timeout
+        waiting, pause = False, 0.0
+        try:
+            while True:
+                if self._store.check([released]) and int(self._store.get(released)) > batch:
+                    return
+                if self._store.check([ended]):
+                    state = self._store.get(ended).decode()
+                    self._stop(call, n, (PeerView(peer, state=state),), "")
+                if not waiting:
+                    waiting = True
+                    self._store.set(wait, json.dumps(to_dict(call)))
+                mark = (
+                    self._store.get(f"step/wait/{peer}")
+                    if self._store.check([f"step/wait/{peer}"])
+                    else b""
+                )
+                other = self._stuck_on_me(peer, mark)
+                if other is not None:
+                    self._stop(call, n, (PeerView(peer, doing=other),), _unreleased(call, other))
+                self._stop_at_cycle(call, n)
+                if time.monotonic() > deadline:
+                    raise ChannelLost(
+                        TimeoutError(
+                            f"rank {peer} did not release, within {self._timeout:g}s, the batch "
+                            f"holding the other side of this rank's {_side(call)} (stuck in a "
+                            "collective the watch cannot see, or gone)"
+                        ),
+                        (peer,),
+                    )
+                pause = min(max(pause * 2, 1e-4), 0.02)
+                time.sleep(pause)
+        except (ChannelLost, StepDiverged):
+            raise
+        except Exception as exc:  # the store's host is gone
+            log.debug("waiting for rank %d's batch: the store failed", peer, exc_info=True)
+            raise ChannelLost(exc) from exc
+        finally:
+            if waiting:
+                with contextlib.suppress(Exception):  # the store is gone: nothing to clear
+                    self._store.set(wait, "0")
+
+    def _await_issued(self, partners: Mapping[int, tuple[int, CollectiveCall, int]]) -> None:
+        """Before this rank waits on what it issued against peers' batches (each peer → its
+        batch, and this rank's call and number there): those batches issued too; or a peer's
+        end (it stopped before issuing, as a batch whose own partner never came does: so does
+        this rank, what it issued left posted); or a cycle of waits through them. A released
+        batch is whole, not yet issued: its own partners may still stop it."""
+        if self.diverged:
+            return
+        pending = dict(partners)
+        deadline = time.monotonic() + self._timeout
+        start, waiting, pause = time.perf_counter(), False, 0.0
+        wait = f"step/wait/{self._rank}"
+        try:
+            while True:
+                for peer, (batch, call, n) in list(pending.items()):
+                    issued, ended = f"step/issued/{peer}", f"step/end/{peer}"
+                    if self._store.check([issued]) and int(self._store.get(issued)) > batch:
+                        del pending[peer]
+                    elif self._store.check([ended]):
+                        state = self._store.get(ended).decode()
+                        self._stop(call, n, (PeerView(peer, state=state),), "")
+                if not pending:
+                    return
+                peer, (_, call, n) = next(iter(pending.items()))
+                if not waiting:
+                    waiting = True
+                    self._store.set(wait, json.dumps(to_dict(call)))
+                self._stop_at_cycle(call, n)
+                if time.monotonic() > deadline:
+                    raise ChannelLost(
+                        TimeoutError(
+                            f"rank {peer} did not issue, within {self._timeout:g}s, the batch "
+                            f"holding the other side of this rank's {_side(call)} (stuck in a "
+                            "collective the watch cannot see, or gone)"
+                        ),
+                        (peer,),
+                    )
+                pause = min(max(pause * 2, 1e-4), 0.02)
+                time.sleep(pause)
+        except (ChannelLost, StepDiverged):
+            raise
+        except Exception as exc:  # the store's host is gone
+            log.debug("waiting for rank %d's batch to issue: the store failed", peer, exc_info=True)
+            raise ChannelLost(exc) from exc
+        finally:
+            self.seconds += time.perf_counter() - start
+            if waiting:
+                with contextlib.suppress(Exception):  # the store is gone: nothing to clear
+                    self._store.set(wait, "0")
+
+    def _agree_batch(self, ops: list) -> dict[int, tuple[int, CollectiveCall, int]]:
+        """Every descriptor of the batch left (held), then each paired; then the batch is
+        released, and issued once each batch of a peer that holds one of its pairs is released
+        too. A batch held back is held whole: a peer whose send pairs with one of its receives
+        waits for the release instead of issuing a send that would block on it. Returns those
+        peers' batches (peer → its batch, this rank's call and number that pair with it): a
+        wait on what this batch issued first sees them issued (:meth:`_await_issued`)."""
         start = time.perf_counter()
         try:
+            batch = self._batches
+            self._batches += 1
             pending = []
             for op in ops:
                 send = getattr(op.op, "__name__", "") in ("isend", "send")
@@ -433,10 +606,19 @@ class CollectiveWatch(TorchDispatchMode):
                     tag=int(op.tag or 0),
                     **self._pipeline_fields(tensor),
                 )
-                pending.append((call, *self._publish(call)))
+                pending.append((call, *self._publish(call, held=batch)))
+            partners: dict[int, tuple[int, CollectiveCall, int]] = {}
             for call, channel, n, wanted in pending:
-                self._settle(call, channel, n, self._collect(wanted, blocked=call))
-                self.calls.append(call)
+                seen = self._collect(wanted, blocked=call, at=n)
+                self._settle(call, channel, n, seen)
+                for peer, theirs in _held(seen).items():
+                    partners.setdefault(peer, (theirs, call, n))
+            self._leave(f"step/released/{self._rank}", str(batch + 1))
+            for peer, (theirs, call, n) in sorted(partners.items()):
+                self._await_release(call, n, peer, theirs)
+            self._leave(f"step/issued/{self._rank}", str(batch + 1))
+            self.calls.extend(call for call, *_ in pending)
+            return partners
         finally:
             self.seconds += time.perf_counter() - start
 
@@ -497,6 +679,23 @@ class CollectiveWatch(TorchDispatchMode):
         finally:
             self.seconds += time.perf_counter() - start
         self.calls.append(call)
+    def forget(self) -> int:
+        """Delete the store keys this rank left (O(its collectives)), once no member reads
+        them again: after every rank has concluded (``check_step`` calls it after its
+        decision), so that a job that checks often does not grow the store. The number
+        deleted."""
+        if self._store is None:
+            return 0
+        keys = sorted(self._left) + [f"step/{k}/{self._rank}" for k in ("wait", "end")]
+        self._left.clear()
+        deleted = 0
+        for key in keys:
+            try:
+                deleted += bool(self._store.delete_key(key))
+            except Exception:  # the store's host is gone: nothing left to grow
+                log.debug("could not delete %s", key, exc_info=True)
+                break
+        return deleted
 
     def context(self) -> tuple[CollectiveCall, ...]:
         return tuple(self.calls[-_CONTEXT:])
@@ -515,7 +714,11 @@ class CollectiveWatch(TorchDispatchMode):
                 return
         channel, n, wanted = self._publish(call)
         seen = self._collect(wanted, p2p=call.peer is not None)
-        self._settle(call, channel, n, seen)
+        # Here a group's tree verdict said its members differ.
+        self._settle(call, channel, n, seen, differed=call.peer is None)
+        for peer, batch in _held(seen).items():
+            self._await_release(call, n, peer, batch)
+            self._gate = {peer: (batch, call, n)}
         if call.peer is not None and seen.get(call.peer) == _AHEAD:
             self._owed.append(_Owed(call, n, wanted[call.peer]))
 
@@ -548,6 +751,7 @@ class CollectiveWatch(TorchDispatchMode):
         return verdict.agreed()
 
     def _leave(self, key: str, value: str) -> None:
+        self._left.add(key)
         try:
             self._store.set(key, value)
         except Exception as exc:  # the store's host is gone
@@ -601,8 +805,11 @@ class CollectiveWatch(TorchDispatchMode):
         )
         return _silent(silent or waited, self._timeout)
 
-    def _publish(self, call: CollectiveCall) -> tuple[str, int, dict[int, str]]:
-        """Leave this rank's descriptor; its channel, number there, and the peers' keys."""
+    def _publish(
+        self, call: CollectiveCall, *, held: int | None = None
+    ) -> tuple[str, int, dict[int, str]]:
+        """Leave this rank's descriptor (``held``: in that batch of this rank, not yet whole);
+        its channel, number there, and the peers' keys."""
         if call.peer is not None:  # point to point: the sender's and receiver's sides pair
             channel = _channel(self._rank, call)
             n = self._counts.get(channel, 0)
@@ -615,6 +822,9 @@ class CollectiveWatch(TorchDispatchMode):
             theirs = {r: f"{channel}/{n}/{r}" for r in call.group_ranks if r != self._rank}
         self._counts[channel] = n + 1
         payload = json.dumps(to_dict(call), separators=(",", ":"))
+        if held is not None:
+            payload = f"{_HELD.decode()}{held}:{payload}"
+        self._left.add(f"step/{mine}")
         try:
             self._store.set(f"step/{mine}", payload)
         except Exception as exc:  # the store's host is gone
@@ -626,9 +836,17 @@ class CollectiveWatch(TorchDispatchMode):
         return channel, n, {r: f"step/{k}" for r, k in theirs.items()}
 
     def _settle(
-        self, call: CollectiveCall, channel: str, n: int, seen: dict[int, bytes | str]
+        self,
+        call: CollectiveCall,
+        channel: str,
+        n: int,
+        seen: dict[int, bytes | str],
+        *,
+        differed: bool = False,
     ) -> None:
-        """Compare what the peers left with this rank's call; stop the step where they differ."""
+        """Compare what the peers left with this rank's call; stop the step where they differ.
+        ``differed``: the members' digests differ, so the collective is not issued even where
+        no compared field names why (a digest the comparison does not cover)."""
         views, reason = [], ""
         for peer, got in sorted(seen.items()):
             if got == _AHEAD:
@@ -639,25 +857,33 @@ class CollectiveWatch(TorchDispatchMode):
                     reason = reason or _never_comes(call, self._rank, got)
                 continue
             if got.startswith(_BLOCKED):
-                other = from_dict(CollectiveCall, json.loads(got[len(_BLOCKED) :]))
+                other = _mark_call(got[len(_BLOCKED) :])
                 views.append(PeerView(peer, doing=other))
                 reason = reason or (
                     f"the sends and receives do not pair: rank {self._rank} waits at its "
-                    f"{call.op} ({call.numel} {call.dtype}, {_with(call)}) while rank {peer} "
-                    f"waits at its {other.op} ({other.numel} {other.dtype}, {_with(other)}), "
-                    "each for the other (stages running different numbers of microbatches?)"
+                    f"{_side(call)} while rank {peer} waits at its {_side(other)}, each for the "
+                    "other (stages running different numbers of microbatches?)"
                 )
                 continue
-            other = from_dict(CollectiveCall, json.loads(got))
+            other, _ = _descriptor(got)
             views.append(PeerView(peer, doing=other))
             if not reason:
                 reason = _pair_disagreement(call, self._rank, other, peer)
         if not reason and all(v.doing is not None for v in views):
-            return
+            if not differed:
+                return
+            reason = f"{UNNAMED} (not issued: fsdpcheck never issues a collective whose "
+            reason += "members' digests differ)"
+            log.warning("collective #%d on %s: digests differ, no field named why", n, call.group)
         self._stop(call, n, tuple(views), reason)
 
     def _collect(
-        self, keys: dict[int, str], *, p2p: bool = False, blocked: CollectiveCall | None = None
+        self,
+        keys: dict[int, str],
+        *,
+        p2p: bool = False,
+        blocked: CollectiveCall | None = None,
+        at: int = 0,
     ) -> dict[int, bytes | str]:
         """Each peer's descriptor, or the state it ended its step in without issuing it;
         polls the store until every peer answered or the timeout passed.
@@ -669,7 +895,8 @@ class CollectiveWatch(TorchDispatchMode):
         that never comes (a stage running fewer microbatches) leaves the other waiting here
         until the timeout: exit 3, naming the stage that stopped answering.
 
-        ``blocked``: this rank's call in a batch, every descriptor of which is already left.
+        ``blocked``: this rank's call in a batch (number ``at`` on its channel), every
+        descriptor of which is already left.
         A peer that waits in a batch of its own for a while, for something this rank's batch
         does not hold, while this rank waits for something its batch does not hold, never
         answers: the pair is a deadlock of the schedule, returned as ``_BLOCKED`` + the
@@ -689,7 +916,7 @@ class CollectiveWatch(TorchDispatchMode):
                     waiting = True
                     mark = "1" if blocked is None else json.dumps(to_dict(blocked))
                     self._store.set(f"step/wait/{self._rank}", mark)
-                self._poll(pending, got, p2p=p2p, deadline=deadline, blocked=blocked)
+                self._poll(pending, got, p2p=p2p, deadline=deadline, blocked=blocked, at=at)
                 pause = min(max(pause * 2, 1e-4), 0.02)
                 if pending:
                     time.sleep(pause)
@@ -712,6 +939,7 @@ class CollectiveWatch(TorchDispatchMode):
         p2p: bool,
         deadline: float,
         blocked: CollectiveCall | None = None,
+        at: int = 0,
     ) -> None:
         for peer in list(pending):
             # The end mark first: a peer leaves its descriptors before it, so an end
@@ -729,22 +957,20 @@ class CollectiveWatch(TorchDispatchMode):
                 if p2p and (mark == b"1" or mark.startswith(_OWED)):
                     pending.pop(peer)
                     got[peer] = _AHEAD
-                elif blocked is not None and mark not in (b"0", b"1"):
-                    # The same mark seen a while apart: the peer is still stuck there.
-                    now = time.monotonic()
-                    since = self._blocked_seen.get(peer)
-                    if since is None or since[0] != mark:
-                        self._blocked_seen[peer] = (mark, now)
-                    elif now - since[1] >= _DEADLOCK_GRACE:
-                        pending.pop(peer)
-                        got[peer] = _BLOCKED + mark
+                elif blocked is not None and self._stuck_on_me(peer, mark) is not None:
+                    pending.pop(peer)
+                    got[peer] = _BLOCKED + mark
+                elif blocked is not None:
+                    self._stop_at_cycle(blocked, at)
         if pending and time.monotonic() > deadline:
             raise _silent(tuple(sorted(pending)), self._timeout)
 
     def _stop(self, call: CollectiveCall, n: int, views: tuple[PeerView, ...], reason: str) -> None:
         self.at, self.doing, self.peers, self.reason = n, call, views, reason
         self.group_ranks = (
-            tuple(sorted((self._rank, call.peer))) if call.peer is not None else call.group_ranks
+            tuple(sorted({self._rank, call.peer, *(v.rank for v in views)}))
+            if call.peer is not None
+            else call.group_ranks
         )
         if not reason and any(v.state in (_DIVERGED, STOPPED) for v in views):
             self.state = STOPPED
@@ -958,10 +1184,14 @@ class _Confirmed:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owed = len(self._watch._owed)
+        self._watch._gate = {}
         work = self._fn(*args, **kwargs)
-        if work is None or len(self._watch._owed) <= owed:
+        gate, self._watch._gate = self._watch._gate, {}
+        if work is None:
             return work
-        return _OwedWork(work, self._watch, self._watch._owed[-1])
+        if len(self._watch._owed) > owed:
+            return _OwedWork(work, self._watch, self._watch._owed[-1])
+        return _GatedWork(work, _IssuedGate(self._watch, gate)) if gate else work
 
     def __eq__(self, other: object) -> bool:
         return other is self or other is self._fn or other == self._fn
@@ -982,6 +1212,51 @@ class _OwedWork:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
+
+
+class _IssuedGate:
+    """What issued against peers' batches waits, once, for those batches to be issued too."""
+
+    def __init__(
+        self, watch: CollectiveWatch, partners: dict[int, tuple[int, CollectiveCall, int]]
+    ):
+        self._watch, self._partners = watch, partners
+
+    def pass_(self) -> None:
+        if self._partners:
+            partners, self._partners = self._partners, {}
+            self._watch._await_issued(partners)
+
+
+class _GatedWork:
+    """A backend's work whose ``wait`` first passes its gate (everything else passes)."""
+
+    def __init__(self, work: Any, gate: _IssuedGate):
+        self._work, self._gate = work, gate
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._gate.pass_()
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _with_current_ops(ops: list) -> list:
+    """``ops`` with ``isend``/``irecv`` as c10d now holds them: ``batch_isend_irecv`` tells a
+    send by identity (``op.op is isend``), so an op built before the watch patched them (the
+    plain function) would be issued as a receive's keywords and raise."""
+    c10d = dist.distributed_c10d
+    current = {"isend": c10d.isend, "irecv": c10d.irecv}
+    fixed = []
+    for op in ops:
+        name = getattr(op.op, "__name__", "")
+        now = current.get(name)
+        if now is None or op.op is now:
+            fixed.append(op)
+            continue
+        fixed.append(dist.P2POp(now, op.tensor, None, op.group, op.tag, group_peer=op.group_peer))
+    return fixed
 
 
 def _pipeline_getters() -> tuple[Any, dict[str, str]]:
@@ -1031,6 +1306,48 @@ def _deadlock(call: CollectiveCall, other: CollectiveCall) -> str:
         f"taken while rank {call.peer} waits for its own {_side(other)}, each for the other "
         "(stages running different numbers of microbatches?)"
     )
+
+
+def _cycle(me: int, call: CollectiveCall, chain: list[tuple[int, CollectiveCall]]) -> str:
+    links = "; ".join(f"rank {r} at its {_side(c)}" for r, c in chain)
+    return (
+        f"the sends and receives do not pair: they form a cycle: rank {me} waits at its "
+        f"{_side(call)}; {links}; each for the next, and none can move first"
+    )
+
+
+def _unreleased(call: CollectiveCall, other: CollectiveCall) -> str:
+    return (
+        f"the sends and receives do not pair: rank {call.peer} holds the other side of rank "
+        f"{other.peer}'s {_side(call)} in a batch with its own {_side(other)}, which rank "
+        f"{other.peer} never takes; each waits for the other (stages running different numbers "
+        "of microbatches?)"
+    )
+
+
+def _descriptor(raw: bytes) -> tuple[CollectiveCall, int | None]:
+    """A descriptor a peer left, and its batch when that batch is not yet known whole."""
+    batch = None
+    if raw.startswith(_HELD):
+        number, _, raw = raw[len(_HELD) :].partition(b":")
+        batch = int(number)
+    return from_dict(CollectiveCall, json.loads(raw)), batch
+
+
+def _held(seen: Mapping[int, bytes | str]) -> dict[int, int]:
+    """The peers whose side of a pair was left in a batch not yet whole, with that batch."""
+    return {
+        peer: int(got[len(_HELD) :].partition(b":")[0])
+        for peer, got in seen.items()
+        if isinstance(got, bytes) and got.startswith(_HELD)
+    }
+
+
+def _mark_call(mark: bytes) -> CollectiveCall:
+    """The call a peer's wait mark names (a confirmation's carries its number first)."""
+    if mark.startswith(_OWED):
+        mark = mark[len(_OWED) :].partition(b":")[2]
+    return from_dict(CollectiveCall, json.loads(mark))
 
 
 def _pair_disagreement(mine: CollectiveCall, me: int, other: CollectiveCall, peer: int) -> str:

@@ -53,6 +53,10 @@ def test_torchrun_as_the_readme_says_with_the_step(tmp_path: Path) -> None:
     assert report["findings"] == [] and report["errors"] == []
     assert report["timings"]["step"] > 0 and "step-watch" in report["timings"]
     assert "step: consistent · finished; every collective the same on every rank" in result.stdout
+    # Which step ran (issue 37: the report did not say).
+    assert report["step"]["source"] == "synthetic" and report["step"]["seed"] == 0
+    assert "2x16 random tokens" in report["step"]["description"]
+    assert "ran fsdpcheck's synthetic step" in result.stdout
     assert report["model"]["architecture"] == "Gemma4ForCausalLM"
     # The multimodal layer classes in _no_split_modules are absent from the text model.
     assert "Gemma4TextDecoderLayer" in report["wrap"]["found"]

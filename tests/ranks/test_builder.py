@@ -137,6 +137,9 @@ def test_a_torchtitan_style_builders_own_step_runs_under_step(audited) -> None:
         assert audited[case]["exit_codes"] == [0, 0], (case, report["findings"], report["errors"])
         assert report["verdict"] == "consistent", case
         assert _stepped(report), (case, report["timings"], report["warnings"])
+        assert report["step"]["source"] == "builder", report["step"]  # which step ran
+    said = audited["llama-step-with-batch"]["report"]["step"]["description"]
+    assert said == "the builder's own step, on the batch it returned"
     assert audited["torchtitan-style-no-state-dict"]["report"]["load"]["outcome"] == "skipped"
 
 

@@ -9,6 +9,13 @@ from conftest import run_worker_ranks
 
 TIMEOUT = 20.0
 BOUND = TIMEOUT + 10.0  # a divergence is reported within the timeout plus a small bound
+FAST = 6.0  # a pair that never comes is found by the ranks' wait marks, not the timeout
+# issue 37: every schedule torch ships, rank 1 built for other microbatch counts (each case its
+# own pipeline group), and its clean twin (equal counts). DualPipeV needs as many as stages.
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "loopedbfs", "interleavedzb", "zbv", "dualpipev")
+UNEVEN = {name: ("4-3", "4-2", "3-4") for name in SCHEDULES} | {"dualpipev": ("5-4", "6-4", "4-5")}
+SCHEDULE_FAILS = [f"schedule-{name}-{counts}" for name in SCHEDULES for counts in UNEVEN[name]]
+SCHEDULE_TWINS = [f"schedule-{name}-4-4" for name in SCHEDULES]
 CASES = [
     "equal",
     "extra-rank1",
@@ -22,6 +29,7 @@ CASES = [
     "broadcast-self-root",
     "reduce-sum-max",
     "a2a-unpaired",
+    "a2a-self",
     "collectives-agree",
     "pp-subgroups",
     "clip-all",
@@ -32,6 +40,8 @@ CASES = [
     "pipeline-clean",
     "p2p-unreceived",
     "compiled-step",
+    *SCHEDULE_FAILS,
+    *SCHEDULE_TWINS,
     # its sends posted ahead of their pair stay posted on the world group: last of the p2p cases
     "pipeline-fewer-microbatches",
     "unseen-rank0",  # last: it ends the job (exit 3 on both ranks)
@@ -42,10 +52,52 @@ CASES = [
 def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], object]:
     out = tmp_path_factory.mktemp("step")
     result, records = run_worker_ranks(
-        "step_worker.py", out, ["--timeout", str(TIMEOUT), *CASES], timeout=300
+        "step_worker.py", out, ["--timeout", str(TIMEOUT), *CASES], timeout=420
     )
     assert result.codes == [3, 3], result.output(0)[-3000:] + result.output(1)[-3000:]
     return records, result
+
+
+@pytest.fixture(scope="module")
+def raised(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], object]:
+    """A job of its own (it ends with exit 3): rank 1's step raises while rank 0 waits in a
+    collective the watch cannot see, until rank 1's process is gone."""
+    out = tmp_path_factory.mktemp("step-raised")
+    args = ["--timeout", str(TIMEOUT), "raise-rank1-unseen-rank0"]
+    result, records = run_worker_ranks("step_worker.py", out, args, timeout=120)
+    assert result.codes == [3, 3], result.output(0)[-3000:] + result.output(1)[-3000:]
+    return [r["raise-rank1-unseen-rank0"] for r in records], result
+
+
+# Three stages: a chain of batches, and a cycle of receives no rank can leave (issue 37: it
+# ended at the timeout, exit 3). Each case its own group.
+THREE_TWINS = [
+    "p2p-ring-all",
+    "p2p-chain-all",
+    "schedule-1f1b-4-4-4",
+    "schedule-interleaved-3-3-3",
+]
+THREE_FAILS = [
+    # rank 1's batch is whole, rank 2's never: rank 0's batch, paired with rank 1's, must not
+    # be waited on in gloo (rank 1 never issues its own)
+    "p2p-chain-broken",
+    "schedule-1f1b-4-4-3",
+    "schedule-interleaved-3-3-2",
+    "schedule-gpipe-4-3-4",
+    "schedule-loopedbfs-4-4-3",
+    "p2p-cycle-all",
+]
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("step-three")
+    args = ["--timeout", str(TIMEOUT), *THREE_TWINS, *THREE_FAILS]
+    result, records = run_worker_ranks(
+        "step_worker.py", out, args, seeds=(1, 1, 1), nprocs=3, timeout=240
+    )
+    assert result.codes == [0, 0, 0], result.output(0)[-3000:]
+    return {case: [r[case] for r in records] for case in (*THREE_TWINS, *THREE_FAILS)}
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +194,13 @@ def test_hsdp_replicas_that_differ_after_the_step_are_a_value_finding(ran):
             "splits do not pair",
             ["rank 1 sends rank 0 4 elements, rank 0 expects 2"],
         ),
+        # issue 37 today: the digests differed, no pair of ranks did, so it was issued; gloo
+        # raised on rank 1 and both ranks exited 3 after the timeout, blaming rank 0
+        (
+            "a2a-self",
+            "splits do not pair",
+            ["rank 1 sends itself 1 elements and expects 2 from itself", "gloo raises"],
+        ),
     ],
 )
 def test_a_collective_whose_members_disagree_beyond_its_size_is_named_before_it_is_issued(
@@ -188,6 +247,34 @@ def test_a_stage_whose_sends_the_next_stage_never_receives_is_named_before_eithe
     assert (sender["stage"], sender["phase"], sender["microbatch"]) == (0, "forward", 2)
     assert sides["rank 1"]["phase"] == "backward" and sides["rank 1"]["peer"] == 0
     assert "send to rank 1 (stage 0 forward, microbatch 2)" in found["summary"]
+
+
+@pytest.mark.parametrize("case", SCHEDULE_TWINS)
+def test_every_schedule_torch_ships_is_consistent_at_equal_microbatches(ran, case):
+    per_rank, report = _case(ran, case)
+    assert [r["exit_code"] for r in per_rank] == [0, 0]
+    assert report["verdict"] == "consistent" and report["findings"] == []
+    assert all(r["params_changed"] for r in per_rank)
+
+
+@pytest.mark.parametrize("case", SCHEDULE_FAILS)
+def test_every_schedule_with_a_stage_built_for_other_microbatches_is_named_in_a_second(ran, case):
+    # Issue 37: under Schedule1F1B rank 1's last gradient send paired with the receive of rank
+    # 0's fused [send F3, recv B2] batch, was issued while the batch waited for its send's pair,
+    # and blocked in gloo: exit 3 on both ranks after the timeout, blaming rank 1.
+    per_rank, report = _case(ran, case)
+    assert [r["exit_code"] for r in per_rank] == [1, 1], [r["headline"] for r in per_rank]
+    for rank in per_rank:
+        assert rank["seconds"] < FAST, rank["seconds"]
+    found = _only(report, "step")
+    assert found["details"]["group"] == "pipeline"
+    sides = [s for s in found["details"]["ranks"].values() if "op" in s]
+    assert sides and all(s["op"] in ("send", "recv") for s in sides), sides
+    # The stage and microbatch of each side that issued one, in the details and the summary.
+    for side in sides:
+        assert {"stage", "phase", "microbatch"} <= set(side), side
+        label = f"stage {side['stage']} {side['phase']}, microbatch {side['microbatch']}"
+        assert label in found["summary"], found["summary"]
 
 
 def test_a_send_whose_peer_finishes_its_step_is_named_not_a_timeout(ran):
@@ -241,3 +328,58 @@ def test_a_collective_the_watch_cannot_see_ends_every_rank_with_exit_3_naming_it
         assert rank["seconds"] < BOUND
     # Named by the rank that gave up first: rank 1 (rank 0 stuck), as seen in every run here.
     assert "rank 0 is stuck in stage 'step'" in per_rank[1]["headline"], per_rank[1]["headline"]
+
+
+def test_an_exit_3_names_the_rank_that_raised_and_holds_each_rank_s_own_exception(raised):
+    # Issue 37: rank 1 named rank 0 (waiting for it) "stuck", and rank 1's own error was
+    # nowhere in the report.
+    per_rank, _ = raised
+    assert [r["exit_code"] for r in per_rank] == [3, 3]
+    for rank in per_rank:
+        assert rank["seconds"] < BOUND
+        assert "rank 1's step raised: ValueError: rank 1's own failure" in rank["headline"], rank
+    report = per_rank[0]["report"]
+    assert report["verdict"] == "error"
+    said = {r: " | ".join(e["message"] for e in report["errors"] if e["rank"] == r) for r in (0, 1)}
+    assert "rank 1's step raised: ValueError: rank 1's own failure in its step" in said[1]
+    # Rank 0's own exception (its collective ended when rank 1's process went) is there too,
+    # said to come after rank 1's.
+    assert "rank 0's step raised only after rank 1's" in said[0], report["errors"]
+
+
+@pytest.mark.parametrize("case", THREE_TWINS)
+def test_three_stages_that_pair_are_consistent(three, case):
+    per_rank = three[case]
+    assert [r["exit_code"] for r in per_rank] == [0, 0, 0]
+    assert per_rank[0]["report"]["findings"] == []
+    if case.startswith("schedule-"):  # the ring and chain move activations only
+        assert all(r["params_changed"] for r in per_rank)
+
+
+@pytest.mark.parametrize("case", THREE_FAILS)
+def test_three_stages_that_cannot_pair_are_named_in_a_second_on_every_rank(three, case):
+    per_rank = three[case]
+    assert [r["exit_code"] for r in per_rank] == [1, 1, 1], [r["headline"] for r in per_rank]
+    assert all(r["seconds"] < FAST for r in per_rank), [r["seconds"] for r in per_rank]
+    found = per_rank[0]["report"]["findings"]
+    assert found and {f["kind"] for f in found} == {"step"}
+
+
+def test_a_cycle_of_receives_over_three_ranks_is_one_finding_naming_the_cycle(three):
+    found = _only(three["p2p-cycle-all"][0]["report"], "step")
+    assert found["details"]["group_ranks"] == [0, 1, 2]
+    reason = found["details"]["reason"]
+    assert "they form a cycle: rank 0 waits at its recv from rank 2" in reason, reason
+    assert "rank 2 at its recv from rank 1" in reason and "rank 1 at its recv from rank 0" in reason
+
+
+def test_each_check_deletes_the_keys_its_watch_left_in_the_store(ran):
+    # Issue 37: the watch's keys (a few per collective and member) were never deleted, so a job
+    # that checks often grew its store: 43 keys a check over these small steps, measured. What
+    # stays is each check's liveness marks (a stage mark and a heartbeat per rank) and the
+    # groups the cases create.
+    cases = [c for c in CASES if c not in ("submesh-timeout", "unseen-rank0")]
+    for rank in ran:
+        counts = [rank[c]["store_keys"] for c in cases if "store_keys" in rank[c]]
+        grown = (counts[-1] - counts[0]) / (len(counts) - 1)
+        assert grown < 20, counts

@@ -72,3 +72,12 @@ def test_without_a_store_the_world_agrees_over_the_side_channel(ranks):
         got = rank["nostore-differ"]
         assert got["raised"] == "diverged" and got["at"] == 2, got
         assert got["exchanges"] == 3
+
+
+def test_a_collective_whose_digests_differ_is_never_issued_even_when_no_field_says_why(ranks):
+    # Issue 37: the members' digests differed, no compared field named why, and the
+    # all_to_all was issued. Issued, gloo would raise (a list of one tensor too many).
+    for rank in ranks:
+        got = rank["unnamed"]
+        assert got["raised"] == "diverged" and got["at"] == 2, got
+        assert got["reason"].startswith("their digests differ but no compared field"), got

@@ -346,6 +346,19 @@ def test_headline_for_errors():
     )
 
 
+def test_an_error_headline_names_the_rank_that_failed_not_the_ones_waiting_on_it():
+    # Issue 37: rank 1 raised in its step; rank 0, waiting for it, was named "stuck" and led.
+    stuck = RankError(0, "step", "rank 0 is stuck in stage 'step' (rank 1 gave up waiting)")
+    after = RankError(0, "step", "rank 0's step raised only after rank 1's had: Connection closed")
+    own = RankError(1, "step", "rank 1's step raised: ValueError: boom")
+    for errors in ([stuck, own], [after, stuck, own]):
+        assert headline([], errors, 2).startswith(
+            "rank 1 failed at step: rank 1's step raised: ValueError: boom"
+        )
+    # With no rank failing on its own, the stuck one is named.
+    assert headline([], [stuck], 2).startswith("rank 0 failed at step: rank 0 is stuck")
+
+
 def test_headline_prefers_construction_time_and_merges_ranks_by_cause():
     per_rank = {0: record(0), 3: swapped(3, before=False), 4: swapped(4), 5: swapped(5)}
     per_rank.update({1: record(1), 2: record(2)})

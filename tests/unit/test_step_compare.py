@@ -8,6 +8,7 @@ from fsdpcheck.checks.step import (
     CollectiveCall,
     StepNonFinite,
     StepRecord,
+    disagreement,
     divergence_finding,
     loss_word,
     non_finite_finding,
@@ -104,3 +105,23 @@ def test_loss_words_and_cost():
         {0: StepRecord("finished", 8, exchanges=9, channel_bytes=576, watch_seconds=0.009)}
     )
     assert cost["us_per_collective"] == 1000.0 and cost["channel_bytes_per_collective"] == 64
+
+
+def _a2a(send: tuple[int, ...], recv: tuple[int, ...]) -> CollectiveCall:
+    return CollectiveCall(
+        8, "all_to_all_single", "default_pg", (0, 1), -1, "float32", send=send, recv=recv
+    )
+
+
+def test_a_rank_whose_split_to_itself_shrank_is_named_whichever_rank_compares():
+    # Issue 37: rank 1 announced 2 tokens for its own experts and sends itself 1. Every split
+    # between two ranks pairs; only the rank's own does not.
+    zero, one = _a2a((3, 1), (3, 2)), _a2a((2, 1), (1, 2))
+    said = "their splits do not pair (rank 1 sends itself 1 elements and expects 2 from itself)"
+    assert disagreement(zero, 0, one, 1) == said
+    assert disagreement(one, 1, zero, 0) == said
+    # Its clean twin: the same uneven routing with the split to itself kept.
+    assert disagreement(zero, 0, _a2a((2, 2), (1, 2)), 1) == ""
+    records = {0: diverged(zero), 1: diverged(one)}
+    found = divergence_finding(records)
+    assert found.ranks == (1,) and "gloo raises on that rank" in found.summary

@@ -104,10 +104,12 @@ def collective_step(case: str, rank: int, model: WithTower, optimizer, stages):
             dist.broadcast(t, src=rank)
         if case == "reduce-sum-max":
             dist.all_reduce(t, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
-        if case in ("collectives-agree", "a2a-unpaired"):
+        if case in ("collectives-agree", "a2a-unpaired", "a2a-self"):
             # Uneven MoE-like splits: rank 0 sends 3 to itself and 1 to rank 1, expects 2 back;
-            # rank 1 sends 2 (unpaired: 4) to rank 0 and 2 to itself.
-            send = [[3, 1], [4 if case == "a2a-unpaired" else 2, 2]][rank]
+            # rank 1 sends 2 (unpaired: 4) to rank 0 and 2 to itself ("a2a-self": 1, its own
+            # experts' tokens dropped after it announced 2).
+            own = 1 if case == "a2a-self" else 2
+            send = [[3, 1], [4 if case == "a2a-unpaired" else 2, own]][rank]
             recv = [[3, 2], [1, 2]][rank]
             out = torch.empty(sum(recv))
             dist.all_to_all_single(out, torch.ones(sum(send)), recv, send)
@@ -139,6 +141,51 @@ def collective_step(case: str, rank: int, model: WithTower, optimizer, stages):
     return step
 
 
+def ring_step(rank: int, world: int, cycle: bool):
+    """Every rank sends its activation to the next rank and takes one from the previous, on a
+    group of its own: posted together (a ring exchange), or each first waiting to receive
+    before it sends (``cycle``: a cycle no rank can leave; unwatched, every rank waits in gloo)."""
+    group = dist.new_group(list(range(world)), group_desc="ring")
+    after, before = (rank + 1) % world, (rank - 1) % world
+
+    def step():
+        inbox, out = torch.empty(4), torch.full((4,), float(rank))
+        if cycle:
+            dist.recv(inbox, src=before, group=group)
+            dist.send(out, dst=after, group=group)
+        else:
+            for work in (
+                dist.isend(out, after, group=group),
+                dist.irecv(inbox, before, group=group),
+            ):
+                work.wait()
+        return inbox.sum()
+
+    return step
+
+
+def chain_step(rank: int, world: int, broken: bool):
+    """Three batches in a chain: rank 0 sends to rank 1, which in one batch receives it and
+    sends on to rank 2, which receives that and (``broken``) one more from rank 0 that rank 0
+    never sends. Rank 1's batch is whole; rank 2's never is."""
+    group = dist.new_group(list(range(world)), group_desc="chain")
+    box = torch.empty(4)
+    ops = {
+        0: [dist.P2POp(dist.isend, torch.ones(4), 1, group)],
+        1: [dist.P2POp(dist.irecv, box, 0, group), dist.P2POp(dist.isend, torch.ones(4), 2, group)],
+        2: [dist.P2POp(dist.irecv, box, 1, group)],
+    }
+    if broken:
+        ops[2].append(dist.P2POp(dist.irecv, torch.empty(4), 0, group))
+
+    def step():
+        for work in dist.batch_isend_irecv(ops[rank]):
+            work.wait()
+        return box.sum()
+
+    return step
+
+
 def clip_step(rank: int, model: WithTower, optimizer, everyone: bool):
     """Rank 0 (or every rank) takes the grad norm of FSDP2's DTensor gradients for its log."""
 
@@ -155,13 +202,28 @@ def clip_step(rank: int, model: WithTower, optimizer, everyone: bool):
     return step
 
 
-def unseen_step(rank: int, step):
+def unseen_step(rank: int, step, *, raise_on_1: bool = False):
+    """Rank 0 all-reduces from a thread of its own (unseen by the thread-local watch), and
+    re-raises what the thread raised; ``raise_on_1``: rank 1's step raises its own error."""
+
     def with_thread():
         loss = step()
+        if rank == 1 and raise_on_1:
+            raise ValueError("rank 1's own failure in its step")
         if rank == 0:
-            worker = threading.Thread(target=lambda: dist.all_reduce(torch.ones(2)), daemon=True)
+            raised = []
+
+            def reduce():
+                try:
+                    dist.all_reduce(torch.ones(2))
+                except Exception as exc:  # ends when rank 1's process is gone
+                    raised.append(exc)
+
+            worker = threading.Thread(target=reduce, daemon=True)
             worker.start()
             worker.join()
+            if raised:
+                raise raised[0]
         return loss
 
     return with_thread
@@ -230,11 +292,73 @@ def pipeline_step(rank: int, world: int, fewer: bool):
     return stage_module, step
 
 
+# `schedule-<name>-<microbatches on rank 0>-<on rank 1>`: every schedule torch ships.
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "single"),
+    "1f1b": ("Schedule1F1B", "single"),
+    "interleaved": ("ScheduleInterleaved1F1B", "looped"),
+    "loopedbfs": ("ScheduleLoopedBFS", "looped"),
+    "interleavedzb": ("ScheduleInterleavedZeroBubble", "looped"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
+}
+
+
+def schedule_step(rank: int, world: int, case: str):
+    """torch.distributed.pipelining's schedule ``name`` over 2 ranks, each stage a Linear:
+    one stage per rank (``single``), two per rank looped (stages r, r + world) or in a V
+    (stages r, 2 * world - 1 - r); each rank's schedule built for its own microbatch count, its
+    batch sized for it (torchtitan#775 when they differ). Each case its own group: a send
+    posted ahead of its pair stays posted after a finding, and must not meet the next case's."""
+    from torch.distributed import pipelining
+
+    group = dist.new_group(list(range(world)), group_desc="pipeline")
+    _, name, *counts = case.split("-")
+    class_name, layout = SCHEDULES[name]
+    micro = int(counts[rank])
+    torch.manual_seed(rank)
+    if layout == "single":
+        indices = [rank]
+    elif layout == "looped":
+        indices = [rank, rank + world]
+    else:
+        indices = [rank, 2 * world - 1 - rank]
+    total = world * len(indices)
+    modules = [nn.Linear(8, 8) for _ in indices]
+    stages = [
+        pipelining.PipelineStage(m, i, total, torch.device("cpu"), group=group)
+        for m, i in zip(modules, indices, strict=True)
+    ]
+
+    def loss_fn(out, target):
+        return torch.nn.functional.mse_loss(out, target)
+
+    schedule_class = getattr(pipelining, class_name)
+    schedule = schedule_class(
+        stages[0] if layout == "single" else stages, n_microbatches=micro, loss_fn=loss_fn
+    )
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    first, last = 0 in indices, total - 1 in indices
+    x, y = torch.ones(2 * micro, 8), torch.zeros(2 * micro, 8)
+
+    def step():
+        losses: list = []
+        kwargs = {"target": y, "losses": losses} if last else {}
+        schedule.step(*([x] if first else []), **kwargs)
+        optimizer.step()
+        optimizer.zero_grad()
+        return torch.stack(losses).mean() if losses else None
+
+    return nn.ModuleList(modules), step
+
+
 COLLECTIVE_CASES = (
     "broadcast-self-root",
     "reduce-sum-max",
     "collectives-agree",
     "a2a-unpaired",
+    "a2a-self",
     "pp-subgroups",
     "p2p-ring",
     "p2p-size",
@@ -279,11 +403,18 @@ def main() -> None:
         model, optimizer = build(hsdp if case.startswith("hsdp") else mesh, lr)
         before = {n: p.to_local().clone() for n, p in model.named_parameters()}
         start = time.monotonic()
-        if case.startswith("pipeline-"):
+        if case.startswith("schedule-"):
+            model, step = schedule_step(rank, world, case)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        elif case.startswith("pipeline-"):
             model, step = pipeline_step(rank, world, fewer=case == "pipeline-fewer-microbatches")
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
         elif case in COLLECTIVE_CASES:
             step = collective_step(case, rank, model, optimizer, stages)
+        elif case in ("p2p-chain-all", "p2p-chain-broken"):
+            step = chain_step(rank, world, broken=case == "p2p-chain-broken")
+        elif case in ("p2p-ring-all", "p2p-cycle-all"):
+            step = ring_step(rank, world, cycle=case == "p2p-cycle-all")
         elif case.startswith("clip-"):
             step = clip_step(rank, model, optimizer, everyone=case == "clip-all")
         else:
@@ -292,10 +423,11 @@ def main() -> None:
         if case == "compiled-step":
             step, after = compiled_step(rank, model, optimizer)
         timeout = args.timeout
-        if case == "unseen-rank0":
+        if case in ("unseen-rank0", "raise-rank1-unseen-rank0"):
             # Rank 0 issues an all-reduce from a thread of its own (the watch is thread-local):
             # it waits there; rank 1's check times out and must end every rank with exit 3.
-            step, timeout = unseen_step(rank, step), 5.0
+            raising = case == "raise-rank1-unseen-rank0"
+            step, timeout = unseen_step(rank, step, raise_on_1=raising), 5.0
         result = fsdpcheck.check_step(model, step, timeout=timeout)
         seconds = time.monotonic() - start
         # After a divergence FSDP2 may leave modules unsharded: plain parameters, not DTensors.
@@ -315,6 +447,8 @@ def main() -> None:
         }
         if after is not None:
             record[case].update(after())
+        # Keys in the job's store after the case: what each check leaves behind.
+        record[case]["store_keys"] = dist.distributed_c10d._get_default_store().num_keys()
         # Written after every case: a rank the last case ends (exit 3) keeps the others.
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"rank{rank}.json").write_text(json.dumps(record))
