@@ -923,12 +923,46 @@ class LoaderPrediction:
     ranks: tuple[int, ...] = ()  # ranks affected
     first_issue: Mapping[str, Any] | None = None
     products: str = ""  # the products and versions this row stands for
-    on_gloo: LoaderVerdict | None = None  # the verdict on gloo where it differs (a larger buffer)
+    # The backend ``verdict`` is for: the one the audited ranks run on. Where the other backend
+    # would do otherwise (a broadcast into a larger buffer: gloo fills its front, NCCL blocks),
+    # its verdict beside it: ``on_nccl`` when the audit runs on gloo (a CPU job auditing an
+    # NCCL one), ``on_gloo`` when it runs on NCCL (--reproduce's child jobs run on gloo).
+    on_gloo: LoaderVerdict | None = None
+    backend: str = ""
+    on_nccl: LoaderVerdict | None = None
     # --reproduce: what the real loader did in a child job (same vocabulary; None: not run), and
     # the job's evidence: each rank's exit and stage, what differs, each rank's buffers value by
     # value (which buffer holds whose values), the summary
     observed: LoaderVerdict | None = None
     observed_detail: Mapping[str, Any] | None = None
+
+    @property
+    def gloo_verdict(self) -> LoaderVerdict:
+        """What the loader does on gloo: what a --reproduce child job is compared with."""
+        return self.on_gloo or self.verdict
+
+    @property
+    def beside(self) -> str:
+        """The other backend's verdict where it differs, as a reader sees it ("" if none)."""
+        if self.on_nccl:
+            return f"NCCL: {self.on_nccl}"
+        if self.on_gloo:
+            return f"gloo: {self.on_gloo}"
+        return ""
+
+    def verdict_text(self) -> str:
+        """``hang``, or ``silent-corruption on gloo (NCCL: hang)`` where the backends differ."""
+        if not self.beside:
+            return str(self.verdict)
+        return f"{self.verdict} on {self.backend or 'this backend'} ({self.beside})"
+
+    @property
+    def worst(self) -> LoaderVerdict:
+        """The worse of this backend's verdict and the other's: what CI fails on."""
+        return max(
+            (LoaderVerdict(v) for v in (self.verdict, self.on_gloo, self.on_nccl) if v),
+            key=lambda v: v.severity,
+        )
 
 
 @dataclass(frozen=True)
