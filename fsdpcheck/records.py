@@ -145,7 +145,7 @@ AGREEMENT: Mapping[str, Agreement] = _declare(
     ResumeMismatch={_EVERY: "param field loaded saved"},
     MemoryRecord={
         _INFO: "rank method stages process_peak current cuda_peak cuda_current model_bytes "
-        "shard_bytes"
+        "shard_bytes trimmed"
     },
     StageMemory={_INFO: "stage start peak end cuda_start cuda_peak"},
 )
@@ -692,6 +692,9 @@ class MemoryRecord:
     cuda_current: int | None = None
     model_bytes: int | None = None
     shard_bytes: int | None = None
+    # check_model: ``current`` was read after glibc's malloc_trim handed back the free memory
+    # malloc kept resident (False: no malloc_trim here, what it keeps counts as held).
+    trimmed: bool | None = None
 
 
 @dataclass(frozen=True)
