@@ -1040,6 +1040,22 @@ class DigestComparison:
     def exit_code(self) -> ExitCode:
         return ExitCode.CONSISTENT if self.consistent else ExitCode.FINDINGS
 
+    # Shown as is in a log line or an assertion: the verdict and what differs, not the repr.
+    _LISTED = 8
+
+    def __str__(self) -> str:
+        tensors = f"{self.compared} tensor{'' if self.compared == 1 else 's'} compared"
+        if not self.differences:
+            return f"{self.verdict}: {tensors}, every one agrees"
+        n = len(self.differences)
+        lines = [f"{self.verdict}: {n} difference{'' if n == 1 else 's'} over {tensors}"]
+        lines += [
+            f"  {d.name}: {d.difference} ({d.detail})" for d in self.differences[: self._LISTED]
+        ]
+        if n > self._LISTED:
+            lines.append(f"  ... and {n - self._LISTED} more")
+        return "\n".join(lines)
+
 
 @dataclass(frozen=True)
 class WrapPlan:
