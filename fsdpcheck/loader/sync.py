@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 
 _UNREAD = "unread"  # a rank's entry for a shard it could not digest (meta, odd placement)
 # The gloo side channels over each mesh's ranks, made once per default group, rank set and
-# timeout: a sync runs every step, and every new_group is a rendezvous that is never freed.
-_side: dict[tuple, Any] = {}
+# timeout (a sync runs every step, and each is a rendezvous), dropped with their default group.
+_side: dict[Any, Any] = {}
 # How many gathers this process started per rank set: its arrival mark in the default store
 # (one key per rank and rank set, overwritten), read only when a gather fails.
 _calls: dict[tuple[int, ...], int] = {}
@@ -348,7 +348,10 @@ def _side_channel(ranks: tuple[int, ...], timeout: float) -> Any:
     call. Not ``new_group(use_local_synchronization=True)``: its name hashes how many groups
     each member already has, and a trainer that also shares a group with the receiver has one
     more than its peers (measured, torch 2.13: the members wait for each other under two
-    names until the timeout)."""
+    names until the timeout). Each attempt rendezvouses under its own name, so the keys of one
+    that timed out are never read by the next; a rank that raised :class:`PeersTimedOut` is
+    one attempt ahead of a peer that never came, and they do not meet again in this default
+    group: like any stuck peer, the error is the end of the job, not a step to retry."""
     world = dist.group.WORLD
     if _side.get("world") is not world:  # a new default group: the old groups went with it
         _side.clear()

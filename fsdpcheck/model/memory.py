@@ -1,8 +1,8 @@
 """What a rank's process holds in memory: host RSS and its peak (Linux ``/proc/self/status``,
 else ``getrusage``), read after glibc's ``malloc_trim`` where there is one (:func:`trim_heap`),
-and CUDA's allocator where the process uses CUDA. Read per stage by the
-audit (:class:`StageMeter`, reset before each stage), and once by ``check_model``, which reads
-the process's peak so far and resets nothing (the process is the script's)."""
+and CUDA's allocator where the process uses CUDA. Read per stage by the audit
+(:class:`StageMeter`, reset before each stage), and once by ``check_model``, which reads the
+process's peak so far and resets nothing (the process is the script's)."""
 
 from __future__ import annotations
 
