@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 NPROC ?= 2
 
-.PHONY: install demo test test-unit lint bench clean
+.PHONY: install demo test test-unit test-compat lint bench clean
 
 # verl's released loader, before and after its PR #6405, for tests/cli/test_verl_loader.py:
 # the wheels only (no dependencies, nothing installed), read as zip files by the test.
@@ -44,6 +44,35 @@ test: install
 test-unit: install
 	$(BIN)/python -m pytest -q tests/unit
 
+# The newest torch and transformers, in a venv of their own (.venv-compat): the unit tier and
+# the step, state and audit multi-rank files. Everything else stays at constraints.txt's pins.
+# torch is a CPU build (a `+cpu` local version, from PyTorch's own CPU wheels): PyPI's Linux
+# torch wheel is the CUDA build and pulls gigabytes of NVIDIA libraries, which this target
+# never installs. Where that CPU wheel lives is the caller's to say, in COMPAT_TORCH_FROM (pip
+# arguments: --index-url URL, or --find-links DIR); where pip cannot find it, the target stops
+# and says so. Another pair: make test-compat COMPAT_TORCH=torch==2.14.1+cpu
+# COMPAT_TRANSFORMERS=transformers==5.24.0.
+COMPAT_VENV := .venv-compat
+COMPAT_BIN := $(COMPAT_VENV)/bin
+COMPAT_TORCH ?= torch==2.15.0+cpu
+COMPAT_TRANSFORMERS ?= transformers==5.25.0
+COMPAT_TORCH_FROM ?=
+COMPAT_TESTS := tests/unit tests/ranks/test_step.py tests/ranks/test_state_ranks.py \
+	tests/ranks/test_audit.py
+
+test-compat:
+	test -x $(COMPAT_BIN)/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	grep -v -e '^torch==' -e '^transformers==' constraints.txt > $(COMPAT_VENV)/constraints.txt
+	$(COMPAT_BIN)/python -m pip install --quiet --disable-pip-version-check --only-binary torch \
+		--no-deps $(COMPAT_TORCH_FROM) '$(COMPAT_TORCH)' || { echo "test-compat: no CPU \
+	wheel for '$(COMPAT_TORCH)' here; give its index or folder in COMPAT_TORCH_FROM (pip \
+	arguments), or choose another with COMPAT_TORCH=torch==VERSION+cpu"; exit 1; }
+	$(COMPAT_BIN)/python -m pip install --quiet --disable-pip-version-check \
+		-c $(COMPAT_VENV)/constraints.txt '$(COMPAT_TRANSFORMERS)' -e '.[dev]'
+	$(COMPAT_BIN)/python -c "import torch, transformers; \
+		print('test-compat: torch', torch.__version__, '· transformers', transformers.__version__)"
+	$(COMPAT_BIN)/python -m pytest -q $(COMPAT_TESTS)
+
 lint: install
 	$(BIN)/ruff check fsdpcheck tests scripts examples
 	$(BIN)/ruff format --check fsdpcheck tests scripts examples
@@ -52,4 +81,4 @@ bench: install
 	$(BIN)/python scripts/bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache demo-report.json
+	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache demo-report.json

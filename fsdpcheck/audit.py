@@ -34,7 +34,7 @@ from fsdpcheck.model import build, parallel
 from fsdpcheck.model.build import BuiltModel
 from fsdpcheck.model.builder import BuildContext, builder_info, call_builder
 from fsdpcheck.model.builder import wrapped as is_wrapped
-from fsdpcheck.model.memory import process_memory
+from fsdpcheck.model.memory import process_memory, releasing
 from fsdpcheck.model.optimizer_state import optimizer_record
 from fsdpcheck.model.rank_state import model_record
 from fsdpcheck.model.resolve import download
@@ -102,6 +102,7 @@ class _RankState:
         self.stages = Stages(self.ctx.rank, hooks=tuple(hooks))
 
 
+@releasing  # the model it built, freed before it returns (model.memory.releasing)
 def run_audit(
     options: AuditOptions,
     *,

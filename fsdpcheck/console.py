@@ -156,7 +156,7 @@ _LOADER_STYLE = {
 def _render_loaders(report: Report, console: Console) -> None:
     if not report.loaders or (report.errors and not report.findings):
         return
-    if all(p.verdict == LoaderVerdict.OK and p.observed in (None, "ok") for p in report.loaders):
+    if all(p.worst == LoaderVerdict.OK and p.observed in (None, "ok") for p in report.loaders):
         ran = sum(p.observed == LoaderVerdict.OK for p in report.loaders)
         tail = f" ({ran} run for real: ok)" if ran else ""
         count = len(report.loaders)
@@ -164,13 +164,20 @@ def _render_loaders(report: Report, console: Console) -> None:
         return
     observed = any(p.observed_detail is not None for p in report.loaders)
     table = Table(title="what each loader would do on these ranks", title_justify="left")
+    backend = next((p.backend for p in report.loaders if p.backend), "")
+    beside = any(p.beside for p in report.loaders)
     table.add_column("loader", style="bold")
-    table.add_column("verdict")
+    table.add_column(f"verdict ({backend})" if backend and beside else "verdict")
+    if beside:
+        table.add_column("other backend")
     if observed:
         table.add_column("observed (gloo)")
     table.add_column("why", overflow="fold")
     for p in report.loaders:
         cells = [p.name, Text(p.verdict, style=_LOADER_STYLE.get(p.verdict, ""))]
+        if beside:
+            other = p.on_nccl or p.on_gloo
+            cells.append(Text(p.beside, style=_LOADER_STYLE.get(other, "")) if other else "same")
         if observed:
             seen = p.observed or "not run"
             cells.append(Text(seen, style=_LOADER_STYLE.get(seen, "dim")))

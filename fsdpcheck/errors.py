@@ -30,6 +30,16 @@ class OptionError(InputError):
         self.option = option
 
 
+class PeersTimedOut(FsdpcheckError):
+    """Ranks that were to join one of fsdpcheck's collectives did not come within its timeout
+    (or the collective failed); ``ranks`` names the silent ones (empty where none could be
+    told)."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
 class ModelCheckFailed(FsdpcheckError):
     """The ranks' models differ (or the check could not finish); ``headline`` says how."""
 

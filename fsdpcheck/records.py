@@ -147,7 +147,7 @@ AGREEMENT: Mapping[str, Agreement] = _declare(
     ResumeMismatch={_EVERY: "param field loaded saved"},
     MemoryRecord={
         _INFO: "rank method stages process_peak current cuda_peak cuda_current model_bytes "
-        "shard_bytes"
+        "shard_bytes trimmed"
     },
     StageMemory={_INFO: "stage start peak end cuda_start cuda_peak"},
 )
@@ -695,6 +695,9 @@ class MemoryRecord:
     cuda_current: int | None = None
     model_bytes: int | None = None
     shard_bytes: int | None = None
+    # check_model: ``current`` was read after glibc's malloc_trim handed back the free memory
+    # malloc kept resident (False: no malloc_trim here, what it keeps counts as held).
+    trimmed: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -926,12 +929,46 @@ class LoaderPrediction:
     ranks: tuple[int, ...] = ()  # ranks affected
     first_issue: Mapping[str, Any] | None = None
     products: str = ""  # the products and versions this row stands for
-    on_gloo: LoaderVerdict | None = None  # the verdict on gloo where it differs (a larger buffer)
+    # The backend ``verdict`` is for: the one the audited ranks run on. Where the other backend
+    # would do otherwise (a broadcast into a larger buffer: gloo fills its front, NCCL blocks),
+    # its verdict beside it: ``on_nccl`` when the audit runs on gloo (a CPU job auditing an
+    # NCCL one), ``on_gloo`` when it runs on NCCL (--reproduce's child jobs run on gloo).
+    on_gloo: LoaderVerdict | None = None
+    backend: str = ""
+    on_nccl: LoaderVerdict | None = None
     # --reproduce: what the real loader did in a child job (same vocabulary; None: not run), and
     # the job's evidence: each rank's exit and stage, what differs, each rank's buffers value by
     # value (which buffer holds whose values), the summary
     observed: LoaderVerdict | None = None
     observed_detail: Mapping[str, Any] | None = None
+
+    @property
+    def gloo_verdict(self) -> LoaderVerdict:
+        """What the loader does on gloo: what a --reproduce child job is compared with."""
+        return self.on_gloo or self.verdict
+
+    @property
+    def beside(self) -> str:
+        """The other backend's verdict where it differs, as a reader sees it ("" if none)."""
+        if self.on_nccl:
+            return f"NCCL: {self.on_nccl}"
+        if self.on_gloo:
+            return f"gloo: {self.on_gloo}"
+        return ""
+
+    def verdict_text(self) -> str:
+        """``hang``, or ``silent-corruption on gloo (NCCL: hang)`` where the backends differ."""
+        if not self.beside:
+            return str(self.verdict)
+        return f"{self.verdict} on {self.backend or 'this backend'} ({self.beside})"
+
+    @property
+    def worst(self) -> LoaderVerdict:
+        """The worse of this backend's verdict and the other's: what CI fails on."""
+        return max(
+            (LoaderVerdict(v) for v in (self.verdict, self.on_gloo, self.on_nccl) if v),
+            key=lambda v: v.severity,
+        )
 
 
 @dataclass(frozen=True)
@@ -1005,6 +1042,22 @@ class DigestComparison:
     @property
     def exit_code(self) -> ExitCode:
         return ExitCode.CONSISTENT if self.consistent else ExitCode.FINDINGS
+
+    # Shown as is in a log line or an assertion: the verdict and what differs, not the repr.
+    _LISTED = 8
+
+    def __str__(self) -> str:
+        tensors = f"{self.compared} tensor{'' if self.compared == 1 else 's'} compared"
+        if not self.differences:
+            return f"{self.verdict}: {tensors}, every one agrees"
+        n = len(self.differences)
+        lines = [f"{self.verdict}: {n} difference{'' if n == 1 else 's'} over {tensors}"]
+        lines += [
+            f"  {d.name}: {d.difference} ({d.detail})" for d in self.differences[: self._LISTED]
+        ]
+        if n > self._LISTED:
+            lines.append(f"  ... and {n - self._LISTED} more")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)

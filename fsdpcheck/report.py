@@ -13,7 +13,7 @@ from fsdpcheck.checks.groups import group_ranks, reference_group
 from fsdpcheck.checks.hash_seed import hash_seed_note, probe_error
 from fsdpcheck.checks.loaded import load_errors
 from fsdpcheck.checks.observed import Observation, reproduce_error, with_observations
-from fsdpcheck.checks.predict import predict_loaders
+from fsdpcheck.checks.predict import backend_of, predict_loaders
 from fsdpcheck.checks.value import not_compared
 from fsdpcheck.checks.wrap_plan import unread_note
 from fsdpcheck.records import (
@@ -83,7 +83,7 @@ def assemble(outcome: AuditOutcome, options: AuditOptions | None) -> Report:
     gathered = outcome.gathered
     groups = group_ranks(gathered.digests, gathered.hosts)
     records = gathered.records
-    loaders = tuple(predict_loaders(groups, records, gathered.meta_ranks))
+    loaders = tuple(predict_loaders(groups, records, gathered.meta_ranks, backend_of(records)))
     evidence = Evidence(
         gathered,
         load=outcome.load,
@@ -252,7 +252,7 @@ def error_report(
 def report_headline(report: Report) -> str:
     """The one line a person can act on."""
     line = headline(report.findings, report.errors, report.world_size)
-    bad = [f"{p.name} → {p.verdict}" for p in report.loaders if p.verdict != LoaderVerdict.OK]
+    bad = [f"{p.name} → {p.verdict_text()}" for p in report.loaders if p.worst != LoaderVerdict.OK]
     if bad and any(f.kind != FindingKind.PREDICTION for f in report.findings):
         line += ": " + ", ".join(bad)
     wrong = [f.details for f in report.findings if f.kind == FindingKind.PREDICTION]

@@ -73,7 +73,9 @@ def audit(model: str, seeds: tuple[int, int], init: str, timeout: float) -> dict
 def cell(row: dict) -> tuple[str, bool]:
     expected = row.get("on_gloo") or row["verdict"]
     seen = row.get("observed")
-    nccl = "" if not row.get("on_gloo") else f" (NCCL: {row['verdict']})"
+    # The audit runs on gloo (on_nccl beside it); a report from an NCCL audit has on_gloo.
+    on_nccl = row.get("on_nccl") or (row["verdict"] if row.get("on_gloo") else None)
+    nccl = f" (NCCL: {on_nccl})" if on_nccl else ""
     if seen is None:
         why = (row.get("observed_detail") or {}).get("summary", "not run")
         return f"predicted {expected}{nccl}; not run: {why}", False

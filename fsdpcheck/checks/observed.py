@@ -281,7 +281,7 @@ def with_observations(
             out.append(p)
             continue
         out.append(replace(p, observed=seen.verdict, observed_detail=dict(seen.detail)))
-        expected = p.on_gloo or p.verdict  # the jobs run on gloo
+        expected = p.gloo_verdict  # the jobs run on gloo
         if seen.verdict is not None and seen.verdict != expected:
             summary = (
                 f"fsdpcheck predicted {p.name} → {expected} on gloo, but the real loader was "

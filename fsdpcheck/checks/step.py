@@ -344,6 +344,16 @@ def _call_details(side: Side) -> dict[str, Any]:
     return details
 
 
+# Measured on torch 2.13 gloo (broadcast, send/recv, all-gather): a receive buffer larger than
+# what arrives is filled in front and the op completes; only a smaller one aborts, so on an
+# all-gather the rank with the larger shard carries on and its peer aborts.
+_SKEW = (
+    "gloo fills a larger receive buffer in front and carries on silently, and aborts the rank "
+    "whose buffer is smaller than what reaches it (`op.preamble.length <= op.nbytes`), "
+    "perhaps only in a later collective; NCCL blocks on the count mismatch until its watchdog"
+)
+
+
 def _consequence(
     issued: Sequence[tuple[list[int], CollectiveCall]], idle: Sequence[int], reason: str
 ) -> str:
@@ -401,10 +411,7 @@ def _consequence(
             "collective timeout"
         )
     if reason.startswith("the send does not match"):
-        return (
-            f"{reason[0].upper()}{reason[1:]}: unwatched, gloo aborts the receiving rank "
-            "(`op.preamble.length <= op.nbytes`), NCCL hangs or corrupts"
-        )
+        return f"{reason[0].upper()}{reason[1:]}: unwatched, {_SKEW}"
     if reason.startswith(UNNAMED):
         return (
             f"{reason[0].upper()}{reason[1:]}: unwatched, it would have been issued with "
@@ -412,10 +419,7 @@ def _consequence(
         )
     sizes = {(call.numel, call.sizes) for _, call in issued}
     if len(sizes) > 1:
-        return (
-            "their sizes differ (a module only some ranks run?): unwatched, gloo aborts the "
-            "receiving rank (`op.preamble.length <= op.nbytes`), NCCL hangs or corrupts"
-        )
+        return f"their sizes differ (a module only some ranks run?): unwatched, {_SKEW}"
     if reason and not reason.startswith("they move"):
         return f"{reason[0].upper()}{reason[1:]}: unwatched, they pair wrongly"
     return (

@@ -270,7 +270,7 @@ def gather_distinct(record: R, group: object, *, rank: int, world_size: int) -> 
 # then per measured stage whether it ran and its numbers.
 _METHODS = tuple(MemoryPeak)
 _RECORD_FIELDS = ("process_peak", "current", "cuda_peak", "cuda_current", "model_bytes")
-_RECORD_FIELDS += ("shard_bytes",)
+_RECORD_FIELDS += ("shard_bytes", "trimmed")
 _STAGE_FIELDS = ("start", "peak", "end", "cuda_start", "cuda_peak")
 MEMORY_WORDS = 2 + len(_RECORD_FIELDS) + len(MEASURED) * (1 + len(_STAGE_FIELDS))
 
@@ -296,6 +296,8 @@ def _unpack_memory(rank: int, words: list[int]) -> MemoryRecord | None:
     if not words[0]:
         return None
     values = [None if w < 0 else w for w in words[2 : 2 + len(_RECORD_FIELDS)]]
+    flag = _RECORD_FIELDS.index("trimmed")  # a flag, in a word like the numbers
+    values[flag] = None if values[flag] is None else bool(values[flag])
     offset, stages = 2 + len(_RECORD_FIELDS), []
     for stage in MEASURED:
         if words[offset]:

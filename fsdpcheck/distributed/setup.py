@@ -226,5 +226,18 @@ def _default_store() -> Any:
 
 
 def shutdown(ctx: DistContext) -> None:
-    if ctx.owns_default_group and dist.is_initialized():
+    """Release the groups this run made. In the script's own default group (``check_model``,
+    ``run_audit`` in a Ray actor or a long job) the side channel is destroyed by itself: torch
+    keeps every group until the default group goes, and each held its sockets (5 descriptors a
+    call on 2 ranks, issue 37's repeated ``run_audit``)."""
+    if not dist.is_initialized():
+        return
+    if ctx.owns_default_group:
         dist.destroy_process_group()
+        return
+    if ctx.side_channel is not None:
+        try:
+            dist.destroy_process_group(ctx.side_channel)
+        except Exception:  # a group torch already let go of: nothing left to release
+            log.debug("rank %d: the side channel was not destroyed", ctx.rank, exc_info=True)
+        ctx.side_channel = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import pickle
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -24,19 +25,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from fsdpcheck.errors import InputError
+from fsdpcheck.errors import InputError, PeersTimedOut
 from fsdpcheck.loader.shards import shard_of, supported
 from fsdpcheck.model.checksum import Share, checksums, combine, share
 from fsdpcheck.model.threads import worker_threads
 from fsdpcheck.records import DigestComparison, DigestDifference, StateDigests, TensorDigest
+from fsdpcheck.text import ranks_label
 from fsdpcheck.vocab import SyncDifference, Verdict
 
 log = logging.getLogger(__name__)
 
 _UNREAD = "unread"  # a rank's entry for a shard it could not digest (meta, odd placement)
-# The gloo side channel over the default group, made once per default group: a sync runs every
-# step, and every new_group is a rendezvous that is never freed.
-_side: dict[str, Any] = {}
+# The gloo side channels over each mesh's ranks, made once per default group, rank set and
+# timeout (a sync runs every step, and each is a rendezvous), dropped with their default group.
+_side: dict[Any, Any] = {}
+# How many gathers this process started per rank set: its arrival mark in the default store
+# (one key per rank and rank set, overwritten), read only when a gather fails.
+_calls: dict[tuple[int, ...], int] = {}
+_MARK = "fsdpcheck/sync/{ranks}/{rank}"
 
 
 def state_digests(
@@ -51,10 +57,13 @@ def state_digests(
     non-persistent buffers such as RoPE's ``inv_freq`` are computed by each side, never sent),
     or ``(name, tensor)`` pairs (a receiver's whole tensors, or a state dict's ``items()``).
     DTensors are digested from this rank's shard and combined by position with one
-    ``all_gather_object`` over ``group`` (gloo; None: a gloo side channel over the default
-    group, created with ``timeout`` on first use, so every rank of the default group must call);
-    every rank holding a shard must call, and every caller gets the same digests. Without a
-    DTensor there is no collective."""
+    ``all_gather_object`` per mesh: by default over a gloo side channel of each DTensor's own
+    mesh ranks (created with ``timeout`` on first use; only those ranks take part, so a
+    receiver in the same world that holds no DTensor is never waited for), or over ``group``
+    (gloo) where given, every rank of which must call. Every rank holding a shard must call,
+    and every caller gets the same digests. Without a DTensor there is no collective. Ranks
+    that do not come within ``timeout`` raise :class:`~fsdpcheck.errors.PeersTimedOut` on those
+    waiting, naming them."""
     named = _named(source)
     whole = {name: t for name, t in named.items() if getattr(t, "placements", None) is None}
     sharded = {name: t for name, t in named.items() if name not in whole}
@@ -136,33 +145,109 @@ def _sharded(
     else:
         shares = [_share_or_unread(item, threads=None) for item in sharded.items()]
     mine: dict[str, Any] = dict(zip(sharded, shares, strict=True))
-    group = group if group is not None else _side_channel(timeout)
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
     result = {}
+    for ranks, side, names in _batches(sharded, group, timeout):
+        gathered = _gather({n: mine[n] for n in names}, ranks, side, timeout)
+        result.update({name: _combined(name, sharded[name], gathered) for name in names})
     for name, tensor in sharded.items():
-        parts: dict[tuple, Share] = {}
-        unread = False
-        for shares in gathered:
-            entry = shares.get(name, None)
-            if entry == _UNREAD:
-                unread = True
-            elif entry is not None:
-                parts.setdefault(entry[0], entry[1])  # replicas: the first rank's
-        covered = sum(math.prod(count for _, count in key) for key in parts)
-        shape = tuple(tensor.shape)
-        digest = None
-        if not unread and covered == math.prod(shape):
-            digest = combine(list(parts.values()), math.prod(shape) * tensor.element_size())
-        elif not unread:
-            log.warning(
-                "state_digests: the ranks' shards of %s cover %d of its %d elements",
-                name,
-                covered,
-                math.prod(shape),
-            )
-        result[name] = TensorDigest(shape, str(tensor.dtype), digest)
+        if name not in result:  # on a mesh this rank is not on: its shards are not here
+            log.debug("state_digests: %s lives on a mesh without this rank", name)
+            result[name] = TensorDigest(tuple(tensor.shape), str(tensor.dtype), None)
     return result
+
+
+def _combined(name: str, tensor: Any, gathered: list[Any]) -> TensorDigest:
+    parts: dict[tuple, Share] = {}
+    unread = False
+    for shares in gathered:
+        entry = shares.get(name, None)
+        if entry == _UNREAD:
+            unread = True
+        elif entry is not None:
+            parts.setdefault(entry[0], entry[1])  # replicas: the first rank's
+    covered = sum(math.prod(count for _, count in key) for key in parts)
+    shape = tuple(tensor.shape)
+    digest = None
+    if not unread and covered == math.prod(shape):
+        digest = combine(list(parts.values()), math.prod(shape) * tensor.element_size())
+    elif not unread:
+        log.warning(
+            "state_digests: the ranks' shards of %s cover %d of its %d elements",
+            name,
+            covered,
+            math.prod(shape),
+        )
+    return TensorDigest(shape, str(tensor.dtype), digest)
+
+
+def _batches(
+    sharded: dict[str, Any], group: Any, timeout: float
+) -> list[tuple[tuple[int, ...], Any, list[str]]]:
+    """(the ranks, their gloo group or None to make one, the DTensors combined over them):
+    ``group`` for all where given, else one batch per mesh this rank is on, in the order of
+    their rank lists, the same order on every rank, so that overlapping meshes never wait on
+    each other in a circle."""
+    if group is not None:
+        return [(tuple(dist.get_process_group_ranks(group)), group, list(sharded))]
+    by_mesh: dict[tuple[int, ...], list[str]] = {}
+    for name, tensor in sharded.items():
+        ranks = tuple(sorted(int(r) for r in tensor.device_mesh.mesh.flatten().tolist()))
+        by_mesh.setdefault(ranks, []).append(name)
+    me = dist.get_rank()
+    return [(ranks, None, names) for ranks, names in sorted(by_mesh.items()) if me in ranks]
+
+
+def _gather(mine: dict[str, Any], ranks: tuple[int, ...], group: Any, timeout: float) -> list:
+    """Every member's shares of ``ranks``' DTensors; a member that does not come within
+    ``timeout`` (or a failed gather) is :class:`PeersTimedOut` naming who did not arrive."""
+    label = ",".join(map(str, ranks))
+    count = _calls[ranks] = _calls.get(ranks, 0) + 1
+    store = _store()
+    if store is not None:
+        store.set(_MARK.format(ranks=label, rank=dist.get_rank()), str(count))
+    try:
+        if group is None:
+            gathered = _all_gather_object(_side_channel(ranks, timeout), mine, len(ranks))
+        else:
+            gathered = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+    except Exception as exc:  # a timeout, a vanished peer: named, never a raw store error
+        log.warning("state_digests: the gather over ranks %s failed", label, exc_info=True)
+        silent = _silent(store, ranks, label, count)
+        who = f"{ranks_label(silent)} did not call" if silent else "the gather failed"
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise PeersTimedOut(
+            f"state_digests: {who} within {timeout:g} s, of ranks {label}, which hold these "
+            "DTensors' shards: every one of them must call state_digests (pass group= to "
+            f"combine over another group) ({type(exc).__name__}: {first})",
+            silent,
+        ) from exc
+    return gathered
+
+
+def _store() -> Any | None:
+    """The default group's store, where the arrival marks go (None: this torch hides it)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a private API: without it the marks are skipped, never the gather
+        log.debug("no default store for state_digests' arrival marks", exc_info=True)
+        return None
+
+
+def _silent(store: Any, ranks: tuple[int, ...], label: str, count: int) -> tuple[int, ...]:
+    """The members whose arrival mark is behind this rank's ``count`` (or absent)."""
+    if store is None:
+        return ()
+    silent = []
+    try:
+        for rank in ranks:
+            key = _MARK.format(ranks=label, rank=rank)
+            if not store.check([key]) or int(store.get(key)) < count:
+                silent.append(rank)
+    except Exception:  # the store itself is gone: nobody can be named
+        log.debug("state_digests: arrival marks not read", exc_info=True)
+        return ()
+    return tuple(silent)
 
 
 def _share_or_unread(item: tuple[str, Any], threads: int | None = 1) -> Any:
@@ -257,10 +342,41 @@ def _runs(shape: tuple[int, ...], index: list[torch.Tensor]) -> tuple[list[int],
     return starts.tolist(), lengths.tolist()
 
 
-def _side_channel(timeout: float) -> Any:
+def _side_channel(ranks: tuple[int, ...], timeout: float) -> Any:
+    """A gloo group of ``ranks`` alone, rendezvoused in the default store under a name of its
+    own: a rank outside every mesh, such as a rollout receiver in the same world, never has to
+    call. Not ``new_group(use_local_synchronization=True)``: its name hashes how many groups
+    each member already has, and a trainer that also shares a group with the receiver has one
+    more than its peers (measured, torch 2.13: the members wait for each other under two
+    names until the timeout). Each attempt rendezvouses under its own name, so the keys of one
+    that timed out are never read by the next; a rank that raised :class:`PeersTimedOut` is
+    one attempt ahead of a peer that never came, and they do not meet again in this default
+    group: like any stuck peer, the error is the end of the job, not a step to retry."""
     world = dist.group.WORLD
-    if _side.get("world") is not world or _side.get("timeout") != timeout:
-        # Holding the default group keeps its identity: a later one is never taken for it.
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-        _side.update(world=world, timeout=timeout, group=group)
-    return _side["group"]
+    if _side.get("world") is not world:  # a new default group: the old groups went with it
+        _side.clear()
+        _side["world"] = world
+    key = (ranks, timeout)
+    if key not in _side:
+        attempt = _side[("attempts", key)] = _side.get(("attempts", key), 0) + 1
+        label = ",".join(map(str, ranks))
+        prefix = f"fsdpcheck/sync-group/{label}/{timeout:g}/{attempt}/"
+        store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+        _side[key] = dist.ProcessGroupGloo(
+            store, ranks.index(dist.get_rank()), len(ranks), timedelta(seconds=timeout)
+        )
+    return _side[key]
+
+
+def _all_gather_object(group: Any, obj: Any, size: int) -> list[Any]:
+    """``dist.all_gather_object`` on a group no registry knows (:func:`_side_channel`):
+    the pickled lengths, then the bytes padded to the longest."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    group.allgather([lengths], [torch.tensor([data.numel()], dtype=torch.int64)]).wait()
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+    group.allgather([out], [padded]).wait()
+    return [pickle.loads(o[: int(n)].numpy().tobytes()) for o, n in zip(out, lengths, strict=True)]

@@ -1,16 +1,20 @@
 """What a rank's process holds in memory: host RSS and its peak (Linux ``/proc/self/status``,
-else ``getrusage``), and CUDA's allocator where the process uses CUDA. Read per stage by the
-audit (:class:`StageMeter`, reset before each stage), and once by ``check_model``, which reads
-the process's peak so far and resets nothing (the process is the script's)."""
+else ``getrusage``), read after glibc's ``malloc_trim`` where there is one (:func:`trim_heap`),
+and CUDA's allocator where the process uses CUDA. Read per stage by the audit
+(:class:`StageMeter`, reset before each stage), and once by ``check_model``, which reads the
+process's peak so far and resets nothing (the process is the script's)."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import gc
 import logging
 import resource
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fsdpcheck.records import MemoryRecord, StageMemory
 from fsdpcheck.vocab import MemoryPeak, Stage
@@ -36,6 +40,38 @@ def _status(field: str) -> int | None:
 
 def rss() -> int | None:
     return _status("VmRSS")
+
+
+@functools.cache
+def _malloc_trim() -> Any | None:
+    """glibc's ``malloc_trim``, where this process's C library has one (musl and macOS do not)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        log.debug("no malloc_trim in this process's C library", exc_info=True)
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def trim_heap() -> bool:
+    """Hand the pages malloc holds free back to the kernel before RSS is read; False where
+    there is no ``malloc_trim`` (the RSS is then read as the allocator left it).
+
+    glibc keeps freed chunks below its mmap threshold resident, and the threshold rises to the
+    size of the largest block freed so far (up to 32 MiB): once a script made and freed an
+    8 MiB tensor, a full copy of the model in weights of a few MiB, freed after ``fully_shard``
+    copied the shards out, stays in RSS (issue 37: 227 MiB of a 211 MiB model's copy). Read as
+    memory the rank still holds, it hides what the rank held at its peak."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    try:
+        trim(0)
+    except Exception:  # a C library whose malloc_trim is not glibc's: read RSS as it is
+        log.debug("malloc_trim failed", exc_info=True)
+        return False
+    return True
 
 
 def _reset_peak() -> bool:
@@ -66,6 +102,29 @@ def _cuda() -> Any | None:
         return None
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def releasing(function: F) -> F:
+    """``function``, followed by a full garbage collection and :func:`trim_heap` on the way out
+    (returned or raised). FSDP2 ties every wrapped model into reference cycles (its hooks hold
+    its state, which holds the module), so a model an audit built is freed only by the cyclic
+    collector, and under fsdpcheck's own thresholds (``process.tune_gc``) or a busy caller that
+    may be many calls later: ``run_audit`` called again and again in one process (``fsdpcheck
+    run``, a Ray actor) grew by about a model a call (issue 37: 35 to 60 MiB a call for a
+    120 MB Llama, 2 ranks); with this, under 1 MiB."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        finally:
+            gc.collect()
+            trim_heap()
+
+    return wrapper  # type: ignore[return-value]
+
+
 class StageMeter:
     """Each measured stage's host RSS on entering, peak and on leaving, and CUDA's."""
 
@@ -75,10 +134,14 @@ class StageMeter:
 
     @contextmanager
     def measure(self, stage: Stage) -> Iterator[None]:
+        # A stage that reuses pages malloc kept from earlier work raises no RSS: without them
+        # its growth is what it really touched.
+        trim_heap()
         start = rss()
         if start is None:  # no /proc: nothing per stage is known
             yield
             return
+        file_start = _status("RssFile")
         reset = _reset_peak()
         before = 0 if reset else _maxrss()
         cuda = _cuda()
@@ -90,14 +153,24 @@ class StageMeter:
             yield
         finally:
             end = rss() or start
+            # Library pages the kernel evicted under another process's memory pressure come
+            # back as this rank runs their code: RSS, but nothing the stage allocated. What
+            # the stage faulted in of file-backed pages is left out of its peak and end
+            # (pages evicted during it can only hide growth, never invent it).
+            file_end = _status("RssFile")
+            gained = 0
+            if file_start is not None and file_end is not None:
+                gained = max(0, file_end - file_start)
+            end -= gained
             if reset:
-                peak = max(_status("VmHWM") or end, start, end)
+                peak = max((_status("VmHWM") or end) - gained, start, end)
             else:
                 # A stage that set no new process peak peaked somewhere at or below the old
                 # one: its start and end are all that is known (a lower bound).
                 self.reset_denied = True
                 after = _maxrss()
-                peak = after if after > before else max(start, end)
+                peak = after - gained if after > before else max(start, end)
+                peak = max(peak, start, end)
             cuda = cuda or _cuda()  # a stage may be the one that first used CUDA
             cuda_peak = None
             if cuda is not None:
@@ -115,6 +188,7 @@ def process_memory(rank: int, model: Any = None) -> MemoryRecord:
     """``check_model``: the process's host peak so far (VmHWM, else ru_maxrss) and its RSS
     now, CUDA's peak and current allocation where it uses CUDA; nothing is reset."""
     full, shard = model_bytes(model) if model is not None else (None, None)
+    trimmed = trim_heap()  # what malloc keeps free is not what the rank holds (trim_heap)
     current = rss()
     # The high-water mark is read after the RSS and is never below it: pages touched between
     # the two reads (a few KiB) made the peak read first come out under the RSS read second.
@@ -129,6 +203,7 @@ def process_memory(rank: int, model: Any = None) -> MemoryRecord:
         cuda_current=cuda.memory_allocated() if cuda is not None else None,
         model_bytes=full,
         shard_bytes=shard,
+        trimmed=trimmed,
     )
 
 

@@ -133,6 +133,8 @@ UNWATCHED: dict[str, str] = {
     "c10d::recv_any_source_": "no peer to pair it with until it has received",
     "c10d::check_for_nan": "not a collective (a local check)",
     "_c10d_functional::wait_tensor": "not a collective (waits for one already agreed)",
+    # torch 2.15: one wait over several results of collectives already agreed (issue 37)
+    "_c10d_functional::wait_tensors": "not a collective (waits for several already agreed)",
     "_c10d_functional::batch_p2p_ops": "a compiled batch of sends and receives; eager "
     "batch_isend_irecv is watched op by op",
     "_c10d_functional::_wrap_tensor_autograd": "not a collective (wraps a result for autograd)",

@@ -8,7 +8,13 @@ on: its first build imports transformers and the model's module inside the build
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import QUIET_ENV, REPO, launch, read_report, run_plain, torchrun_fsdpcheck
@@ -17,9 +23,8 @@ MODEL_BYTES = 6 * 4096 * 2048 * 4  # the worker's model, float32
 MIB = 2**20
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("memory") / "cases.json"
+def _run_cases(tmp_path: Path) -> dict:
+    out = tmp_path / "cases.json"
     job = launch(
         [str(REPO / "tests" / "workers" / "memory_worker.py"), "--out", str(out)],
         2,
@@ -31,13 +36,22 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _run_cases(tmp_path_factory.mktemp("memory"))
+
+
 def _memory_findings(report: dict) -> list[dict]:
     return [f for f in report["findings"] if f["kind"] == "memory"]
 
 
-@pytest.mark.parametrize("case", ["script-full", "builder-full_on_rank_1"])
-def test_a_rank_that_held_the_full_model_under_rank0_loading_is_named(cases, case) -> None:
-    done = cases[case]
+FOUND = ["script-full", "script-full-data", "builder-full_on_rank_1"]
+CLEAN = ["script-meta", "script-meta-data", "builder-meta_on_rank_1"]
+# glibc's malloc_trim, where this process's C library has one: check_model reads RSS after it.
+HAS_MALLOC_TRIM = hasattr(ctypes.CDLL(None), "malloc_trim")
+
+
+def _assert_found(done: dict) -> None:
     report = done["report"]
     # The measured records in the message: a miss says which rank's figure fell short.
     assert done["exit_codes"] == [1, 1] and report["verdict"] == "inconsistent", report["memory"]
@@ -50,29 +64,93 @@ def test_a_rank_that_held_the_full_model_under_rank0_loading_is_named(cases, cas
     assert [f["kind"] for f in report["findings"]] == ["memory"]
 
 
-@pytest.mark.parametrize("case", ["script-meta", "builder-meta_on_rank_1"])
-def test_the_clean_twin_on_meta_is_consistent(cases, case) -> None:
-    done = cases[case]
+def _assert_clean(done: dict) -> None:
     report = done["report"]
     assert done["exit_codes"] == [0, 0], report["findings"] + report["errors"]
     assert report["verdict"] == "consistent"
 
 
-def test_every_rank_s_memory_is_in_the_report(cases) -> None:
-    # The audit: each measured stage, rank 0 holding the model it built, rank 1 (on meta) not.
+def _assert_records(cases: dict) -> None:
+    """What the records say whatever else runs on the host: a rank's anonymous memory cannot
+    be taken from it (no swap on the test hosts), library pages it faults back in are left out
+    of a stage, and the rule's margins are half a model wide."""
     audit = {m["rank"]: m for m in cases["builder-meta_on_rank_1"]["report"]["memory"]}
     assert sorted(audit) == [0, 1]
     for m in audit.values():
         assert m["method"] in ("stage", "lifetime")
         assert [s["stage"] for s in m["stages"]] == ["build", "wrap", "load"]
         assert (m["model_bytes"], m["shard_bytes"]) == (MODEL_BYTES, MODEL_BYTES // 2)
-    build = {r: m["stages"][0] for r, m in audit.items()}
-    assert build[0]["peak"] - build[0]["start"] >= 0.9 * MODEL_BYTES
-    assert build[1]["peak"] - build[1]["start"] < 64 * MIB
+        assert all(s["peak"] >= max(s["start"], s["end"]) for s in m["stages"])
+    build = {r: m["stages"][0]["peak"] - m["stages"][0]["start"] for r, m in audit.items()}
+    assert build[0] >= 0.75 * MODEL_BYTES, build  # rank 0 wrote every page of the model
+    assert build[1] < 0.25 * MODEL_BYTES, build  # rank 1 built on meta
     # check_model: the process's peak so far and its RSS now, nothing per stage.
     script = cases["script-meta"]["report"]["memory"]
     assert [m["method"] for m in script] == ["process", "process"]
     assert all(m["process_peak"] >= m["current"] > 0 and not m["stages"] for m in script)
+    assert all(m["trimmed"] is HAS_MALLOC_TRIM for m in script)
+
+
+@pytest.mark.parametrize("case", FOUND)
+def test_a_rank_that_held_the_full_model_under_rank0_loading_is_named(cases, case) -> None:
+    _assert_found(cases[case])
+
+
+@pytest.mark.parametrize("case", CLEAN)
+def test_the_clean_twin_on_meta_is_consistent(cases, case) -> None:
+    _assert_clean(cases[case])
+
+
+def test_every_rank_s_memory_is_in_the_report(cases) -> None:
+    _assert_records(cases)
+
+
+def test_the_memory_verdicts_hold_beside_a_cpu_and_allocation_hog(tmp_path: Path) -> None:
+    # Issue 37: a suite that fails on a busy runner gets ignored. Two processes spin on the
+    # CPU and one allocates, touches and frees 512 MiB over and over while the same job runs;
+    # every verdict and record assertion above must still hold.
+    hog = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "workers" / "hog.py"), "--seconds", "300"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "hog running"
+        loaded = _run_cases(tmp_path)
+        assert hog.poll() is None  # the load ran for the whole job
+    finally:
+        os.killpg(hog.pid, signal.SIGKILL)
+        hog.wait(timeout=30)
+    for case in FOUND:
+        _assert_found(loaded[case])
+    for case in CLEAN:
+        _assert_clean(loaded[case])
+    _assert_records(loaded)
+
+
+def test_malloc_trim_hands_back_what_glibc_kept(tmp_path: Path) -> None:
+    # The mechanism check_model relies on, in a fresh process: after an 8 MiB tensor was freed
+    # (glibc's mmap threshold rises to it), 48 freed weights of 4 MiB stay resident until
+    # fsdpcheck.model.memory.trim_heap.
+    if not HAS_MALLOC_TRIM:
+        pytest.skip("this C library has no malloc_trim")
+    code = (
+        "import json, torch\n"
+        "from fsdpcheck.model.memory import rss, trim_heap\n"
+        "data = torch.ones(2 * 2**20); del data\n"
+        "ws = [torch.ones(2**20) for _ in range(48)]\n"
+        "held = rss(); del ws\n"
+        "kept = rss(); trimmed = trim_heap(); after = rss()\n"
+        "print(json.dumps([held, kept, trimmed, after]))\n"
+    )
+    proc = run_plain([sys.executable, "-c", code], env={"OMP_NUM_THREADS": "1"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    held, kept, trimmed, after = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert trimmed is True
+    assert kept > held - 64 * MIB  # glibc kept the 192 MiB resident after they were freed
+    assert after < kept - 128 * MIB  # the trim handed them back
 
 
 def test_the_stock_rank0_audit_of_a_model_above_the_floor_stays_consistent(tmp_path) -> None:

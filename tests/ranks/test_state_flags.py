@@ -11,6 +11,8 @@ from pathlib import Path
 from conftest import QUIET_ENV, REPO, read_report
 
 from fsdpcheck.children.launch import launch
+from fsdpcheck.records import Report, from_dict
+from fsdpcheck.report import report_headline
 
 WORKER = "tests/workers/state_flags_worker.py"
 
@@ -131,7 +133,10 @@ def test_reproduce_builds_each_rank_from_its_own_node(tmp_path: Path, hf_home: P
     assert config["details"]["differences"][0]["path"] == "intermediate_size"
     rows = {row["name"]: row for row in report["loaders"]}
     assert rows["sorted-names"]["verdict"] == "refused"
-    assert rows["state-dict-order"]["verdict"] == "hang"  # gloo aborts rank 1: 32768 vs 24576 bytes
+    # Rank 1's buffers are the smaller: gloo aborts it (32768 vs 24576 bytes), NCCL blocks.
+    assert rows["state-dict-order"]["verdict"] == "hang"
+    assert rows["state-dict-order"]["backend"] == "gloo"
+    assert rows["state-dict-order"]["on_nccl"] is None
     assert report["options"]["loaders"] == chosen
     for name, row in rows.items():
         if name not in chosen:  # predicted, not run
@@ -141,6 +146,26 @@ def test_reproduce_builds_each_rank_from_its_own_node(tmp_path: Path, hf_home: P
         assert row["observed"] == (row["on_gloo"] or row["verdict"]), row
         assert [r["stands_for"] for r in row["observed_detail"]["ranks"]] == [0, 1]
     assert not [f for f in report["findings"] if f["kind"] == "prediction"]
+
+
+def test_reproduce_a_stale_node_with_larger_buffers_predicts_gloo_and_nccl(
+    tmp_path: Path, hf_home: Path
+) -> None:
+    # Rank 1's intermediate_size doubled (issue 37): every MLP broadcast lands in a larger buffer
+    # there. gloo fills its front and both ranks finish (silent-corruption, observed for real);
+    # NCCL would block on the count mismatch (hang), said beside it for a CPU audit of an NCCL job.
+    homes = _per_rank_homes(tmp_path, hf_home, rope_theta=None, intermediate_size=256)
+    args = ["--reproduce", "--timeout", "300", "--loader", "state-dict-order"]
+    codes, report = _audit_per_node(tmp_path, homes, *args, init="rank0", timeout=420)
+    assert codes == [1, 1]
+    row = next(r for r in report["loaders"] if r["name"] == "state-dict-order")
+    assert (row["backend"], row["verdict"], row["on_nccl"]) == ("gloo", "silent-corruption", "hang")
+    assert "gloo fills its first bytes" in row["summary"]
+    assert row["observed"] == "silent-corruption", row["observed_detail"]
+    assert [r["exit"] for r in row["observed_detail"]["ranks"]] == ["exit 0", "exit 0"]
+    assert not [f for f in report["findings"] if f["kind"] == "prediction"]
+    headline = report_headline(from_dict(Report, report))
+    assert "state-dict-order → silent-corruption on gloo (NCCL: hang)" in headline
 
 
 def test_audit_per_node_caches_hsdp_cpu_offload_clean_twin(tmp_path: Path, hf_home: Path) -> None:

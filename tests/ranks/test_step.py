@@ -289,14 +289,20 @@ def test_a_send_whose_peer_finishes_its_step_is_named_not_a_timeout(ran):
 
 
 def test_a_compiled_step_runs_eagerly_under_the_watch_and_compiles_after_it(ran):
-    # What docs/checks.md says runs (torch 2.13): under the watch's dispatch mode dynamo
-    # compiles no frame, so the step's collectives are the eager ones, all watched; and a
-    # function first called under the watch is not compiled on its next call either. A torch
-    # that compiles under a dispatch mode (collectives inside a graph the watch may not see)
-    # fails here.
+    # What docs/checks.md says runs: under the watch's dispatch mode dynamo compiles no frame
+    # on any torch, so the step's collectives are the eager ones, all watched; a torch that
+    # compiles under a dispatch mode (collectives inside a graph the watch may not see) fails
+    # here. After the watch, by version: torch 2.13 does not compile a function first called
+    # under the watch on its next call either; 2.15 does (issue 37), which is harmless (the
+    # watch saw its eager form), so there it is only reported.
+    import torch
+
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     for rank in ran:
         case = rank["compiled-step"]
-        assert (case["frames_under_watch"], case["frames_after"]) == (0, 0), case
+        assert case["frames_under_watch"] == 0, case
+        if release < (2, 15):
+            assert case["frames_after"] == 0, case
 
 
 def test_a_grad_norm_over_dtensor_gradients_on_rank_0_only_is_named_before_it_is_issued(ran):

@@ -94,3 +94,20 @@ def test_receiver_digest_round_trips(job: list[dict], tmp_path: Path) -> None:
     path = tmp_path / "digests.json"
     path.write_text(json.dumps(to_dict(received)))
     assert from_dict(StateDigests, json.loads(path.read_text())) == received
+
+
+def test_every_rank_of_a_world_with_a_receiver_digests_without_a_group(job: list[dict]) -> None:
+    # Issue 37: the disaggregated layout of trl, verl and AReaL. The trainers' shards combine
+    # over their own mesh's group; the receiver has nothing sharded and waits for no one.
+    assert _digests(job[0]["default"]) == _digests(job[1]["default"]) == _sender(job)
+    receiver = _digests(job[2]["default"])
+    assert receiver.sharded == 0 and set(receiver.tensors) == SYNCED
+    assert job[2]["default_seconds"] < 5, job[2]["default_seconds"]
+
+
+def test_a_rank_that_never_calls_is_named_in_an_fsdpcheck_error(job: list[dict]) -> None:
+    silent = job[0]["silent"]
+    assert silent["raised"] == "fsdpcheck.errors.PeersTimedOut", silent
+    assert silent["ranks"] == [1]
+    assert "rank 1" in silent["message"] and "state_digests" in silent["message"]
+    assert silent["seconds"] < 5 + 20, silent  # the timeout asked for, not the store's 60 s

@@ -56,25 +56,35 @@ def test_the_watchdog_ratio_is_an_estimate_and_no_goal_met() -> None:
 
 
 def test_the_agreement_rounds_are_judged_on_bytes_per_rank_and_projected_from_the_depth() -> None:
-    def spans(layout: dict[int, int]) -> dict[int, dict]:
-        return {
-            w: {
-                "variants": {
-                    "layout": {"sent_max_other": b, "rank0_seconds_median": 0.001,
-                               "attached": 4096},
-                    "watch": {"sent_max_other": 384, "rank0_seconds_median": 0.001,
-                              "attached": 0},
-                }
-            }
-            for w, b in layout.items()
-        }  # fmt: skip
+    def spans(total: dict[int, int], words: dict[int, int] | None = None) -> dict[int, dict]:
+        out = {}
+        for w, b in total.items():
+            variants = {
+                "layout": {"sent_max_other": b, "rank0_seconds_median": 0.001,
+                           "attached": 4096},
+                "watch": {"sent_max_other": 384, "rank0_seconds_median": 0.001, "attached": 0},
+            }  # fmt: skip
+            if words is not None:
+                variants["layout-words"] = {
+                    "sent_max_other": words[w], "rank0_seconds_median": 0.001, "attached": 0
+                }  # fmt: skip
+            out[w] = {"variants": variants}
+        return out
 
-    layout, watch = span_lines(spans({2: 8000, 256: 8000}))
-    assert layout.met and watch.met and "2: 8000 B, 256: 8000 B" == layout.result
-    grown, _ = span_lines(spans({2: 8000, 256: 9000}))
+    # The measured figures of issue 37: the words are constant, the total is the capacity
+    # forwarded twice, and 160 B at 2 ranks (no rank forwards) is no baseline for it.
+    issue = spans({2: 160, 8: 8672, 256: 8672}, words={2: 160, 8: 480, 256: 480})
+    words, total, watch = span_lines(issue)
+    assert words.met and "2: 160 B, 8: 480 B, 256: 480 B" == words.result
+    assert total.met and total.goal.startswith("≤ the words + 2 × the inline capacity")
+    assert "2: 160 B, 8: 8672 B, 256: 8672 B" == total.result and watch.met
+    grown, _, _ = span_lines(spans({2: 160, 256: 9000}, words={2: 160, 256: 600}))
     assert grown.met is False
-    fewer_at_two, _ = span_lines(spans({2: 160, 8: 9000, 256: 8000}))  # no middle at 2 ranks
-    assert fewer_at_two.met
+    over, _ = span_lines(spans({2: 160, 256: 9000}, words={2: 160, 256: 480}))[1:]
+    assert over.met is False  # more than the words and the capacity twice
+    # Results from before the words were measured apart: nothing is judged on the total.
+    old_words, old_total, _ = span_lines(spans({2: 160, 8: 131552, 256: 8672}))
+    assert old_words.met is None and old_total.met is None
     trees = {
         2: {"slowest_seconds_per_collective": 0.002, "sets_and_reads_per_rank_max": 4,
             "bytes_per_rank_max": 108},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -88,6 +89,29 @@ def test_junit_has_one_case_per_check_family_and_fails_the_divergent_one() -> No
     loaders = {n: c for (cls, n), c in cases.items() if cls == "fsdpcheck.audit.loaders"}
     assert loaders["named-buffers-order"].find("failure").get("type") == "hang"
     assert loaders["sorted-names"].find("failure") is None
+
+
+def test_junit_fails_a_loader_on_what_nccl_would_do_when_gloo_would_not_fail() -> None:
+    # A CPU CI job auditing an NCCL training job (issue 37): rank 1's larger RoPE table would be
+    # filled in front on gloo (silent) but block NCCL; the row fails on the worse of the two.
+    report = _report(divergent=True)
+    row = next(p for p in report.loaders if p.name == "named-buffers-order")
+    gentle = dataclasses.replace(row, verdict="ok", backend="gloo", on_nccl="hang")
+    loaders = tuple(gentle if p is row else p for p in report.loaders)
+    text = junit.report_to_junit(dataclasses.replace(report, loaders=loaders))
+    case = _cases(text)[("fsdpcheck.audit.loaders", "named-buffers-order")]
+    assert case.find("failure").get("type") == "hang"
+    assert "ok on gloo (NCCL: hang)" in case.find("failure").text
+    clean = dataclasses.replace(gentle, on_nccl=None)  # its twin: ok on both, no failure
+    loaders = tuple(clean if p is row else p for p in report.loaders)
+    text = junit.report_to_junit(dataclasses.replace(report, loaders=loaders))
+    assert _cases(text)[("fsdpcheck.audit.loaders", "named-buffers-order")].find("failure") is None
+
+
+def test_the_report_s_predictions_are_for_the_backend_the_ranks_recorded() -> None:
+    report = _report(divergent=True)  # both ranks recorded gloo
+    assert {p.backend for p in report.loaders} == {"gloo"}
+    assert all(p.on_gloo is None for p in report.loaders)
 
 
 def test_junit_of_the_consistent_twin_has_no_failure() -> None:

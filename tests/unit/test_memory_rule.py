@@ -5,6 +5,8 @@ buffers, a small model) never is."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fsdpcheck.checks.memory import FLOOR, memory_findings
@@ -137,6 +139,9 @@ def test_the_slot_round_trips_every_number() -> None:
     assert len(words) == MEMORY_WORDS and _unpack_memory(3, words) == staged
     script = _process(1, GIB, 0)
     assert _unpack_memory(1, _pack_memory(script)) == script
+    for trimmed in (True, False):
+        read = dataclasses.replace(script, trimmed=trimmed)
+        assert _unpack_memory(1, _pack_memory(read)).trimmed is trimmed
     assert _unpack_memory(0, _pack_memory(None)) is None
     assert from_dict(MemoryRecord, to_dict(staged)) == staged
 

@@ -12,6 +12,7 @@ from fsdpcheck.checks.groups import group_ranks
 from fsdpcheck.checks.predict import (
     DDP_BUCKET_BYTES,
     LOADERS,
+    backend_of,
     itemsize,
     predict_loaders,
     products,
@@ -117,7 +118,8 @@ def test_swapped_buffers_of_different_sizes():
     }
     assert hang.summary == (
         f"index 1: rank 0 sends {FULL} (16,) float32 while rank 1 receives into {SLIDING} (8,) "
-        "float32 → size mismatch: NCCL blocks until its watchdog, gloo aborts"
+        "float32 → smaller receiving buffer: gloo aborts the receiving rank "
+        "(op.preamble.length <= op.nbytes), NCCL blocks until its watchdog"
     )
     ddp = out["ddp-sync"]
     assert (ddp.first_issue["reference_name"], ddp.first_issue["other_name"]) == (FULL, SLIDING)
@@ -316,6 +318,60 @@ def test_ddp_takes_the_worst_bucket_not_the_first():
     ddp = predict({0: ref, 1: other})["ddp-sync"]
     assert ddp.verdict == "hang"
     assert ddp.summary.startswith("bucket 1: rank 0 broadcasts 8 bytes")
+
+
+def _wider_on_rank_1(width):
+    """Rank 1's embedding ``width`` rows where rank 0's has 32: a stale node's other config."""
+    bufs = buffers((FULL, SLIDING))
+    wide = (tensor(EMBED, (width, 8)), *params()[1:])
+    return {0: record(0, bufs), 1: record(1, bufs, wide)}
+
+
+def test_a_larger_receiver_is_predicted_for_the_backend_in_use_and_for_nccl_beside_it():
+    # A CPU job auditing an NCCL one: gloo's verdict first, NCCL's beside it.
+    on_gloo = predict(_wider_on_rank_1(64), backend="gloo")["state-dict-order"]
+    assert (on_gloo.backend, on_gloo.verdict, on_gloo.on_nccl) == (
+        "gloo",
+        "silent-corruption",
+        "hang",
+    )
+    assert on_gloo.on_gloo is None and on_gloo.gloo_verdict == "silent-corruption"
+    assert on_gloo.worst == "hang"
+    assert on_gloo.verdict_text() == "silent-corruption on gloo (NCCL: hang)"
+    assert "gloo fills its first bytes" in on_gloo.summary
+    on_nccl = predict(_wider_on_rank_1(64), backend="nccl")["state-dict-order"]
+    assert (on_nccl.backend, on_nccl.verdict, on_nccl.on_gloo, on_nccl.on_nccl) == (
+        "nccl",
+        "hang",
+        "silent-corruption",
+        None,
+    )
+    assert "NCCL blocks on the count mismatch" in on_nccl.summary
+
+
+def test_a_smaller_receiver_stops_the_job_on_both_backends():
+    for backend in ("gloo", "nccl"):
+        sd = predict(_wider_on_rank_1(16), backend=backend)["state-dict-order"]
+        assert (sd.verdict, sd.on_gloo, sd.on_nccl) == ("hang", None, None), backend
+        assert "gloo aborts the receiving rank" in sd.summary
+        assert sd.verdict_text() == "hang"
+
+
+def test_the_backend_is_the_reference_rank_s():
+    gloo = {0: record(0), 1: record(1)}
+    assert backend_of(gloo) == "gloo"
+    nccl = {
+        r: dataclasses.replace(rec, env=dataclasses.replace(rec.env, backend="nccl"))
+        for r, rec in gloo.items()
+    }
+    assert backend_of(nccl) == "nccl"
+    mixed = {
+        0: dataclasses.replace(
+            gloo[0], env=dataclasses.replace(gloo[0].env, backend="cpu:gloo,cuda:nccl")
+        )
+    }
+    assert backend_of(mixed) == "nccl"
+    assert backend_of({}) == "nccl"
 
 
 def test_ddp_on_gloo_leaves_a_longer_tail_alone():

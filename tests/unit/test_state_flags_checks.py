@@ -487,17 +487,24 @@ def _sharded_with_bf16():
     return model, state, state._fsdp_param_groups[0]
 
 
+def _drop(obj, name: str) -> None:
+    """``del obj.name`` where this torch keeps it there: 2.15's parameter group has no
+    ``mp_policy`` at all (issue 37), 2.13's does."""
+    if hasattr(obj, name):
+        delattr(obj, name)
+
+
 def test_fsdp_plan_reads_the_policy_where_torch_2_15_keeps_it(one_rank_group):
     # torch 2.15 keeps the policy on each FSDPParam and the module's state, not on the
     # parameter group: this real group, without its mp_policy, is laid out as 2.15 lays it.
     from fsdpcheck.model.fsdp_plan import fsdp_plan
 
     model, _, group = _sharded_with_bf16()
-    del group.mp_policy
+    _drop(group, "mp_policy")
     [record] = fsdp_plan(model).groups
     assert (record.param_dtype, record.unread) == ("bfloat16", ())
     for fsdp_param in group.fsdp_params:  # nor on the parameters: the state's is read
-        del fsdp_param.mp_policy
+        _drop(fsdp_param, "mp_policy")
     [record] = fsdp_plan(model).groups
     assert (record.param_dtype, record.unread) == ("bfloat16", ())
 
@@ -508,10 +515,10 @@ def test_an_unreadable_policy_is_unread_never_equal_and_said(one_rank_group):
 
     model, state, group = _sharded_with_bf16()
     readable = fsdp_plan(model)
-    del group.mp_policy
+    _drop(group, "mp_policy")
     for fsdp_param in group.fsdp_params:
-        del fsdp_param.mp_policy
-    del state._mp_policy  # a torch that keeps it somewhere fsdpcheck does not know
+        _drop(fsdp_param, "mp_policy")
+    _drop(state, "_mp_policy")  # a torch that keeps it somewhere fsdpcheck does not know
     hidden = fsdp_plan(model)
     [record] = hidden.groups
     assert record.param_dtype is None  # not "unset": unread

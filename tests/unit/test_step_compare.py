@@ -50,6 +50,10 @@ def test_different_modules_of_different_sizes_abort_on_gloo():
     assert found.ranks == (1,) and found.details["modules"] == ["layers.0", "tower"]
     assert "sizes differ" in found.summary and "`tower`" in found.summary
     assert found.tensors == ("layers.0.weight", "tower.weight")
+    # gloo fills the larger side's buffer and aborts only the smaller side (measured, issue 37).
+    assert "gloo fills a larger receive buffer in front and carries on" in found.summary
+    assert "aborts the rank whose buffer is smaller" in found.summary
+    assert "NCCL blocks on the count mismatch" in found.summary
 
 
 def test_same_sizes_other_modules_are_a_silent_pairing():

@@ -137,3 +137,18 @@ def test_dim_1_shards_laid_out_in_chunks_add_up(monkeypatch: pytest.MonkeyPatch)
     shares = _columns(full, 3)
     assert all(not s.fragments for s in shares)
     assert combine(shares, full.numel()) == checksum(full)
+
+
+def test_a_comparison_reads_as_a_summary() -> None:
+    same = StateDigests({"w": TensorDigest((2, 3), "torch.float32", "a1")})
+    other = StateDigests(
+        {
+            "w": TensorDigest((2, 3), "torch.float32", "b2"),
+            "extra": TensorDigest((1,), "torch.float32", "c3"),
+        }
+    )
+    assert str(compare_digests(same, same)) == "consistent: 1 tensor compared, every one agrees"
+    text = str(compare_digests(same, other))
+    assert text.startswith("inconsistent: 2 differences over 1 tensor compared")
+    assert "extra: missing (only in the second digests)" in text
+    assert "w: value (values differ (checksum a1 vs b2))" in text

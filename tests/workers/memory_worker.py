@@ -4,9 +4,11 @@ it is freed), loaded from rank 0.
 
 First a training script's own rank-0 load then ``check_model(rank0_load=True)``: clean (rank 1
 on meta) before buggy (rank 1 builds the full model on CPU too), since ``check_model`` reads the
-process's peak so far. Then ``audit --builder`` with the builders below, clean and buggy (the
-audit measures each stage on its own). Rank 0 writes ``--out``: per case, every rank's exit code
-and rank 0's report. Also the ``--builder`` functions themselves: ``memory_worker.py:FUNCTION``.
+process's peak so far; each also after the script prepared its data, with 48 weights of 4 MiB
+that glibc keeps in its heap once freed (issue 37). Then ``audit --builder`` with the builders
+below, clean and buggy (the audit measures each stage on its own). Rank 0 writes ``--out``: per
+case, every rank's exit code and rank 0's report. Also the ``--builder`` functions themselves:
+``memory_worker.py:FUNCTION``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ import torch.distributed as dist
 from torch import nn
 
 LAYERS, IN, OUT = 6, 4096, 2048
+# The same 192 MiB as 48 weights of 4 MiB: below glibc's mmap threshold once the script freed a
+# larger tensor (its data, say), so a freed weight stays in malloc's heap, resident.
+SMALL_LAYERS, SMALL = 48, 1024
+DATA = 8 * 2**20  # the script's data preparation: bytes made and freed before the model
 
 
-def _model(real: bool) -> nn.Module:
+def _model(real: bool, small: bool = False) -> nn.Module:
+    layers, n_in, n_out = (SMALL_LAYERS, SMALL, SMALL) if small else (LAYERS, IN, OUT)
     with torch.device("meta"):
-        model = nn.Sequential(*(nn.Linear(IN, OUT, bias=False) for _ in range(LAYERS)))
+        model = nn.Sequential(*(nn.Linear(n_in, n_out, bias=False) for _ in range(layers)))
     if real:  # every page touched, as a real initialisation or a file read touches it
         model.to_empty(device="cpu")
         with torch.no_grad():
@@ -44,8 +51,10 @@ def full_on_rank_1(ctx):
     return (model, dict(model.state_dict())) if ctx.rank == 0 else model
 
 
-def _script(rank1_real: bool) -> dict:
-    """A training script: build, fully_shard, its own rank-0 load, then check_model."""
+def _script(rank1_real: bool, data: bool = False) -> dict:
+    """A training script: build, fully_shard, its own rank-0 load, then check_model. ``data``:
+    it prepared its data first (a tensor made and freed, which raises glibc's mmap threshold)
+    and builds 48 smaller weights, which glibc then keeps resident after FSDP freed them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -53,7 +62,10 @@ def _script(rank1_real: bool) -> dict:
     from fsdpcheck.records import to_dict
 
     rank = dist.get_rank()
-    model = _model(real=rank == 0 or rank1_real)
+    if data:
+        prepared = torch.ones(DATA // 4)
+        del prepared
+    model = _model(real=rank == 0 or rank1_real, small=data)
     source = dict(model.state_dict()) if rank == 0 else None
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
@@ -75,9 +87,15 @@ def main() -> None:
     from fsdpcheck.records import to_dict
 
     done = {}
-    cases = {"script-meta": False, "script-full": True}  # clean first: peaks only grow
-    for name, rank1_real in cases.items():
-        done[name] = _script(rank1_real)
+    # Clean first: check_model reads the process's peak so far, and peaks only grow.
+    cases = {
+        "script-meta": (False, False),
+        "script-meta-data": (False, True),
+        "script-full-data": (True, True),
+        "script-full": (True, False),
+    }
+    for name, (rank1_real, data) in cases.items():
+        done[name] = _script(rank1_real, data)
     for name in ("meta_on_rank_1", "full_on_rank_1"):
         result = run_audit(AuditOptions(builder=f"{__file__}:{name}", timeout=120))
         report = to_dict(result.report) if result.report is not None else None

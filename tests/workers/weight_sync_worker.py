@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from fsdpcheck.model.threads import worker_threads
 from fsdpcheck.records import to_dict
 
 CASES = ("clean", "dtype", "skipped", "stale")
+SILENT_TIMEOUT = 5.0
 ADVERTISED_WRONG = "layers.0.weight"  # the dtype case's tensor
 SKIPPED = "layers.1.bias"
 STALE = "big.weight"
@@ -159,6 +161,25 @@ def main() -> int:
         record["cases"] = {
             case: to_dict(fsdpcheck.state_digests(receiver_round(sync))) for case in CASES
         }
+        model = Small()  # the engine's own model: no DTensor
+    # As the docs show, on every rank of the world, no group given (issue 37): the trainers
+    # combine over their mesh's group, the receiver holds nothing sharded and waits for no one.
+    started = time.monotonic()
+    record["default"] = to_dict(fsdpcheck.state_digests(model, timeout=30))
+    record["default_seconds"] = time.monotonic() - started
+    dist.barrier()
+    if rank == 0:  # rank 1 stays away: a timeout that names it, never a raw store error
+        started = time.monotonic()
+        try:
+            fsdpcheck.state_digests(model, timeout=SILENT_TIMEOUT)
+            record["silent"] = {"raised": None}
+        except Exception as exc:  # what the test inspects
+            record["silent"] = {
+                "raised": f"{type(exc).__module__}.{type(exc).__name__}",
+                "message": str(exc),
+                "ranks": list(getattr(exc, "ranks", ())),
+            }
+        record["silent"]["seconds"] = time.monotonic() - started
     dist.barrier()
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(record, indent=2))
     dist.destroy_process_group()

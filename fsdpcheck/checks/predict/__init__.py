@@ -12,6 +12,7 @@ from fsdpcheck.checks.predict.registry import (
     PRODUCTS,
     REGISTRY,
     LoaderModel,
+    backend_of,
     predict_loaders,
     products,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "PRODUCTS",
     "REGISTRY",
     "LoaderModel",
+    "backend_of",
     "itemsize",
     "nbytes",
     "predict_loaders",

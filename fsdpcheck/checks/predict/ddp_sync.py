@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from fsdpcheck.checks.layout import describe
 from fsdpcheck.checks.predict.pairing import (
     HANG,
+    LARGER_ON_NCCL,
     NO_PARTNER,
     Context,
     Issue,
@@ -135,7 +136,7 @@ def _bucketed(
             summary = (
                 f"bucket {k}: rank {ref_rank} broadcasts {sent} bytes, "
                 f"{plural(group, 'receives', 'receive')} into {room}; first difference: "
-                f"{describe(ra)} vs {describe(rb)} → {HANG}"
+                f"{describe(ra)} vs {describe(rb)} → {HANG if sent > room else LARGER_ON_NCCL}"
             )
             index = x if x is not None else y
             return worse(
@@ -153,6 +154,7 @@ def _bucketed(
                 f"bucket {k}: bytes [{start}, {end}) carry {describe(a[i])} from rank {ref_rank} "
                 f"but {plural(group, 'unpacks', 'unpack')} them into {describe(other)} → "
                 "values scrambled, no error"
+                + ("" if sent == room else f" (gloo fills {sent} of {room} bytes; NCCL blocks)")
             )
             issue = Issue(
                 LoaderVerdict.SILENT_CORRUPTION, i, a[i], other, group.representative, summary

@@ -17,7 +17,21 @@ from fsdpcheck.records import Fingerprint, Group, LoaderPrediction, RankRecord, 
 from fsdpcheck.text import ranks_label
 from fsdpcheck.vocab import Backend, Loader, LoaderVerdict, Snapshot
 
-HANG = "size mismatch: NCCL blocks until its watchdog, gloo aborts"
+# What a broadcast of a message into a buffer of another size does, per backend (measured on
+# torch 2.13 gloo; NCCL from its count check): a smaller buffer aborts gloo's receiver, a larger
+# one gloo fills in front and carries on; NCCL blocks on any count mismatch.
+HANG = (
+    "smaller receiving buffer: gloo aborts the receiving rank (op.preamble.length <= "
+    "op.nbytes), NCCL blocks until its watchdog"
+)
+LARGER_ON_NCCL = (
+    "larger receiving buffer: NCCL blocks on the count mismatch until its watchdog (gloo fills "
+    "its first bytes and carries on)"
+)
+LARGER_ON_GLOO = (
+    "larger receiving buffer: gloo fills its first bytes, the rest keep old values, no error "
+    "(NCCL blocks on the count mismatch)"
+)
 NO_PARTNER = "no partner: NCCL blocks until its watchdog, gloo times out"
 
 
@@ -214,9 +228,9 @@ def broadcast(
     elif size_a > size_b:
         verdict, outcome = LoaderVerdict.HANG, HANG
     elif size_a < size_b and ctx.backend == Backend.NCCL:
-        verdict, outcome = LoaderVerdict.HANG, HANG
+        verdict, outcome = LoaderVerdict.HANG, LARGER_ON_NCCL
     elif size_a < size_b:
-        outcome = "larger receiving buffer: gloo fills its first bytes, the rest keep old values"
+        outcome = LARGER_ON_GLOO
     elif slot_name(a) != slot_name(b):
         outcome = "same byte size, wrong tensor: values land there silently"
     else:

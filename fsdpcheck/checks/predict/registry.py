@@ -69,9 +69,12 @@ def predict_loaders(
 
     ``records`` needs only each group's representative. Device is not part of the group digest,
     so a rank built on ``meta`` can share a group with a real rank 0: pass such ranks as
-    ``meta_ranks`` (or their records) for ``dcp-broadcast`` to see them. ``backend`` decides
-    what a broadcast into a larger buffer does: NCCL blocks (``hang``); gloo fills the first bytes
-    and leaves the rest (``silent-corruption``); a larger message than the buffer aborts gloo.
+    ``meta_ranks`` (or their records) for ``dcp-broadcast`` to see them. ``backend`` is the one
+    the ranks run on, and ``verdict`` is for it; where the other backend does otherwise it is
+    beside it (``on_nccl`` on gloo, ``on_gloo`` on NCCL). They part ways on a broadcast into a
+    larger buffer: NCCL blocks (``hang``), gloo fills its first bytes and leaves the rest
+    (``silent-corruption``); a message larger than the buffer aborts gloo (``hang``: the job
+    stops there).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: one of {', '.join(BACKENDS)}")
@@ -87,13 +90,25 @@ def predict_loaders(
         views[names] = Context(reference, ref, pairs, backend, named, frozenset(meta_ranks))
     ref = records[reference.representative]
     predictions = _predict(views)
-    if backend == Backend.NCCL:  # --reproduce runs on gloo: keep its verdict where it differs
-        on_gloo = _predict({k: replace(c, backend=Backend.GLOO) for k, c in views.items()})
-        predictions = [
-            replace(p, on_gloo=g.verdict) if g.verdict != p.verdict else p
-            for p, g in zip(predictions, on_gloo, strict=True)
-        ]
-    return [replace(p, products=products(p.name, ref.env)) for p in predictions]
+    other = Backend.GLOO if backend == Backend.NCCL else Backend.NCCL
+    beside = _predict({k: replace(c, backend=other) for k, c in views.items()})
+    field = "on_gloo" if other == Backend.GLOO else "on_nccl"
+    return [
+        replace(
+            p,
+            backend=str(backend),
+            products=products(p.name, ref.env),
+            **({field: g.verdict} if g.verdict != p.verdict else {}),
+        )
+        for p, g in zip(predictions, beside, strict=True)
+    ]
+
+
+def backend_of(records: Mapping[int, RankRecord]) -> str:
+    """The backend the lowest rank at hand recorded (``cpu:gloo,cuda:nccl`` counts as NCCL: the
+    weights a loader moves live on the GPU); NCCL where none is recorded (offline files)."""
+    text = (records[min(records)].env.backend or "").lower() if records else ""
+    return Backend.GLOO if "gloo" in text and "nccl" not in text else Backend.NCCL
 
 
 def _predict(views: Mapping[str, Context]) -> list[LoaderPrediction]:

@@ -110,33 +110,73 @@ def _gather_lines(agree: dict[int, dict], divergent: dict[int, dict]) -> list[Li
 
 
 def span_lines(spans: dict[int, dict]) -> list[Line]:
-    """Bytes per rank of ``wire.span``: the layout check's round and the watch's, all agreeing."""
+    """Bytes per rank of ``wire.span``, all agreeing: the layout check's round, its words apart
+    from rank 0's inline buffers (those ride down the tree at a capacity set per world, so the
+    total is bounded, not constant), and the watch's."""
+    worlds = sorted(spans)
+
+    def variant(name: str, w: int) -> dict | None:
+        return spans[w]["variants"].get(name)
+
+    def times(name: str) -> str:
+        return "; ".join(
+            f"{w} ranks: rank 0 {fmt_ms(variant(name, w)['rank0_seconds_median'])}" for w in worlds
+        )
+
+    total = {w: variant("layout", w)["sent_max_other"] for w in worlds}
+    capacity = {w: variant("layout", w)["attached"] for w in worlds}
+    words = {w: v["sent_max_other"] for w in worlds if (v := variant("layout-words", w))}
     lines = []
-    for name, what in (("layout", "layout check"), ("watch", "watch without a store")):
-        sent = {w: g["variants"][name]["sent_max_other"] for w, g in spans.items()}
-        attached = {w: g["variants"][name]["attached"] for w, g in spans.items()}
+    if len(words) == len(worlds):
         lines.append(
             Line(
-                f"{what} (wire.span), all agree: bytes per rank",
-                ", ".join(f"{w}: {b} B" for w, b in sent.items()),
+                "layout check (wire.span), all agree: bytes per rank, words",
+                ", ".join(f"{w}: {b} B" for w, b in words.items()),
                 "O(1): not growing with the ranks",
-                not_growing(sent),
-                "; ".join(
-                    f"{w} ranks: rank 0 {fmt_ms(g['variants'][name]['rank0_seconds_median'])}"
-                    for w, g in spans.items()
-                )
-                + (
-                    " (a rank sends one message up the tree and at most two down, each the "
-                    "words plus rank 0's inline buffers: "
-                    + ", ".join(f"{w}: {a} B" for w, a in attached.items())
-                    + ", a capacity that shrinks as the ranks grow; the all_to_all it replaces "
-                    "sent 56 B × (world − 1) per rank plus the capacity to each rank)"
-                    if any(attached.values())
-                    else " (eight words as their minima and maxima, one message up and at most "
-                    "two down; the all_to_all it replaces sent 64 B × (world − 1) per rank)"
-                ),
+                not_growing(words),
+                times("layout-words")
+                + " (the same round with no inline buffers: one message up the tree and at "
+                "most two down; 2 ranks have no rank in the middle of the tree)",
             )
         )
+    else:  # results from before the words were measured apart: never judged on the total
+        lines.append(
+            Line(
+                "layout check (wire.span), all agree: bytes per rank, words",
+                "not measured apart from the inline buffers in this run",
+                "O(1): not growing with the ranks",
+                None,
+                "rerun the scale row (`make bench`, or `scripts/bench --only scale --merge`)",
+            )
+        )
+    bound = {w: words.get(w, 0) + 2 * capacity[w] for w in worlds}
+    lines.append(
+        Line(
+            "layout check (wire.span), all agree: bytes per rank with rank 0's inline buffers",
+            ", ".join(f"{w}: {b} B" for w, b in total.items()),
+            "≤ the words + 2 × the inline capacity, a capacity that shrinks as the ranks grow",
+            all(total[w] <= bound[w] for w in worlds) if len(words) == len(worlds) else None,
+            times("layout")
+            + " (a rank in the middle of the tree forwards rank 0's inline buffers to its two "
+            "children: capacity "
+            + ", ".join(f"{w}: {c} B" for w, c in capacity.items())
+            + "; so the most any rank sends is the capacity twice, not a constant: 160 B at "
+            "2 ranks, where no rank forwards, is not comparable. The all_to_all it replaces "
+            "sent 56 B × (world − 1) per rank plus the capacity to each rank)",
+        )
+    )
+    watch = {w: variant("watch", w)["sent_max_other"] for w in worlds}
+    lines.append(
+        Line(
+            "watch without a store (wire.span), all agree: bytes per rank",
+            ", ".join(f"{w}: {b} B" for w, b in watch.items()),
+            "O(1): not growing with the ranks",
+            not_growing(watch),
+            times("watch")
+            + " (eight words as their minima and maxima, one message up and at most two down; "
+            "the all_to_all it replaces sent 64 B × (world − 1) per rank)",
+        )
+    )
     return lines
 
 

@@ -148,8 +148,12 @@ def _rank_main(what: str, rank: int, world: int, port: int, repeats: int, out: d
             from fsdpcheck.loader.agree import inline_capacity_for
 
             capacity = inline_capacity_for(world)
+            layout = [0, 0, 0, 0, *(1 << 60 for _ in range(6))]
             variants = {  # words, attached bytes
-                "layout": ([0, 0, 0, 0, *(1 << 60 for _ in range(6))], capacity),
+                "layout": (layout, capacity),
+                # The same round without rank 0's inline buffers: the bytes that must not grow
+                # with the ranks, measured apart from the capacity (which is set per world).
+                "layout-words": (layout, 0),
                 "watch": ([1, 0, *(1 << 60 for _ in range(6))], 0),
             }
             for name, (words, attached) in variants.items():
