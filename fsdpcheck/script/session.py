@@ -11,7 +11,7 @@ What the session hooks, and when (docs/run.md; docs/architecture.md says why eac
 - A global forward pre-hook: before the first forward of each outermost FSDP module, every
   rank agrees it is there (so a rank still loading is a ``step`` finding, not a wait), then
   checks the model as ``check_model`` would, the unwritten tensors included.
-- Global optimizer step hooks: the watched steps end when the last ``optimizer.step()``
+- A global optimizer step post-hook: the watched steps end when the last ``optimizer.step()``
   returns; every rank's step record is gathered and judged, and one report (model and step)
   decides for every rank.
 - Then every hook and patch is removed and the watch leaves the dispatch stack; with
@@ -38,10 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fsdpcheck.audit import check_live
 from fsdpcheck.checks.step import MARKS
@@ -145,7 +142,6 @@ class ScriptSession:
         self._patch_loads()
         hooks = [
             register_module_forward_pre_hook(self._pre_forward),
-            register_optimizer_step_pre_hook(self._step_pre),
             register_optimizer_step_post_hook(self._step_post),
         ]
         self._undo.extend(h.remove for h in hooks)
@@ -324,9 +320,6 @@ class ScriptSession:
         if optimizer is not None:
             found["optimizer"] = optimizer
         return found
-
-    def _step_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        return None
 
     def _step_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._steps += 1
