@@ -49,7 +49,15 @@ from fsdpcheck.distributed.setup import DistContext
 from fsdpcheck.model.writes import WriteLog, site_of
 from fsdpcheck.options import RunOptions
 from fsdpcheck.records import Report
-from fsdpcheck.step.session import conclude_step, merged, step_record, step_report
+from fsdpcheck.step.session import (
+    conclude_step,
+    forget_raise,
+    leave_raise,
+    merged,
+    step_raises,
+    step_record,
+    step_report,
+)
 from fsdpcheck.step.watch import ChannelLost, CollectiveWatch, StepDiverged, fsdp_owners
 from fsdpcheck.vocab import ExitCode, Stage
 
@@ -356,7 +364,11 @@ class ScriptSession:
             log.debug("rank %d: fsdpcheck run gave up", ctx.rank, exc_info=True)
             if self._abort is not None:
                 self._abort.disarm()
-            return give_up(ctx, exc, None, stage=Stage.STEP)
+            # Each rank's own exception, left in the store: the rank that raised is named,
+            # not the one left waiting for it.
+            raises = step_raises(ctx)
+            own = next((e for e in raises if e.rank == ctx.rank), None)
+            return give_up(ctx, exc, own, stage=Stage.STEP, known=raises)
 
     def _conclude(self, message: str) -> RunOutcome:
         """Collective: the watch ends, every rank's step record is judged with the model's
@@ -367,6 +379,8 @@ class ScriptSession:
         assert watch is not None and ctx is not None
         self._leave_watch()
         model = self._model if self._model is not None else _Nothing()
+        if message:
+            leave_raise(ctx, message)
         with _modes_off():
 
             def judged() -> AuditResult:
@@ -381,7 +395,11 @@ class ScriptSession:
                     report = merged(base, outcome) if base is not None else None
                     report = report or step_report(outcome, ctx.world_size)
                     report = replace(report, warnings=(*report.warnings, *self._unseen()))
-                return decide(ctx, report)
+                decided = decide(ctx, report)
+                # Every rank is past the decision: nobody reads the watch's keys again.
+                watch.forget()
+                forget_raise(ctx)
+                return decided
 
             result = self._guarded(judged)
         return self._conclude_with(result, raise_stop=False)

@@ -82,7 +82,7 @@ def watched_step(
     )
     if forget is not None:
         forget.append(watch.forget)
-        forget.append(lambda: _forget_raise(ctx))
+        forget.append(lambda: forget_raise(ctx))
     returned, message = None, ""
     start = time.perf_counter()
     try:
@@ -95,7 +95,7 @@ def watched_step(
     except Exception as exc:  # the script's own failure: reported, never left to strand a peer
         log.debug("the step raised", exc_info=True)
         message = f"{type(exc).__name__}: {exc}"
-        _leave_raise(ctx, message)
+        leave_raise(ctx, message)
     watch.finish(raised=bool(message))
     seconds = time.perf_counter() - start
     return step_record(watch, model, returned, message), seconds
@@ -133,7 +133,7 @@ def step_record(
 _RAISED_KEY = "fsdpcheck/step-raised/{}"
 
 
-def _leave_raise(ctx: DistContext, message: str) -> None:
+def leave_raise(ctx: DistContext, message: str) -> None:
     """This rank's own exception in its step, for whichever rank has to give up on the run:
     it names the rank that raised, not the one left waiting for it."""
     if ctx.store is None:
@@ -146,7 +146,7 @@ def _leave_raise(ctx: DistContext, message: str) -> None:
         log.debug("could not leave the step's exception", exc_info=True)
 
 
-def _forget_raise(ctx: DistContext) -> None:
+def forget_raise(ctx: DistContext) -> None:
     if ctx.store is not None:
         try:
             ctx.store.delete_key(_RAISED_KEY.format(ctx.rank))

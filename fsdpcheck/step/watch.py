@@ -681,6 +681,7 @@ class CollectiveWatch(TorchDispatchMode):
         finally:
             self.seconds += time.perf_counter() - start
         self.calls.append(call)
+
     def forget(self) -> int:
         """Delete the store keys this rank left (O(its collectives)), once no member reads
         them again: after every rank has concluded (``check_step`` calls it after its
