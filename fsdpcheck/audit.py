@@ -486,7 +486,16 @@ def _conclude(
                 outcome = replace(outcome, source=checked)
         report = assemble(outcome, options) if outcome is not None else None
         if options is not None and options.step:  # collective: one step (the builder's), watched
-            report = audit_step(ctx, state.env, built, load, report, seed=options.seed)
+            forget: list = []
+            report = audit_step(
+                ctx, state.env, built, load, report, seed=options.seed, forget=forget
+            )
+            decided = decide(ctx, report, state.publish, own_error=stages.error)
+            # Every rank is past its step (the decision is collective): nobody reads the
+            # watch's keys again.
+            for call in forget:
+                call()
+            return decided
         return decide(ctx, report, state.publish, own_error=stages.error)
     except Exception as exc:  # a peer died or timed out: name it from heartbeats and marks
         log.debug("rank %d: gave up in %s", ctx.rank, stages.current, exc_info=True)

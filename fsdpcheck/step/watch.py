@@ -25,12 +25,14 @@ whether or not a compared field names why.
 
 Point-to-point: a ``batch_isend_irecv`` is held whole (:meth:`CollectiveWatch.batches`): its
 descriptors are left held until every op of it paired, and a peer whose side pairs with one
-waits for that release before issuing its own, so a fused [send, receive] whose send never
-pairs never lets the peer's send block on its receive (``Schedule1F1B``). A lone send or receive
-whose peer is itself waiting in the watch goes ahead of its pair, and the pair is confirmed
-before anyone waits on it (:meth:`CollectiveWatch.point_to_point`). Ranks waiting on each other
-in the watch, directly or in a cycle, the same wait marks for a while, stop there: a stage
-running fewer microbatches than the next one is a finding, not a wait in gloo.
+waits for that release (or for the holder to wait on it) before issuing its own, and waits in
+the watch for the batch to be issued before it waits in gloo, so a fused [send, receive] whose
+send never pairs never leaves the peer's send blocked on its receive (``Schedule1F1B``). A
+lone send or receive whose peer is itself waiting in the watch goes ahead of its pair, and the
+pair is confirmed before anyone waits on it (:meth:`CollectiveWatch.point_to_point`). Ranks
+waiting on each other in the watch, directly or in a cycle, the same wait marks for a while,
+stop there: a stage running fewer microbatches than the next one is a finding, not a wait in
+gloo.
 
 DTensor's redistributions (``clip_grad_norm_`` over FSDP2 gradients, tensor parallelism) issue
 functional collectives inside DTensor's own dispatch, where a mode is off: for an op on a
@@ -160,6 +162,9 @@ _OWED = b"owed:"  # a peer confirming a send or receive it issued ahead: "owed:<
 # A descriptor left by a batch that is not yet whole: "held:<batch>:<call>". Its pair waits for
 # the batch's release (every op of it paired) before it is issued: a batch is held whole.
 _HELD = b"held:"
+# A rank waiting for a held batch's release: it goes ahead by itself once the holder waits on
+# it, so it is no link of a deadlock: "release:<call>".
+_RELEASE = b"release:"
 
 
 class StepDiverged(BaseException):
@@ -452,7 +457,7 @@ class CollectiveWatch(TorchDispatchMode):
         if mark is None:
             key = f"step/wait/{rank}"
             mark = self._store.get(key) if self._store.check([key]) else b""
-        if mark in (b"", b"0", b"1"):
+        if mark in (b"", b"0", b"1") or mark.startswith(_RELEASE):
             self._blocked_seen.pop(rank, None)
             return None
         now = time.monotonic()
@@ -467,25 +472,38 @@ class CollectiveWatch(TorchDispatchMode):
         more ranks, each waiting in the watch for the next (the same marks for a while): none
         can move first. Only the cycle's lowest rank stops on it (one finding); the others
         stop when their peer does. O(cycle) store reads a poll, only once the peer stays put."""
-        chain: list[tuple[int, CollectiveCall]] = []
-        at: int | None = call.peer
-        while at is not None and at != self._rank:
-            if any(r == at for r, _ in chain) or len(chain) >= self._world:
-                return
-            other = self._stable_call(at)
-            if other is None:
-                return
-            chain.append((at, other))
-            at = other.peer
-        if at is None or len(chain) < 2 or self._rank > min(r for r, _ in chain):
+        chain = self._chain_to_me(call.peer)
+        if chain is None or len(chain) < 2 or self._rank > min(r for r, _ in chain):
             return
         views = tuple(PeerView(r, doing=c) for r, c in chain)
         self._stop(call, n, views, _cycle(self._rank, call, chain))
 
+    def _chain_to_me(
+        self, peer: int | None, mark: bytes | None = None
+    ) -> list[tuple[int, CollectiveCall]] | None:
+        """The ranks (and their calls), from ``peer`` on, each waiting in the watch for the
+        next, the same marks for a while, back to this rank; None where the chain ends at a
+        rank that can move. ``mark``: ``peer``'s, already read."""
+        chain: list[tuple[int, CollectiveCall]] = []
+        at = peer
+        while at != self._rank:
+            if at is None or any(r == at for r, _ in chain) or len(chain) >= self._world:
+                return None
+            other = self._stable_call(at, None if chain else mark)
+            if other is None:
+                return None
+            chain.append((at, other))
+            at = other.peer
+        return chain
+
     def _await_release(self, call: CollectiveCall, n: int, peer: int, batch: int) -> None:
         """Before this rank issues ``call``, whose pair the peer left in a batch not yet whole:
         the batch released; or the peer's end (it stopped there: so does this rank); or the
-        peer waiting on this rank meanwhile (the batch can never be whole: a deadlock)."""
+        peer waiting, directly or through others, on this rank meanwhile: then this rank goes
+        ahead, for what the batch still needs may come from it later (a send, then a receive,
+        against a peer's fused receive and send). What it issued then waits, in the watch, for
+        the batch to be issued (:meth:`_await_issued`), where a batch that can never be whole
+        is a deadlock the holder names."""
         released, ended = f"step/released/{peer}", f"step/end/{peer}"
         wait = f"step/wait/{self._rank}"
         deadline = time.monotonic() + self._timeout
@@ -499,16 +517,10 @@ class CollectiveWatch(TorchDispatchMode):
                     self._stop(call, n, (PeerView(peer, state=state),), "")
                 if not waiting:
                     waiting = True
-                    self._store.set(wait, json.dumps(to_dict(call)))
-                mark = (
-                    self._store.get(f"step/wait/{peer}")
-                    if self._store.check([f"step/wait/{peer}"])
-                    else b""
-                )
-                other = self._stuck_on_me(peer, mark)
-                if other is not None:
-                    self._stop(call, n, (PeerView(peer, doing=other),), _unreleased(call, other))
-                self._stop_at_cycle(call, n)
+                    self._store.set(wait, _RELEASE + json.dumps(to_dict(call)).encode())
+                if self._chain_to_me(peer) is not None:
+                    log.debug("rank %d waits on this rank: %s goes ahead", peer, call.op)
+                    return
                 if time.monotonic() > deadline:
                     raise ChannelLost(
                         TimeoutError(
@@ -1319,15 +1331,6 @@ def _cycle(me: int, call: CollectiveCall, chain: list[tuple[int, CollectiveCall]
     )
 
 
-def _unreleased(call: CollectiveCall, other: CollectiveCall) -> str:
-    return (
-        f"the sends and receives do not pair: rank {call.peer} holds the other side of rank "
-        f"{other.peer}'s {_side(call)} in a batch with its own {_side(other)}, which rank "
-        f"{other.peer} never takes; each waits for the other (stages running different numbers "
-        "of microbatches?)"
-    )
-
-
 def _descriptor(raw: bytes) -> tuple[CollectiveCall, int | None]:
     """A descriptor a peer left, and its batch when that batch is not yet known whole."""
     batch = None
@@ -1350,7 +1353,7 @@ def _mark_call(mark: bytes) -> CollectiveCall:
     """The call a peer's wait mark names (a confirmation's carries its number first)."""
     if mark.startswith(_OWED):
         mark = mark[len(_OWED) :].partition(b":")[2]
-    return from_dict(CollectiveCall, json.loads(mark))
+    return from_dict(CollectiveCall, json.loads(mark.removeprefix(_RELEASE)))
 
 
 def _pair_disagreement(mine: CollectiveCall, me: int, other: CollectiveCall, peer: int) -> str:

@@ -42,6 +42,8 @@ CASES = [
     "compiled-step",
     *SCHEDULE_FAILS,
     *SCHEDULE_TWINS,
+    "p2p-lone-batch",
+    "p2p-lone-batch-unreceived",
     # its sends posted ahead of their pair stay posted on the world group: last of the p2p cases
     "pipeline-fewer-microbatches",
     "unseen-rank0",  # last: it ends the job (exit 3 on both ranks)
@@ -275,6 +277,22 @@ def test_every_schedule_with_a_stage_built_for_other_microbatches_is_named_in_a_
         assert {"stage", "phase", "microbatch"} <= set(side), side
         label = f"stage {side['stage']} {side['phase']}, microbatch {side['microbatch']}"
         assert label in found["summary"], found["summary"]
+
+
+def test_a_lone_send_then_receive_against_a_peer_s_fused_batch_runs_and_its_broken_twin_is_named(
+    ran,
+):
+    # Rank 0 receives and sends in one batch, rank 1 sends then receives on its own. Holding
+    # rank 0's batch until rank 1's receive came while rank 1 waited for that batch before
+    # sending named a deadlock unwatched gloo does not have: rank 1 goes ahead once rank 0
+    # waits on it.
+    per_rank, report = _case(ran, "p2p-lone-batch")
+    assert [r["exit_code"] for r in per_rank] == [0, 0], report["findings"]
+    per_rank, report = _case(ran, "p2p-lone-batch-unreceived")
+    assert [r["exit_code"] for r in per_rank] == [1, 1]
+    assert all(r["seconds"] < FAST for r in per_rank)
+    found = _only(report, "step")
+    assert "the sends and receives do not pair" in found["details"]["reason"]
 
 
 def test_a_send_whose_peer_finishes_its_step_is_named_not_a_timeout(ran):

@@ -186,6 +186,33 @@ def chain_step(rank: int, world: int, broken: bool):
     return step
 
 
+def lone_against_batch_step(rank: int, world: int, pairs: bool):
+    """Rank 0 receives and sends in one batch; rank 1 sends, then receives, each on its own
+    (``isend``, ``irecv``), waiting for both after: it pairs, and unwatched it runs. Not
+    ``pairs``: rank 1 never receives."""
+    group = dist.new_group(list(range(world)), group_desc="lone-batch")
+    box = torch.empty(4)
+
+    def step():
+        if rank == 0:
+            ops = [
+                dist.P2POp(dist.irecv, box, 1, group),
+                dist.P2POp(dist.isend, torch.ones(4), 1, group),
+            ]
+            works = dist.batch_isend_irecv(ops)
+        elif rank == 1:
+            works = [dist.isend(torch.ones(4), 0, group=group)]
+            if pairs:
+                works.append(dist.irecv(box, 0, group=group))
+        else:
+            works = []
+        for work in works:
+            work.wait()
+        return box.sum()
+
+    return step
+
+
 def clip_step(rank: int, model: WithTower, optimizer, everyone: bool):
     """Rank 0 (or every rank) takes the grad norm of FSDP2's DTensor gradients for its log."""
 
@@ -411,6 +438,8 @@ def main() -> None:
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
         elif case in COLLECTIVE_CASES:
             step = collective_step(case, rank, model, optimizer, stages)
+        elif case in ("p2p-lone-batch", "p2p-lone-batch-unreceived"):
+            step = lone_against_batch_step(rank, world, pairs=case == "p2p-lone-batch")
         elif case in ("p2p-chain-all", "p2p-chain-broken"):
             step = chain_step(rank, world, broken=case == "p2p-chain-broken")
         elif case in ("p2p-ring-all", "p2p-cycle-all"):
