@@ -439,7 +439,10 @@ def _summary(d: Divergence, names: Mapping[int, Named | None], reference: int) -
             "Flight Recorder records sizes, not names)"
         )
     effect = {
-        "size": "the sizes differ, so gloo aborts the receiver and NCCL hangs or corrupts",
+        "size": (
+            "the sizes differ, so gloo aborts a rank whose receive buffer is the smaller (and "
+            "fills a larger one in front, silently), and NCCL blocks on the count mismatch"
+        ),
         "dtype": "the dtypes differ: the bytes are reinterpreted, or the backend aborts",
         "op": "the operations differ: each rank waits for partners that are elsewhere",
     }[d.reason]

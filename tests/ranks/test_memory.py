@@ -130,6 +130,48 @@ def test_the_memory_verdicts_hold_beside_a_cpu_and_allocation_hog(tmp_path: Path
     _assert_records(loaded)
 
 
+def test_every_rank_from_pretrained_after_freed_data_is_found_and_its_twin_is_not(
+    tmp_path: Path,
+) -> None:
+    # Issue 37 as reported: the script made and freed 8 MiB of data, then every rank
+    # from_pretrained the full model. Its twin: only rank 0 loads the files, rank 1 on meta
+    # (measured: 102 MiB held against the rule's 148). Here transformers 5.24's from_pretrained
+    # peaks high enough to be found with or without the trim (211 MiB held); the retained copy
+    # the trim decides is script-full-data's, which was consistent before it.
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model = tmp_path / "llama"
+    config = LlamaConfig(  # 197 MiB in float32, like the issue's 211 MiB model
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(model)
+    out = tmp_path / "cases.json"
+    job = launch(
+        [str(REPO / "tests" / "workers" / "memory_worker.py"), "--out", str(out)]
+        + ["--pretrained", str(model)],
+        2,
+        env={**QUIET_ENV, "OMP_NUM_THREADS": "1"},
+        timeout=240,
+        cwd=str(REPO),
+    )
+    assert job.codes == [0, 0] and out.is_file(), job.output(0)[-3000:] + job.output(1)[-3000:]
+    cases = json.loads(out.read_text())
+    _assert_clean(cases["pretrained-meta"])
+    found = cases["pretrained-full"]
+    report = found["report"]
+    assert found["exit_codes"] == [1, 1], report["memory"]
+    (finding,) = _memory_findings(report)
+    assert finding["ranks"] == [1] and finding["details"]["rule"] == "rank0-load"
+    full = finding["details"]["model_bytes"]
+    assert full > 64 * MIB and finding["details"]["bytes"] >= 0.75 * full
+
+
 def test_malloc_trim_hands_back_what_glibc_kept(tmp_path: Path) -> None:
     # The mechanism check_model relies on, in a fresh process: after an 8 MiB tensor was freed
     # (glibc's mmap threshold rises to it), 48 freed weights of 4 MiB stay resident until

@@ -78,15 +78,55 @@ def _script(rank1_real: bool, data: bool = False) -> dict:
     return {"exit_code": int(result.exit_code), "report": report}
 
 
+def _pretrained(path: str, rank1_real: bool) -> dict:
+    """Issue 37 as a user ran it: the script prepares its data (a tensor made and freed), then
+    every rank ``from_pretrained``s the full model (transformers#43749) or, in the clean twin,
+    only rank 0 does and the others build on meta; FSDP2, rank 0's weights loaded into every
+    rank, ``check_model(rank0_load=True)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import fsdpcheck
+    from fsdpcheck.records import to_dict
+
+    rank = dist.get_rank()
+    prepared = torch.ones(DATA // 4)
+    del prepared
+    if rank == 0 or rank1_real:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    source = dict(model.state_dict()) if rank == 0 else None
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if rank != 0 and not rank1_real:
+        model.to_empty(device="cpu")
+    fsdpcheck.load_full_state_dict(model, source, bucket_bytes=16 * 2**20)
+    del source
+    result = fsdpcheck.check_model(model, timeout=120, rank0_load=True)
+    report = to_dict(result.report) if result.report is not None else None
+    return {"exit_code": int(result.exit_code), "report": report}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--pretrained", help="only the from_pretrained pair, from this directory")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     from fsdpcheck.audit import AuditOptions, run_audit
     from fsdpcheck.records import to_dict
 
     done = {}
+    if args.pretrained:  # clean first: check_model reads the process's peak so far
+        done["pretrained-meta"] = _pretrained(args.pretrained, rank1_real=False)
+        done["pretrained-full"] = _pretrained(args.pretrained, rank1_real=True)
+        _finish(done, args.out)
+        return
     # Clean first: check_model reads the process's peak so far, and peaks only grow.
     cases = {
         "script-meta": (False, False),
@@ -100,12 +140,16 @@ def main() -> None:
         result = run_audit(AuditOptions(builder=f"{__file__}:{name}", timeout=120))
         report = to_dict(result.report) if result.report is not None else None
         done[f"builder-{name}"] = {"exit_code": int(result.exit_code), "report": report}
+    _finish(done, args.out)
+
+
+def _finish(done: dict, out: str) -> None:
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, {k: v["exit_code"] for k, v in done.items()})
     if dist.get_rank() == 0:
         for name, case in done.items():
             case["exit_codes"] = [codes[name] for codes in every]
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(done, f)
     dist.destroy_process_group()
 
