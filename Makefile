@@ -51,7 +51,10 @@ test-unit: install
 # never installs. Where that CPU wheel lives is the caller's to say, in COMPAT_TORCH_FROM (pip
 # arguments: --index-url URL, or --find-links DIR); where pip cannot find it, the target stops
 # and says so. Another pair: make test-compat COMPAT_TORCH=torch==2.14.1+cpu
-# COMPAT_TRANSFORMERS=transformers==5.24.0.
+# COMPAT_TRANSFORMERS=transformers==5.24.0. Where no CPU wheel can be reached, PyPI's build
+# runs on CPU too, with its NVIDIA libraries (about 3 GB; a pip config that caps torch needs
+# PIP_CONFIG_FILE=/dev/null): make test-compat COMPAT_TORCH=torch==2.15.0 COMPAT_TORCH_DEPS=
+COMPAT_TORCH_DEPS ?= --no-deps
 COMPAT_VENV := .venv-compat
 COMPAT_BIN := $(COMPAT_VENV)/bin
 COMPAT_TORCH ?= torch==2.15.0+cpu
@@ -64,7 +67,7 @@ test-compat:
 	test -x $(COMPAT_BIN)/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	grep -v -e '^torch==' -e '^transformers==' constraints.txt > $(COMPAT_VENV)/constraints.txt
 	$(COMPAT_BIN)/python -m pip install --quiet --disable-pip-version-check --only-binary torch \
-		--no-deps $(COMPAT_TORCH_FROM) '$(COMPAT_TORCH)' || { echo "test-compat: no CPU \
+		$(COMPAT_TORCH_DEPS) $(COMPAT_TORCH_FROM) '$(COMPAT_TORCH)' || { echo "test-compat: no CPU \
 	wheel for '$(COMPAT_TORCH)' here; give its index or folder in COMPAT_TORCH_FROM (pip \
 	arguments), or choose another with COMPAT_TORCH=torch==VERSION+cpu"; exit 1; }
 	$(COMPAT_BIN)/python -m pip install --quiet --disable-pip-version-check \
