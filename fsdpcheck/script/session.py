@@ -108,6 +108,7 @@ class ScriptSession:
         self._writes = WriteLog()
         self._sharded: list[weakref.ref] = []  # every module fully_shard was applied to
         self._roots_known: set[int] | None = None
+        self._owners: dict[int, Any] = {}  # the watch's FSDP param groups, filled in later
         self._checked: set[int] = set()
         self._model_report: Report | None = None
         self._model: nn.Module | None = None  # the first model checked (its step's state)
@@ -243,7 +244,7 @@ class ScriptSession:
         watch = CollectiveWatch(
             ctx.side_channel,
             ctx.world_size,
-            {},
+            self._owners,
             store=ctx.store,
             rank=ctx.rank,
             timeout=ctx.timeout,
@@ -289,7 +290,7 @@ class ScriptSession:
         """Before a root's first forward, on every rank: agreed on, then checked."""
         watch, ctx = self._watch, self._ctx
         assert watch is not None and ctx is not None
-        watch._owners.update(fsdp_owners(model))  # noqa: SLF001 - the watch's own table
+        self._owners.update(fsdp_owners(model))  # the watch's table: FSDP2 made them by now
         watch.agree_on(FIRST_FORWARD, site)  # StepDiverged unwinds the script
         unwritten = self._writes.unwritten(model)
         if self._model is None:
