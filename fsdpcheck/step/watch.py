@@ -51,7 +51,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -74,6 +73,7 @@ from fsdpcheck.checks.step import (
     disagreement,
 )
 from fsdpcheck.distributed.wire import span
+from fsdpcheck.model.writes import site_of
 from fsdpcheck.records import from_dict, to_dict
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,6 @@ _REDUCE_OPS = {int(v): n.lower() for n, v in dist.ReduceOp.RedOpType.__members__
 _CALL, _FINISHED, _RAISED = 1, 2, 3
 _STATE = {_FINISHED: FINISHED, _RAISED: RAISED}
 _CONTEXT = 3  # agreed collectives kept for the report's context
-_SKIP_FRAMES = (os.sep + "torch" + os.sep, os.sep + "fsdpcheck" + os.sep)
 _DIVERGED = "diverged"  # a rank's end mark when it stopped at a divergence
 _AHEAD = "ahead"  # a point-to-point peer waiting in the watch itself: it compares the pair
 _BLOCKED = b"blocked:"  # a peer stuck in a batch of its own that this rank's batch cannot serve
@@ -1461,10 +1460,4 @@ def _them(ranks: tuple[int, ...]) -> str:
 
 def _script_line() -> str:
     """The first frame outside torch and fsdpcheck: the script's line that issued it."""
-    frame = sys._getframe(3)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if not any(part in path for part in _SKIP_FRAMES):
-            return f"{os.path.basename(path)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return ""
+    return site_of(4)[1]
