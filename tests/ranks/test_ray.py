@@ -20,7 +20,10 @@ import ray
 from conftest import QUIET_ENV, REPO
 
 EXAMPLES = REPO / "examples" / "ray"
-FIT_TIMEOUT = 240.0  # TorchTrainer.fit takes no timeout of its own
+# TorchTrainer.fit takes no timeout of its own. Ray Train starts five actor processes before its
+# workers train: this fixture took 18 s on a quiet 2-core machine, 291 s beside
+# `tests/workers/hog.py --cpus 1 --mib 512` (measured; 240 s was too short there).
+FIT_TIMEOUT = 600.0
 TIMEOUT = 5.0  # the fault cases' checks; the stuck actor is late by twice that
 
 
@@ -47,6 +50,10 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
             "OMP_NUM_THREADS": "1",
             "RAY_AUTH_MODE": "disabled",  # no token written to ~/.ray
             "RAY_USAGE_STATS_ENABLED": "0",
+            # one actor fewer to start: no node here is ever drained
+            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+            # Ray's 60 s default restarts a worker group that starts slowly on a loaded machine
+            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600",
         }.items():
             env.setenv(key, value)
         env.delenv("PYTHONHASHSEED", raising=False)
