@@ -174,7 +174,9 @@ def load_full_state_dict(
             log.debug("rank %d: materialising failed", rank, exc_info=True)
             failure = failure or f"rank {rank}: materialising failed: {type(exc).__name__}: {exc}"
         transfer = Transfer(model, fast.specs, ranks, group, int(bucket_bytes), where)
-        moved = transfer.run(source if rank == 0 else None, write=failure is None)
+        moved = transfer.run(
+            source if rank == 0 else None, write=failure is None, fresh=materialised
+        )
         messages, moved_bytes, biggest = moved.messages, moved.bytes, moved.largest
         failure = failure or moved.failure
     else:

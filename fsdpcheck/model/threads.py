@@ -43,6 +43,13 @@ def lead_threads() -> int:
     return max(worker_threads(), all_cores() - (_local_ranks() - 1))
 
 
+def receiver_threads() -> int:
+    """Threads for each receiving rank's work while rank 0 only sends to them (the receivers
+    faulting in their fresh shards before a load): the cores shared among the other ranks on
+    the host."""
+    return max(1, all_cores() // max(1, _local_ranks() - 1))
+
+
 def _local_ranks() -> int:
     try:
         return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -216,3 +216,30 @@ def test_shard_of_cuts_fsdp2_over_tp_as_dtensor_lays_it_out(rows: int) -> None:
         cut = shard_of(full, placements, (2, 2), coordinate)
         assert torch.equal(cut, full[offset : offset + length]), coordinate
         assert local_shape((rows, 3), placements, (2, 2), coordinate) == tuple(cut.shape)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_first_touch_makes_fresh_receive_buffers_resident_and_only_writes_page_starts(
+    threads: int,
+) -> None:
+    """What the bucketed receive does to shards ``to_empty()`` just allocated: every page
+    resident before gloo writes into them (RSS grows by the buffers), one byte per page
+    written, the rest as it was; tensors smaller than a page are left alone."""
+    import torch
+
+    from fsdpcheck.loader.transfer import first_touch
+    from fsdpcheck.model.memory import rss
+
+    before = rss()
+    # above glibc's largest mmap threshold (32 MiB): fresh pages, whatever the process freed
+    fresh = [torch.empty(64 * 2**20, dtype=torch.uint8) for _ in range(3)]
+    first_touch(fresh, threads)
+    assert rss() - before >= 190 * 2**20
+    seen = torch.full((3 * 4096 + 7,), 7, dtype=torch.bfloat16)
+    tiny = torch.full((100,), 5, dtype=torch.uint8)
+    first_touch([seen, tiny], threads)
+    raw = seen.view(torch.uint8)
+    starts = torch.zeros_like(raw, dtype=torch.bool)
+    starts[::4096] = True
+    assert (raw[starts] == 0).all() and (raw[~starts] != 0).all()
+    assert (tiny == 5).all()
