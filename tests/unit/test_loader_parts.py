@@ -218,28 +218,46 @@ def test_shard_of_cuts_fsdp2_over_tp_as_dtensor_lays_it_out(rows: int) -> None:
         assert local_shape((rows, 3), placements, (2, 2), coordinate) == tuple(cut.shape)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_first_touch_makes_fresh_receive_buffers_resident_and_only_writes_page_starts(
-    threads: int,
-) -> None:
-    """What the bucketed receive does to shards ``to_empty()`` just allocated: every page
-    resident before gloo writes into them (RSS grows by the buffers), one byte per page
-    written, the rest as it was; tensors smaller than a page are left alone."""
+def test_prefault_makes_fresh_receive_buffers_resident_and_changes_no_byte() -> None:
+    """What the bucketed receive does to shards ``to_empty()`` just allocated, on a thread of
+    its own while the receives run: every page resident (RSS grows by the buffers) and no
+    byte changed, so it may overlap what gloo writes (MADV_POPULATE_WRITE, Linux >= 5.14)."""
     import torch
 
-    from fsdpcheck.loader.transfer import first_touch
+    from fsdpcheck.loader.transfer import Prefault
     from fsdpcheck.model.memory import rss
 
     before = rss()
     # above glibc's largest mmap threshold (32 MiB): fresh pages, whatever the process freed
     fresh = [torch.empty(64 * 2**20, dtype=torch.uint8) for _ in range(3)]
-    first_touch(fresh, threads)
+    prefault = Prefault(fresh)
+    prefault.start()
+    prefault.join()
     assert rss() - before >= 190 * 2**20
-    seen = torch.full((3 * 4096 + 7,), 7, dtype=torch.bfloat16)
+    seen = torch.arange(3 * 4096 + 7, dtype=torch.bfloat16)
+    kept = seen.clone()
+    tiny = torch.full((100,), 5, dtype=torch.uint8)
+    prefault = Prefault([seen[5:], tiny])  # unaligned starts and ends: whole pages around them
+    prefault.start()
+    prefault.join()
+    assert torch.equal(seen, kept) and (tiny == 5).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_first_touch_writes_one_byte_per_page_and_leaves_the_rest(threads: int) -> None:
+    """Where the pages cannot be populated without a write: one zero per page, before any
+    receive is posted; tensors smaller than a page are left alone."""
+    import mmap
+
+    import torch
+
+    from fsdpcheck.loader.transfer import first_touch
+
+    seen = torch.full((3 * mmap.PAGESIZE + 7,), 7, dtype=torch.bfloat16)
     tiny = torch.full((100,), 5, dtype=torch.uint8)
     first_touch([seen, tiny], threads)
     raw = seen.view(torch.uint8)
     starts = torch.zeros_like(raw, dtype=torch.bool)
-    starts[::4096] = True
+    starts[:: mmap.PAGESIZE] = True
     assert (raw[starts] == 0).all() and (raw[~starts] != 0).all()
     assert (tiny == 5).all()
