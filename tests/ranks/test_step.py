@@ -374,7 +374,9 @@ def test_an_exit_3_names_the_rank_that_raised_and_holds_each_rank_s_own_exceptio
 @pytest.mark.parametrize("case", THREE_TWINS)
 def test_three_stages_that_pair_are_consistent(three, case):
     per_rank = three[case]
-    assert [r["exit_code"] for r in per_rank] == [0, 0, 0]
+    # what each rank said, in full: a false finding seen once on a loaded machine (issue 37)
+    said = [(r["headline"], (r.get("report") or {}).get("findings")) for r in per_rank]
+    assert [r["exit_code"] for r in per_rank] == [0, 0, 0], said
     assert per_rank[0]["report"]["findings"] == []
     if case.startswith("schedule-"):  # the ring and chain move activations only
         assert all(r["params_changed"] for r in per_rank)
