@@ -375,7 +375,14 @@ def test_an_exit_3_names_the_rank_that_raised_and_holds_each_rank_s_own_exceptio
 def test_three_stages_that_pair_are_consistent(three, case):
     per_rank = three[case]
     # what each rank said, in full: a false finding seen once on a loaded machine (issue 37)
-    said = [(r["headline"], (r.get("report") or {}).get("findings")) for r in per_rank]
+    said = "\n".join(
+        f"{r['headline']}: "
+        + " | ".join(
+            f"{f['summary']} ({(f.get('details') or {}).get('reason', '')})"
+            for f in (r.get("report") or {}).get("findings") or ()
+        )
+        for r in per_rank
+    )
     assert [r["exit_code"] for r in per_rank] == [0, 0, 0], said
     assert per_rank[0]["report"]["findings"] == []
     if case.startswith("schedule-"):  # the ring and chain move activations only
