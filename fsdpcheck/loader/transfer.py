@@ -281,7 +281,7 @@ class Prefault:
         if _populate(self._buffers[0]):
             rest = self._buffers[1:]
             self._thread = threading.Thread(
-                target=self._populate, args=(rest,), name="fsdpcheck-prefault", daemon=True
+                target=self._populate_all, args=(rest,), name="fsdpcheck-prefault", daemon=True
             )
             self._thread.start()
             return
@@ -292,7 +292,7 @@ class Prefault:
             self._thread.join()
 
     @staticmethod
-    def _populate(buffers: Sequence[torch.Tensor]) -> None:
+    def _populate_all(buffers: Sequence[torch.Tensor]) -> None:
         try:
             for buffer in buffers:
                 if not _populate(buffer):  # a speed-up only: gloo faults the rest in itself
