@@ -375,6 +375,7 @@ class CollectiveWatch(TorchDispatchMode):
         waiting, pause = False, 0.0
         try:
             while True:
+                state = self._end_of(peer)
                 if self._store.check([theirs]):
                     other, batch = _descriptor(self._store.get(theirs))
                     reason = _pair_disagreement(call, self._rank, other, peer)
@@ -384,9 +385,7 @@ class CollectiveWatch(TorchDispatchMode):
                         self._await_release(call, n, peer, batch)
                         self._await_issued({peer: (batch, call, n)})
                     return
-                ended = f"step/end/{peer}"
-                if self._store.check([ended]):
-                    state = self._store.get(ended).decode()
+                if state is not None:
                     # A peer that stopped at a divergence names it; one that ended its step
                     # without this pair is the finding.
                     reason = _never_comes(call, self._rank, state) if state in _ENDED else ""
@@ -420,6 +419,15 @@ class CollectiveWatch(TorchDispatchMode):
             if waiting:
                 with contextlib.suppress(Exception):  # the store is gone: nothing to clear
                     self._store.set(f"step/wait/{self._rank}", "0")
+
+    def _end_of(self, peer: int) -> str | None:
+        """The state ``peer`` ended its step in; None while it runs. A wait reads it before
+        the peer's progress (its side of a pair, its batch released or issued): the peer leaves
+        those before its end mark, so what is read after the mark is all it left. Read the
+        other way round, a peer that moved on and finished between the two reads (a loaded
+        machine) would look as if it had ended without moving."""
+        key = f"step/end/{peer}"
+        return self._store.get(key).decode() if self._store.check([key]) else None
 
     def _owing_me(self, peer: int) -> CollectiveCall | None:
         """The peer's own call issued ahead, when it waits for this rank's side of it (which
@@ -503,16 +511,15 @@ class CollectiveWatch(TorchDispatchMode):
         against a peer's fused receive and send). What it issued then waits, in the watch, for
         the batch to be issued (:meth:`_await_issued`), where a batch that can never be whole
         is a deadlock the holder names."""
-        released, ended = f"step/released/{peer}", f"step/end/{peer}"
-        wait = f"step/wait/{self._rank}"
+        released, wait = f"step/released/{peer}", f"step/wait/{self._rank}"
         deadline = time.monotonic() + self._timeout
         waiting, pause = False, 0.0
         try:
             while True:
+                state = self._end_of(peer)
                 if self._store.check([released]) and int(self._store.get(released)) > batch:
                     return
-                if self._store.check([ended]):
-                    state = self._store.get(ended).decode()
+                if state is not None:
                     self._stop(call, n, (PeerView(peer, state=state),), "")
                 if not waiting:
                     waiting = True
@@ -556,11 +563,10 @@ class CollectiveWatch(TorchDispatchMode):
         try:
             while True:
                 for peer, (batch, call, n) in list(pending.items()):
-                    issued, ended = f"step/issued/{peer}", f"step/end/{peer}"
+                    state, issued = self._end_of(peer), f"step/issued/{peer}"
                     if self._store.check([issued]) and int(self._store.get(issued)) > batch:
                         del pending[peer]
-                    elif self._store.check([ended]):
-                        state = self._store.get(ended).decode()
+                    elif state is not None:
                         self._stop(call, n, (PeerView(peer, state=state),), "")
                 if not pending:
                     return
