@@ -281,8 +281,12 @@ def compiled_step(rank: int, model: WithTower, optimizer):
     def after() -> dict:
         # The same compiled function once more, outside the watch.
         under = counter.frame_count
-        reduce(torch.ones(4))
-        return {"frames_under_watch": under, "frames_after": counter.frame_count}
+        out = reduce(torch.ones(4))
+        return {
+            "frames_under_watch": under,
+            "frames_after": counter.frame_count,
+            "after_values": out.tolist(),
+        }
 
     return step, after
 
