@@ -198,6 +198,13 @@ def test_after_the_watched_step_nothing_of_fsdpcheck_is_on_the_path(tmp_path: Pa
         assert after["optimizer_post_hooks"] == 0
         assert "fsdpcheck" not in after["fully_shard"] + after["to_empty"]
         assert "fsdpcheck" not in after["fsdp_state_init"]
+    # The watch's keys deleted once every rank concluded: what stays is the run's liveness
+    # marks, a few per rank (issue 37: a job that checks often must not grow the store).
+    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    during = [r["path"][0]["store_keys"] - r["store_keys_at_start"] for r in records]
+    left = [r["path"][2]["store_keys"] - r["store_keys_at_start"] for r in records]
+    assert all(n < 20 for n in left), (during, left)
+    assert all(d > n for d, n in zip(during, left, strict=True)), (during, left)
     data = json.loads(report.read_text())
     assert data["verdict"] == "consistent"
 

@@ -6,8 +6,8 @@ what the script itself sees of fsdpcheck after each step, and its own ways to en
 
 ``--out``: each rank writes ``rank<r>.json``: its losses, and after each step what is on its
 path (global module and optimizer hooks, dispatch modes, the files ``fully_shard``,
-``to_empty`` and FSDP2's ``FSDPState.init`` come from). ``--raise-at``, ``--die-at`` and
-``--sigint-at`` act on rank 1 only, at that step (0-based).
+``to_empty`` and FSDP2's ``FSDPState.init`` come from, the keys in the job's store).
+``--raise-at``, ``--die-at`` and ``--sigint-at`` act on rank 1 only, at that step (0-based).
 """
 
 import argparse
@@ -35,6 +35,8 @@ def fsdpcheck_on_path() -> dict:
         "fully_shard": fsdp.fully_shard.__code__.co_filename,
         "to_empty": nn.Module.to_empty.__code__.co_filename,
         "fsdp_state_init": FSDPState.init.__code__.co_filename,
+        # keys in the job's store: what fsdpcheck left there (the launcher's own are constant)
+        "store_keys": dist.distributed_c10d._get_default_store().num_keys(),
     }
 
 
@@ -62,7 +64,8 @@ def main() -> None:
         fsdp.fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(rank)
-    record = {"losses": [], "path": []}
+    record = {"losses": [], "path": [], "store_keys_at_start": None}
+    record["store_keys_at_start"] = dist.distributed_c10d._get_default_store().num_keys()
     for step in range(args.steps):
         if rank == 1 and step == args.die_at:
             os._exit(9)
