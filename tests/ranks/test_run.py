@@ -226,6 +226,9 @@ def test_the_script_s_own_exception_in_the_watched_step_is_named(tmp_path: Path)
     assert "fsdpcheck/script" not in result.output(1).split("Traceback")[1]
     errors = json.loads(report.read_text())["errors"]
     assert any(e["rank"] == 1 and "rank 1 broke at step 0" in e["message"] for e in errors)
+    # The headline names the rank that raised, not rank 0 that waited for it (issue 37).
+    said = "rank 1 failed at step: rank 1's step raised: ValueError: rank 1 broke at step 0"
+    assert said in result.output(0), result.output(0)
 
 
 def test_an_exception_after_the_watch_is_the_script_s_own(tmp_path: Path) -> None:
