@@ -344,9 +344,10 @@ def _call_details(side: Side) -> dict[str, Any]:
     return details
 
 
-# Measured on torch 2.13 gloo (broadcast, send/recv, all-gather): a receive buffer larger than
-# what arrives is filled in front and the op completes; only a smaller one aborts, so on an
-# all-gather the rank with the larger shard carries on and its peer aborts.
+# Measured on torch 2.13 gloo (broadcast, send/recv, all-gather; tests/ranks/
+# test_skew_claims.py runs them): a receive buffer larger than what arrives is filled in front
+# and the op completes; only a smaller one aborts, so on an all-gather the peer of the rank
+# with the larger shard aborts, and that rank most often carries on with a wrong result.
 _SKEW = (
     "gloo fills a larger receive buffer in front and carries on silently, and aborts the rank "
     "whose buffer is smaller than what reaches it (`op.preamble.length <= op.nbytes`), "
