@@ -43,6 +43,7 @@ STEP_CASES = {
     "torchtitan-style-without-step": f"{BUILDERS}:torchtitan_style_without_step",
     "llama-step-with-batch": f"{BUILDERS}:llama_with_step_and_batch",
     "step-not-callable-on-rank-1": f"{BUILDERS}:step_not_callable_on_rank_1",
+    "step-raises-on-rank-1": f"{BUILDERS}:step_raises_on_rank_1",
 }
 VERL = "examples/verl_worker.py:build_actor"
 
@@ -151,6 +152,17 @@ def test_a_builders_step_with_an_extra_micro_batch_on_rank_1_is_a_step_finding(a
     [finding] = [f for f in report["findings"] if f["kind"] == "step"]
     assert finding["ranks"] == [1], finding
     assert _kinds(report) == ["step"], report["findings"]
+
+
+def test_a_builders_step_that_raises_on_rank_1_is_named_on_every_rank(audited) -> None:
+    """Exit 3 on every rank, and the headline names rank 1, whose step raised, not rank 0,
+    which only waited for it (issue 37); the report holds rank 1's own exception."""
+    done = audited["step-raises-on-rank-1"]
+    report = done["report"]
+    assert done["exit_codes"] == [3, 3], report["errors"]
+    said = "rank 1 failed at step: rank 1's step raised: ValueError: rank 1's data loader ran dry"
+    assert done["headlines"] == [said, said], done["headlines"]
+    assert [(e["rank"], e["stage"]) for e in report["errors"]][0] == (1, "step"), report["errors"]
 
 
 def test_a_model_the_synthetic_step_cannot_call_is_a_warning_not_a_typeerror(audited) -> None:

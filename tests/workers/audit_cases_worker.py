@@ -4,8 +4,8 @@ per case (bad inputs, builders).
 
 ``--cases FILE``: ``{name: {"model": str | None | [rank 0's, rank 1's], "options": {AuditOptions
 field: value}, "env": {variable: value, set for that case}}}``. Rank 0 writes ``--out``: per
-case, every rank's exit code and the report (or, for an input refused before the gather, what
-every rank raised)."""
+case, every rank's exit code and headline and the report (or, for an input refused before the
+gather, what every rank raised)."""
 
 import argparse
 import json
@@ -36,12 +36,17 @@ def _case(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     try:
         result = run_audit(AuditOptions(model=model, **options))
     except FsdpcheckError as exc:  # refused before any gather, as the CLI reports it
-        return {"exit_code": exc.exit_code, "raised": str(exc), "report": None}
+        return {"exit_code": exc.exit_code, "raised": str(exc), "report": None, "headline": ""}
     finally:
         for key in spec.get("env", {}):
             os.environ.pop(key, None)
     report = to_dict(result.report) if result.report is not None else None
-    return {"exit_code": int(result.exit_code), "raised": None, "report": report}
+    return {
+        "exit_code": int(result.exit_code),
+        "raised": None,
+        "report": report,
+        "headline": result.headline,
+    }
 
 
 def run_cases(cases: dict[str, Any]) -> dict[str, Any]:
@@ -55,6 +60,7 @@ def run_cases(cases: dict[str, Any]) -> dict[str, Any]:
         done[name] = {
             "exit_codes": [r["exit_code"] for r in every],
             "raised": [r["raised"] for r in every],
+            "headlines": [r["headline"] for r in every],
             "report": every[0]["report"],
         }
     return done

@@ -244,6 +244,25 @@ def step_not_callable_on_rank_1(ctx):
     return {"model": _llama(), "step": "train_step" if ctx.rank == 1 else None}
 
 
+def step_raises_on_rank_1(ctx):
+    """A transformers model whose own step raises on rank 1 after its forward and backward,
+    before the optimizer step: rank 0 goes on to the collectives rank 1 never issues."""
+    model = _llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if ctx.rank == 1:
+            raise ValueError("rank 1's data loader ran dry")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return {"model": model, "step": step}
+
+
 def llama_with_step_and_batch(ctx):
     """A transformers model with its own step taking a batch: ``step(batch)``."""
     model = _llama()
