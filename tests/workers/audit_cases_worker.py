@@ -53,11 +53,16 @@ def run_cases(cases: dict[str, Any]) -> dict[str, Any]:
     """Every case in turn on the default group; per case, every rank's exit code and what it
     raised, and rank 0's report."""
     done: dict[str, Any] = {}
+    store = dist.distributed_c10d._get_default_store()
     for name, spec in cases.items():
+        dist.barrier()
+        before = store.num_keys()
         mine = _case(spec, dist.get_rank())
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         done[name] = {
+            # keys the audit left in the job's store (after every rank's gather above)
+            "store_keys_left": store.num_keys() - before,
             "exit_codes": [r["exit_code"] for r in every],
             "raised": [r["raised"] for r in every],
             "headlines": [r["headline"] for r in every],
