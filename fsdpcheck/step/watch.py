@@ -962,16 +962,12 @@ class CollectiveWatch(TorchDispatchMode):
         at: int = 0,
     ) -> None:
         for peer in list(pending):
-            # The end mark first: a peer leaves its descriptors before it, so an end
-            # mark with no descriptor after it means the peer never issued this one.
-            ended = f"step/end/{peer}"
-            if self._store.check([ended]):
+            # The end mark first (_end_of): an end mark with no descriptor after it means the
+            # peer never issued this one.
+            state = self._end_of(peer)
+            if state is not None:
                 key = pending.pop(peer)
-                got[peer] = (
-                    self._store.get(key)
-                    if self._store.check([key])
-                    else self._store.get(ended).decode()
-                )
+                got[peer] = self._store.get(key) if self._store.check([key]) else state
             elif (p2p or blocked is not None) and self._store.check([f"step/wait/{peer}"]):
                 mark = self._store.get(f"step/wait/{peer}")
                 if p2p and (mark == b"1" or mark.startswith(_OWED)):
