@@ -11,6 +11,8 @@ import os
 
 import torch.distributed as dist
 
+from fsdpcheck.process import exit_skipping_teardown
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -39,4 +41,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # torch's teardown aborts now and then after a DTensor job: skip it (see fsdpcheck.process)
+    exit_skipping_teardown(main())
