@@ -375,7 +375,6 @@ class CollectiveWatch(TorchDispatchMode):
         waiting, pause = False, 0.0
         try:
             while True:
-                state = self._end_of(peer)
                 if self._store.check([theirs]):
                     other, batch = _descriptor(self._store.get(theirs))
                     reason = _pair_disagreement(call, self._rank, other, peer)
@@ -385,6 +384,7 @@ class CollectiveWatch(TorchDispatchMode):
                         self._await_release(call, n, peer, batch)
                         self._await_issued({peer: (batch, call, n)})
                     return
+                state = self._ended_without(peer, lambda: self._store.check([theirs]))
                 if state is not None:
                     # A peer that stopped at a divergence names it; one that ended its step
                     # without this pair is the finding.
@@ -421,13 +421,23 @@ class CollectiveWatch(TorchDispatchMode):
                     self._store.set(f"step/wait/{self._rank}", "0")
 
     def _end_of(self, peer: int) -> str | None:
-        """The state ``peer`` ended its step in; None while it runs. A wait reads it before
-        the peer's progress (its side of a pair, its batch released or issued): the peer leaves
-        those before its end mark, so what is read after the mark is all it left. Read the
-        other way round, a peer that moved on and finished between the two reads (a loaded
-        machine) would look as if it had ended without moving."""
+        """The state ``peer`` ended its step in; None while it runs."""
         key = f"step/end/{peer}"
         return self._store.get(key).decode() if self._store.check([key]) else None
+
+    def _past(self, key: str, batch: int) -> bool:
+        """A peer's batch counter (``released``, ``issued``) is past its batch ``batch``."""
+        return self._store.check([key]) and int(self._store.get(key)) > batch
+
+    def _ended_without(self, peer: int, progressed: Callable[[], bool]) -> str | None:
+        """The state ``peer`` ended its step in, when its progress (its side of a pair, its
+        batch released or issued), read again after its end mark, is still missing; None while
+        it runs or once it has progressed. A peer leaves its progress before its end mark, so
+        what is read after the mark is all it left; read only before it, a peer that moved on
+        and finished between the two reads (a loaded machine) would look as if it had ended
+        without moving."""
+        state = self._end_of(peer)
+        return None if state is None or progressed() else state
 
     def _owing_me(self, peer: int) -> CollectiveCall | None:
         """The peer's own call issued ahead, when it waits for this rank's side of it (which
@@ -515,10 +525,11 @@ class CollectiveWatch(TorchDispatchMode):
         deadline = time.monotonic() + self._timeout
         waiting, pause = False, 0.0
         try:
+            released_past = functools.partial(self._past, released, batch)
             while True:
-                state = self._end_of(peer)
-                if self._store.check([released]) and int(self._store.get(released)) > batch:
+                if released_past():
                     return
+                state = self._ended_without(peer, released_past)
                 if state is not None:
                     self._stop(call, n, (PeerView(peer, state=state),), "")
                 if not waiting:
@@ -563,10 +574,12 @@ class CollectiveWatch(TorchDispatchMode):
         try:
             while True:
                 for peer, (batch, call, n) in list(pending.items()):
-                    state, issued = self._end_of(peer), f"step/issued/{peer}"
-                    if self._store.check([issued]) and int(self._store.get(issued)) > batch:
+                    issued = functools.partial(self._past, f"step/issued/{peer}", batch)
+                    if issued():
                         del pending[peer]
-                    elif state is not None:
+                        continue
+                    state = self._ended_without(peer, issued)
+                    if state is not None:
                         self._stop(call, n, (PeerView(peer, state=state),), "")
                 if not pending:
                     return

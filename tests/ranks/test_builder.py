@@ -140,9 +140,10 @@ def test_a_torchtitan_style_builders_own_step_runs_under_step(audited) -> None:
         assert _stepped(report), (case, report["timings"], report["warnings"])
         assert report["step"]["source"] == "builder", report["step"]  # which step ran
     # What the watch left in the job's store is deleted once every rank decided (issue 37):
-    # a builder's step of a dozen collectives leaves only the audit's liveness marks.
-    left = {case: audited[case]["store_keys_left"] for case in STEP_CASES}
-    assert left["llama-step-with-batch"] < 20, left
+    # a builder's step of a dozen collectives or more leaves only the audit's liveness marks.
+    stepped = ("torchtitan-style", "torchtitan-style-no-state-dict", "llama-step-with-batch")
+    left = {case: audited[case]["store_keys_left"] for case in stepped}
+    assert all(n < 20 for n in left.values()), left
     said = audited["llama-step-with-batch"]["report"]["step"]["description"]
     assert said == "the builder's own step, on the batch it returned"
     assert audited["torchtitan-style-no-state-dict"]["report"]["load"]["outcome"] == "skipped"

@@ -1,10 +1,9 @@
 """What a ``step`` finding on a size skew says the unwatched job would have done on gloo
 (``checks/step.py``'s ``_SKEW``: a larger receive buffer filled in front, silently; the rank
 whose buffer is smaller aborted; on an all-gather, the rank with the larger shard left with a
-wrong result),
-checked against real gloo collectives on two ranks with no fsdpcheck in the job (issue 37:
-the finding said gloo aborts the receiver, while gloo filled rank 1's larger buffer silently).
-One job per case: an abort ends its process."""
+wrong result), checked against real gloo collectives on two ranks with no fsdpcheck in the
+job (issue 37: the finding said gloo aborts the receiver, while gloo filled rank 1's larger
+buffer silently). One job per case: an abort ends its process."""
 
 from __future__ import annotations
 

@@ -64,8 +64,8 @@ def main() -> None:
         fsdp.fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(rank)
-    record = {"losses": [], "path": [], "store_keys_at_start": None}
-    record["store_keys_at_start"] = dist.distributed_c10d._get_default_store().num_keys()
+    store_keys = dist.distributed_c10d._get_default_store().num_keys()
+    record = {"losses": [], "path": [], "store_keys_at_start": store_keys}
     for step in range(args.steps):
         if rank == 1 and step == args.die_at:
             os._exit(9)

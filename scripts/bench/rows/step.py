@@ -76,10 +76,9 @@ def row_step(s: Settings) -> Row:
             "(it checks each collective's shapes with one of its own first, too cheap to show "
             "beside this step's compute), so matching DETAIL here means matching the plain "
             f"step, the floor no check can beat; check_step is {ratio:.2f}× it. What it adds: "
-            "each collective "
-            "agreed through the store (the per-collective line), one read of every gradient "
-            "and parameter shard for NaN and Inf after the step, and the gathers of the "
-            "ranks' records and the decision."
+            "each collective agreed through the store (the per-collective line), one read of "
+            "every gradient and parameter shard for NaN and Inf after the step, and the "
+            "gathers of the ranks' records and the decision."
         )
     small = [r["small"] for r in ours]
     n = small[0]["n"]
