@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
@@ -299,8 +298,10 @@ def _by_dtype(
 
 
 def _pack_flat(buffers: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    # One cat of the buffers' flat views; 1-D ones as they are (most buffers, such as RoPE's
+    # inv_freq, are): a Python-side view() per buffer costs more than the copy of its values.
     try:
-        flat = _flatten_dense_tensors(buffers)  # one C++ call, not one per buffer
+        flat = torch.cat([b if b.dim() == 1 else b.reshape(-1) for b in buffers])
     except RuntimeError:  # buffers on several devices
         log.debug("buffers on several devices: packed one by one", exc_info=True)
         flat = torch.cat([b.reshape(-1).to(device) for b in buffers])
@@ -308,17 +309,16 @@ def _pack_flat(buffers: list[torch.Tensor], device: torch.device) -> torch.Tenso
 
 
 def _unpack_flat(flat: torch.Tensor, buffers: list[torch.Tensor]) -> None:
+    parts = flat.split([b.numel() for b in buffers])
+    sources = [p if b.dim() == 1 else p.view(b.shape) for p, b in zip(parts, buffers, strict=True)]
     try:  # one C++ call; asking every buffer for its device first costs as much again
-        torch._foreach_copy_(buffers, _unflatten_dense_tensors(flat, buffers))
+        torch._foreach_copy_(buffers, sources)
         return
     except RuntimeError:  # should a torch refuse a mix of devices here: one copy_ each (copies
         pass  # are idempotent, so what the foreach call wrote before failing does no harm)
         log.debug("foreach copy refused: unpacked one by one", exc_info=True)
-    offset = 0
-    for buf in buffers:
-        count = buf.numel()
-        buf.copy_(flat[offset : offset + count].view(buf.shape))
-        offset += count
+    for buf, source in zip(buffers, sources, strict=True):
+        buf.copy_(source)
 
 
 def _inline_payload(groups: list[tuple[str, list[torch.Tensor]]], capacity: int) -> bytes | None:

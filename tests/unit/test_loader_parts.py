@@ -261,3 +261,25 @@ def test_first_touch_writes_one_byte_per_page_and_leaves_the_rest(threads: int) 
     starts[:: mmap.PAGESIZE] = True
     assert (raw[starts] == 0).all() and (raw[~starts] != 0).all()
     assert (tiny == 5).all()
+
+
+def test_flat_pack_and_unpack_round_trip_every_shape() -> None:
+    """The buffers' one flat tensor and back: 0-d (Gemma's embed_scale), 1-D (RoPE's
+    inv_freq), 2-D, and a transposed (non-contiguous) buffer, each value where it was."""
+    import torch
+
+    from fsdpcheck.loader.load import _pack_flat, _unpack_flat
+
+    source = [
+        torch.tensor(3.5),
+        torch.arange(8, dtype=torch.float32),
+        torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100,
+        (torch.arange(6, dtype=torch.float32).reshape(2, 3) + 200).t(),
+    ]
+    flat = _pack_flat(source, torch.device("cpu"))
+    assert flat.shape == (1 + 8 + 6 + 6,)
+    assert flat.tolist() == [v for t in source for v in t.reshape(-1).tolist()]
+    targets = [torch.zeros_like(t) for t in source[:3]] + [torch.zeros(2, 3).t()]
+    _unpack_flat(flat, targets)
+    for got, want in zip(targets, source, strict=True):
+        assert torch.equal(got, want)

@@ -38,18 +38,18 @@ def per_buffer(model: nn.Module, group) -> None:
 
 
 def flat_only(model: nn.Module, group) -> None:
-    """One flat broadcast of every buffer, unvalidated, packed and unpacked as broadcast_buffers
-    does: what coalescing costs without the layout check."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    """One flat broadcast of every buffer, unvalidated, packed and unpacked by broadcast_buffers'
+    own helpers: what coalescing costs without the layout check."""
+    from fsdpcheck.loader.load import _pack_flat, _unpack_flat
 
     buffers = [b for _, b in sorted(model.named_buffers())]
     if dist.get_rank() == 0:
-        flat = _flatten_dense_tensors(buffers)
+        flat = _pack_flat(buffers, torch.device("cpu"))
     else:
         flat = torch.empty(sum(b.numel() for b in buffers))
     dist.broadcast(flat, src=0, group=group)
     if dist.get_rank() != 0:
-        torch._foreach_copy_(buffers, _unflatten_dense_tensors(flat, buffers))
+        _unpack_flat(flat, buffers)
 
 
 def describe(model: nn.Module, rank: int) -> bytes:
