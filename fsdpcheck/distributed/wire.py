@@ -4,7 +4,7 @@ ranks that disagree still exchange cleanly."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,8 +17,13 @@ class Span:
 
     low: tuple[int, ...]
     high: tuple[int, ...]
-    attachment: bytes = b""
+    # the root's attachment (uint8, padded to ``attached``) where it landed: no copy made
+    landed: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
     sent: int = 0  # bytes this member handed to the transport
+
+    @property
+    def attachment(self) -> bytes:
+        return self.landed.numpy().tobytes()
 
     def same(self, start: int = 0, stop: int | None = None) -> bool:
         """Every member held the same words ``start:stop``."""
@@ -37,7 +42,7 @@ def span(
     device: Any = "cpu",
     root: int = 0,
     attached: int = 0,
-    attachment: bytes = b"",
+    attachment: bytes | torch.Tensor | None = None,
 ) -> Span:
     """Collective: each of ``words`` (int64, as many on every member) as its minimum and maximum
     over the group, and the member at group index ``root``'s ``attachment`` (padded to
@@ -52,14 +57,19 @@ def span(
     attachment against ``INT64_MIN`` elsewhere): NCCL's small all-reduces run as a tree."""
     n = len(words)
     extra = -(-attached // 8)
-    if len(attachment) > attached:
-        raise ValueError(f"attachment of {len(attachment)} bytes exceeds attached={attached}")
+    if isinstance(attachment, bytes | bytearray):
+        raw = bytearray(attachment)
+        attachment = torch.frombuffer(raw, dtype=torch.uint8) if raw else None
+    size_of = 0 if attachment is None else attachment.numel()
+    if size_of > attached:
+        raise ValueError(f"attachment of {size_of} bytes exceeds attached={attached}")
     me = dist.get_rank(group=group)
     mine = torch.tensor([*words, *(-w for w in words)], dtype=torch.int64)
-    payload = torch.empty(0, dtype=torch.int64)
-    if extra:
-        raw = bytearray(attachment.ljust(extra * 8, b"\0"))
-        payload = torch.frombuffer(raw, dtype=torch.int64)
+    # The root's attachment travels as int64 words after the words; elsewhere only its size
+    # is used.
+    payload = (torch.zeros if me == root else torch.empty)(extra, dtype=torch.int64)
+    if size_of and me == root:
+        payload.view(torch.uint8)[:size_of].copy_(attachment.reshape(-1))
     if torch.device(device).type != "cpu":
         if me != root:
             payload = torch.full((extra,), _INT64_MIN, dtype=torch.int64)
@@ -70,8 +80,8 @@ def span(
     else:
         got, sent = _tree(mine, payload, group, me=me, size=size, root=root, n=n)
         low, high = got[:n], -got[n : 2 * n]
-    raw = got[2 * n :].numpy().tobytes()[:attached] if attached else b""
-    return Span(tuple(low.tolist()), tuple(high.tolist()), raw, sent)
+    landed = got[2 * n :].view(torch.uint8)[:attached]
+    return Span(tuple(low.tolist()), tuple(high.tolist()), landed, sent)
 
 
 def _tree(

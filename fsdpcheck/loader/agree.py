@@ -216,7 +216,7 @@ class Agreement:
     layout: Layout
     collectives: int
     bucketed: list[Any]
-    inline: bytes | None
+    inline: torch.Tensor | None  # uint8: where src's packed buffers landed
 
 
 def agree(
@@ -226,7 +226,7 @@ def agree(
     group: Any,
     ranks: list[int],
     fast: tuple[str, str | None] | None = None,
-    inline: bytes | None = None,
+    inline: torch.Tensor | None = None,
     inline_capacity: int = 0,
 ) -> Agreement:
     """Collective: the ranks' digests compared by their least and greatest values
@@ -238,7 +238,7 @@ def agree(
     gathered, in group order, so every rank takes the same decision from them. With
     ``inline_capacity`` (the same on every rank), ``src`` attaches ``inline`` (its packed
     buffers, or None) to the same round; every rank gets it back when the layouts agree."""
-    attach = inline is not None and len(inline) <= inline_capacity
+    attach = inline is not None and inline.numel() <= inline_capacity
     spread = span(
         check_words(mine, fast, inline=attach),
         group,
@@ -246,11 +246,11 @@ def agree(
         device=transport_device(group),
         root=ranks.index(src),
         attached=inline_capacity,
-        attachment=inline if attach else b"",
+        attachment=inline if attach else None,
     )
     layouts = slice(_DIGESTS, _DIGESTS + 4)  # the buffers' and the state's digests
     if spread.same(layouts.start, layouts.stop) and not spread.high[_PROBLEMS]:
-        attached = spread.attachment if spread.high[_INLINE] else None
+        attached = spread.landed if spread.high[_INLINE] else None
         if spread.low[_NO_FAST]:  # no rank takes the bucketed path
             return Agreement(mine.buffers, 1, [None] * len(ranks), attached)
         if spread.same(layouts.stop) and not (spread.high[_NO_FAST] or spread.high[_FAST_REASON]):

@@ -321,17 +321,21 @@ def _unpack_flat(flat: torch.Tensor, buffers: list[torch.Tensor]) -> None:
         buf.copy_(source)
 
 
-def _inline_payload(groups: list[tuple[str, list[torch.Tensor]]], capacity: int) -> bytes | None:
-    """Every dtype's packed buffers, each starting at an ``_ALIGN`` multiple; None past
-    ``capacity``."""
-    need = sum(aligned(sum(b.numel() for b in bs) * bs[0].element_size()) for _, bs in groups)
-    if need > capacity:
+def _inline_payload(
+    groups: list[tuple[str, list[torch.Tensor]]], capacity: int
+) -> torch.Tensor | None:
+    """Every dtype's packed buffers as bytes (uint8, on the host), each starting at an
+    ``_ALIGN`` multiple; None past ``capacity``."""
+    sizes = [sum(b.numel() for b in bs) * bs[0].element_size() for _, bs in groups]
+    if sum(aligned(n) for n in sizes) > capacity:
         return None
-    parts = []
-    for _, buffers in groups:
-        raw = _pack_flat(buffers, torch.device("cpu")).view(torch.uint8).numpy().tobytes()
-        parts.append(raw.ljust(aligned(len(raw)), b"\0"))
-    return b"".join(parts)
+    payload = torch.zeros(sum(aligned(n) for n in sizes), dtype=torch.uint8)
+    offset = 0
+    for (_, buffers), nbytes in zip(groups, sizes, strict=True):
+        flat = _pack_flat(buffers, torch.device("cpu"))
+        payload[offset : offset + nbytes].copy_(flat.view(torch.uint8))
+        offset += aligned(nbytes)
+    return payload
 
 
 def _broadcast_flat(
@@ -341,12 +345,13 @@ def _broadcast_flat(
     src: int,
     group: Any,
     named: Mapping[str, torch.Tensor] | None = None,
-    inline: bytes | None = None,
+    inline: torch.Tensor | None = None,
     groups: list[tuple[str, list[torch.Tensor]]] | None = None,
 ) -> BufferBroadcast:
     """One broadcast per dtype, buffers packed in name order; every rank holds ``layout``.
     ``named``: the buffers, when nothing can have replaced them since they were described.
-    ``inline``: the packed values, already received with the check: nothing left to send.
+    ``inline``: the packed values (uint8), already received with the check: nothing left to
+    send; they are unpacked from where they landed.
     ``groups``: :func:`_by_dtype` of ``layout``, when the caller has it already."""
     if groups is None:
         if named is None:
@@ -360,9 +365,8 @@ def _broadcast_flat(
             count = sum(b.numel() for b in buffers)
             nbytes = count * buffers[0].element_size()
             if inline is not None:
-                if not is_src:
-                    raw = bytearray(inline[offset : offset + nbytes])
-                    _unpack_flat(torch.frombuffer(raw, dtype=buffers[0].dtype), buffers)
+                if not is_src:  # a view: the offsets are _ALIGN multiples of an int64 tensor
+                    _unpack_flat(inline[offset : offset + nbytes].view(buffers[0].dtype), buffers)
                 offset += aligned(nbytes)
                 sent += nbytes
                 continue
