@@ -308,8 +308,10 @@ def _pack_flat(buffers: list[torch.Tensor], device: torch.device) -> torch.Tenso
     return flat.to(device)
 
 
-def _unpack_flat(flat: torch.Tensor, buffers: list[torch.Tensor]) -> None:
-    parts = flat.split([b.numel() for b in buffers])
+def _unpack_flat(
+    flat: torch.Tensor, buffers: list[torch.Tensor], sizes: list[int] | None = None
+) -> None:
+    parts = flat.split(sizes if sizes is not None else [b.numel() for b in buffers])
     sources = [p if b.dim() == 1 else p.view(b.shape) for p, b in zip(parts, buffers, strict=True)]
     try:  # one C++ call; asking every buffer for its device first costs as much again
         torch._foreach_copy_(buffers, sources)
@@ -327,13 +329,18 @@ def _inline_payload(
     """Every dtype's packed buffers as bytes (uint8, on the host), each starting at an
     ``_ALIGN`` multiple; None past ``capacity``."""
     sizes = [sum(b.numel() for b in bs) * bs[0].element_size() for _, bs in groups]
-    if sum(aligned(n) for n in sizes) > capacity:
+    need = sum(aligned(n) for n in sizes)
+    if need > capacity:
         return None
-    payload = torch.zeros(sum(aligned(n) for n in sizes), dtype=torch.uint8)
+    payload = torch.zeros(need, dtype=torch.uint8)
     offset = 0
     for (_, buffers), nbytes in zip(groups, sizes, strict=True):
-        flat = _pack_flat(buffers, torch.device("cpu"))
-        payload[offset : offset + nbytes].copy_(flat.view(torch.uint8))
+        into = payload[offset : offset + nbytes].view(buffers[0].dtype)
+        try:  # packed where it is sent from: no flat tensor in between
+            torch.cat([b if b.dim() == 1 else b.reshape(-1) for b in buffers], out=into)
+        except RuntimeError:  # buffers off the host, or on several devices
+            log.debug("buffers not packed in place", exc_info=True)
+            into.copy_(_pack_flat(buffers, torch.device("cpu")))
         offset += aligned(nbytes)
     return payload
 
@@ -357,19 +364,23 @@ def _broadcast_flat(
         if named is None:
             named = non_persistent_buffers(model)  # after to_empty(): the new tensors
         groups = _by_dtype(named, layout)
-    device = transport_device(group)
     is_src = dist.get_rank() == src
+    device = None
     sent = broadcasts = offset = 0
     with torch.no_grad():
         for _, buffers in groups:
-            count = sum(b.numel() for b in buffers)
+            sizes = [b.numel() for b in buffers]
+            count = sum(sizes)
             nbytes = count * buffers[0].element_size()
             if inline is not None:
                 if not is_src:  # a view: the offsets are _ALIGN multiples of an int64 tensor
-                    _unpack_flat(inline[offset : offset + nbytes].view(buffers[0].dtype), buffers)
+                    flat = inline[offset : offset + nbytes].view(buffers[0].dtype)
+                    _unpack_flat(flat, buffers, sizes)
                 offset += aligned(nbytes)
                 sent += nbytes
                 continue
+            if device is None:
+                device = transport_device(group)
             if is_src:
                 flat = _pack_flat(buffers, device)
             else:
@@ -379,7 +390,7 @@ def _broadcast_flat(
             broadcasts += 1
             sent += nbytes
             if not is_src:
-                _unpack_flat(flat, buffers)
+                _unpack_flat(flat, buffers, sizes)
     return BufferBroadcast(
         names=tuple(name for name, _, _ in layout),
         dtypes=tuple(dtype for dtype, _ in groups),
