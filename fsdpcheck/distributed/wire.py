@@ -34,6 +34,19 @@ _SPAN_TAG = 0x5350  # the tree's sends and receives, apart from any other on the
 _INT64_MIN = -(2**63)
 
 
+def landing_for(count: int, attached: int) -> torch.Tensor:
+    """Where a :func:`span` of ``count`` words and ``attached`` bytes lands, made before it runs
+    (pass it as ``landing``): the root may pack its attachment straight into
+    :func:`landed_bytes` of it, and the other members may lay out views of theirs while they
+    wait."""
+    return torch.zeros(2 * count + -(-attached // 8), dtype=torch.int64)
+
+
+def landed_bytes(landing: torch.Tensor, count: int, attached: int) -> torch.Tensor:
+    """The attachment's place in ``landing`` (uint8)."""
+    return landing[2 * count :].view(torch.uint8)[:attached]
+
+
 def span(
     words: Sequence[int],
     group: Any,
@@ -43,11 +56,14 @@ def span(
     root: int = 0,
     attached: int = 0,
     attachment: bytes | torch.Tensor | None = None,
+    landing: torch.Tensor | None = None,
 ) -> Span:
     """Collective: each of ``words`` (int64, as many on every member) as its minimum and maximum
     over the group, and the member at group index ``root``'s ``attachment`` (padded to
     ``attached`` bytes, the same on every member) on every member. Equal minimum and maximum:
     every member holds that word; where they differ, the caller fetches the details.
+    ``landing`` (from :func:`landing_for`): where the result lands; at the root, an attachment
+    already packed into its :func:`landed_bytes` is sent from there.
 
     The cost does not grow with the group per member: on gloo a binary tree rooted at ``root``
     of point-to-point messages (each member receives from at most two children and sends one
@@ -63,32 +79,35 @@ def span(
     size_of = 0 if attachment is None else attachment.numel()
     if size_of > attached:
         raise ValueError(f"attachment of {size_of} bytes exceeds attached={attached}")
+    down = landing_for(n, attached) if landing is None else landing
+    if down.numel() != 2 * n + extra:
+        raise ValueError(f"landing of {down.numel()} words for {n} words and {attached} bytes")
     me = dist.get_rank(group=group)
     mine = torch.tensor([*words, *(-w for w in words)], dtype=torch.int64)
-    # The root's attachment travels as int64 words after the words; elsewhere only its size
-    # is used.
-    payload = (torch.zeros if me == root else torch.empty)(extra, dtype=torch.int64)
-    if size_of and me == root:
-        payload.view(torch.uint8)[:size_of].copy_(attachment.reshape(-1))
+    place = landed_bytes(down, n, attached)
+    if size_of and me == root and attachment.data_ptr() != place.data_ptr():
+        place[:size_of].copy_(attachment.reshape(-1))  # packed elsewhere: into its place
     if torch.device(device).type != "cpu":
         if me != root:
-            payload = torch.full((extra,), _INT64_MIN, dtype=torch.int64)
-        both = torch.cat([mine, payload]).to(device)
+            down[2 * n :] = _INT64_MIN
+        down[: 2 * n] = mine
+        both = down.to(device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        got, sent = both.cpu(), both.numel() * 8
-        high, low = got[:n], -got[n : 2 * n]
+        down.copy_(both)
+        sent = both.numel() * 8
+        high, low = down[:n], -down[n : 2 * n]
     else:
-        got, sent = _tree(mine, payload, group, me=me, size=size, root=root, n=n)
-        low, high = got[:n], -got[n : 2 * n]
-    landed = got[2 * n :].view(torch.uint8)[:attached]
-    return Span(tuple(low.tolist()), tuple(high.tolist()), landed, sent)
+        sent = _tree(mine, down, group, me=me, size=size, root=root, n=n)
+        low, high = down[:n], -down[n : 2 * n]
+    return Span(tuple(low.tolist()), tuple(high.tolist()), place, sent)
 
 
 def _tree(
-    mine: torch.Tensor, payload: torch.Tensor, group: Any, *, me: int, size: int, root: int, n: int
-) -> tuple[torch.Tensor, int]:
-    """``[min words, −max words, root's payload]`` on every member: up a binary tree of the
-    members rotated so that ``root`` is its root, then down it."""
+    mine: torch.Tensor, down: torch.Tensor, group: Any, *, me: int, size: int, root: int, n: int
+) -> int:
+    """``down`` becomes ``[min words, −max words, root's payload]`` on every member (the root's
+    holds its payload after the words already): up a binary tree of the members rotated so that
+    ``root`` is its root, then down it. Returns the bytes this member sent."""
     position = (me - root) % size
     children = [(c + root) % size for c in (2 * position + 1, 2 * position + 2) if c < size]
     parent = ((position - 1) // 2 + root) % size if position else None
@@ -101,16 +120,15 @@ def _tree(
     for work, buf in zip(works, waiting, strict=True):
         work.wait()
         mine = torch.minimum(mine, buf)
-    down = torch.empty(2 * n + payload.numel(), dtype=torch.int64)
     if parent is None:
-        down = torch.cat([mine, payload])
+        down[: 2 * n] = mine
     else:
         dist.send(mine, group=group, group_dst=parent, tag=_SPAN_TAG)
         dist.recv(down, group=group, group_src=parent, tag=_SPAN_TAG)
     for c in children:
         dist.send(down, group=group, group_dst=c, tag=_SPAN_TAG)
     up = 0 if parent is None else mine.numel()
-    return down, 8 * (up + len(children) * down.numel())
+    return 8 * (up + len(children) * down.numel())
 
 
 def transport_device(group: Any) -> torch.device:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.distributed.wire import span, transport_device
+from fsdpcheck.distributed.wire import landed_bytes, landing_for, span, transport_device
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.loader.names import Placement, placement
 from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers
@@ -173,8 +173,19 @@ _DIGEST = 16
 _INLINE_MAX, _INLINE_MIN, _INLINE_TOTAL = 64 * 2**10, 4 * 2**10, 2**20
 
 
+_WORD_COUNT = _DIGESTS + 3 * _DIGEST // 8  # check_words' length
+
+
 def inline_capacity_for(world_size: int) -> int:
     return max(_INLINE_MIN, min(_INLINE_MAX, _INLINE_TOTAL // max(world_size, 1)))
+
+
+def check_landing(inline_capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where :func:`agree`'s round lands (pass it as ``landing``), and the place in it (uint8)
+    where ``src``'s inline buffers land: ``src`` packs them there, the other ranks may lay out
+    their views of it before the round."""
+    landing = landing_for(_WORD_COUNT, inline_capacity)
+    return landing, landed_bytes(landing, _WORD_COUNT, inline_capacity)
 
 
 def check_words(
@@ -228,6 +239,7 @@ def agree(
     fast: tuple[str, str | None] | None = None,
     inline: torch.Tensor | None = None,
     inline_capacity: int = 0,
+    landing: torch.Tensor | None = None,
 ) -> Agreement:
     """Collective: the ranks' digests compared by their least and greatest values
     (:func:`~fsdpcheck.distributed.wire.span`: a tree, the same few hundred bytes per rank
@@ -237,7 +249,8 @@ def agree(
     is the same digest with no reason, each rank's entry is that one; otherwise every rank's is
     gathered, in group order, so every rank takes the same decision from them. With
     ``inline_capacity`` (the same on every rank), ``src`` attaches ``inline`` (its packed
-    buffers, or None) to the same round; every rank gets it back when the layouts agree."""
+    buffers, or None) to the same round; every rank gets it back when the layouts agree, in
+    ``landing`` where given (:func:`check_landing`)."""
     attach = inline is not None and inline.numel() <= inline_capacity
     spread = span(
         check_words(mine, fast, inline=attach),
@@ -247,6 +260,7 @@ def agree(
         root=ranks.index(src),
         attached=inline_capacity,
         attachment=inline if attach else None,
+        landing=landing,
     )
     layouts = slice(_DIGESTS, _DIGESTS + 4)  # the buffers' and the state's digests
     if spread.same(layouts.start, layouts.stop) and not spread.high[_PROBLEMS]:

@@ -50,6 +50,7 @@ from fsdpcheck.loader.agree import (
     Layout,
     StateDictMismatchError,
     agree,
+    check_landing,
     inline_capacity_for,
     local_layout,
     member_ranks,
@@ -222,16 +223,26 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
     rank = dist.get_rank()
     mine = local_layout(model, rank, src=src, source=None, with_state=False)
     capacity = inline_capacity_for(len(ranks))
-    payload = groups = None
+    landing, place = check_landing(capacity)
+    payload = groups = sources = None
     if not mine.problems:
         try:  # packed before the check: when the layouts agree, the values arrive with it
             groups = _by_dtype(mine.named, mine.buffers)
-            payload = _inline_payload(groups, capacity) if rank == src else None
+            if rank == src:
+                payload = _inline_payload(groups, capacity, into=place)
+            else:  # where each buffer's values will land, laid out while rank src packs
+                sources = _inline_sources(groups, place)
         except Exception:  # too big or unpackable here: the separate broadcast moves them
             log.debug("buffers not packed inline (capacity %d bytes)", capacity, exc_info=True)
-            payload = None
+            payload = sources = None
     agreed = agree(
-        mine, src=src, group=group, ranks=ranks, inline=payload, inline_capacity=capacity
+        mine,
+        src=src,
+        group=group,
+        ranks=ranks,
+        inline=payload,
+        inline_capacity=capacity,
+        landing=landing,
     )
     collectives = agreed.collectives
     # The layouts agreed, so every rank's own grouping of its buffers is the one to unpack into.
@@ -243,6 +254,7 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
         named=mine.named,
         inline=agreed.inline,
         groups=groups,
+        sources=sources if agreed.inline is not None else None,
     )
     return BufferBroadcast(
         names=moved.names,
@@ -311,8 +323,17 @@ def _pack_flat(buffers: list[torch.Tensor], device: torch.device) -> torch.Tenso
 def _unpack_flat(
     flat: torch.Tensor, buffers: list[torch.Tensor], sizes: list[int] | None = None
 ) -> None:
-    parts = flat.split(sizes if sizes is not None else [b.numel() for b in buffers])
-    sources = [p if b.dim() == 1 else p.view(b.shape) for p, b in zip(parts, buffers, strict=True)]
+    _copy_into(buffers, _views(flat, buffers, sizes or [b.numel() for b in buffers]))
+
+
+def _views(flat: torch.Tensor, buffers: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+    """``flat`` cut into views shaped as ``buffers`` (``sizes``: their numels): one split, and a
+    view() only for buffers that are not 1-D."""
+    parts = flat.split(sizes)
+    return [p if b.dim() == 1 else p.view(b.shape) for p, b in zip(parts, buffers, strict=True)]
+
+
+def _copy_into(buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     try:  # one C++ call; asking every buffer for its device first costs as much again
         torch._foreach_copy_(buffers, sources)
         return
@@ -324,15 +345,18 @@ def _unpack_flat(
 
 
 def _inline_payload(
-    groups: list[tuple[str, list[torch.Tensor]]], capacity: int
+    groups: list[tuple[str, list[torch.Tensor]]],
+    capacity: int,
+    *,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Every dtype's packed buffers as bytes (uint8, on the host), each starting at an
-    ``_ALIGN`` multiple; None past ``capacity``."""
+    """Every dtype's packed buffers as bytes (uint8, on the host; at the start of ``into``
+    where given), each starting at an ``_ALIGN`` multiple; None past ``capacity``."""
     sizes = [sum(b.numel() for b in bs) * bs[0].element_size() for _, bs in groups]
     need = sum(aligned(n) for n in sizes)
     if need > capacity:
         return None
-    payload = torch.zeros(need, dtype=torch.uint8)
+    payload = torch.zeros(need, dtype=torch.uint8) if into is None else into[:need]
     offset = 0
     for (_, buffers), nbytes in zip(groups, sizes, strict=True):
         into = payload[offset : offset + nbytes].view(buffers[0].dtype)
@@ -345,6 +369,24 @@ def _inline_payload(
     return payload
 
 
+def _inline_sources(
+    groups: list[tuple[str, list[torch.Tensor]]], place: torch.Tensor
+) -> list[list[torch.Tensor]] | None:
+    """Per dtype, views of ``place`` (uint8) where each buffer's values land when ``src``'s
+    inline payload arrives there, laid out as :func:`_inline_payload` packs them; None where
+    they would not fit."""
+    sources, offset = [], 0
+    for _, buffers in groups:
+        sizes = [b.numel() for b in buffers]
+        nbytes = sum(sizes) * buffers[0].element_size()
+        if offset + nbytes > place.numel():
+            return None
+        flat = place[offset : offset + nbytes].view(buffers[0].dtype)
+        sources.append(_views(flat, buffers, sizes))
+        offset += aligned(nbytes)
+    return sources
+
+
 def _broadcast_flat(
     model: nn.Module,
     layout: Layout,
@@ -354,12 +396,14 @@ def _broadcast_flat(
     named: Mapping[str, torch.Tensor] | None = None,
     inline: torch.Tensor | None = None,
     groups: list[tuple[str, list[torch.Tensor]]] | None = None,
+    sources: list[list[torch.Tensor]] | None = None,
 ) -> BufferBroadcast:
     """One broadcast per dtype, buffers packed in name order; every rank holds ``layout``.
     ``named``: the buffers, when nothing can have replaced them since they were described.
     ``inline``: the packed values (uint8), already received with the check: nothing left to
     send; they are unpacked from where they landed.
-    ``groups``: :func:`_by_dtype` of ``layout``, when the caller has it already."""
+    ``groups``: :func:`_by_dtype` of ``layout``, when the caller has it already; ``sources``:
+    :func:`_inline_sources` of them, views of where ``inline`` landed."""
     if groups is None:
         if named is None:
             named = non_persistent_buffers(model)  # after to_empty(): the new tensors
@@ -368,7 +412,12 @@ def _broadcast_flat(
     device = None
     sent = broadcasts = offset = 0
     with torch.no_grad():
-        for _, buffers in groups:
+        for index, (_, buffers) in enumerate(groups):
+            if inline is not None and sources is not None:
+                if not is_src:
+                    _copy_into(buffers, sources[index])
+                sent += sum(s.numel() for s in sources[index]) * buffers[0].element_size()
+                continue
             sizes = [b.numel() for b in buffers]
             count = sum(sizes)
             nbytes = count * buffers[0].element_size()

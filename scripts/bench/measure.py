@@ -19,9 +19,12 @@ if TYPE_CHECKING:
 
 
 def rotated(items: Sequence[str], turn: int) -> list[str]:
-    """``items`` starting at ``turn``: no variant always runs right after the same other one."""
+    """``items`` starting at ``turn``, every other turn backwards: each variant runs first in
+    turn, and (with three or more) not always right after the same other one, as it would in a
+    rotation alone (the job before leaves memory, caches and the scheduler in its own state)."""
     k = turn % len(items)
-    return [*items[k:], *items[:k]]
+    order = [*items[k:], *items[:k]]
+    return order[::-1] if turn % 2 else order
 
 
 def median(values: Sequence[float]) -> float:

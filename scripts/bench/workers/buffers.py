@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 
@@ -81,19 +82,32 @@ def two_rounds(model: nn.Module, rank: int, group) -> None:
 
 
 def check(model: nn.Module, rank: int, world: int, group):
-    """``broadcast_buffers``' check alone, as it calls it (rank 0's packed values attached),
-    without unpacking them."""
-    from fsdpcheck.loader.agree import agree, inline_capacity_for, local_layout
-    from fsdpcheck.loader.load import _by_dtype, _inline_payload
+    """``broadcast_buffers``' check alone, as it calls it (rank 0's values packed where they
+    land, the other ranks' views of that place laid out), without copying the values out."""
+    from fsdpcheck.loader.agree import agree, check_landing, inline_capacity_for, local_layout
+    from fsdpcheck.loader.load import _by_dtype, _inline_payload, _inline_sources
 
     capacity = inline_capacity_for(world)
     ranks = list(range(world))
 
     def run() -> None:
         mine = local_layout(model, rank, src=0, source=None, with_state=False)
+        landing, place = check_landing(capacity)
         packed = _by_dtype(mine.named, mine.buffers)
-        payload = _inline_payload(packed, capacity) if rank == 0 else None
-        agree(mine, src=0, group=group, ranks=ranks, inline=payload, inline_capacity=capacity)
+        payload = None
+        if rank == 0:
+            payload = _inline_payload(packed, capacity, into=place)
+        else:
+            _inline_sources(packed, place)
+        agree(
+            mine,
+            src=0,
+            group=group,
+            ranks=ranks,
+            inline=payload,
+            inline_capacity=capacity,
+            landing=landing,
+        )
 
     return run
 
@@ -128,9 +142,11 @@ def main() -> int:
     spans: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
     names = list(methods)
     for repeat in range(args.repeats):
-        # Rotating order: no method always runs right after another (the per-buffer loop's 200
-        # collectives leave caches and the scheduler in a different state from a single one).
-        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+        # A new order every repeat, the same on every rank (seeded by the repeat): no method
+        # runs after the same one each time (the per-buffer loop's 200 collectives leave
+        # caches and the scheduler in a different state from a single one; a rotation kept
+        # broadcast_buffers right after it in all but one repeat in seven).
+        for name in random.Random(repeat).sample(names, len(names)):
             fn = methods[name]
             dist.barrier(group=group)
             start = time.perf_counter()
