@@ -34,6 +34,33 @@ _SPAN_TAG = 0x5350  # the tree's sends and receives, apart from any other on the
 _INT64_MIN = -(2**63)
 
 
+@dataclass(frozen=True)
+class Posted:
+    """The receives a member's :func:`span` waits on first (its children's words, in the tree),
+    posted ahead of it by :func:`post_span`."""
+
+    count: int
+    works: tuple[Any, ...]
+    buffers: tuple[torch.Tensor, ...]
+
+
+def post_span(count: int, group: Any, *, size: int, root: int = 0) -> Posted:
+    """Post this member's first receives of a :func:`span` of ``count`` words over gloo, so that
+    its children's words arrive while it prepares its own: pass the result to that span, which
+    must follow (a receive left posted would take the next span's message)."""
+    children = _children((dist.get_rank(group=group) - root) % size, size, root)
+    buffers = tuple(torch.empty(2 * count, dtype=torch.int64) for _ in children)
+    works = tuple(
+        dist.irecv(buf, group=group, group_src=c, tag=_SPAN_TAG)
+        for buf, c in zip(buffers, children, strict=True)
+    )
+    return Posted(count, works, buffers)
+
+
+def _children(position: int, size: int, root: int) -> list[int]:
+    return [(c + root) % size for c in (2 * position + 1, 2 * position + 2) if c < size]
+
+
 def landing_for(count: int, attached: int) -> torch.Tensor:
     """Where a :func:`span` of ``count`` words and ``attached`` bytes lands, made before it runs
     (pass it as ``landing``): the root may pack its attachment straight into
@@ -57,13 +84,15 @@ def span(
     attached: int = 0,
     attachment: bytes | torch.Tensor | None = None,
     landing: torch.Tensor | None = None,
+    posted: Posted | None = None,
 ) -> Span:
     """Collective: each of ``words`` (int64, as many on every member) as its minimum and maximum
     over the group, and the member at group index ``root``'s ``attachment`` (padded to
     ``attached`` bytes, the same on every member) on every member. Equal minimum and maximum:
     every member holds that word; where they differ, the caller fetches the details.
     ``landing`` (from :func:`landing_for`): where the result lands; at the root, an attachment
-    already packed into its :func:`landed_bytes` is sent from there.
+    already packed into its :func:`landed_bytes` is sent from there. ``posted`` (from
+    :func:`post_span`, gloo only): this member's first receives, already posted.
 
     The cost does not grow with the group per member: on gloo a binary tree rooted at ``root``
     of point-to-point messages (each member receives from at most two children and sends one
@@ -87,6 +116,8 @@ def span(
     place = landed_bytes(down, n, attached)
     if size_of and me == root and attachment.data_ptr() != place.data_ptr():
         place[:size_of].copy_(attachment.reshape(-1))  # packed elsewhere: into its place
+    if posted is not None and (posted.count != n or torch.device(device).type != "cpu"):
+        raise ValueError("posted receives for another span (or for gloo, on NCCL)")
     if torch.device(device).type != "cpu":
         if me != root:
             down[2 * n :] = _INT64_MIN
@@ -97,27 +128,32 @@ def span(
         sent = both.numel() * 8
         high, low = down[:n], -down[n : 2 * n]
     else:
-        sent = _tree(mine, down, group, me=me, size=size, root=root, n=n)
+        sent = _tree(mine, down, group, me=me, size=size, root=root, n=n, posted=posted)
         low, high = down[:n], -down[n : 2 * n]
     return Span(tuple(low.tolist()), tuple(high.tolist()), place, sent)
 
 
 def _tree(
-    mine: torch.Tensor, down: torch.Tensor, group: Any, *, me: int, size: int, root: int, n: int
+    mine: torch.Tensor,
+    down: torch.Tensor,
+    group: Any,
+    *,
+    me: int,
+    size: int,
+    root: int,
+    n: int,
+    posted: Posted | None = None,
 ) -> int:
     """``down`` becomes ``[min words, −max words, root's payload]`` on every member (the root's
     holds its payload after the words already): up a binary tree of the members rotated so that
     ``root`` is its root, then down it. Returns the bytes this member sent."""
     position = (me - root) % size
-    children = [(c + root) % size for c in (2 * position + 1, 2 * position + 2) if c < size]
+    children = _children(position, size, root)
     parent = ((position - 1) // 2 + root) % size if position else None
     # mine holds [words, −words]: the elementwise minimum of both halves is [min, −max].
-    waiting = [torch.empty(2 * n, dtype=torch.int64) for _ in children]
-    works = [
-        dist.irecv(buf, group=group, group_src=c, tag=_SPAN_TAG)
-        for buf, c in zip(waiting, children, strict=True)
-    ]
-    for work, buf in zip(works, waiting, strict=True):
+    if posted is None:
+        posted = post_span(n, group, size=size, root=root)
+    for work, buf in zip(posted.works, posted.buffers, strict=True):
         work.wait()
         mine = torch.minimum(mine, buf)
     if parent is None:

@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpcheck.distributed.wire import landed_bytes, landing_for, span, transport_device
+from fsdpcheck.distributed.wire import (
+    Posted,
+    landed_bytes,
+    landing_for,
+    post_span,
+    span,
+    transport_device,
+)
 from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.loader.names import Placement, placement
 from fsdpcheck.model.fingerprint import dtype_name, non_persistent_buffers
@@ -180,6 +187,15 @@ def inline_capacity_for(world_size: int) -> int:
     return max(_INLINE_MIN, min(_INLINE_MAX, _INLINE_TOTAL // max(world_size, 1)))
 
 
+def post_check(group: Any, ranks: list[int], src: int) -> Posted | None:
+    """Post this rank's first receives of :func:`agree`'s round (gloo), so that the ranks
+    below it in the tree can send their words while this rank still describes and packs: pass
+    it to that agree, which must follow. None on NCCL (one all_reduce, nothing to post)."""
+    if transport_device(group).type != "cpu":
+        return None
+    return post_span(_WORD_COUNT, group, size=len(ranks), root=ranks.index(src))
+
+
 def check_landing(inline_capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Where :func:`agree`'s round lands (pass it as ``landing``), and the place in it (uint8)
     where ``src``'s inline buffers land: ``src`` packs them there, the other ranks may lay out
@@ -240,6 +256,7 @@ def agree(
     inline: torch.Tensor | None = None,
     inline_capacity: int = 0,
     landing: torch.Tensor | None = None,
+    posted: Posted | None = None,
 ) -> Agreement:
     """Collective: the ranks' digests compared by their least and greatest values
     (:func:`~fsdpcheck.distributed.wire.span`: a tree, the same few hundred bytes per rank
@@ -250,7 +267,7 @@ def agree(
     gathered, in group order, so every rank takes the same decision from them. With
     ``inline_capacity`` (the same on every rank), ``src`` attaches ``inline`` (its packed
     buffers, or None) to the same round; every rank gets it back when the layouts agree, in
-    ``landing`` where given (:func:`check_landing`)."""
+    ``landing`` where given (:func:`check_landing`). ``posted``: :func:`post_check`'s."""
     attach = inline is not None and inline.numel() <= inline_capacity
     spread = span(
         check_words(mine, fast, inline=attach),
@@ -261,6 +278,7 @@ def agree(
         attached=inline_capacity,
         attachment=inline if attach else None,
         landing=landing,
+        posted=posted,
     )
     layouts = slice(_DIGESTS, _DIGESTS + 4)  # the buffers' and the state's digests
     if spread.same(layouts.start, layouts.stop) and not spread.high[_PROBLEMS]:

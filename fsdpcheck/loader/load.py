@@ -54,6 +54,7 @@ from fsdpcheck.loader.agree import (
     inline_capacity_for,
     local_layout,
     member_ranks,
+    post_check,
     raise_if_any_failed,
 )
 from fsdpcheck.loader.names import through_hooks_source
@@ -221,6 +222,8 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
             f"broadcast_buffers: src={src} is not in `group` (ranks {int_ranges(ranks)})."
         )
     rank = dist.get_rank()
+    # The ranks below this one in the check's tree send their words as soon as they have them.
+    posted = post_check(group, ranks, src)
     mine = local_layout(model, rank, src=src, source=None, with_state=False)
     capacity = inline_capacity_for(len(ranks))
     landing, place = check_landing(capacity)
@@ -243,6 +246,7 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
         inline=payload,
         inline_capacity=capacity,
         landing=landing,
+        posted=posted,
     )
     collectives = agreed.collectives
     # The layouts agreed, so every rank's own grouping of its buffers is the one to unpack into.
