@@ -32,6 +32,7 @@ class Span:
 
 _SPAN_TAG = 0x5350  # the tree's sends and receives, apart from any other on the side channel
 _INT64_MIN = -(2**63)
+_STAR_MAX = 4  # groups up to this size span as a star: the root's children are all the others
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,16 @@ def post_span(count: int, group: Any, *, size: int, root: int = 0) -> Posted:
     return Posted(count, works, buffers)
 
 
+def _fan_out(size: int) -> int:
+    """Children per member: every other member under the root up to ``_STAR_MAX`` members (one
+    hop up and one down, where a binary tree of 4 takes two each way, each a wake-up of a
+    process that may share its core), two beyond (bytes per member bounded by 2 messages)."""
+    return size - 1 if size <= _STAR_MAX else 2
+
+
 def _children(position: int, size: int, root: int) -> list[int]:
-    return [(c + root) % size for c in (2 * position + 1, 2 * position + 2) if c < size]
+    k = _fan_out(size)
+    return [(c + root) % size for c in range(k * position + 1, k * position + k + 1) if c < size]
 
 
 def landing_for(count: int, attached: int) -> torch.Tensor:
@@ -94,12 +103,13 @@ def span(
     already packed into its :func:`landed_bytes` is sent from there. ``posted`` (from
     :func:`post_span`, gloo only): this member's first receives, already posted.
 
-    The cost does not grow with the group per member: on gloo a binary tree rooted at ``root``
-    of point-to-point messages (each member receives from at most two children and sends one
-    message up, then receives one from its parent and forwards it to at most two children:
-    2·log2(size) hops), where gloo's own all_reduce is a ring (2·(size − 1) hops, one after
-    another). On NCCL, one all_reduce (MAX of the negated and plain words, the root's
-    attachment against ``INT64_MIN`` elsewhere): NCCL's small all-reduces run as a tree."""
+    The cost does not grow with the group per member: on gloo a tree rooted at ``root`` of
+    point-to-point messages (each member receives from its children and sends one message up,
+    then receives one from its parent and forwards it to its children), where gloo's own
+    all_reduce is a ring (2·(size − 1) hops, one after another). Up to ``_STAR_MAX`` members
+    the tree is a star (2 hops), beyond it binary (2·log2(size) hops, at most two children).
+    On NCCL, one all_reduce (MAX of the negated and plain words, the root's attachment against
+    ``INT64_MIN`` elsewhere): NCCL's small all-reduces run as a tree."""
     n = len(words)
     extra = -(-attached // 8)
     if isinstance(attachment, bytes | bytearray):
@@ -149,7 +159,7 @@ def _tree(
     ``root`` is its root, then down it. Returns the bytes this member sent."""
     position = (me - root) % size
     children = _children(position, size, root)
-    parent = ((position - 1) // 2 + root) % size if position else None
+    parent = ((position - 1) // _fan_out(size) + root) % size if position else None
     # mine holds [words, −words]: the elementwise minimum of both halves is [min, −max].
     if posted is None:
         posted = post_span(n, group, size=size, root=root)

@@ -176,7 +176,8 @@ def source_problems(rank: int, state: Layout, source: dict[str, torch.Tensor] | 
 _PROBLEMS, _NO_FAST, _FAST_REASON, _INLINE, _DIGESTS = range(5)
 _DIGEST = 16
 # The buffers' values ride along with the check (one round, not two) when they fit in this
-# much; every rank then forwards at most twice this, whatever the world size.
+# much; every rank then forwards it at most twice (three times, the root of a star of 4),
+# whatever the world size.
 _INLINE_MAX, _INLINE_MIN, _INLINE_TOTAL = 64 * 2**10, 4 * 2**10, 2**20
 
 

@@ -30,6 +30,18 @@ def test_span_gives_every_rank_each_words_least_and_greatest_and_the_roots_attac
     assert max(r["span"]["sent"] for r in ranks) <= 3 * 8 * (2 * 3 + 2)
 
 
+def test_groups_of_four_and_three_span_as_a_star_with_receives_posted_ahead(ranks):
+    for size, members in ((4, [0, 1, 2, 3]), (3, [1, 2, 4])):
+        got = [ranks[m]["small"][str(size)] for m in members]
+        for entry in got:
+            assert entry["low"] == [7, 0, -(size - 1)] and entry["high"] == [7, size - 1, 0]
+            assert entry["attachment"] == f"root {size - 2}"
+        # A star: the root sends one message down to each other member, each of them one up
+        down = 8 * (2 * 3 + 2)
+        assert [e["sent"] for e in got if e["root"]] == [(size - 1) * down]
+        assert all(e["sent"] == 8 * 2 * 3 for e in got if not e["root"])
+
+
 def test_members_that_agree_cost_each_rank_a_few_store_calls_per_collective(ranks):
     for me, rank in enumerate(ranks):
         got = rank["agree"]

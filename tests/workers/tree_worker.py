@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from hooked import rank, write
 
-from fsdpcheck.distributed.wire import span
+from fsdpcheck.distributed.wire import post_span, span
 from fsdpcheck.step.watch import ChannelLost, CollectiveWatch, StepDiverged
 
 TIMEOUT = 3.0
@@ -48,6 +48,36 @@ def spans(me: int, world: int) -> dict:
         "attachment": agreed.attachment.rstrip(b"\0").decode(),
         "sent": agreed.sent,
     }
+
+
+def small_spans(me: int) -> dict:
+    """``span`` over groups of 4 and 3 members (a star: every member under the root), the root
+    not the group's first member; odd members post their first receives ahead (post_span)."""
+    out = {}
+    for members in ([0, 1, 2, 3], [1, 4, 2]):
+        group = dist.new_group(members, backend="gloo")  # every rank creates it
+        if me not in members:
+            continue
+        # a group ranks its members in global rank order, whatever order they are listed in
+        index, size, root = dist.get_rank(group), len(members), len(members) - 2
+        posted = post_span(3, group, size=size, root=root) if index % 2 else None
+        agreed = span(
+            [7, index, -index],
+            group,
+            size=size,
+            root=root,
+            attached=16,
+            attachment=f"root {root}".encode() if index == root else b"not the root",
+            posted=posted,
+        )
+        out[str(size)] = {
+            "low": list(agreed.low),
+            "high": list(agreed.high),
+            "attachment": agreed.attachment.rstrip(b"\0").decode(),
+            "sent": agreed.sent,
+            "root": index == root,
+        }
+    return out
 
 
 def watched(case: str, me: int, world: int, store) -> dict:
@@ -104,7 +134,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     me, world = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
-    record = {"span": spans(me, world)}
+    record = {"span": spans(me, world), "small": small_spans(me)}
     for case in ("agree", "differ", "ended", "silent", "nostore-differ", "unnamed"):
         record[case] = watched(case, me, world, store)
         dist.barrier()

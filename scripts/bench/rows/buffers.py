@@ -26,7 +26,7 @@ def row_buffers(s: Settings) -> Row:
     )
     repeats = 5 if s.quick else 30
     # Several launches: a launch's processes can land badly on the cores for all its repeats.
-    launches = 1 if s.quick else 3
+    launches = 1 if s.quick else 5
     for world in (2, 4):
         times: dict[str, list[float]] = {}
         ratios = []
