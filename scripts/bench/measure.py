@@ -19,12 +19,13 @@ if TYPE_CHECKING:
 
 
 def rotated(items: Sequence[str], turn: int) -> list[str]:
-    """``items`` starting at ``turn``, every other turn backwards: each variant runs first in
-    turn, and (with three or more) not always right after the same other one, as it would in a
-    rotation alone (the job before leaves memory, caches and the scheduler in its own state)."""
+    """``items`` starting at ``turn``; with three or more, every other turn backwards: each
+    variant runs first in turn, and not always right after the same other one, as it would in
+    a rotation alone (the job before leaves memory, caches and the scheduler in its own state).
+    Two alternate: reversing their rotation would put the same one first every turn."""
     k = turn % len(items)
     order = [*items[k:], *items[:k]]
-    return order[::-1] if turn % 2 else order
+    return order[::-1] if turn % 2 and len(items) > 2 else order
 
 
 def median(values: Sequence[float]) -> float:

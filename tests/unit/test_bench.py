@@ -129,3 +129,14 @@ def test_the_init_rows_stages_add_up_to_the_wall() -> None:
     assert stages["load"] == 3.0 and stages["gather"] == 0.0
     assert stages["other stages"] == 0.1
     assert abs(sum(stages.values()) - 10.0) < 1e-9
+
+
+def test_rotated_puts_each_variant_first_in_turn_and_varies_successors() -> None:
+    from bench.measure import rotated
+
+    two = [rotated(["a", "b"], turn) for turn in range(4)]
+    assert [order[0] for order in two] == ["a", "b", "a", "b"]
+    three = [rotated(["a", "b", "c"], turn) for turn in range(6)]
+    assert {order[0] for order in three} == {"a", "b", "c"}
+    after_a = {order[order.index("a") + 1] for order in three if order[-1] != "a"}
+    assert after_a == {"b", "c"}
