@@ -46,7 +46,9 @@ from torch.distributed.checkpoint.state_dict import (
 from fsdpcheck.distributed.wire import transport_device
 from fsdpcheck.errors import InputError
 from fsdpcheck.loader.agree import (
+    Agreement,
     BufferMismatchError,
+    Exchange,
     Layout,
     StateDictMismatchError,
     agree,
@@ -221,6 +223,40 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
         raise InputError(
             f"broadcast_buffers: src={src} is not in `group` (ranks {int_ranges(ranks)})."
         )
+    mine, agreed, groups, sources = _check_buffers(model, src=src, group=group, ranks=ranks)
+    collectives = agreed.collectives
+    # The layouts agreed, so every rank's own grouping of its buffers is the one to unpack into.
+    moved = _broadcast_flat(
+        model,
+        agreed.layout,
+        src=src,
+        group=group,
+        named=mine.named,
+        inline=agreed.inline,
+        groups=groups,
+        sources=sources,
+    )
+    return BufferBroadcast(
+        names=moved.names,
+        dtypes=moved.dtypes,
+        broadcasts=moved.broadcasts,
+        collectives=collectives + moved.broadcasts,
+        bytes=moved.bytes,
+        inline=moved.inline,
+    )
+
+
+def _check_buffers(
+    model: nn.Module, *, src: int, group: Any, ranks: list[int]
+) -> tuple[
+    Exchange,
+    Agreement,
+    list[tuple[str, list[torch.Tensor]]] | None,
+    list[list[torch.Tensor]] | None,
+]:
+    """:func:`broadcast_buffers`' check: this rank's layout, the agreement (``src``'s packed
+    values riding with it where they fit), its buffers by dtype, and views of where the values
+    landed (None on ``src``, or where they did not ride along)."""
     rank = dist.get_rank()
     # The ranks below this one in the check's tree send their words as soon as they have them.
     posted = post_check(group, ranks, src)
@@ -248,26 +284,7 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
         landing=landing,
         posted=posted,
     )
-    collectives = agreed.collectives
-    # The layouts agreed, so every rank's own grouping of its buffers is the one to unpack into.
-    moved = _broadcast_flat(
-        model,
-        agreed.layout,
-        src=src,
-        group=group,
-        named=mine.named,
-        inline=agreed.inline,
-        groups=groups,
-        sources=sources if agreed.inline is not None else None,
-    )
-    return BufferBroadcast(
-        names=moved.names,
-        dtypes=moved.dtypes,
-        broadcasts=moved.broadcasts,
-        collectives=collectives + moved.broadcasts,
-        bytes=moved.bytes,
-        inline=moved.inline,
-    )
+    return mine, agreed, groups, sources if agreed.inline is not None else None
 
 
 def materialise(model: nn.Module) -> bool:

@@ -82,42 +82,13 @@ def two_rounds(model: nn.Module, rank: int, group) -> None:
 
 
 def check(model: nn.Module, rank: int, world: int, group):
-    """``broadcast_buffers``' check alone, as it calls it (rank 0's values packed where they
-    land, the other ranks' views of that place laid out), without copying the values out."""
-    from fsdpcheck.loader.agree import (
-        agree,
-        check_landing,
-        inline_capacity_for,
-        local_layout,
-        post_check,
-    )
-    from fsdpcheck.loader.load import _by_dtype, _inline_payload, _inline_sources
+    """``broadcast_buffers``' check alone (its own ``_check_buffers``: rank 0's values packed
+    where they land, the other ranks' views of that place laid out), without copying the
+    values out."""
+    from fsdpcheck.loader.load import _check_buffers
 
-    capacity = inline_capacity_for(world)
     ranks = list(range(world))
-
-    def run() -> None:
-        posted = post_check(group, ranks, 0)
-        mine = local_layout(model, rank, src=0, source=None, with_state=False)
-        landing, place = check_landing(capacity)
-        packed = _by_dtype(mine.named, mine.buffers)
-        payload = None
-        if rank == 0:
-            payload = _inline_payload(packed, capacity, into=place)
-        else:
-            _inline_sources(packed, place)
-        agree(
-            mine,
-            src=0,
-            group=group,
-            ranks=ranks,
-            inline=payload,
-            inline_capacity=capacity,
-            landing=landing,
-            posted=posted,
-        )
-
-    return run
+    return lambda: _check_buffers(model, src=0, group=group, ranks=ranks)
 
 
 def main() -> int:
