@@ -10,9 +10,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import constants, snapshot_download
-from huggingface_hub.errors import LocalEntryNotFoundError
-
 from fsdpcheck.errors import InputError
 from fsdpcheck.model.presets import PRESETS, Preset
 from fsdpcheck.text import name_list
@@ -69,6 +66,7 @@ def download(spec: str, *, rank: int = 0, allow_pickle: bool = False) -> Path | 
     read the cache). Config, tokenizer files and safetensors only, unless ``allow_pickle``."""
     if spec in PRESETS or Path(spec).expanduser().exists() or not _HUB_ID.match(spec):
         return None
+    from huggingface_hub import snapshot_download  # 0.15 s of imports: only on the hub path
 
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
     if allow_pickle:
@@ -86,6 +84,9 @@ def download(spec: str, *, rank: int = 0, allow_pickle: bool = False) -> Path | 
 
 
 def _from_hub_cache(repo_id: str, *, rank: int) -> Path:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
     try:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError) as exc:
