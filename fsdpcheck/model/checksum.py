@@ -97,6 +97,59 @@ def _odd_hashes(seed: int, first: int, count: int, device: torch.device) -> torc
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _on_host(seeds: tuple[int, int], first: int, count: int) -> tuple[list[int], list[int]]:
+    """:func:`_odd_hashes` of both ``seeds`` as Python ints (the CPU loop's ``alpha``)."""
+    cpu = torch.device("cpu")
+    return _odd_hashes(seeds[0], first, count, cpu).tolist(), _odd_hashes(
+        seeds[1], first, count, cpu
+    ).tolist()
+
+
+@functools.lru_cache(maxsize=512)  # (2, at most 1024 rows) each: 8 MiB in all
+def _row_weights(first: int, count: int, device: torch.device) -> torch.Tensor:
+    """Both sums' row weights, (2, ``count``): one multiply for both at the end of a span."""
+    return torch.stack([_odd_hashes(_ROW_SEEDS[k], first, count, device) for k in (0, 1)])
+
+
+def _both_column_weights(device: torch.device) -> torch.Tensor:
+    """Both sums' column weights, (2, ``_COLS``)."""
+    key = (2, str(device))
+    table = _tables.get(key)  # a dict read is atomic: at worst two threads stack it alike
+    if table is None:
+        table = _tables[key] = torch.stack([_column_weights(k, device) for k in (0, 1)])
+    return table
+
+
+_local = threading.local()  # per thread: the CPU loop's scratch, reused from span to span
+
+
+def _scratch(
+    rows: int, blocks: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row sums (2, ``rows``), the gathered column sums (2, ``_COLS``, zeroed), one step's
+    column sums (2, ``blocks``, ``_COLS``), the shifted words): on CPU a thread's own, kept
+    between spans (a digest of many small shards makes one span each); on a device, new."""
+    shape = (min(blocks * _BLOCK_ROWS, rows), _COLS)
+    if device.type != "cpu" or blocks != 1 or rows > _SPAN_BLOCKS * _BLOCK_ROWS:
+        return (
+            torch.empty(2, rows, dtype=torch.int64, device=device),
+            torch.zeros(2, _COLS, dtype=torch.int64, device=device),
+            torch.empty(2, blocks, _COLS, dtype=torch.int64, device=device),
+            torch.empty(shape, dtype=torch.int64, device=device),
+        )
+    kept = getattr(_local, "scratch", None)
+    if kept is None or kept[3].shape != (_BLOCK_ROWS, _COLS) or kept[0].shape[1] < rows:
+        kept = _local.scratch = (
+            torch.empty(2, _SPAN_BLOCKS * _BLOCK_ROWS, dtype=torch.int64),
+            torch.empty(2, _COLS, dtype=torch.int64),
+            torch.empty(2, 1, _COLS, dtype=torch.int64),
+            torch.empty(_BLOCK_ROWS, _COLS, dtype=torch.int64),
+        )
+    row_sums, gathered, column_sums, shifted = kept
+    return row_sums[:, :rows], gathered.zero_(), column_sums, shifted[: shape[0]]
+
+
 def _odd_hashes_at(seed: int, index: torch.Tensor) -> torch.Tensor:
     """:func:`_odd_hashes` at any int64 ``index`` tensor."""
     x = index * _as_signed(_GOLDEN) + _as_signed(seed)
@@ -192,7 +245,6 @@ def _span(
     rows = -(-_word_count(raw) // _COLS)  # the last one may be short
     first_row, last_row = first_block * _BLOCK_ROWS, min(last_block * _BLOCK_ROWS, rows)
     count, blocks = last_row - first_row, last_block - first_block
-    row_sums = torch.empty(2, count, dtype=torch.int64, device=device)
     # Block q's column sums C_q weigh m_q * b_j; they are gathered as sum_q m_q * C_q, one
     # _COLS-long vector per sum, and weighed by b_j once at the end: the same number mod 2^64
     # as weighing each block's, with no buffer of every block's column sums (1/16 of the data,
@@ -200,10 +252,8 @@ def _span(
     multipliers = [
         _odd_hashes(_BLOCK_SEEDS[k], first_block + block_offset, blocks, device) for k in (0, 1)
     ]
-    on_host = [m.tolist() for m in multipliers] if step == 1 else None
-    gathered = torch.zeros(2, _COLS, dtype=torch.int64, device=device)
-    column_sums = torch.empty(2, min(step, blocks), _COLS, dtype=torch.int64, device=device)
-    shifted = torch.empty(min(step * _BLOCK_ROWS, count), _COLS, dtype=torch.int64, device=device)
+    on_host = _on_host(_BLOCK_SEEDS, first_block + block_offset, blocks) if step == 1 else None
+    row_sums, gathered, column_sums, shifted = _scratch(count, min(step, blocks), device)
     probes: list[torch.Tensor] = []
     begin = first_block
     if on_host is not None:  # the complete blocks, with no indexing inside the loop
@@ -261,12 +311,10 @@ def _span(
                 gathered[k].add_(sums[0], alpha=on_host[k][q])
             else:
                 gathered[k] += (sums[:used] * multipliers[k][q : q + used, None]).sum(0)
-    result = []
-    for k in (0, 1):
-        global_row = first_row + block_offset * _BLOCK_ROWS
-        weighted_rows = row_sums[k] * _odd_hashes(_ROW_SEEDS[k], global_row, count, device)
-        total = weighted_rows.sum() + (gathered[k] * _column_weights(k, device)).sum()
-        result.append(int(total.item()) & _MASK64)
+    global_row = first_row + block_offset * _BLOCK_ROWS
+    totals = (row_sums * _row_weights(global_row, count, device)).sum(1)
+    totals += (gathered * _both_column_weights(device)).sum(1)
+    result = [int(total) & _MASK64 for total in totals.tolist()]
     bad = None
     if values is not None:
         bad = 0
@@ -489,10 +537,11 @@ def _contiguous(raw: torch.Tensor, first_word: int, threads: int | None = None) 
         index = torch.arange(first_word, last_word, device=device)
         return _indexed(_words(raw, 0, count), index)
     head, tail = first_row * _COLS - first_word, last_row * _COLS - first_word
-    parts = [
-        _indexed(_words(raw, 0, head), torch.arange(first_word, first_word + head)),
-        _indexed(_words(raw, tail, count), torch.arange(first_word + tail, last_word)),
-    ]
+    parts = []
+    if head:
+        parts.append(_indexed(_words(raw, 0, head), torch.arange(first_word, first_word + head)))
+    if tail < count:
+        parts.append(_indexed(_words(raw, tail, count), torch.arange(first_word + tail, last_word)))
     first_full, last_full = -(-first_row // _BLOCK_ROWS), last_row // _BLOCK_ROWS
     if first_full >= last_full:  # no whole block: the rows, cut where a block starts
         cut = min(max(first_full * _BLOCK_ROWS, first_row), last_row)

@@ -56,6 +56,9 @@ def _header(meta: dict) -> list[str]:
         f"{meta['load_after']} (other work on the machine shows here; it adds noise to every "
         "row alike)",
         "- Ranks: `fsdpcheck.children.launch` with env:// variables, gloo, `OMP_NUM_THREADS=1`",
+        "- fsdpcheck and the bench's workers are byte-compiled first (`compileall`), as `pip "
+        "install` leaves a package: where `PYTHONDONTWRITEBYTECODE` is set every process "
+        "would otherwise compile them from source",
         *(
             [
                 "- The machine was loaded (load average above its core count: other work ran "

@@ -1,13 +1,15 @@
 """One rank of the weight-sync benchmark: a stack of bfloat16 linear layers (``--mb`` MiB in all)
-under FSDP2 on 2 ranks (gloo), then, alternating, ``fsdpcheck.state_digests(model)`` on the
-shards (each rank its own, combined by position) and plain reads of the same shards
-(``torch.sum`` of each, an int64 sum of each one's bytes, and a copy of each). Prints one line
-``@bench {json}`` per rank; run by scripts/bench (the weight-sync row)."""
+under FSDP2 on 2 ranks (gloo), then, in a seeded order per repeat,
+``fsdpcheck.state_digests(model)`` on the shards (each rank its own, combined by position) and
+plain reads of the same shards (``torch.sum`` of each, an int64 sum of each one's bytes, and a
+copy of each). Prints one line ``@bench {json}`` per rank; run by scripts/bench (the weight-sync
+row)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from datetime import timedelta
@@ -68,13 +70,19 @@ def main() -> int:
         for shard in shards:
             read(shard)
 
-    for _ in range(args.repeats):
-        dist.barrier()
-        timed("state_digests", lambda: fsdpcheck.state_digests(model, group=side))
-        timed("torch.sum", lambda: each(lambda s: torch.sum(s, dtype=torch.float32)))
+    methods = {
+        "state_digests": lambda: fsdpcheck.state_digests(model, group=side),
+        "torch.sum": lambda: each(lambda s: torch.sum(s, dtype=torch.float32)),
         # the same bytes as 64-bit integers: a read with no conversion
-        timed("int64 sum", lambda: each(lambda s: s.reshape(-1).view(torch.int64).sum()))
-        timed("copy", lambda: each(torch.clone))
+        "int64 sum": lambda: each(lambda s: s.reshape(-1).view(torch.int64).sum()),
+        "copy": lambda: each(torch.clone),
+    }
+    for repeat in range(args.repeats):
+        # A seeded order per repeat, the same on both ranks (they read at once, as a sync
+        # does): no method always runs first after the barrier or after another one.
+        for key in random.Random(repeat).sample(list(methods), len(methods)):
+            dist.barrier()
+            timed(key, methods[key])
     local = sum(s.numel() * s.element_size() for s in shards)
     record = {"rank": dist.get_rank(), "shard_bytes": local, "seconds": seconds, "cpu": cpu}
     print(MARK + json.dumps(record), flush=True)
