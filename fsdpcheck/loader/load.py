@@ -32,7 +32,8 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -223,8 +224,7 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
         raise InputError(
             f"broadcast_buffers: src={src} is not in `group` (ranks {int_ranges(ranks)})."
         )
-    mine, agreed, groups, sources = _check_buffers(model, src=src, group=group, ranks=ranks)
-    collectives = agreed.collectives
+    mine, agreed, packing = _check_buffers(model, src=src, group=group, ranks=ranks)
     # The layouts agreed, so every rank's own grouping of its buffers is the one to unpack into.
     moved = _broadcast_flat(
         model,
@@ -233,47 +233,50 @@ def broadcast_buffers(model: nn.Module, *, src: int = 0, group: Any = None) -> B
         group=group,
         named=mine.named,
         inline=agreed.inline,
-        groups=groups,
-        sources=sources,
+        packing=packing,
     )
-    return BufferBroadcast(
-        names=moved.names,
-        dtypes=moved.dtypes,
-        broadcasts=moved.broadcasts,
-        collectives=collectives + moved.broadcasts,
-        bytes=moved.bytes,
-        inline=moved.inline,
-    )
+    return replace(moved, collectives=agreed.collectives + moved.broadcasts)
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """A rank's buffers grouped for the wire, worked out before the check's round: per dtype
+    (sorted), the buffers, their numels, and views of where ``src``'s values land (None on
+    ``src``, or where they do not ride along with the check)."""
+
+    groups: list[tuple[str, list[torch.Tensor]]]
+    sizes: list[list[int]]
+    sources: list[list[torch.Tensor]] | None = None
+
+    def nbytes(self, index: int) -> int:
+        return sum(self.sizes[index]) * self.groups[index][1][0].element_size()
 
 
 def _check_buffers(
     model: nn.Module, *, src: int, group: Any, ranks: list[int]
-) -> tuple[
-    Exchange,
-    Agreement,
-    list[tuple[str, list[torch.Tensor]]] | None,
-    list[list[torch.Tensor]] | None,
-]:
+) -> tuple[Exchange, Agreement, _Packing | None]:
     """:func:`broadcast_buffers`' check: this rank's layout, the agreement (``src``'s packed
-    values riding with it where they fit), its buffers by dtype, and views of where the values
-    landed (None on ``src``, or where they did not ride along)."""
+    values riding with it where they fit), and its packing (None where its layout has
+    problems; without ``sources`` where the values did not ride along)."""
     rank = dist.get_rank()
     # The ranks below this one in the check's tree send their words as soon as they have them.
     posted = post_check(group, ranks, src)
     mine = local_layout(model, rank, src=src, source=None, with_state=False)
     capacity = inline_capacity_for(len(ranks))
     landing, place = check_landing(capacity)
-    payload = groups = sources = None
+    payload = packing = None
     if not mine.problems:
         try:  # packed before the check: when the layouts agree, the values arrive with it
             groups = _by_dtype(mine.named, mine.buffers)
+            packing = _Packing(groups, [[b.numel() for b in bs] for _, bs in groups])
             if rank == src:
-                payload = _inline_payload(groups, capacity, into=place)
+                payload = _inline_payload(packing, capacity, into=place)
             else:  # where each buffer's values will land, laid out while rank src packs
-                sources = _inline_sources(groups, place)
+                packing = replace(packing, sources=_inline_sources(packing, place))
         except Exception:  # too big or unpackable here: the separate broadcast moves them
             log.debug("buffers not packed inline (capacity %d bytes)", capacity, exc_info=True)
-            payload = sources = None
+            payload = None
+            packing = replace(packing, sources=None) if packing is not None else None
     agreed = agree(
         mine,
         src=src,
@@ -284,7 +287,9 @@ def _check_buffers(
         landing=landing,
         posted=posted,
     )
-    return mine, agreed, groups, sources if agreed.inline is not None else None
+    if packing is not None and agreed.inline is None:
+        packing = replace(packing, sources=None)
+    return mine, agreed, packing
 
 
 def materialise(model: nn.Module) -> bool:
@@ -323,11 +328,11 @@ def _by_dtype(
     named: Mapping[str, torch.Tensor], layout: Layout
 ) -> list[tuple[str, list[torch.Tensor]]]:
     """The buffers of ``layout`` in one list per dtype, dtypes sorted; empty ones left out."""
-    names: dict[str, list[str]] = defaultdict(list)
+    by_dtype: dict[str, list[torch.Tensor]] = defaultdict(list)
     for name, shape, dtype in layout:
         if 0 not in shape:
-            names[dtype].append(name)
-    return [(dtype, [named[n] for n in names[dtype]]) for dtype in sorted(names)]
+            by_dtype[dtype].append(named[name])
+    return [(dtype, by_dtype[dtype]) for dtype in sorted(by_dtype)]
 
 
 def _pack_flat(buffers: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -366,20 +371,17 @@ def _copy_into(buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> None
 
 
 def _inline_payload(
-    groups: list[tuple[str, list[torch.Tensor]]],
-    capacity: int,
-    *,
-    into: torch.Tensor | None = None,
+    packing: _Packing, capacity: int, *, into: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """Every dtype's packed buffers as bytes (uint8, on the host; at the start of ``into``
     where given), each starting at an ``_ALIGN`` multiple; None past ``capacity``."""
-    sizes = [sum(b.numel() for b in bs) * bs[0].element_size() for _, bs in groups]
+    sizes = [packing.nbytes(i) for i in range(len(packing.groups))]
     need = sum(aligned(n) for n in sizes)
     if need > capacity:
         return None
     payload = torch.zeros(need, dtype=torch.uint8) if into is None else into[:need]
     offset = 0
-    for (_, buffers), nbytes in zip(groups, sizes, strict=True):
+    for (_, buffers), nbytes in zip(packing.groups, sizes, strict=True):
         into = payload[offset : offset + nbytes].view(buffers[0].dtype)
         try:  # packed where it is sent from: no flat tensor in between
             torch.cat([b if b.dim() == 1 else b.reshape(-1) for b in buffers], out=into)
@@ -390,16 +392,14 @@ def _inline_payload(
     return payload
 
 
-def _inline_sources(
-    groups: list[tuple[str, list[torch.Tensor]]], place: torch.Tensor
-) -> list[list[torch.Tensor]] | None:
+def _inline_sources(packing: _Packing, place: torch.Tensor) -> list[list[torch.Tensor]] | None:
     """Per dtype, views of ``place`` (uint8) where each buffer's values land when ``src``'s
     inline payload arrives there, laid out as :func:`_inline_payload` packs them; None where
     they would not fit."""
     sources, offset = [], 0
-    for _, buffers in groups:
-        sizes = [b.numel() for b in buffers]
-        nbytes = sum(sizes) * buffers[0].element_size()
+    for index, (_, buffers) in enumerate(packing.groups):
+        sizes = packing.sizes[index]
+        nbytes = packing.nbytes(index)
         if offset + nbytes > place.numel():
             return None
         flat = place[offset : offset + nbytes].view(buffers[0].dtype)
@@ -416,32 +416,33 @@ def _broadcast_flat(
     group: Any,
     named: Mapping[str, torch.Tensor] | None = None,
     inline: torch.Tensor | None = None,
-    groups: list[tuple[str, list[torch.Tensor]]] | None = None,
-    sources: list[list[torch.Tensor]] | None = None,
+    packing: _Packing | None = None,
 ) -> BufferBroadcast:
     """One broadcast per dtype, buffers packed in name order; every rank holds ``layout``.
     ``named``: the buffers, when nothing can have replaced them since they were described.
     ``inline``: the packed values (uint8), already received with the check: nothing left to
     send; they are unpacked from where they landed.
-    ``groups``: :func:`_by_dtype` of ``layout``, when the caller has it already; ``sources``:
-    :func:`_inline_sources` of them, views of where ``inline`` landed."""
-    if groups is None:
+    ``packing``: the buffers grouped as ``layout`` groups them, when the caller has them
+    already, with views of where ``inline`` landed."""
+    if packing is None:
         if named is None:
             named = non_persistent_buffers(model)  # after to_empty(): the new tensors
         groups = _by_dtype(named, layout)
+        packing = _Packing(groups, [[b.numel() for b in bs] for _, bs in groups])
+    groups, sources = packing.groups, packing.sources
     is_src = dist.get_rank() == src
     device = None
     sent = broadcasts = offset = 0
     with torch.no_grad():
         for index, (_, buffers) in enumerate(groups):
+            nbytes = packing.nbytes(index)
             if inline is not None and sources is not None:
                 if not is_src:
                     _copy_into(buffers, sources[index])
-                sent += sum(s.numel() for s in sources[index]) * buffers[0].element_size()
+                sent += nbytes
                 continue
-            sizes = [b.numel() for b in buffers]
+            sizes = packing.sizes[index]
             count = sum(sizes)
-            nbytes = count * buffers[0].element_size()
             if inline is not None:
                 if not is_src:  # a view: the offsets are _ALIGN multiples of an int64 tensor
                     flat = inline[offset : offset + nbytes].view(buffers[0].dtype)
@@ -462,7 +463,7 @@ def _broadcast_flat(
             if not is_src:
                 _unpack_flat(flat, buffers, sizes)
     return BufferBroadcast(
-        names=tuple(name for name, _, _ in layout),
+        names=tuple(map(itemgetter(0), layout)),
         dtypes=tuple(dtype for dtype, _ in groups),
         broadcasts=broadcasts,
         collectives=broadcasts,
