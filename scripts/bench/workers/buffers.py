@@ -1,12 +1,14 @@
 """One rank of the buffer-broadcast benchmark: 200 non-persistent buffers (RoPE-sized, 8 to 128
 float32 elements) broadcast from rank 0 one ``dist.broadcast`` per buffer (as loaders do) versus
 ``fsdpcheck.loader.load.broadcast_buffers`` (validated layout, one flat broadcast per dtype)
-versus the flat broadcast alone, versus the bound of any validation (describe, then the flat
-broadcast), versus the cheapest two-round validation (describe, one digest all_reduce, the flat
-broadcast), and the validated path's parts alone (describing and digesting;
-the check with the values attached). Methods alternate within each repeat, in rotating order.
-Prints one line ``@bench {json}`` per rank with every repeat's (start, end) on the host's
-monotonic clock; run by scripts/bench (the buffers row) through fsdpcheck.children.launch."""
+versus the flat broadcast alone, versus describing then the flat broadcast, versus the two least
+designs that tell every rank its verdict, comparing nothing (the digests up then the flat
+broadcast; the values down while the digests go up), versus the cheapest two-round validation
+(describe, one digest all_reduce, the flat broadcast), and the validated path's parts alone
+(describing and digesting; the check with the values attached). Methods run in a seeded order
+per repeat. Prints one line ``@bench {json}`` per rank with every repeat's (start, end) on the
+host's monotonic clock; run by scripts/bench (the buffers row) through
+fsdpcheck.children.launch."""
 
 from __future__ import annotations
 
@@ -68,6 +70,55 @@ def floor(model: nn.Module, rank: int, group) -> None:
     flat_only(model, group)
 
 
+def _digest_word(model: nn.Module, rank: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(describe(model, rank)), dtype=torch.uint8)
+
+
+def _post_digests(world: int, group) -> list:
+    """Rank 0's receives of every other rank's digest, posted."""
+    return [
+        dist.irecv(torch.empty(16, dtype=torch.uint8), src=peer, group=group)
+        for peer in range(1, world)
+    ]
+
+
+def verdict_up_floor(model: nn.Module, rank: int, world: int, group) -> None:
+    """What any validated broadcast that tells every rank its verdict costs at least, as one
+    design: every rank describes and digests its buffers, each other rank's digest goes up to
+    rank 0 (received as soon as it is sent: posted before rank 0 describes), then the values
+    go down in the flat broadcast, where the verdict would ride. Compares nothing."""
+    posted = _post_digests(world, group) if rank == 0 else []
+    digest = _digest_word(model, rank)
+    if rank != 0:
+        dist.send(digest, dst=0, group=group)
+    for work in posted:
+        work.wait()
+    flat_only(model, group)
+
+
+def exchange_floor(model: nn.Module, rank: int, world: int, group) -> None:
+    """The other design: the values go down while the digests go up, in one exchange of
+    point-to-point messages (rank 0 to each rank, each rank to rank 0), every receive posted
+    before the rank describes. With 2 ranks that tells both the verdict in one step; with more,
+    no rank but 0 learns the others' (so it bounds any design from below). Compares nothing."""
+    from fsdpcheck.loader.load import _pack_flat, _unpack_flat
+
+    buffers = [b for _, b in sorted(model.named_buffers())]
+    if rank == 0:
+        works = _post_digests(world, group)
+        _digest_word(model, rank)
+        flat = _pack_flat(buffers, torch.device("cpu"))
+        works += [dist.isend(flat, dst=peer, group=group) for peer in range(1, world)]
+    else:
+        flat = torch.empty(sum(b.numel() for b in buffers))
+        works = [dist.irecv(flat, src=0, group=group)]
+        works.append(dist.isend(_digest_word(model, rank), dst=0, group=group))
+    for work in works:
+        work.wait()
+    if rank != 0:
+        _unpack_flat(flat, buffers)
+
+
 def two_rounds(model: nn.Module, rank: int, group) -> None:
     """The cheapest validation in two rounds: describe and digest, one all_reduce of the
     digest (MAX of each word and of its negation: the ranks agree where the maximum is minus
@@ -108,6 +159,8 @@ def main() -> int:
         "coalesced": lambda: broadcast_buffers(model, group=group),
         "flat-only": lambda: flat_only(model, group),
         "floor": lambda: floor(model, ctx.rank, group),
+        "verdict-up": lambda: verdict_up_floor(model, ctx.rank, ctx.world_size, group),
+        "exchange": lambda: exchange_floor(model, ctx.rank, ctx.world_size, group),
         "two-rounds": lambda: two_rounds(model, ctx.rank, group),
         # The validated path's parts, alone: each rank describing and digesting its buffers (no
         # collective), and the whole check with rank 0's packed values attached.
