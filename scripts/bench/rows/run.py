@@ -29,7 +29,9 @@ def row_run(s: Settings) -> Row:
     )
     variants = {"bare": args, "run": ["-m", "fsdpcheck", "run", *args]}
     figures = {v: {"first": [], "after": [], "rss": []} for v in variants}
-    rounds = s.repeats + (0 if s.quick else 1)
+    # The launch-to-step-1 time moves by tenths of a second from run to run here: the noisy
+    # rows' count of repeats.
+    rounds = s.noisy_repeats + (0 if s.quick else 1)
     for attempt in range(rounds):
         for variant in rotated(list(variants), attempt):
             started = time.time()
