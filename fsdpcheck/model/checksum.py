@@ -106,7 +106,9 @@ def _on_host(seeds: tuple[int, int], first: int, count: int) -> tuple[list[int],
     ).tolist()
 
 
-@functools.lru_cache(maxsize=512)  # (2, at most 1024 rows) each: 8 MiB in all
+# (2, rows) each: on CPU a span of at most 1024 rows (8 MiB in all); on a device a span is a
+# whole tensor, 16 bytes per 64 KiB row of it (1/4096 of the tensors digested, on the device).
+@functools.lru_cache(maxsize=512)
 def _row_weights(first: int, count: int, device: torch.device) -> torch.Tensor:
     """Both sums' row weights, (2, ``count``): one multiply for both at the end of a span."""
     return torch.stack([_odd_hashes(_ROW_SEEDS[k], first, count, device) for k in (0, 1)])
@@ -140,12 +142,15 @@ def _scratch(
         )
     kept = getattr(_local, "scratch", None)
     if kept is None or kept[3].shape != (_BLOCK_ROWS, _COLS) or kept[0].shape[1] < rows:
-        kept = _local.scratch = (
-            torch.empty(2, _SPAN_BLOCKS * _BLOCK_ROWS, dtype=torch.int64),
-            torch.empty(2, _COLS, dtype=torch.int64),
-            torch.empty(2, 1, _COLS, dtype=torch.int64),
-            torch.empty(_BLOCK_ROWS, _COLS, dtype=torch.int64),
-        )
+        # Normal tensors whatever the caller's mode: ones made under inference_mode could not be
+        # written to by a later call outside it (the reverse is allowed).
+        with torch.inference_mode(False):
+            kept = _local.scratch = (
+                torch.empty(2, _SPAN_BLOCKS * _BLOCK_ROWS, dtype=torch.int64),
+                torch.empty(2, _COLS, dtype=torch.int64),
+                torch.empty(2, 1, _COLS, dtype=torch.int64),
+                torch.empty(_BLOCK_ROWS, _COLS, dtype=torch.int64),
+            )
     row_sums, gathered, column_sums, shifted = kept
     return row_sums[:, :rows], gathered.zero_(), column_sums, shifted[: shape[0]]
 

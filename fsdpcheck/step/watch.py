@@ -1292,8 +1292,9 @@ def _pipeline_getters() -> tuple[Any, dict[str, str]]:
     """torch.distributed.pipelining's stage class (None where the job has not imported it) and
     the methods that build its sends and receives per microbatch, with the pass each belongs
     to. Not imported here: it pulls in torch._dynamo, 0.4 s of a script's start-up that
-    ``fsdpcheck run`` would add to a job that uses no pipeline (a job that does imports it
-    before it builds a stage, and the watch starts at the first ``fully_shard``)."""
+    ``fsdpcheck run`` would add to a job that uses no pipeline. A job that imports it only
+    after the watch began (``fsdpcheck run``: at its first ``fully_shard``) gets its sends and
+    receives watched all the same, without the stage and microbatch labels."""
     stage = sys.modules.get("torch.distributed.pipelining.stage")
     return getattr(stage, "_PipelineStageBase", None), {
         "get_fwd_recv_ops": "forward",

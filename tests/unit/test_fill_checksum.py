@@ -3,6 +3,8 @@ single-process, fast."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -113,7 +115,8 @@ def test_checksum_is_its_definition_however_the_work_is_cut(
     # A 4-column grid in blocks of 2 rows, so that a few hundred bytes cross every edge: short
     # last rows and blocks, unaligned starts, spans of 1..n blocks, CPU's one block per step
     # and CUDA's many (with its column sums weighted per step). Scratch starts as garbage, so
-    # an entry the code forgets to write shows.
+    # an entry the code forgets to write shows: a new thread scratch for every call (the CPU
+    # loop's is kept between calls, and would hold the previous call's right values).
     monkeypatch.setattr(checksum_module, "_COLS", 4)
     monkeypatch.setattr(checksum_module, "_BLOCK_ROWS", 2)
     monkeypatch.setattr(checksum_module, "_tables", {})
@@ -134,7 +137,26 @@ def test_checksum_is_its_definition_however_the_work_is_cut(
                 monkeypatch.setattr(checksum_module, "_chunk_blocks", lambda device, n=step: n)
                 for span in (1, 2, 64):
                     monkeypatch.setattr(checksum_module, "_SPAN_BLOCKS", span)
+                    monkeypatch.setattr(checksum_module, "_local", threading.local())
                     assert checksums([raw], threads=1)[0] == want, (nbytes, offset, step, span)
+
+
+def test_the_thread_s_kept_scratch_serves_calls_in_and_out_of_inference_mode() -> None:
+    # A rollout digests under inference_mode, a trainer outside it, on the same thread.
+    values = torch.randn(3 * _CHUNK + 5).to(torch.bfloat16)
+    done = {}
+
+    def digest() -> None:  # a thread of its own: its scratch is first made in inference mode
+        with torch.inference_mode():
+            done["inside"] = checksums([values], threads=1)[0]
+        done["outside"] = checksums([values], threads=1)[0]
+        with torch.inference_mode():
+            done["again"] = checksums([values], threads=1)[0]
+
+    worker = threading.Thread(target=digest)
+    worker.start()
+    worker.join()
+    assert done == dict.fromkeys(("inside", "outside", "again"), checksum(values.clone()))
 
 
 def test_checksum_of_empty_and_offset_views() -> None:

@@ -75,9 +75,11 @@ def _digest_word(model: nn.Module, rank: int) -> torch.Tensor:
 
 
 def _post_digests(world: int, group) -> list:
-    """Rank 0's receives of every other rank's digest, posted."""
+    """Rank 0's receives of every other rank's digest (``_DIGEST`` bytes), posted."""
+    from fsdpcheck.loader.agree import _DIGEST
+
     return [
-        dist.irecv(torch.empty(16, dtype=torch.uint8), src=peer, group=group)
+        dist.irecv(torch.empty(_DIGEST, dtype=torch.uint8), src=peer, group=group)
         for peer in range(1, world)
     ]
 
@@ -98,25 +100,29 @@ def verdict_up_floor(model: nn.Module, rank: int, world: int, group) -> None:
 
 def exchange_floor(model: nn.Module, rank: int, world: int, group) -> None:
     """The other design: the values go down while the digests go up, in one exchange of
-    point-to-point messages (rank 0 to each rank, each rank to rank 0), every receive posted
-    before the rank describes. With 2 ranks that tells both the verdict in one step; with more,
-    no rank but 0 learns the others' (so it bounds any design from below). Compares nothing."""
-    from fsdpcheck.loader.load import _pack_flat, _unpack_flat
+    point-to-point messages (rank 0's digest and values to each rank, each rank's digest to rank
+    0), every receive posted before the rank describes. With 2 ranks each then holds both
+    digests, the verdict, after one step; with more, no rank but 0 learns the others' digests,
+    less than any validation must do. Compares nothing. (This row's buffers are float32: rank
+    0's digest rides after its values as float32 words.)"""
+    from fsdpcheck.loader.agree import _DIGEST
+    from fsdpcheck.loader.load import _unpack_flat
 
     buffers = [b for _, b in sorted(model.named_buffers())]
+    count = sum(b.numel() for b in buffers)
     if rank == 0:
         works = _post_digests(world, group)
-        _digest_word(model, rank)
-        flat = _pack_flat(buffers, torch.device("cpu"))
+        digest = _digest_word(model, rank).view(torch.float32)
+        flat = torch.cat([*(b if b.dim() == 1 else b.reshape(-1) for b in buffers), digest])
         works += [dist.isend(flat, dst=peer, group=group) for peer in range(1, world)]
     else:
-        flat = torch.empty(sum(b.numel() for b in buffers))
+        flat = torch.empty(count + _DIGEST // 4)
         works = [dist.irecv(flat, src=0, group=group)]
         works.append(dist.isend(_digest_word(model, rank), dst=0, group=group))
     for work in works:
         work.wait()
     if rank != 0:
-        _unpack_flat(flat, buffers)
+        _unpack_flat(flat[:count], buffers)
 
 
 def two_rounds(model: nn.Module, rank: int, group) -> None:
