@@ -248,6 +248,12 @@ class _Packing:
     sizes: list[list[int]]
     sources: list[list[torch.Tensor]] | None = None
 
+    @classmethod
+    def of(cls, named: Mapping[str, torch.Tensor], layout: Layout) -> _Packing:
+        """The buffers of ``layout`` by dtype (:func:`_by_dtype`), with their numels."""
+        groups = _by_dtype(named, layout)
+        return cls(groups, [[b.numel() for b in bs] for _, bs in groups])
+
     def nbytes(self, index: int) -> int:
         return sum(self.sizes[index]) * self.groups[index][1][0].element_size()
 
@@ -267,16 +273,14 @@ def _check_buffers(
     payload = packing = None
     if not mine.problems:
         try:  # packed before the check: when the layouts agree, the values arrive with it
-            groups = _by_dtype(mine.named, mine.buffers)
-            packing = _Packing(groups, [[b.numel() for b in bs] for _, bs in groups])
+            packing = _Packing.of(mine.named, mine.buffers)
             if rank == src:
                 payload = _inline_payload(packing, capacity, into=place)
             else:  # where each buffer's values will land, laid out while rank src packs
                 packing = replace(packing, sources=_inline_sources(packing, place))
         except Exception:  # too big or unpackable here: the separate broadcast moves them
             log.debug("buffers not packed inline (capacity %d bytes)", capacity, exc_info=True)
-            payload = None
-            packing = replace(packing, sources=None) if packing is not None else None
+            payload = None  # packing, where made, has no sources: they were set last
     agreed = agree(
         mine,
         src=src,
@@ -427,8 +431,7 @@ def _broadcast_flat(
     if packing is None:
         if named is None:
             named = non_persistent_buffers(model)  # after to_empty(): the new tensors
-        groups = _by_dtype(named, layout)
-        packing = _Packing(groups, [[b.numel() for b in bs] for _, bs in groups])
+        packing = _Packing.of(named, layout)
     groups, sources = packing.groups, packing.sources
     is_src = dist.get_rank() == src
     device = None
