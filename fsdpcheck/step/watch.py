@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -336,8 +337,7 @@ class CollectiveWatch(TorchDispatchMode):
         patched = {name: _Confirmed(self, fn) for name, fn in originals.items()}
         stage_class, getters = _pipeline_getters()
         # Private API: a torch whose stage lacks one of the getters tags no microbatch there.
-        found = stage_class.__dict__ if stage_class is not None else {}
-        own = {name: found[name] for name in getters if name in found}
+        own = {name: stage_class.__dict__[name] for name in getters if name in stage_class.__dict__}
         for name, fn in patched.items():
             setattr(c10d, name, fn)
             setattr(dist, name, fn)
@@ -1289,14 +1289,9 @@ def _with_current_ops(ops: list) -> list:
 
 
 def _pipeline_getters() -> tuple[Any, dict[str, str]]:
-    """torch.distributed.pipelining's stage class (None where the job has not imported it) and
-    the methods that build its sends and receives per microbatch, with the pass each belongs
-    to. Not imported here: it pulls in torch._dynamo, 0.4 s of a script's start-up that
-    ``fsdpcheck run`` would add to a job that uses no pipeline. A job that imports it only
-    after the watch began (``fsdpcheck run``: at its first ``fully_shard``) gets its sends and
-    receives watched all the same, without the stage and microbatch labels."""
-    stage = sys.modules.get("torch.distributed.pipelining.stage")
-    return getattr(stage, "_PipelineStageBase", None), {
+    """torch.distributed.pipelining's stage class and the methods that build its sends and
+    receives per microbatch, with the pass each belongs to."""
+    return _PipelineStageBase, {
         "get_fwd_recv_ops": "forward",
         "get_fwd_send_ops": "forward",
         "get_bwd_recv_ops": "backward",
