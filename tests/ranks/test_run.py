@@ -13,8 +13,10 @@ that nothing of fsdpcheck is left on the script's path after the watched step.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,16 +51,28 @@ def job(
     )
 
 
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def plain_finished(result: LaunchResult) -> None:
     """A plain run of the script (no fsdpcheck) ended well. torch keeps a destroyed gloo group
     alive in its caches (DTensor's sharding cache holds the mesh), and the interpreter's
     teardown now and then aborts on its threads after the script is done ("terminate called
     without an active exception", -6): that is torch's, and fsdpcheck's exit skips it."""
     for rank, code in enumerate(result.codes):
-        teardown = code == -6 and "terminate called without an active exception" in (
-            result.output(rank)
-        )
+        teardown = code == -6 and TEARDOWN_ABORT in result.output(rank)
         assert code == 0 or teardown, result.output(rank)
+
+
+def plain_launch_finished(done: subprocess.CompletedProcess) -> None:
+    """``plain_finished`` for a launcher's job: exit 0, or the launcher's exit 1 where every
+    failed rank in its summary is that teardown abort (-6, torch's words on stderr)."""
+    output = done.stdout[-3000:] + done.stderr[-3000:]
+    if done.returncode == 0:
+        return
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", done.stderr)
+    teardown = codes and set(codes) == {"-6"} and TEARDOWN_ABORT in done.stderr
+    assert done.returncode == 1 and teardown, output
 
 
 def checked(
@@ -390,7 +404,10 @@ def test_an_hf_trainer_with_fsdp2_under_accelerate_launch(tmp_path: Path) -> Non
             "--main_process_port", str(free_port()), *run, str(HF_TRAINER), "--out", str(out),
         ]  # fmt: skip
         done = run_plain(argv, env=env, timeout=JOB_LIMIT)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        if run:  # fsdpcheck's exit skips the teardown that can abort the script alone
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        else:
+            plain_launch_finished(done)
 
     report = tmp_path / "report.json"
     launched(tmp_path / "plain")
