@@ -26,7 +26,7 @@ def row_buffers(s: Settings) -> Row:
         "(validated, coalesced) vs the flat broadcast alone (unvalidated) vs the floor of any "
         "validation that tells every rank its verdict (the cheaper of two designs, each "
         "comparing nothing: the digests up, then the flat broadcast down; the values down while "
-        "the digests go up)",
+        "every rank's digest goes to every rank)",
     )
     repeats = 5 if s.quick else 30
     # Several launches: a launch's processes can land badly on the cores for all its repeats.
@@ -75,7 +75,7 @@ def _add_world(
     )  # fmt: skip
     floor = min(up, exchange)
     cheaper = (
-        "the values down while the digests go up"
+        "the values down while the digests go across"
         if exchange <= up
         else ("the digests up, then the flat broadcast")
     )
@@ -105,7 +105,7 @@ def _add_world(
             coalesced / floor <= GOAL_VS_FLOOR,
             f"broadcast_buffers {fmt_ms(coalesced)}, the floor {fmt_ms(floor)} ({cheaper}; "
             f"digests up, then the flat broadcast {fmt_ms(up)}; values down while digests go "
-            f"up {fmt_ms(exchange)}; describing and digesting {fmt_ms(described)} of each)",
+            f"across {fmt_ms(exchange)}; describing and digesting {fmt_ms(described)} of each)",
             coalesced / floor,
         )
     )
@@ -153,11 +153,11 @@ def _add_world(
         "Its floor is the cheaper of the two least designs that do both, each run as such with "
         "no comparison at all (scripts/bench/workers/buffers.py): the digests up to rank 0, "
         f"then the flat broadcast down, where a verdict would ride ({fmt_ms(up)}); or the "
-        "values and rank 0's digest down to each rank while each rank's digest goes up, in "
-        "one exchange of point-to-point messages, every receive posted first "
-        f"({fmt_ms(exchange)}; with more than 2 ranks this tells no rank but 0 the others' "
-        "digests, less than any validation must do, as measured here with rank 0 sending to "
-        f"each rank itself). `broadcast_buffers` is {coalesced / floor:.2f}× that floor: it makes "
+        "values and rank 0's digest down to each rank while every other rank's digest goes to "
+        "every rank, in one step of point-to-point messages, every receive posted first "
+        f"({fmt_ms(exchange)}; on 2 ranks one message each way, on more each rank also sends "
+        f"its digest to its {world - 2} other peer(s)). `broadcast_buffers` is "
+        f"{coalesced / floor:.2f}× that floor: it makes "
         f"{collectives} collective(s) ({how}); its check alone (describe, pack rank 0's "
         f"values, the round) took {fmt_ms(checked)}, and unpacking the values that rode with "
         "it the rest. Describing and then the flat broadcast, with no digest moved "

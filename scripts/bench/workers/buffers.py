@@ -3,11 +3,11 @@ float32 elements) broadcast from rank 0 one ``dist.broadcast`` per buffer (as lo
 ``fsdpcheck.loader.load.broadcast_buffers`` (validated layout, one flat broadcast per dtype)
 versus the flat broadcast alone, versus describing then the flat broadcast, versus the two least
 designs that tell every rank its verdict, comparing nothing (the digests up then the flat
-broadcast; the values down while the digests go up), versus the cheapest two-round validation
-(describe, one digest all_reduce, the flat broadcast), and the validated path's parts alone
-(describing and digesting; the check with the values attached). Methods run in a seeded order
-per repeat. Prints one line ``@bench {json}`` per rank with every repeat's (start, end) on the
-host's monotonic clock; run by scripts/bench (the buffers row) through
+broadcast; the values down while every rank's digest goes to every rank), versus the cheapest
+two-round validation (describe, one digest all_reduce, the flat broadcast), and the validated
+path's parts alone (describing and digesting; the check with the values attached). Methods run
+in a seeded order per repeat. Prints one line ``@bench {json}`` per rank with every repeat's
+(start, end) on the host's monotonic clock; run by scripts/bench (the buffers row) through
 fsdpcheck.children.launch."""
 
 from __future__ import annotations
@@ -99,26 +99,34 @@ def verdict_up_floor(model: nn.Module, rank: int, world: int, group) -> None:
 
 
 def exchange_floor(model: nn.Module, rank: int, world: int, group) -> None:
-    """The other design: the values go down while the digests go up, in one exchange of
-    point-to-point messages (rank 0's digest and values to each rank, each rank's digest to rank
-    0), every receive posted before the rank describes. With 2 ranks each then holds both
-    digests, the verdict, after one step; with more, no rank but 0 learns the others' digests,
-    less than any validation must do. Compares nothing. (This row's buffers are float32: rank
-    0's digest rides after its values as float32 words.)"""
+    """The other design: everything in one step of point-to-point messages, every receive
+    posted before the rank describes: rank 0's values go down to each rank, its digest riding
+    after them, while every other rank sends its digest to every rank. Each rank then holds
+    every digest, the verdict, after one step (with 2 ranks: one message each way; with more,
+    each rank also sends its digest to its peers, world - 2 messages more). Compares nothing.
+    (This row's buffers are float32: rank 0's digest rides after its values as float32
+    words.)"""
     from fsdpcheck.loader.agree import _DIGEST
     from fsdpcheck.loader.load import _unpack_flat
 
     buffers = [b for _, b in sorted(model.named_buffers())]
     count = sum(b.numel() for b in buffers)
+    peers = [p for p in range(world) if p != rank]
+    # every other rank's digest (rank 0's: with its values)
+    works = [
+        dist.irecv(torch.empty(_DIGEST, dtype=torch.uint8), src=p, group=group)
+        for p in peers
+        if p != 0
+    ]
     if rank == 0:
-        works = _post_digests(world, group)
         digest = _digest_word(model, rank).view(torch.float32)
         flat = torch.cat([*(b if b.dim() == 1 else b.reshape(-1) for b in buffers), digest])
-        works += [dist.isend(flat, dst=peer, group=group) for peer in range(1, world)]
+        works += [dist.isend(flat, dst=p, group=group) for p in peers]
     else:
         flat = torch.empty(count + _DIGEST // 4)
-        works = [dist.irecv(flat, src=0, group=group)]
-        works.append(dist.isend(_digest_word(model, rank), dst=0, group=group))
+        works.append(dist.irecv(flat, src=0, group=group))
+        digest = _digest_word(model, rank)
+        works += [dist.isend(digest, dst=p, group=group) for p in peers]
     for work in works:
         work.wait()
     if rank != 0:
