@@ -7,8 +7,10 @@ parameters memory and writes a value into each (one pass of writes, with every c
 audit's fill), so ``fully_shard`` copies its shards out of real tensors, as in a trainer; the
 other ranks stay on meta. ``--materialise rank0-load``: the floor of the default audit: then
 every other rank gives its shards memory and receives them from rank 0's tensors point to
-point, straight into place (no validation, no packing; Shard(0) on 2 ranks only). Neither
-checks anything: no fingerprint, gather, verify or report; both end as the audit does.
+point, straight into place (no validation, no packing; Shard(0) on 2 ranks only), and each
+rank reads once what any verify must read (its shards; rank 0 its source too), as plain sums.
+Neither checks anything: no fingerprint, gather, digest, comparison or report; both end as the
+audit does.
 
 ``--model`` is an fsdpcheck preset name or a directory holding a ``config.json``."""
 
@@ -62,6 +64,11 @@ def main() -> int:
     torch.set_num_threads(threads)
     if args.materialise == "rank0-load":
         receive_shards(model, source, rank)
+        # The default audit verifies: any verify reads once what each rank holds (rank 0 its
+        # source too), the full load row's floor of verify, with verify's threads.
+        from load import read_once  # workers/load.py, beside this file
+
+        read_once(model, source if rank == 0 else None)
     dist.destroy_process_group()
     if args.materialise != "none":
         # A floor ends as the audit does: the interpreter's teardown of gigabytes of tensors
