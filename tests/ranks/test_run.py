@@ -212,6 +212,11 @@ def test_after_the_watched_step_nothing_of_fsdpcheck_is_on_the_path(tmp_path: Pa
         assert after["optimizer_post_hooks"] == 0
         assert "fsdpcheck" not in after["fully_shard"] + after["to_empty"]
         assert "fsdpcheck" not in after["fsdp_state_init"]
+        # The watch's patches and the session's own thread: on while it runs, gone after.
+        assert all("fsdpcheck" in where for where in watched["patched"].values()), watched
+        assert not any("fsdpcheck" in where for where in after["patched"].values()), after
+        assert "fsdpcheck-abort-watch" in watched["threads"]
+        assert after["threads"] == []
     # The watch's keys deleted once every rank concluded: what stays is the run's liveness
     # marks, a few per rank (issue 37: a job that checks often must not grow the store).
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]

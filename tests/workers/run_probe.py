@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,16 @@ from torch.optim import optimizer as optimizer_hooks
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 
+def origin(fn) -> str:
+    """Where a callable was defined: a function's file, else its class's module."""
+    code = getattr(fn, "__code__", None)
+    return code.co_filename if code is not None else type(fn).__module__
+
+
 def fsdpcheck_on_path() -> dict:
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+
     return {
         "forward_pre_hooks": len(module_hooks._global_forward_pre_hooks),
         "optimizer_pre_hooks": len(optimizer_hooks._global_optimizer_pre_hooks),
@@ -35,6 +45,15 @@ def fsdpcheck_on_path() -> dict:
         "fully_shard": fsdp.fully_shard.__code__.co_filename,
         "to_empty": nn.Module.to_empty.__code__.co_filename,
         "fsdp_state_init": FSDPState.init.__code__.co_filename,
+        # what the watch and the session patch while they run, and their threads
+        "patched": {
+            "isend": origin(dist.isend),
+            "irecv": origin(dist.irecv),
+            "batch_isend_irecv": origin(dist.batch_isend_irecv),
+            "dcp.load": origin(dcp.load),
+            "safetensors.load_file": origin(safetensors.torch.load_file),
+        },
+        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("fsdpcheck")),
         # keys in the job's store: what fsdpcheck left there (the launcher's own are constant)
         "store_keys": dist.distributed_c10d._get_default_store().num_keys(),
     }

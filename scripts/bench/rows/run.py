@@ -29,6 +29,7 @@ def row_run(s: Settings) -> Row:
     )
     variants = {"bare": args, "run": ["-m", "fsdpcheck", "run", *args]}
     figures = {v: {"first": [], "after": [], "rss": []} for v in variants}
+    aborts = dict.fromkeys(variants, 0)
     # The launch-to-step-1 time moves by tenths of a second from run to run here: the noisy
     # rows' count of repeats.
     rounds = s.noisy_repeats + (0 if s.quick else 1)
@@ -36,19 +37,22 @@ def row_run(s: Settings) -> Row:
         for variant in rotated(list(variants), attempt):
             started = time.time()
             result = run_ranks([worker("rss"), *variants[variant]], 2)
-            require(result, [0, 0], f"{variant} script")
             found = [(int(n), float(took), float(at)) for n, took, at in _STEP.findall(
                 result.ranks[0].stdout
             )]  # fmt: skip
+            usage = marked(result, "@rss ", "stderr")
+            if _aborted_at_exit(result, found, usage, steps):
+                aborts[variant] += 1
+            else:
+                require(result, [0, 0], f"{variant} script")
             if len(found) != steps:
                 raise RuntimeError(f"{variant}: {len(found)} step lines of {steps}")
             if attempt == 0 and not s.quick:
                 continue  # the warm-up round: page cache, .pyc files
             figures[variant]["first"].append(found[0][2] - started)
             figures[variant]["after"].append(median([took for _, took, _ in found[1:]]))
-            usage = marked(result, "@rss ", "stderr")
             figures[variant]["rss"].append(max(u["maxrss"] for u in usage))
-    row.raw = figures
+    row.raw = {**figures, "aborted_at_exit": aborts}
     bare, run = figures["bare"], figures["run"]
     first = median(run["first"]) / median(bare["first"])
     after = median(run["after"]) / median(bare["after"])
@@ -69,7 +73,9 @@ def row_run(s: Settings) -> Row:
             f"{after:.3f}×",
             f"≤ {AFTER_GOAL:.2f}×",
             after <= AFTER_GOAL,
-            f"run {fmt_s(median(run['after']))}, bare {fmt_s(median(bare['after']))}",
+            f"run {fmt_s(median(run['after']))}, bare {fmt_s(median(bare['after']))}; from "
+            f"launch to launch the median step ranged {_spread(bare['after'])} bare and "
+            f"{_spread(run['after'])} run",
             after,
         )
     )
@@ -88,6 +94,38 @@ def row_run(s: Settings) -> Row:
         + ("" if s.quick else " after one warm-up round")
         + ", alternating. The time to step 1's end counts from the launch: it includes "
         "fsdpcheck's own imports, the side channel, the model check before the first forward "
-        "and the watched step. After it no fsdpcheck code is on the step's path."
+        "and the watched step. After it no fsdpcheck code is on the step's path: no hook, "
+        "patch, dispatch mode or thread of its own (tests/ranks/test_run.py reads them from "
+        "inside a script after its watched steps)."
     )
+    if any(aborts.values()):
+        row.notes.append(
+            "The script's own exit aborted (SIGABRT, `terminate called without an active "
+            "exception`) in the interpreter's teardown in "
+            f"{aborts['bare']} of {rounds} bare runs and {aborts['run']} of {rounds} under "
+            "`fsdpcheck run`, every step and the peak RSS already reported; such a run counts "
+            "like the others. It is torch's: DTensor's caches keep the destroyed process "
+            "groups, whose gloo threads still run while the interpreter tears down; "
+            "`fsdpcheck run` ends the process once the script's exit handlers have run, "
+            "without that teardown (fsdpcheck/process.py)."
+        )
     return row
+
+
+def _aborted_at_exit(result, found: list, usage: list, steps: int) -> bool:
+    """The script finished (every step printed, every rank's peak RSS written by the exit
+    handler) and then a rank died of SIGABRT in the interpreter's teardown."""
+    codes = result.codes
+    return (
+        -6 in codes
+        and set(codes) <= {0, -6}
+        and len(found) == steps
+        and len(usage) == len(codes)
+        and "terminate called without an active exception" in "".join(
+            r.stderr for r in result.ranks
+        )
+    )  # fmt: skip
+
+
+def _spread(values: list[float]) -> str:
+    return f"{fmt_s(min(values))} to {fmt_s(max(values))}" if values else "—"

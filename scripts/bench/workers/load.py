@@ -101,12 +101,20 @@ def build(size: str, rank: int) -> tuple[nn.Module, dict | None]:
 
 def p2p_floor(model: nn.Module, source: dict | None, rank: int, group) -> None:
     """The least any loader of rank 1's shards can do: ``to_empty()``, then each rank-1 shard
-    sent point-to-point from a view of rank 0's source straight into rank 1's local shard. No
-    validation, no packing, no dtype conversion, rank 0's own shards left as fully_shard made
-    them; correct only for this model (2 ranks, Shard(0) everywhere)."""
+    sent point-to-point from a view of rank 0's source straight into rank 1's local shard,
+    while a thread of rank 1 faults the fresh pages in ahead of the receives (the loader's
+    ``Prefault``: no byte changes, so it overlaps them; without it gloo's receive thread
+    faults each page in itself, which on this VM costs several times more). No validation,
+    no packing, no dtype conversion, rank 0's own shards left as fully_shard made them;
+    correct only for this model (2 ranks, Shard(0) everywhere)."""
+    from fsdpcheck.loader.transfer import Prefault
+
     params = sorted(model.named_parameters())
+    prefault = None
     if rank != 0:
         model.to_empty(device="cpu")
+        prefault = Prefault([param.to_local() for _, param in params])
+        prefault.start()
     pending = []
     for tag, (name, param) in enumerate(params):
         if rank == 0:
@@ -119,6 +127,8 @@ def p2p_floor(model: nn.Module, source: dict | None, rank: int, group) -> None:
             pending.pop(0).wait()
     for work in pending:
         work.wait()
+    if prefault is not None:
+        prefault.join()
 
 
 def read_once(model, source: dict | None) -> None:
