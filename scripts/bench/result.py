@@ -32,3 +32,9 @@ class Row:
     error: str | None = None
     date: str | None = None  # when this row was measured
     load: list[float] | None = None  # the load average as it started
+
+
+def floor_met(within: bool, above: Line) -> bool | None:
+    """A floor line's verdict: its goal holds only where the line above it (the row's own
+    goal) is not met; where that one is met, the floor decides nothing (None, shown as —)."""
+    return None if above.met else within
