@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 MARK = "@fsdpcheck "  # prefix of the JSON lines a child prints (other output is ignored)
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding fsdpcheck/
 _POLL = 0.05  # seconds between checks of the ranks' exits
+# What a C++ std::thread destroyed while joinable prints (torch's exit abort, fsdpcheck/process.py)
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 # What fsdpcheck's own jobs run with: offline, quiet, one thread each, unbuffered.
 JOB_ENV = {
@@ -111,6 +113,12 @@ class LaunchResult:
 
     def output(self, rank: int = 0) -> str:
         return self.ranks[rank].stdout + self.ranks[rank].stderr
+
+    def aborted_in_teardown(self, rank: int) -> bool:
+        """The rank died of SIGABRT in the interpreter's teardown, after its own work: torch's
+        exit abort where a destroyed gloo group's threads outlive the script (the reason
+        fsdpcheck's own commands end with :func:`fsdpcheck.process.exit_skipping_teardown`)."""
+        return self.ranks[rank].returncode == -6 and TEARDOWN_ABORT in self.output(rank)
 
 
 def free_port() -> int:

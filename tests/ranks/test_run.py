@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdpcheck.children.launch import LaunchResult, free_port, launch
+from fsdpcheck.children.launch import TEARDOWN_ABORT, LaunchResult, free_port, launch
 from tests.conftest import QUIET_ENV, REPO, run_plain, torchrun_fsdpcheck
 
 TRAIN = REPO / "examples" / "scripts" / "fsdp2_train.py"
@@ -51,17 +51,13 @@ def job(
     )
 
 
-TEARDOWN_ABORT = "terminate called without an active exception"
-
-
 def plain_finished(result: LaunchResult) -> None:
     """A plain run of the script (no fsdpcheck) ended well. torch keeps a destroyed gloo group
     alive in its caches (DTensor's sharding cache holds the mesh), and the interpreter's
     teardown now and then aborts on its threads after the script is done ("terminate called
     without an active exception", -6): that is torch's, and fsdpcheck's exit skips it."""
     for rank, code in enumerate(result.codes):
-        teardown = code == -6 and TEARDOWN_ABORT in result.output(rank)
-        assert code == 0 or teardown, result.output(rank)
+        assert code == 0 or result.aborted_in_teardown(rank), result.output(rank)
 
 
 def plain_launch_finished(done: subprocess.CompletedProcess) -> None:

@@ -112,3 +112,15 @@ def test_exit_skipping_teardown_keeps_the_code_the_output_and_the_exit_handlers(
         assert done.stderr == "to stderr", done
     message = _exits("no model given")  # sys.exit("...") semantics: printed, exit 1
     assert message.returncode == 1 and message.stderr == "to stderrno model given\n", message
+
+
+def test_a_launch_tells_torch_s_teardown_abort_from_other_exits() -> None:
+    """``LaunchResult.aborted_in_teardown``: SIGABRT with torch's words (a std::thread left
+    joinable), not a SIGABRT without them, nor the words with another exit."""
+    from fsdpcheck.children.launch import TEARDOWN_ABORT, launch
+
+    say = f"import os, sys; sys.stderr.write({TEARDOWN_ABORT!r} + '\\n'); sys.stderr.flush()"
+    ends = [f"{say}; os.abort()", "import os; os.abort()", f"{say}; sys.exit(1)", "pass"]
+    results = [launch(["-c", code], 1, timeout=60) for code in ends]
+    assert [r.codes for r in results] == [[-6], [-6], [1], [0]]
+    assert [r.aborted_in_teardown(0) for r in results] == [True, False, False, False]

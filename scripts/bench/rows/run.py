@@ -10,6 +10,7 @@ from bench.measure import marked, median, require, rotated, run_ranks
 from bench.result import Line, Row
 from bench.settings import REPO, Settings, shown, worker
 from bench.text import fmt_mib, fmt_s
+from fsdpcheck.children.launch import LaunchResult  # torch-free
 
 SCRIPT = REPO / "examples" / "scripts" / "fsdp2_train.py"
 FIRST_GOAL, AFTER_GOAL, RSS_GOAL = 1.30, 1.01, 1.10
@@ -112,19 +113,17 @@ def row_run(s: Settings) -> Row:
     return row
 
 
-def _aborted_at_exit(result, found: list, usage: list, steps: int) -> bool:
+def _aborted_at_exit(result: LaunchResult, found: list, usage: list, steps: int) -> bool:
     """The script finished (every step printed, every rank's peak RSS written by the exit
-    handler) and then a rank died of SIGABRT in the interpreter's teardown."""
+    handler) and then a rank died in torch's teardown abort, the others exiting 0."""
     codes = result.codes
+    aborted = [r for r, code in enumerate(codes) if code != 0]
     return (
-        -6 in codes
-        and set(codes) <= {0, -6}
+        bool(aborted)
+        and all(result.aborted_in_teardown(r) for r in aborted)
         and len(found) == steps
         and len(usage) == len(codes)
-        and "terminate called without an active exception" in "".join(
-            r.stderr for r in result.ranks
-        )
-    )  # fmt: skip
+    )
 
 
 def _spread(values: list[float]) -> str:
