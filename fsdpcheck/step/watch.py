@@ -59,7 +59,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -337,7 +336,7 @@ class CollectiveWatch(TorchDispatchMode):
         patched = {name: _Confirmed(self, fn) for name, fn in originals.items()}
         stage_class, getters = _pipeline_getters()
         # Private API: a torch whose stage lacks one of the getters tags no microbatch there.
-        own = {name: stage_class.__dict__[name] for name in getters if name in stage_class.__dict__}
+        own = {n: stage_class.__dict__[n] for n in getters if n in vars(stage_class)}
         for name, fn in patched.items():
             setattr(c10d, name, fn)
             setattr(dist, name, fn)
@@ -1290,8 +1289,15 @@ def _with_current_ops(ops: list) -> list:
 
 def _pipeline_getters() -> tuple[Any, dict[str, str]]:
     """torch.distributed.pipelining's stage class and the methods that build its sends and
-    receives per microbatch, with the pass each belongs to."""
-    return _PipelineStageBase, {
+    receives per microbatch, with the pass each belongs to; (None, {}) where the job has not
+    imported pipelining (so it has no stage), which is not imported here: it pulls in
+    torch._dynamo, a third of a second of every rank's start that a job without pipeline
+    stages never pays."""
+    module = sys.modules.get("torch.distributed.pipelining.stage")
+    stage_class = getattr(module, "_PipelineStageBase", None)
+    if stage_class is None:
+        return None, {}
+    return stage_class, {
         "get_fwd_recv_ops": "forward",
         "get_fwd_send_ops": "forward",
         "get_bwd_recv_ops": "backward",

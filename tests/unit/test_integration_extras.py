@@ -44,3 +44,20 @@ def test_importing_fsdpcheck_imports_no_framework() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_audit_and_the_watch_import_no_pipelining_for_a_job_without_stages() -> None:
+    # The watch tags pipeline stages' sends only where the job made stages, so it never imports
+    # torch.distributed.pipelining itself (its import is part of every rank's start).
+    code = (
+        "import sys, fsdpcheck.audit, fsdpcheck.step.watch as w\n"
+        "assert 'torch.distributed.pipelining' not in sys.modules\n"
+        "assert w._pipeline_getters() == (None, {})\n"
+        "from torch.distributed.pipelining.stage import _PipelineStageBase\n"
+        "stage, getters = w._pipeline_getters()\n"
+        "assert stage is _PipelineStageBase and set(getters) <= set(vars(stage)), getters"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
