@@ -7,8 +7,11 @@ out in a grid of ``_COLS`` columns (row-major, the last row short) and sums them
 int64 arithmetic (mod 2^64), with no multiplication over the bulk of the data: each block of
 ``_BLOCK_ROWS`` rows (1 MiB, so its second read comes from cache) gives its row sums and its
 column sums, and only those sums are weighted. Sum 1 is over the words, sum 2 over the words
-shifted down by 32 bits. A few GB/s per core in torch (the ``digests`` row of ``make bench``
-measures it), on CPU or CUDA alike, split across threads.
+read 4 bytes on (word n's bytes 4 to 11: its high half as the low half, the next word's low
+half as the high half; zeros past the end), which on the CPU is a second view of the same
+memory, read in place with no pass of writes. A few GB/s per core in torch (the ``digests``
+and ``weight-sync`` rows of ``make bench`` measure it), on CPU or CUDA alike, split across
+threads.
 
 Word (i, j) of block q weighs a_i + m_q * b_j: a_i a hashed odd weight per row, b_j a
 pseudo-random even weight per column, m_q a hashed odd multiplier per block. What that catches:
@@ -24,8 +27,11 @@ pseudo-random even weight per column, m_q a hashed odd multiplier per block. Wha
   four equal changes +d, -d / -d, +d at the corners of a rectangle cancel. Loader bugs move
   tensors, shards and offsets, which do not make these patterns outside contrived data.
 - Differences in the words' top bits only (a sign flipped in two places, a float64 tensor
-  negated): mod 2^64 those cancel in pairs in sum 1, so sum 2 weighs the words shifted down by
-  32 bits, where each is 2^31 and they cancel only if their weights do mod 2^33 (about 2^-33).
+  negated): mod 2^64 those cancel in pairs in sum 1, so sum 2 weighs the words read 4 bytes
+  on, where a word's top bit is bit 31: each is 2^31 and they cancel only if their weights do
+  mod 2^33 (about 2^-33). A region of words (a span, a shard) ends its last word read 4 bytes
+  on with zeros, and its first word's low half, the high half of the word before it, is
+  weighed apart (``_lead``), so regions add up like the parts of any cut.
 - Integer sums are exact, so the result does not depend on the order of the reduction, the
   number of threads, the device or the memory alignment of the tensor: blocks are the same
   1 MiB everywhere (CUDA only reduces many per kernel), so rank 0 digesting a slice of its CPU
@@ -41,6 +47,7 @@ checkpoint and loader), only bugs, and bugs do not aim at weight tables.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 from collections.abc import Sequence
@@ -189,6 +196,67 @@ def _words(raw: torch.Tensor, first: int, last: int) -> torch.Tensor:
     return padded.view(torch.int64)
 
 
+_LOW32 = 0xFFFFFFFF
+
+
+def _high_half(words: torch.Tensor) -> torch.Tensor:
+    """Each word's top 32 bits as an unsigned number (``words >>> 32``)."""
+    return torch.bitwise_right_shift(words, 32).bitwise_and_(_LOW32)
+
+
+def _late_words(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum 2's words over the region ``words`` (int64, flat): word n read 4 bytes on, its high
+    half joined to word n + 1's low half, the region's last word to zeros. Any device."""
+    late = torch.bitwise_right_shift(words, 32, out=out).bitwise_and_(_LOW32)
+    if words.numel() > 1:
+        late[:-1] += torch.bitwise_left_shift(words[1:], 32)
+    return late
+
+
+def _late_view(words: torch.Tensor) -> torch.Tensor:
+    """:func:`_late_words` but for the region's last word, in place: the ``n - 1`` words that
+    start 4 bytes into ``words`` (int64, contiguous, on the CPU, ``n >= 1``), read through a
+    view of the same memory, so the checksum makes no pass of writes. torch views need the
+    byte offset aligned to the element, so the view is made over the bytes' address; the
+    caller keeps ``words`` alive while it is read."""
+    count = words.numel() - 1
+    if count <= 0:
+        return words[:0]
+    at = (ctypes.c_char * (count * 8)).from_address(words.data_ptr() + 4)
+    return torch.frombuffer(at, dtype=torch.int64, count=count)
+
+
+def _weight(k: int, index: int) -> int:
+    """Sum ``k``'s weight of word ``index`` of the whole tensor's grid, a_i + m_q * b_j, in
+    Python integers (one per region: torch calls would cost more than a block's sums)."""
+    row, column = divmod(index, _COLS)
+    by_row = _odd_hash(_ROW_SEEDS[k], row)
+    by_block = _odd_hash(_BLOCK_SEEDS[k], row // _BLOCK_ROWS)
+    by_column = int(_column_weights(k, torch.device("cpu"))[column])
+    return (by_row + by_block * by_column) & _MASK64
+
+
+def _odd_hash(seed: int, index: int) -> int:
+    """:func:`_odd_hashes_at` of one index, in Python integers with the same int64 wrapping
+    and arithmetic shifts."""
+    x = _as_signed(index * _as_signed(_GOLDEN) + _as_signed(seed))
+    x = _as_signed((x ^ (x >> 30)) * _as_signed(_MIX1))
+    x = _as_signed((x ^ (x >> 27)) * _as_signed(_MIX2))
+    return (x ^ (x >> 31)) | 1
+
+
+def _lead(words: torch.Tensor, first_row: int) -> torch.Tensor:
+    """Sum 2's term of a region's first word (``words[0]``, at row ``first_row`` of the whole
+    tensor's grid, column 0) that its region does not hold: its low half is the high half of
+    the word before it, read 4 bytes on (the previous region ends that word with zeros). A
+    0-dim tensor on the words' device; zero for an empty region or the tensor's first word."""
+    index = first_row * _COLS
+    if not words.numel() or index == 0:
+        return torch.zeros((), dtype=torch.int64, device=words.device)
+    weight = _as_signed(_weight(1, index - 1))
+    return torch.bitwise_left_shift(words[0], 32) * weight
+
+
 def _chunk_blocks(device: torch.device) -> int:
     """Blocks reduced per kernel: one on CPU (it stays in cache), many on CUDA."""
     return _GPU_CHUNK_BLOCKS if device.type == "cuda" else 1
@@ -260,12 +328,18 @@ def _span(
     on_host = _on_host(_BLOCK_SEEDS, first_block + block_offset, blocks) if step == 1 else None
     row_sums, gathered, column_sums, shifted = _scratch(count, min(step, blocks), device)
     probes: list[torch.Tensor] = []
+    leads: list[torch.Tensor] = []  # sum 2's terms of each region's first word (_lead)
     begin = first_block
     if on_host is not None:  # the complete blocks, with no indexing inside the loop
         begin = min(last_block, first_block + (last_row - first_row) // _BLOCK_ROWS)
         complete = begin - first_block
         at = first_block * _BLOCK_ROWS * _COLS
-        grids = _words(raw, at, at + complete * _BLOCK_ROWS * _COLS).view(-1, _BLOCK_ROWS, _COLS)
+        flat = _words(raw, at, at + complete * _BLOCK_ROWS * _COLS)
+        grids = flat.view(-1, _BLOCK_ROWS, _COLS)
+        # Sum 2's words, 4 bytes on: read in place (no pass of writes), the region's last word
+        # alone short of its next (it is weighed below, as the definition's region ends).
+        late = _late_view(flat) if complete else flat
+        size = _BLOCK_ROWS * _COLS
         row_views = [row_sums[k, : complete * _BLOCK_ROWS].view(-1, _BLOCK_ROWS) for k in (0, 1)]
         sums = [column_sums[k, 0] for k in (0, 1)]
         for q, grid, rows0, rows1 in zip(
@@ -277,10 +351,22 @@ def _span(
             torch.sum(grid, 1, out=rows0)
             torch.sum(grid, 0, out=sums[0])
             gathered[0].add_(sums[0], alpha=on_host[0][q])
-            high = torch.bitwise_right_shift(grid, 32, out=shifted)
-            torch.sum(high, 1, out=rows1)
-            torch.sum(high, 0, out=sums[1])
+            if q + 1 < complete:
+                high = late[q * size : (q + 1) * size].view(_BLOCK_ROWS, _COLS)
+                torch.sum(high, 1, out=rows1)
+                torch.sum(high, 0, out=sums[1])
+            else:  # the last block: its last word's next lies outside the region (zero)
+                top = late[q * size : (q + 1) * size - _COLS].view(_BLOCK_ROWS - 1, _COLS)
+                bottom = late[(q + 1) * size - _COLS :]
+                final = _high_half(flat[-1:])
+                torch.sum(top, 1, out=rows1[:-1])
+                rows1[-1:] = bottom.sum() + final
+                torch.sum(top, 0, out=sums[1])
+                sums[1][:-1] += bottom
+                sums[1][-1:] += final
             gathered[1].add_(sums[1], alpha=on_host[1][q])
+        if complete:
+            leads.append(_lead(flat, first_row + block_offset * _BLOCK_ROWS))
 
     for block in range(begin, last_block, step):
         start = block * _BLOCK_ROWS
@@ -292,10 +378,11 @@ def _span(
         whole = full // _BLOCK_ROWS  # complete blocks among the full rows
         used = whole + (1 if full > whole * _BLOCK_ROWS or tail or not whole else 0)
         at, q = start - first_row, block - first_block
+        late = _late_words(words, shifted.view(-1)[: words.numel()])
+        leads.append(_lead(words, start + block_offset * _BLOCK_ROWS))
         for k in (0, 1):
-            grid = words[: full * _COLS].view(full, _COLS)
-            if k == 1:
-                grid = torch.bitwise_right_shift(grid, 32, out=shifted[:full])
+            read = words if k == 0 else late
+            grid = read[: full * _COLS].view(full, _COLS)
             torch.sum(grid, 1, out=row_sums[k, at : at + full])
             sums = column_sums[k]
             if whole == 1:  # CPU: one block per step (a plain column sum is the fast kernel)
@@ -308,8 +395,7 @@ def _span(
             elif tail or not whole:  # a last block of the short row alone, or an empty tensor
                 sums[whole].zero_()
             if tail:  # the tensor's last row, short
-                rest = words[full * _COLS :]
-                rest = rest if k == 0 else torch.bitwise_right_shift(rest, 32)
+                rest = read[full * _COLS :]
                 row_sums[k, at + full] = rest.sum()
                 sums[whole, :tail] += rest
             if on_host is not None:  # one block: a fused multiply-add of one row, no temporary
@@ -319,6 +405,8 @@ def _span(
     global_row = first_row + block_offset * _BLOCK_ROWS
     totals = (row_sums * _row_weights(global_row, count, device)).sum(1)
     totals += (gathered * _both_column_weights(device)).sum(1)
+    if leads:
+        totals[1] += torch.stack(leads).sum()
     result = [int(total) & _MASK64 for total in totals.tolist()]
     bad = None
     if values is not None:
@@ -434,7 +522,8 @@ def non_finite_counts(
 
 # A part's share of the whole tensor's checksum. Both sums weigh each word by its place alone:
 # word n of the whole tensor's grid (row i = n // _COLS, column j = n % _COLS, block
-# q = i // _BLOCK_ROWS) adds w_n * (a_i + m_q * b_j). So a shard adds the same share wherever it
+# q = i // _BLOCK_ROWS) adds w_n * (a_i + m_q * b_j) to sum 1, and to sum 2 its high half at n and
+# its low half at n - 1 (the words read 4 bytes on). So a shard adds the same share wherever it
 # is digested, given where its words sit in the whole tensor, and the shares of disjoint parts
 # add up (mod 2^64) to the checksum of the whole. Words cut between two parts (a shard that
 # starts or ends inside a 64-bit word) belong to neither: their bytes travel as fragments and
@@ -585,13 +674,17 @@ def _rows_in_block(grid: torch.Tensor, first_row: int) -> tuple[int, int]:
     times the weighted column sums, as :func:`_span` weighs a block."""
     rows, device = grid.shape[0], grid.device
     block = first_row // _BLOCK_ROWS
+    flat = grid.reshape(-1)
     result = []
     for k in (0, 1):
-        values = grid if k == 0 else torch.bitwise_right_shift(grid, 32)
+        values = grid if k == 0 else _late_words(flat).view(rows, _COLS)
         by_row = (values.sum(1) * _odd_hashes(_ROW_SEEDS[k], first_row, rows, device)).sum()
         by_column = (values.sum(0) * _column_weights(k, device)).sum()
         multiplier = _odd_hashes(_BLOCK_SEEDS[k], block, 1, device)[0]
-        result.append(int((by_row + multiplier * by_column).item()) & _MASK64)
+        total = by_row + multiplier * by_column
+        if k == 1:
+            total += _lead(flat, first_row)
+        result.append(int(total.item()) & _MASK64)
     return result[0], result[1]
 
 
@@ -689,23 +782,30 @@ def _indexed(words: torch.Tensor, index: torch.Tensor) -> tuple[int, int]:
     if not words.numel():
         return 0, 0
     index = index.to(words.device)
+    total = (words * _place_weights(0, index)).sum()
+    # Sum 2 word by word: word n's high half is the low half of the word read 4 bytes on at n,
+    # its low half the high half of the one at n - 1 (none before the tensor's first word).
+    late = (_high_half(words) * _place_weights(1, index)).sum()
+    earlier = index - 1
+    before = _place_weights(1, earlier.clamp(min=0)) * (earlier >= 0)
+    late += (torch.bitwise_left_shift(words, 32) * before).sum()
+    return int(total.item()) & _MASK64, int(late.item()) & _MASK64
+
+
+def _place_weights(k: int, index: torch.Tensor) -> torch.Tensor:
+    """Sum ``k``'s weight of each word ``index`` (a non-empty int64 tensor) of the whole
+    tensor's grid."""
     row = index // _COLS
-    column = index % _COLS
     # Many words share a row: hash each row (and its block) once and look the words' up, unless
     # the words are scattered over more rows than there are words.
     low, high = int(row.min()), int(row.max()) + 1
     if high - low <= row.numel():
-        rows = torch.arange(low, high, dtype=torch.int64, device=words.device)
+        rows = torch.arange(low, high, dtype=torch.int64, device=index.device)
         at = row - low
     else:
         rows, at = row, None
-    result = []
-    for k in (0, 1):
-        values = words if k == 0 else torch.bitwise_right_shift(words, 32)
-        by_row = _odd_hashes_at(_ROW_SEEDS[k], rows)
-        by_block = _odd_hashes_at(_BLOCK_SEEDS[k], rows // _BLOCK_ROWS)
-        if at is not None:
-            by_row, by_block = by_row[at], by_block[at]
-        weight = by_row + by_block * _column_weights(k, words.device)[column]
-        result.append(int((values * weight).sum().item()) & _MASK64)
-    return result[0], result[1]
+    by_row = _odd_hashes_at(_ROW_SEEDS[k], rows)
+    by_block = _odd_hashes_at(_BLOCK_SEEDS[k], rows // _BLOCK_ROWS)
+    if at is not None:
+        by_row, by_block = by_row[at], by_block[at]
+    return by_row + by_block * _column_weights(k, index.device)[index % _COLS]

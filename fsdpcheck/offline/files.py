@@ -34,7 +34,7 @@ from fsdpcheck.records import (
 
 log = logging.getLogger(__name__)
 
-FINGERPRINT_SCHEMA = "fsdpcheck.fingerprint/3"
+FINGERPRINT_SCHEMA = "fsdpcheck.fingerprint/4"
 SCHEMA_PREFIX = "fsdpcheck.fingerprint/"
 DEFAULT_PATH = "fsdpcheck-fingerprints/rank{rank}.json"
 

@@ -93,6 +93,12 @@ def _by_definition(raw: torch.Tensor) -> str:
     padded = torch.zeros(-(-nbytes // 8) * 8, dtype=torch.uint8)
     padded[:nbytes] = raw
     words = padded.view(torch.int64).tolist()
+    # Sum 2's words: each read 4 bytes on (bytes 8n + 4 to 8n + 12), zeros past the end.
+    data = bytes(padded.tolist()) + bytes(4)
+    late = [
+        int.from_bytes(data[8 * n + 4 : 8 * n + 12], "little", signed=True)
+        for n in range(len(words))
+    ]
     cols, block_rows, cpu = checksum_module._COLS, checksum_module._BLOCK_ROWS, torch.device("cpu")
     rows = max(1, -(-len(words) // cols))
     blocks = -(-rows // block_rows)
@@ -102,9 +108,9 @@ def _by_definition(raw: torch.Tensor) -> str:
         m = checksum_module._odd_hashes(checksum_module._BLOCK_SEEDS[k], 0, blocks, cpu).tolist()
         b = checksum_module._column_weights(k, cpu).tolist()
         total = 0
-        for index, word in enumerate(words):
+        for index, word in enumerate(late if k else words):
             i, j = divmod(index, cols)
-            total += (word >> 32 if k else word) * (a[i] + m[i // block_rows] * b[j])
+            total += word * (a[i] + m[i // block_rows] * b[j])
         sums.append(total & (2**64 - 1))
     return f"{sums[0]:016x}{sums[1]:016x}{nbytes:x}"
 
@@ -244,3 +250,32 @@ def test_rank0s_in_place_comparison_is_bitwise() -> None:
     nan = torch.tensor([float("nan"), 1.0])
     assert _same_bytes(nan, nan.clone())  # the same bytes, though NaN != NaN
     assert not _same_bytes(torch.tensor([0.0]), torch.tensor([-0.0]))  # equal values, not bytes
+
+
+def test_shares_cut_anywhere_add_up_to_the_definition(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Sum 2 reads each word 4 bytes on, so a part's last word reaches into the next part: each
+    # part weighs its own bytes alone and the parts' shares must still add up, at every cut.
+    monkeypatch.setattr(checksum_module, "_COLS", 4)
+    monkeypatch.setattr(checksum_module, "_BLOCK_ROWS", 2)
+    monkeypatch.setattr(checksum_module, "_tables", {})
+    gen = torch.Generator().manual_seed(3)
+    raw = torch.randint(0, 256, (203,), dtype=torch.uint8, generator=gen)
+    want = _by_definition(raw)
+    for first in (0, 1, 4, 8, 31, 32, 64, 65, 100):
+        for second in (first, first + 3, first + 8, first + 64, 203):
+            cuts = [0, first, min(second, 203), 203]
+            shares = [
+                checksum_module.share(raw[a:b].clone(), [a], [b - a])
+                for a, b in zip(cuts, cuts[1:], strict=False)
+            ]
+            assert checksum_module.combine(shares, 203) == want, cuts
+
+
+def test_a_region_s_lead_weight_is_the_grid_s_weight() -> None:
+    # The weight of one word in Python integers (a region's first word) and the grid's own, in
+    # torch int64 arithmetic, must agree bit for bit, or shares stop adding up.
+    index = torch.tensor([0, 1, 2, 5, _COLS - 1, _COLS, _CHUNK, 2**40 + 7, 2**50 + 3])
+    for k in (0, 1):
+        want = checksum_module._place_weights(k, index).tolist()
+        got = [checksum_module._as_signed(checksum_module._weight(k, i)) for i in index.tolist()]
+        assert got == want, k

@@ -158,11 +158,11 @@ def test_bad_inputs_are_one_paragraph_naming_the_file_and_fix(tmp_path: Path) ->
     report.write_text(json.dumps({"schema": "fsdpcheck.report/1", "verdict": "consistent"}))
     newer = tmp_path / "newer.json"
     newer.write_text(
-        json.dumps({**json.loads(good.read_text()), "schema": "fsdpcheck.fingerprint/4"})
+        json.dumps({**json.loads(good.read_text()), "schema": "fsdpcheck.fingerprint/5"})
     )
-    older = tmp_path / "older.json"  # /1: value digests of the checksum before the grid one
+    older = tmp_path / "older.json"  # /3: value digests of the checksum before this one's sum 2
     older.write_text(
-        json.dumps({**json.loads(good.read_text()), "schema": "fsdpcheck.fingerprint/1"})
+        json.dumps({**json.loads(good.read_text()), "schema": "fsdpcheck.fingerprint/3"})
     )
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({"schema": FINGERPRINT_SCHEMA, "record": [1, 2]}))
@@ -179,7 +179,7 @@ def test_bad_inputs_are_one_paragraph_naming_the_file_and_fix(tmp_path: Path) ->
     )
     mixed = _bad_input([good, newer])
     assert "mix schema versions" in mixed and "newer.json" in mixed
-    assert "fsdpcheck.fingerprint/4" in _bad_input([newer, newer.with_name("newer.json")])
+    assert "fsdpcheck.fingerprint/5" in _bad_input([newer, newer.with_name("newer.json")])
     assert "re-create the fingerprints" in _bad_input([older, older])
     assert "broken.json has the fingerprint schema marker but its record is malformed" in (
         _bad_input([good, broken])
