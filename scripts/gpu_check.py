@@ -40,6 +40,39 @@ def build(rank: int, dtype: torch.dtype) -> tuple[nn.Module, dict | None]:
     return model, source
 
 
+def checksums_agree(device: torch.device) -> dict:
+    """The value checksum and a shard's share of it, on CUDA against the CPU, for the same
+    bytes: sizes across 1 MiB blocks and CUDA's many-block kernels, short rows, unaligned
+    starts and cuts inside words (what verify and state_digests rely on across devices)."""
+    from fsdpcheck.model.checksum import checksum, share
+
+    gen = torch.Generator().manual_seed(0)
+    words_per_block = 8192 * 16
+    cases = {
+        "bf16 3 blocks + 5 words": torch.randn(4 * (3 * words_per_block + 5), generator=gen).to(
+            torch.bfloat16
+        ),
+        "fp32 300 blocks": torch.randn(2 * 300 * words_per_block, generator=gen),
+        "int8 odd": torch.randint(-128, 127, (1_000_003,), dtype=torch.int8, generator=gen),
+        "bf16 from element 3": torch.randn(40_001, generator=gen).to(torch.bfloat16)[3:],
+    }
+    result = {}
+    for name, cpu in cases.items():
+        cuda = cpu.to(device)
+        cut = cpu.numel() // 3 + 1  # inside a word for 1- and 2-byte elements
+        parts = {}
+        for label, tensor in (("cpu", cpu), ("cuda", cuda)):
+            parts[label] = [
+                share(tensor[:cut].clone(), [0], [cut]),
+                share(tensor[cut:].clone(), [cut], [tensor.numel() - cut]),
+            ]
+        result[name] = {
+            "whole": checksum(cpu) == checksum(cuda),
+            "shares": parts["cpu"] == parts["cuda"],
+        }
+    return result
+
+
 def main() -> int:
     from fsdpcheck.distributed import setup as distributed
     from fsdpcheck.loader.load import broadcast_buffers, load_full_state_dict
@@ -76,6 +109,7 @@ def main() -> int:
             }
         except Exception as exc:
             out[f"buffers/{key}"] = {"error": f"{type(exc).__name__}: {exc}"}
+    out["checksum/cpu-vs-cuda"] = checksums_agree(ctx.device)
     print("@gpu " + json.dumps(out), flush=True)
     distributed.shutdown(ctx)
     return 0

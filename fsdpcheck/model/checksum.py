@@ -137,8 +137,9 @@ def _scratch(
     rows: int, blocks: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row sums (2, ``rows``), the gathered column sums (2, ``_COLS``, zeroed), one step's
-    column sums (2, ``blocks``, ``_COLS``), the shifted words): on CPU a thread's own, kept
-    between spans (a digest of many small shards makes one span each); on a device, new."""
+    column sums (2, ``blocks``, ``_COLS``), sum 2's words of a step where they are computed
+    (:func:`_late_words`)): on CPU a thread's own, kept between spans (a digest of many small
+    shards makes one span each); on a device, new."""
     shape = (min(blocks * _BLOCK_ROWS, rows), _COLS)
     if device.type != "cpu" or blocks != 1 or rows > _SPAN_BLOCKS * _BLOCK_ROWS:
         return (
@@ -158,8 +159,8 @@ def _scratch(
                 torch.empty(2, 1, _COLS, dtype=torch.int64),
                 torch.empty(_BLOCK_ROWS, _COLS, dtype=torch.int64),
             )
-    row_sums, gathered, column_sums, shifted = kept
-    return row_sums[:, :rows], gathered.zero_(), column_sums, shifted[: shape[0]]
+    row_sums, gathered, column_sums, late = kept
+    return row_sums[:, :rows], gathered.zero_(), column_sums, late[: shape[0]]
 
 
 def _odd_hashes_at(seed: int, index: torch.Tensor) -> torch.Tensor:
@@ -326,7 +327,7 @@ def _span(
         _odd_hashes(_BLOCK_SEEDS[k], first_block + block_offset, blocks, device) for k in (0, 1)
     ]
     on_host = _on_host(_BLOCK_SEEDS, first_block + block_offset, blocks) if step == 1 else None
-    row_sums, gathered, column_sums, shifted = _scratch(count, min(step, blocks), device)
+    row_sums, gathered, column_sums, late_out = _scratch(count, min(step, blocks), device)
     probes: list[torch.Tensor] = []
     leads: list[torch.Tensor] = []  # sum 2's terms of each region's first word (_lead)
     begin = first_block
@@ -378,7 +379,7 @@ def _span(
         whole = full // _BLOCK_ROWS  # complete blocks among the full rows
         used = whole + (1 if full > whole * _BLOCK_ROWS or tail or not whole else 0)
         at, q = start - first_row, block - first_block
-        late = _late_words(words, shifted.view(-1)[: words.numel()])
+        late = _late_words(words, late_out.view(-1)[: words.numel()])
         leads.append(_lead(words, start + block_offset * _BLOCK_ROWS))
         for k in (0, 1):
             read = words if k == 0 else late
