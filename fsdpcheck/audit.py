@@ -34,7 +34,7 @@ from fsdpcheck.model import build, parallel
 from fsdpcheck.model.build import BuiltModel
 from fsdpcheck.model.builder import BuildContext, builder_info, call_builder
 from fsdpcheck.model.builder import wrapped as is_wrapped
-from fsdpcheck.model.memory import process_memory, releasing
+from fsdpcheck.model.memory import process_memory, release
 from fsdpcheck.model.optimizer_state import optimizer_record
 from fsdpcheck.model.rank_state import model_record
 from fsdpcheck.model.resolve import download
@@ -102,7 +102,6 @@ class _RankState:
         self.stages = Stages(self.ctx.rank, hooks=tuple(hooks))
 
 
-@releasing  # the model it built, freed before it returns (model.memory.releasing)
 def run_audit(
     options: AuditOptions,
     *,
@@ -116,7 +115,9 @@ def run_audit(
     A library call never ends its process: where a peer never arrives, dies or is stuck past
     ``options.timeout``, every rank still alive returns exit 3 naming it (a rank the others gave
     up on, once its own work is done). ``owns_process=True`` only where fsdpcheck owns the
-    process (its CLI): such a stuck rank is then ended at once with exit 3 by the abort watch.
+    process (its CLI): such a stuck rank is then ended at once with exit 3 by the abort watch,
+    and the model is left to the process's exit instead of collected before returning
+    (:func:`~fsdpcheck.model.memory.release`, a walk of the whole heap).
 
     ``preflight`` (given on every rank or on none) runs on rank 0 right after the ranks meet:
     a non-empty answer (say, an output path rank 0 cannot write) ends the run on every rank
@@ -126,6 +127,20 @@ def run_audit(
     rank 0 with the finished report *before* the other ranks are released: launchers such as
     torchrun stop every rank as soon as one exits non-zero, so the report must be out first.
     """
+    try:
+        return _run_audit(options, progress, publish, preflight, owns_process)
+    finally:
+        if not owns_process:  # the CLI's process ends right after: its exit frees the model
+            release()
+
+
+def _run_audit(
+    options: AuditOptions,
+    progress: Callable[[str], None] | None,
+    publish: Callable[[Report], None] | None,
+    preflight: Callable[[], str] | None,
+    owns_process: bool,
+) -> AuditResult:
     try:
         ctx = liveness.join(
             options.backend,

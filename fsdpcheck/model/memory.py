@@ -12,9 +12,9 @@ import gc
 import logging
 import resource
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from fsdpcheck.records import MemoryRecord, StageMemory
 from fsdpcheck.vocab import MemoryPeak, Stage
@@ -102,27 +102,17 @@ def _cuda() -> Any | None:
         return None
 
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def releasing(function: F) -> F:
-    """``function``, followed by a full garbage collection and :func:`trim_heap` on the way out
-    (returned or raised). FSDP2 ties every wrapped model into reference cycles (its hooks hold
-    its state, which holds the module), so a model an audit built is freed only by the cyclic
-    collector, and under fsdpcheck's own thresholds (``process.tune_gc``) or a busy caller that
-    may be many calls later: ``run_audit`` called again and again in one process (``fsdpcheck
-    run``, a Ray actor) grew by about a model a call (issue 37: 35 to 60 MiB a call for a
-    120 MB Llama, 2 ranks); with this, under 1 MiB."""
-
-    @functools.wraps(function)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return function(*args, **kwargs)
-        finally:
-            gc.collect()
-            trim_heap()
-
-    return wrapper  # type: ignore[return-value]
+def release() -> None:
+    """A full garbage collection and :func:`trim_heap`, after an audit in a process that goes
+    on. FSDP2 ties every wrapped model into reference cycles (its hooks hold its state, which
+    holds the module), so a model an audit built is freed only by the cyclic collector, and
+    under fsdpcheck's own thresholds (``process.tune_gc``) or a busy caller that may be many
+    calls later: ``run_audit`` called again and again in one process (``fsdpcheck run``, a Ray
+    actor) grew by about a model a call (issue 37: 35 to 60 MiB a call for a 120 MB Llama, 2
+    ranks); with this, under 1 MiB. The collection walks the whole heap (0.2 s of every rank
+    after a 1B-parameter audit), so a process that ends right after skips it."""
+    gc.collect()
+    trim_heap()
 
 
 class StageMeter:
