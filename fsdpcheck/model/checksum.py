@@ -216,13 +216,16 @@ def _late_words(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
 
 def _late_view(words: torch.Tensor) -> torch.Tensor:
     """:func:`_late_words` but for the region's last word, in place: the ``n - 1`` words that
-    start 4 bytes into ``words`` (int64, contiguous, on the CPU, ``n >= 1``), read through a
-    view of the same memory, so the checksum makes no pass of writes. torch views need the
-    byte offset aligned to the element, so the view is made over the bytes' address; the
-    caller keeps ``words`` alive while it is read."""
+    start 4 bytes into ``words`` (int64, contiguous, ``n >= 1``), read through a view of the
+    same memory, so the checksum makes no pass of writes. torch views need the byte offset
+    aligned to the element, so the view is made over the bytes' address: host memory only;
+    another device's words (xpu, mps, ...) are computed instead. The caller keeps ``words``
+    alive while it is read."""
     count = words.numel() - 1
     if count <= 0:
         return words[:0]
+    if words.device.type != "cpu":
+        return _late_words(words)[:-1]
     at = (ctypes.c_char * (count * 8)).from_address(words.data_ptr() + 4)
     return torch.frombuffer(at, dtype=torch.int64, count=count)
 

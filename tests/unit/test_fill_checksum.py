@@ -279,3 +279,13 @@ def test_a_region_s_lead_weight_is_the_grid_s_weight() -> None:
         want = checksum_module._place_weights(k, index).tolist()
         got = [checksum_module._as_signed(checksum_module._weight(k, i)) for i in index.tolist()]
         assert got == want, k
+
+
+def test_sum_2_s_in_place_view_reads_host_memory_only() -> None:
+    # The fast path reads sum 2's words through the bytes' address; a tensor on another device
+    # (meta stands in: it has no memory) gets them computed, never read from the host.
+    words = torch.arange(5, dtype=torch.int64) * 0x0101010101010101
+    view = checksum_module._late_view(words)
+    assert view.tolist() == checksum_module._late_words(words)[:-1].tolist()
+    elsewhere = checksum_module._late_view(torch.empty(5, dtype=torch.int64, device="meta"))
+    assert elsewhere.is_meta and elsewhere.shape == (4,)
