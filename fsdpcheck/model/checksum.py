@@ -200,15 +200,15 @@ def _words(raw: torch.Tensor, first: int, last: int) -> torch.Tensor:
 _LOW32 = 0xFFFFFFFF
 
 
-def _high_half(words: torch.Tensor) -> torch.Tensor:
+def _high_half(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each word's top 32 bits as an unsigned number (``words >>> 32``)."""
-    return torch.bitwise_right_shift(words, 32).bitwise_and_(_LOW32)
+    return torch.bitwise_right_shift(words, 32, out=out).bitwise_and_(_LOW32)
 
 
 def _late_words(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum 2's words over the region ``words`` (int64, flat): word n read 4 bytes on, its high
     half joined to word n + 1's low half, the region's last word to zeros. Any device."""
-    late = torch.bitwise_right_shift(words, 32, out=out).bitwise_and_(_LOW32)
+    late = _high_half(words, out)
     if words.numel() > 1:
         late[:-1] += torch.bitwise_left_shift(words[1:], 32)
     return late
