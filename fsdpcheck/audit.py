@@ -26,9 +26,10 @@ from fsdpcheck.distributed.gather import gather_memory, gather_records
 from fsdpcheck.distributed.wire import broadcast_decision
 from fsdpcheck.errors import FsdpcheckError, InputError
 from fsdpcheck.loader.agree import LoadFailedError
-from fsdpcheck.loader.load import load_full_state_dict
+from fsdpcheck.loader.load import load_full_state_dict, receive_ahead
 from fsdpcheck.loader.resume import full_state_from, load_checkpoint
 from fsdpcheck.loader.source import verify_source
+from fsdpcheck.loader.transfer import Prefault
 from fsdpcheck.loader.verify import verify_load
 from fsdpcheck.model import build, parallel
 from fsdpcheck.model.build import BuiltModel
@@ -92,6 +93,9 @@ class _RankState:
     # The memory check: rank 0's weights are loaded into every rank (ranks > 0 hold shards).
     rank0_load: bool = False
     script_model: Any = None  # check_model: the script's model (its memory, read at the end)
+    # A rank > 0 under rank-0 loading: its shards' memory, given and faulted in while it waits
+    # for rank 0 at the gather (loader.load.receive_ahead).
+    receiving: Prefault | None = None
     # Each stage is marked for liveness (what a peer's diagnosis reads) and shown on progress.
     stages: Stages = field(init=False)
 
@@ -470,6 +474,8 @@ def _conclude(
     try:
         if watch.aborted is not None:  # the others gave up on this rank: nobody will gather
             return ended(ctx, watch.aborted, stages.error, options, state.publish)
+        if options is not None and _receives_early(options, state, built):
+            state.receiving = _receive_ahead(state, built)
         with stages.timed(Stage.GATHER):
             gathered = gather_records(
                 record, ctx.side_channel, rank=ctx.rank, world_size=ctx.world_size
@@ -666,17 +672,45 @@ def _load_stage(
     when skipped)."""
     ctx = state.ctx
     skip = _load_skip_reason(options, gathered, built) if ctx.rank == 0 else ""
-    go, _ = broadcast_decision(0 if skip else 1, "", ctx.side_channel)
-    if go:
-        resume = _resume_and_verify if options.resume else _load_and_verify
-        load, verified = resume(state, built)
-        # The outcome is the same on every rank (a refusal or failure is raised on all).
-        after = _state_after_load(state, built) if load.outcome == LoadStatus.LOADED else None
-        return load, verified, after
+    try:
+        go, _ = broadcast_decision(0 if skip else 1, "", ctx.side_channel)
+        if go:
+            resume = _resume_and_verify if options.resume else _load_and_verify
+            load, verified = resume(state, built)
+            # The outcome is the same on every rank (a refusal or failure is raised on all).
+            after = _state_after_load(state, built) if load.outcome == LoadStatus.LOADED else None
+            return load, verified, after
+    finally:
+        if state.receiving is not None:  # no thread of the audit's outlives its load
+            state.receiving.join()
     if ctx.rank == 0:
         log.info("load skipped: %s", skip)
         return LoadOutcome(False, LoadStatus.SKIPPED, skip), None, None
     return None, None, None
+
+
+def _receives_early(options: AuditOptions, state: _RankState, built: BuiltModel | None) -> bool:
+    """Whether this rank gives its shards memory before the gather: a rank > 0 that will
+    receive them from rank 0, where nothing reads its values before the load but the load
+    (no ``--source``, no ``--step``, which would read them had the load been skipped)."""
+    return (
+        state.ctx.rank != 0
+        and built is not None
+        and state.rank0_load
+        and options.load
+        and options.source is None
+        and not options.step
+    )
+
+
+def _receive_ahead(state: _RankState, built: BuiltModel) -> Prefault | None:
+    try:
+        return receive_ahead(built.model)
+    except Exception:  # a speed-up only: the load materialises and faults in the rest itself
+        log.debug(
+            "rank %d: shards not given memory ahead of the load", state.ctx.rank, exc_info=True
+        )
+        return None
 
 
 def _load_skip_reason(
@@ -708,6 +742,8 @@ def _load_and_verify(
     # memory, and the audit's collectives stay bounded by --timeout, whatever NCCL's state.
     try:
         with stages.timed(Stage.LOAD):
+            if state.receiving is not None:
+                state.receiving.before_receives()
             result = load_full_state_dict(built.model, full or {}, group=ctx.side_channel)
     except FsdpcheckError as exc:  # raised on every rank alike
         log.debug("rank %d: the load failed", ctx.rank, exc_info=True)

@@ -61,7 +61,13 @@ from fsdpcheck.loader.agree import (
     raise_if_any_failed,
 )
 from fsdpcheck.loader.names import through_hooks_source
-from fsdpcheck.loader.transfer import Transfer, aligned, bucketed_info, choose_method
+from fsdpcheck.loader.transfer import (
+    Prefault,
+    Transfer,
+    aligned,
+    bucketed_info,
+    choose_method,
+)
 from fsdpcheck.model.fingerprint import non_persistent_buffers
 from fsdpcheck.text import int_ranges, name_list
 from fsdpcheck.vocab import LoadMethod
@@ -316,6 +322,29 @@ def materialise(model: nn.Module) -> bool:
             if name in kept:
                 buf.copy_(kept[name])
     return True
+
+
+def receive_ahead(model: nn.Module) -> Prefault | None:
+    """On a rank that will receive its shards (rank-0 loading) but holds them on meta: give
+    them memory now and fault it in on a thread while the rank has nothing else to do (the
+    audit: waiting for rank 0 to build and wrap the full model), as a trainer's ranks allocate
+    theirs while rank 0 reads its weights; :func:`load_full_state_dict` then finds nothing on
+    meta and receives into mapped pages. Call :meth:`Prefault.before_receives` before the load
+    and :meth:`Prefault.join` after it. None where nothing was on meta."""
+    if not materialise(model):
+        return None
+    shards, seen = [], set()
+    # In the order the transfer receives them (by name), tied tensors once.
+    for _, tensor in sorted(model.state_dict(keep_vars=True).items()):
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if not isinstance(local, torch.Tensor) or not local.is_contiguous() or not local.numel():
+            continue
+        if local.data_ptr() not in seen:
+            seen.add(local.data_ptr())
+            shards.append(local.detach())
+    prefault = Prefault(shards)
+    prefault.start(ahead=True)
+    return prefault
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -274,18 +274,37 @@ class Prefault:
     def __init__(self, buffers: Sequence[torch.Tensor]):
         self._buffers = [b for b in buffers if b.device.type == "cpu" and b.numel()]
         self._thread: threading.Thread | None = None
+        self._writes = False  # the thread writes the pages: no receive may run beside it
 
-    def start(self) -> None:
+    def start(self, *, ahead: bool = False) -> None:
+        """Fault the pages in. ``ahead``: no receive is posted into them until
+        :meth:`before_receives`, so every page goes to the thread at once, even where the
+        kernel cannot populate without writing (the thread then writes, and
+        :meth:`before_receives` waits for it). Otherwise the first buffer is populated here, so
+        the thread runs ahead of the first receive, or every page is written before it."""
         if not self._buffers:
             return
+        if ahead:
+            self._writes = not _populate(self._buffers[0][:1])  # one page: can the kernel?
+            target = _touch_all if self._writes else self._populate_all
+            self._run(target, self._buffers)
+            return
         if _populate(self._buffers[0]):
-            rest = self._buffers[1:]
-            self._thread = threading.Thread(
-                target=self._populate_all, args=(rest,), name="fsdpcheck-prefault", daemon=True
-            )
-            self._thread.start()
+            self._run(self._populate_all, self._buffers[1:])
             return
         first_touch(self._buffers, receiver_threads())
+
+    def _run(self, target: Callable[[Sequence[torch.Tensor]], None], buffers: list) -> None:
+        self._thread = threading.Thread(
+            target=target, args=(buffers,), name="fsdpcheck-prefault", daemon=True
+        )
+        self._thread.start()
+
+    def before_receives(self) -> None:
+        """Wait for the thread where it writes the pages (a write racing a receive could
+        overwrite what arrived); populating changes no byte, so it may go on beside them."""
+        if self._writes:
+            self.join()
 
     def join(self) -> None:
         if self._thread is not None:
@@ -330,6 +349,13 @@ def _populate(buffer: torch.Tensor) -> bool:
     end = start + buffer.numel() * buffer.element_size()
     first, last = start - start % page, -(-end // page) * page
     return madvise(first, last - first, _MADV_POPULATE_WRITE) == 0
+
+
+def _touch_all(buffers: Sequence[torch.Tensor]) -> None:
+    try:
+        first_touch(buffers, receiver_threads())
+    except Exception:  # a speed-up only: gloo faults the pages in itself
+        log.debug("touching the receive buffers failed", exc_info=True)
 
 
 def first_touch(buffers: Sequence[torch.Tensor], threads: int) -> None:

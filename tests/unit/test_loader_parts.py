@@ -263,6 +263,86 @@ def test_first_touch_writes_one_byte_per_page_and_leaves_the_rest(threads: int) 
     assert (tiny == 5).all()
 
 
+def test_prefault_ahead_populates_every_buffer_on_its_thread_and_changes_no_byte() -> None:
+    """``ahead`` (the audit's receiving ranks, while they wait for rank 0): nothing of it runs
+    on the caller's thread but a one-page probe, the first buffer included, and no byte
+    changes, so the receives need not wait for it."""
+    import torch
+
+    from fsdpcheck.loader.transfer import Prefault
+    from fsdpcheck.model.memory import rss
+
+    before = rss()
+    fresh = [torch.empty(64 * 2**20, dtype=torch.uint8) for _ in range(3)]
+    seen = torch.arange(3 * 4096 + 7, dtype=torch.bfloat16)
+    kept = seen.clone()
+    prefault = Prefault([*fresh, seen[5:]])
+    prefault.start(ahead=True)
+    assert prefault._thread is not None  # every page, the first buffer's too, on the thread
+    prefault.before_receives()
+    prefault.join()
+    assert rss() - before >= 190 * 2**20
+    assert torch.equal(seen, kept)
+
+
+def test_prefault_ahead_without_populate_writes_on_its_thread_and_receives_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel without MADV_POPULATE_WRITE (before Linux 5.14): the thread writes one zero per
+    page, so ``before_receives`` waits for it; every page is written once it returns."""
+    import mmap
+    import threading
+
+    import torch
+
+    from fsdpcheck.loader import transfer
+
+    release = threading.Event()
+    touched = transfer.first_touch
+
+    def slow_touch(buffers, threads):  # held until the test has seen the thread still running
+        release.wait(10)
+        touched(buffers, threads)
+
+    monkeypatch.setattr(transfer, "_populate", lambda buffer: False)
+    monkeypatch.setattr(transfer, "first_touch", slow_touch)
+    seen = torch.full((3 * mmap.PAGESIZE + 7,), 7, dtype=torch.bfloat16)
+    prefault = transfer.Prefault([seen])
+    prefault.start(ahead=True)
+    assert prefault._thread.is_alive()
+    release.set()
+    prefault.before_receives()
+    assert not prefault._thread.is_alive()
+    raw = seen.view(torch.uint8)
+    assert (raw[:: mmap.PAGESIZE] == 0).all()
+
+
+def test_receive_ahead_gives_meta_shards_memory_and_keeps_real_buffers() -> None:
+    """A receiving rank's model on meta: every tensor real after it, the real non-persistent
+    buffers' values kept (the load does not move them again); a model with nothing on meta is
+    left alone (None)."""
+    import torch
+    from torch import nn
+
+    from fsdpcheck.loader.load import receive_ahead
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(4096, 64), nn.Linear(64, 4096, bias=False))
+    model[1].weight = model[0].weight  # tied, as an LM head is
+    model.register_buffer("inv_freq", torch.arange(8.0), persistent=False)
+    prefault = receive_ahead(model)
+    assert prefault is not None
+    prefault.before_receives()
+    prefault.join()
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert torch.equal(model.inv_freq, torch.arange(8.0))
+    # Every state-dict tensor's memory faulted in, each storage once (what the load receives;
+    # to_empty() gives tied weights storages of their own, which the load fills by alias).
+    faulted = [b.data_ptr() for b in prefault._buffers]
+    assert sorted(faulted) == sorted({t.data_ptr() for t in model.state_dict().values()})
+    assert receive_ahead(model) is None
+
+
 def test_flat_pack_and_unpack_round_trip_every_shape() -> None:
     """The buffers' one flat tensor and back: 0-d (Gemma's embed_scale), 1-D (RoPE's
     inv_freq), 2-D, and a transposed (non-contiguous) buffer, each value where it was."""
