@@ -285,7 +285,8 @@ class Prefault:
         if not self._buffers:
             return
         if ahead:
-            self._writes = not _populate(self._buffers[0][:1])  # one page: can the kernel?
+            # One page: can the kernel populate without writing?
+            self._writes = not _populate(self._buffers[0].reshape(-1)[:1])
             target = _touch_all if self._writes else self._populate_all
             self._run(target, self._buffers)
             return

@@ -276,7 +276,7 @@ def test_prefault_ahead_populates_every_buffer_on_its_thread_and_changes_no_byte
     fresh = [torch.empty(64 * 2**20, dtype=torch.uint8) for _ in range(3)]
     seen = torch.arange(3 * 4096 + 7, dtype=torch.bfloat16)
     kept = seen.clone()
-    prefault = Prefault([*fresh, seen[5:]])
+    prefault = Prefault([torch.tensor(3.0), *fresh, seen[5:]])  # a 0-d buffer first
     prefault.start(ahead=True)
     assert prefault._thread is not None  # every page, the first buffer's too, on the thread
     prefault.before_receives()
