@@ -521,6 +521,7 @@ def _conclude(
     except Exception as exc:  # a peer died or timed out: name it from heartbeats and marks
         log.debug("rank %d: gave up in %s", ctx.rank, stages.current, exc_info=True)
         watch.disarm()
+        _received(state)
         own = stages.error
         if own is None and not liveness.is_collective_failure(exc):  # this rank's own failure
             message = f"{type(exc).__name__}: {exc}"
@@ -681,8 +682,7 @@ def _load_stage(
             after = _state_after_load(state, built) if load.outcome == LoadStatus.LOADED else None
             return load, verified, after
     finally:
-        if state.receiving is not None:  # no thread of the audit's outlives its load
-            state.receiving.join()
+        _received(state)
     if ctx.rank == 0:
         log.info("load skipped: %s", skip)
         return LoadOutcome(False, LoadStatus.SKIPPED, skip), None, None
@@ -696,10 +696,12 @@ def _receives_early(options: AuditOptions, state: _RankState, built: BuiltModel 
     return (
         state.ctx.rank != 0
         and built is not None
+        and state.stages.error is None  # a rank that failed is never loaded into
         and state.rank0_load
         and options.load
         and options.source is None
         and not options.step
+        and is_wrapped(built.model)  # its shards, never a whole unwrapped model
     )
 
 
@@ -711,6 +713,13 @@ def _receive_ahead(state: _RankState, built: BuiltModel) -> Prefault | None:
             "rank %d: shards not given memory ahead of the load", state.ctx.rank, exc_info=True
         )
         return None
+
+
+def _received(state: _RankState) -> None:
+    """No thread of the audit's outlives its load (or the gather that failed before it)."""
+    if state.receiving is not None:
+        state.receiving.join()
+        state.receiving = None
 
 
 def _load_skip_reason(

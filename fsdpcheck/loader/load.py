@@ -60,7 +60,7 @@ from fsdpcheck.loader.agree import (
     post_check,
     raise_if_any_failed,
 )
-from fsdpcheck.loader.names import through_hooks_source
+from fsdpcheck.loader.names import own_tensors, through_hooks_source
 from fsdpcheck.loader.transfer import (
     Prefault,
     Transfer,
@@ -334,8 +334,10 @@ def receive_ahead(model: nn.Module) -> Prefault | None:
     if not materialise(model):
         return None
     shards, seen = [], set()
-    # In the order the transfer receives them (by name), tied tensors once.
-    for _, tensor in sorted(model.state_dict(keep_vars=True).items()):
+    # What the transfer receives into, in its order (by name), tied tensors once. Not through
+    # state_dict(): its hooks may run collectives (a fused wqkv redistributed) that rank 0,
+    # still building, would never join.
+    for _, tensor in sorted(own_tensors(model).values(), key=lambda item: item[0]):
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         if not isinstance(local, torch.Tensor) or not local.is_contiguous() or not local.numel():
             continue

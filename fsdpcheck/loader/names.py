@@ -71,7 +71,7 @@ def placement(model: nn.Module, state: Mapping[str, Any] | None = None) -> Place
     the model's load_state_dict pre-hooks are run on meta placeholders of those entries, as
     ``load_state_dict`` would run them, to see which tensors they reach: nothing is written."""
     state = model.state_dict(keep_vars=True) if state is None else state
-    own = _own_tensors(model)
+    own = own_tensors(model)
     derived = sorted(k for k, v in state.items() if torch.is_tensor(v) and id(v) not in own)
     reached = {id(v) for v in state.values() if torch.is_tensor(v)}
     unreached = {key: name for key, (name, _) in own.items() if key not in reached}
@@ -179,7 +179,7 @@ def _sets_extra_state(module: nn.Module) -> bool:
     return type(module).set_extra_state is not nn.Module.set_extra_state
 
 
-def _own_tensors(model: nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
+def own_tensors(model: nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
     """The parameters and persistent buffers a state dict should reach, by ``id``: module path
     (the first, for tied ones) and tensor."""
     own: dict[int, tuple[str, torch.Tensor]] = {}
