@@ -716,9 +716,11 @@ def _receive_ahead(state: _RankState, built: BuiltModel) -> Prefault | None:
 
 
 def _received(state: _RankState) -> None:
-    """No thread of the audit's outlives its load (or the gather that failed before it)."""
+    """No thread of the audit's outlives its load (or the gather that failed before it). Stopped,
+    not waited for: after the receives nothing is left for it to do, and where none came
+    (a skipped load, a failure) finishing it would only delay this rank's next collective."""
     if state.receiving is not None:
-        state.receiving.join()
+        state.receiving.stop()
         state.receiving = None
 
 

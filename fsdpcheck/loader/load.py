@@ -330,7 +330,7 @@ def receive_ahead(model: nn.Module) -> Prefault | None:
     audit: waiting for rank 0 to build and wrap the full model), as a trainer's ranks allocate
     theirs while rank 0 reads its weights; :func:`load_full_state_dict` then finds nothing on
     meta and receives into mapped pages. Call :meth:`Prefault.before_receives` before the load
-    and :meth:`Prefault.join` after it. None where nothing was on meta."""
+    and :meth:`Prefault.stop` after it. None where nothing was on meta."""
     if not materialise(model):
         return None
     shards, seen = [], set()

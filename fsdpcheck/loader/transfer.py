@@ -275,6 +275,7 @@ class Prefault:
         self._buffers = [b for b in buffers if b.device.type == "cpu" and b.numel()]
         self._thread: threading.Thread | None = None
         self._writes = False  # the thread writes the pages: no receive may run beside it
+        self._stopped = threading.Event()
 
     def start(self, *, ahead: bool = False) -> None:
         """Fault the pages in. ``ahead``: no receive is posted into them until
@@ -311,15 +312,30 @@ class Prefault:
         if self._thread is not None:
             self._thread.join()
 
-    @staticmethod
-    def _populate_all(buffers: Sequence[torch.Tensor]) -> None:
+    def stop(self) -> None:
+        """Fault in no more pages and wait for the thread, within one piece of
+        ``_POPULATE_PIECE`` bytes: once the receives are over (they faulted in what they
+        wrote), or where none will come (a skipped load, a failure on the way to it), so that
+        no rank spends its timeout's worth of seconds populating memory nothing reads."""
+        self._stopped.set()
+        self.join()
+
+    def _populate_all(self, buffers: Sequence[torch.Tensor]) -> None:
         try:
             for buffer in buffers:
-                if not _populate(buffer):  # a speed-up only: gloo faults the rest in itself
-                    log.debug("MADV_POPULATE_WRITE failed part-way: gloo faults in the rest")
-                    return
+                raw = buffer.detach().reshape(-1).view(torch.uint8)
+                for start in range(0, raw.numel(), _POPULATE_PIECE):
+                    if self._stopped.is_set():
+                        return
+                    if not _populate(raw[start : start + _POPULATE_PIECE]):
+                        # a speed-up only: gloo faults the rest in itself
+                        log.debug("MADV_POPULATE_WRITE failed part-way: gloo faults in the rest")
+                        return
         except Exception:  # the same: nothing is lost but the speed
             log.debug("prefaulting the receive buffers failed", exc_info=True)
+
+
+_POPULATE_PIECE = 64 * 2**20  # bytes populated between looks at Prefault.stop
 
 
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux >= 5.14

@@ -287,6 +287,31 @@ def test_prefault_ahead_populates_every_buffer_on_its_thread_and_changes_no_byte
     assert torch.equal(seen, kept)
 
 
+def test_prefault_stop_ends_the_thread_without_populating_the_rest() -> None:
+    """``stop`` (the audit after its load, or where the load was skipped): the thread looks at
+    it between pieces of ``_POPULATE_PIECE`` bytes, so a stopped prefault faults in at most a
+    piece more and its thread is gone when ``stop`` returns."""
+    import torch
+
+    from fsdpcheck.loader.transfer import _POPULATE_PIECE, Prefault, _populate
+    from fsdpcheck.model.memory import rss
+
+    if not _populate(torch.zeros(1)):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    fresh = [torch.empty(4 * _POPULATE_PIECE, dtype=torch.uint8) for _ in range(2)]
+    before = rss()
+    prefault = Prefault(fresh)
+    prefault._stopped.set()  # stopped before its thread looked once
+    prefault.start(ahead=True)
+    prefault.stop()
+    assert not prefault._thread.is_alive()
+    assert rss() - before < _POPULATE_PIECE  # the one-page probe at most
+    running = Prefault(fresh)
+    running.start(ahead=True)
+    running.stop()
+    assert not running._thread.is_alive()
+
+
 def test_prefault_ahead_without_populate_writes_on_its_thread_and_receives_wait(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
