@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -30,7 +30,7 @@ from fsdpcheck.loader.load import load_full_state_dict, receive_ahead
 from fsdpcheck.loader.resume import full_state_from, load_checkpoint
 from fsdpcheck.loader.source import verify_source
 from fsdpcheck.loader.transfer import Prefault
-from fsdpcheck.loader.verify import verify_load
+from fsdpcheck.loader.verify import ExpectedAhead, expect_ahead, verify_load
 from fsdpcheck.model import build, parallel
 from fsdpcheck.model.build import BuiltModel
 from fsdpcheck.model.builder import BuildContext, builder_info, call_builder
@@ -751,12 +751,19 @@ def _load_and_verify(
     full = built.full_state_dict if ctx.rank == 0 else None
     # The gloo channel on every backend: the bucketed path stages CUDA shards through host
     # memory, and the audit's collectives stay bounded by --timeout, whatever NCCL's state.
+    ahead: ExpectedAhead | None = None
     try:
         with stages.timed(Stage.LOAD):
             if state.receiving is not None:
                 state.receiving.before_receives()
+            ahead = _expect_ahead(state, built, full)
             result = load_full_state_dict(built.model, full or {}, group=ctx.side_channel)
-    except FsdpcheckError as exc:  # raised on every rank alike
+    except BaseException as exc:
+        if ahead is not None:  # no verify follows
+            ahead.stop()
+        if not isinstance(exc, FsdpcheckError):
+            raise
+        # raised on every rank alike
         log.debug("rank %d: the load failed", ctx.rank, exc_info=True)
         seconds = stages.timings[Stage.LOAD]
         # Failed mid-transfer (partly loaded), or refused before anything moved.
@@ -777,11 +784,21 @@ def _load_and_verify(
     )
     log.info("loaded by %s in %.2f s", result.method, load.seconds)
     with stages.timed(Stage.VERIFY):
-        verified = verify_load(built.model, full, group=ctx.side_channel)
+        verified = verify_load(built.model, full, group=ctx.side_channel, ahead=ahead)
     log.info(
         "verify: ran %s, passed %s, %d checked", verified.ran, verified.passed, verified.checked
     )
     return load, verified
+
+
+def _expect_ahead(
+    state: _RankState, built: BuiltModel, full: Mapping[str, Any] | None
+) -> ExpectedAhead | None:
+    try:
+        return expect_ahead(built.model, full, group=state.ctx.side_channel)
+    except Exception:  # a speed-up only: verify digests every slice itself after the load
+        log.debug("rank %d: no digests ahead of verify", state.ctx.rank, exc_info=True)
+        return None
 
 
 def _resume_and_verify(

@@ -7,11 +7,14 @@ DCP's ``set_model_state_dict`` (torchtitan's loader) and ``get_model_state_dict`
 
 Digests are :mod:`fsdpcheck.model.checksum` checksums: every rank digests its own shards (on
 their device) while rank 0 digests its source slices for the other ranks and compares its own
-shards in place, so rank 0's extra work overlaps theirs instead of following it."""
+shards in place, so rank 0's extra work overlaps theirs instead of following it. Those slices are
+read from the source alone, so :func:`expect_ahead` can digest them on a thread while the load
+runs, leaving rank 0 only its in-place compare once the load is done."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +29,7 @@ from fsdpcheck.errors import FsdpcheckError
 from fsdpcheck.loader.names import Placement, placement, state_dict_names, through_hooks_source
 from fsdpcheck.loader.shards import expected_shard
 from fsdpcheck.model.checksum import checksums
-from fsdpcheck.model.threads import lead_threads
+from fsdpcheck.model.threads import lead_threads, worker_threads
 from fsdpcheck.records import VerifyResult
 from fsdpcheck.text import name_list
 
@@ -102,9 +105,11 @@ def verify_load(
     full_state_dict_on_rank0: Mapping[str, torch.Tensor] | None,
     *,
     group: Any = None,
+    ahead: ExpectedAhead | None = None,
 ) -> VerifyResult:
     """Collective over ``group`` (gloo; None: the default group); rank 0 (the group's first rank)
-    returns the mismatches."""
+    returns the mismatches. ``ahead``: what :func:`expect_ahead` started before the load, with
+    the same source (rank 0 then digests only what the load may have changed)."""
     ranks = list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     root = ranks[0]
     rank = dist.get_rank()
@@ -117,7 +122,8 @@ def verify_load(
             if tensors.where is not None and tensors.where.fused:
                 source = through_hooks_source(tensors.where, model, source)
             source = _keyed_like(tensors, source)
-            expected = _expect(tensors, source, ranks, root)
+            others = ahead.result() if ahead is not None else None
+            expected = _expect(tensors, source, ranks, root, others=others)
         except Exception as exc:  # the gather and the verdict broadcast below must still happen
             log.debug("rank %d: the expected digests failed", rank, exc_info=True)
             failure = exc
@@ -216,7 +222,8 @@ class _Batches:
     Slices of the source are views; only dtype conversions copy, so a batch closes once those
     copies reach ``_BATCH_COPY_BYTES``."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
         self.pending: list[tuple[Any, torch.Tensor]] = []
         self.copied = 0
         self.done: dict[Any, str | None] = {}
@@ -229,9 +236,7 @@ class _Batches:
 
     def flush(self) -> None:
         if self.pending:
-            # The others digest their own shards meanwhile, 1/world of the model each, so rank 0
-            # (the rest of it) takes every core but one per other rank on the host.
-            digests = checksums([t for _, t in self.pending], threads=lead_threads())
+            digests = checksums([t for _, t in self.pending], threads=self.threads)
             self.done.update((key, d) for (key, _), d in zip(self.pending, digests, strict=True))
         self.pending, self.copied = [], 0
 
@@ -249,50 +254,166 @@ class _Expected:
 
 
 def _expect(
-    tensors: _Tensors, source: Mapping[str, torch.Tensor], ranks: Sequence[int], root: int
+    tensors: _Tensors,
+    source: Mapping[str, torch.Tensor],
+    ranks: Sequence[int],
+    root: int,
+    *,
+    others: _Expected | None = None,
 ) -> _Expected:
     """Rank 0: the digest of every buffer and of every rank's slice of every parameter (its own
-    shards compared in place), in threaded batches."""
-    batches = _Batches()
+    shards compared in place), in threaded batches. ``others``: the other ranks' slices, already
+    digested (:func:`expect_ahead`); then only the buffers and rank 0's own shards are read."""
+    # The others digest their own shards meanwhile, 1/world of the model each, so rank 0 (the
+    # rest of it) takes every core but one per other rank on the host.
+    batches = _Batches(lead_threads())
     shapes: dict[Any, tuple[int, ...]] = {}
     for name, buf in tensors.buffers.items():
         want = source[name] if name in source else buf
         converted = want.to(buf.dtype)
         batches.add(("buffer", name), converted, converted is not want)
         shapes[("buffer", name)] = tuple(want.shape)
-    problems: dict[tuple[str, int], str] = {}
-    in_place: list[tuple[str, nn.Parameter, torch.Tensor]] = []
-    coordinates: dict = {}
-    for name, param in tensors.params.items():
-        full = source.get(name)
-        if full is None:
-            continue
-        converted = full.to(param.dtype)
-        copied = converted is not full
-        for global_rank in ranks:
-            try:
-                shard = expected_shard(converted, param, global_rank, coordinates)
-            except ValueError as exc:
-                problems[(name, global_rank)] = str(exc)
-                continue
-            if global_rank == root and converted is not full:  # a copy: compare, let it go
-                problems[(name, root)] = _in_place_reason(param, shard) or ""
-                continue
-            if global_rank == root:  # rank 0's own shard, a view of the source: below
-                in_place.append((name, param, shard))
-                continue
-            key = ("param", name, global_rank)
-            batches.add(key, shard, copied)
-            shapes[key] = tuple(shard.shape)
-            copied = False  # one conversion per parameter, sliced for every rank
+    slices = _Slices(tensors, source, [root] if others is not None else ranks, root, batches)
+    slices.run()
+    problems = slices.problems
+    if others is not None:
+        batches.done.update(others.digests)
+        shapes.update(others.shapes)
+        problems.update(others.problems)
+    shapes.update(slices.shapes)
     # Both read memory: the comparisons on a thread of their own, beside the checksums.
     with ThreadPoolExecutor(1, thread_name_prefix="fsdpcheck-verify") as side:
         compared = side.submit(
-            lambda: {(n, root): _in_place_reason(p, s) or "" for n, p, s in in_place}
+            lambda: {(n, root): _in_place_reason(p, s) or "" for n, p, s in slices.in_place}
         )
         batches.flush()
         problems.update(compared.result())
     return _Expected(batches.done, shapes, problems)
+
+
+class _Stopped(Exception):
+    """No verify follows the load: rank 0's digests ahead of it are no longer wanted."""
+
+
+class _Slices:
+    """Every parameter's slice of the source for each of ``ranks``: another rank's slice goes to
+    ``batches`` to be digested; rank 0's own is kept to compare in place (or compared at once,
+    where a dtype conversion made it a copy). ``stop``: checked between parameters."""
+
+    def __init__(
+        self,
+        tensors: _Tensors,
+        source: Mapping[str, torch.Tensor],
+        ranks: Sequence[int],
+        root: int,
+        batches: _Batches,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.tensors, self.source, self.ranks, self.root = tensors, source, ranks, root
+        self.batches, self.stop = batches, stop
+        self.shapes: dict[Any, tuple[int, ...]] = {}
+        self.problems: dict[tuple[str, int], str] = {}
+        self.in_place: list[tuple[str, nn.Parameter, torch.Tensor]] = []
+
+    def run(self) -> None:
+        coordinates: dict = {}
+        root = self.root
+        for name, param in self.tensors.params.items():
+            if self.stop is not None and self.stop.is_set():
+                raise _Stopped
+            full = self.source.get(name)
+            if full is None:
+                continue
+            converted = full.to(param.dtype)
+            copied = converted is not full
+            for global_rank in self.ranks:
+                try:
+                    shard = expected_shard(converted, param, global_rank, coordinates)
+                except ValueError as exc:
+                    self.problems[(name, global_rank)] = str(exc)
+                    continue
+                if global_rank == root and converted is not full:  # a copy: compare, let it go
+                    self.problems[(name, root)] = _in_place_reason(param, shard) or ""
+                    continue
+                if global_rank == root:  # rank 0's own shard, a view of the source: later
+                    self.in_place.append((name, param, shard))
+                    continue
+                key = ("param", name, global_rank)
+                self.batches.add(key, shard, copied)
+                self.shapes[key] = tuple(shard.shape)
+                copied = False  # one conversion per parameter, sliced for every rank
+
+
+class ExpectedAhead:
+    """Rank 0's digests of the other ranks' slices of its source, worked out on a thread of its
+    own while the load runs: they read only the source, which the load reads and never writes,
+    and rank 0 mostly waits in its sends meanwhile. :func:`verify_load` takes the result."""
+
+    def __init__(
+        self,
+        tensors: _Tensors,
+        source: Mapping[str, torch.Tensor],
+        ranks: Sequence[int],
+        root: int,
+    ) -> None:
+        self._stop = threading.Event()
+        # Its share of the host's cores: the other ranks are receiving, not idle.
+        batches = _Batches(worker_threads())
+        others = [r for r in ranks if r != root]
+        self._slices = _Slices(tensors, source, others, root, batches, self._stop)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, name="fsdpcheck-verify-ahead", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._slices.run()
+            self._slices.batches.flush()
+        except _Stopped:
+            log.debug("the digests ahead of verify stopped: no verify follows the load")
+        except BaseException as exc:  # handed to verify_load, which raises it on rank 0
+            log.debug("the digests ahead of verify failed", exc_info=True)
+            self._error = exc
+
+    def result(self) -> _Expected:
+        """The other ranks' expected digests, once the thread is done (raising its error)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._stop.is_set():
+            raise FsdpcheckError("verify's digests ahead of the load were stopped")
+        slices = self._slices
+        return _Expected(slices.batches.done, slices.shapes, slices.problems)
+
+    def stop(self) -> None:
+        """No verify follows (the load failed or was refused): the thread stops between
+        parameters and is gone when this returns."""
+        self._stop.set()
+        self._thread.join()
+
+
+def expect_ahead(
+    model: nn.Module,
+    full_state_dict_on_rank0: Mapping[str, torch.Tensor] | None,
+    *,
+    group: Any = None,
+) -> ExpectedAhead | None:
+    """Call on every rank of ``group`` just before the load, with what :func:`verify_load` will
+    be given: rank 0 starts digesting the other ranks' slices of its source on a thread
+    (returned, for ``verify_load(..., ahead=...)``). Elsewhere None, and on rank 0 too where it
+    has no source or the model's load_state_dict hooks rewrite it. Every rank lists its tensors
+    here alike, so state-dict hooks that communicate run on all of them."""
+    ranks = list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    root = ranks[0]
+    tensors = _tensors(model)
+    source = full_state_dict_on_rank0
+    if dist.get_rank() != root or source is None or len(ranks) == 1:
+        return None
+    if tensors.where is not None and tensors.where.fused:
+        return None  # the hooks' rewrite reads the model: left to verify_load, after the load
+    return ExpectedAhead(tensors, _keyed_like(tensors, source), ranks, root)
 
 
 def _judge(
