@@ -421,17 +421,19 @@ def _span(
     return result[0], result[1], bad
 
 
-# Host tensors of at most one block are digested together, up to this many bytes at a time: a
-# span's few dozen torch calls cost about 0.3 ms whatever its size, which is most of the time for
-# the norms and small projections that make up most of a model's tensors (340 shards of a 1B
-# model on a rank, 209 of them under 1 MiB).
+# Small host tensors are digested together, up to _SMALL_BATCH_BYTES at a time: a span's few
+# dozen torch calls cost about 0.3 ms whatever its size, which is most of the time for the norms
+# that make up most of a model's tensors (209 of the 340 shards of a 1B model on a rank are under
+# 3 KiB). Weighed word by word (a multiply and a running sum per word, where a span reads each
+# word into two sums), they cost more per byte, so only tensors up to _SMALL_BYTES go that way.
+_SMALL_BYTES = 32 << 10
 _SMALL_BATCH_BYTES = 64 << 10
 
 
 def _small_limit() -> int:
-    """The most bytes a tensor of one block holds: its words all weigh row and column weights of
-    block 0."""
-    return _BLOCK_ROWS * _COLS * 8
+    """The most bytes of a tensor digested with others: at most one block, whose words all
+    weigh row and column weights of block 0."""
+    return min(_SMALL_BYTES, _BLOCK_ROWS * _COLS * 8)
 
 
 def _small_weights() -> torch.Tensor:
@@ -469,11 +471,16 @@ def _small_sums(raws: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     ends = torch.tensor([n for n in counts if n], dtype=torch.int64).cumsum(0) - 1
     late = _late_words(words)
     late[ends] = _high_half(words[ends])
-    # Running sums (wrapping, as every sum here), read at each tensor's last word: a tensor's
-    # sum is the difference from the one before it.
+    # Running sums (wrapping, as every sum here) at each tensor's last word: a tensor's sums are
+    # the difference from the tensor's before it.
     running = torch.stack([words * placed[0], late * placed[1]]).cumsum(1)[:, ends]
-    sums = iter(zip(*torch.diff(running, dim=1, prepend=running[:, :1] * 0).tolist()))
-    return [(0, 0) if not n else (lambda a, b: (a & _MASK64, b & _MASK64))(*next(sums)) for n in counts]
+    each = torch.diff(running, dim=1, prepend=torch.zeros(2, 1, dtype=torch.int64)).tolist()
+    found = iter(zip(*each, strict=True))
+    sums = []
+    for n in counts:
+        a, b = next(found) if n else (0, 0)
+        sums.append((a & _MASK64, b & _MASK64))
+    return sums
 
 
 def _format(sums: tuple[int, int], nbytes: int) -> str:
@@ -543,9 +550,7 @@ def _digest(
     ) -> list[tuple[int, tuple[int, int, int | None]]]:
         if isinstance(job, list):
             sums = _small_sums([raws[i] for i in job])
-            counted = [
-                _count_non_finite(floats[i]) if floats[i] is not None else None for i in job
-            ]
+            counted = [_count_non_finite(floats[i]) if floats[i] is not None else None for i in job]
             return [(i, (a, b, n)) for i, (a, b), n in zip(job, sums, counted, strict=True)]
         i, first, last = job
         return [(i, _span(raws[i], first, last, floats[i]))]

@@ -147,6 +147,42 @@ def test_checksum_is_its_definition_however_the_work_is_cut(
                     assert checksums([raw], threads=1)[0] == want, (nbytes, offset, step, span)
 
 
+def test_many_small_tensors_digested_together_are_each_their_definition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Tensors of at most one block are laid end to end and summed per tensor: each must still
+    # be weighed from its own first word, its last word followed by zeros (not by the next
+    # tensor's bytes), however the batches fall and whichever of them are empty or unaligned.
+    monkeypatch.setattr(checksum_module, "_COLS", 4)
+    monkeypatch.setattr(checksum_module, "_BLOCK_ROWS", 2)
+    monkeypatch.setattr(checksum_module, "_tables", {})
+    limit = checksum_module._small_limit()
+    assert limit == 64
+    gen = torch.Generator().manual_seed(5)
+    source = torch.randint(0, 256, (400,), dtype=torch.uint8, generator=gen)
+    sizes = [0, 64, 1, 8, 0, 13, 63, 65, 200, 7, 64, 0, 40, 16, 3]
+    raws, at = [], 0
+    for i, size in enumerate(sizes):
+        raws.append(source[at + i % 3 : at + i % 3 + size])  # some start off a word's edge
+        at += size
+    want = [_by_definition(raw) for raw in raws]
+    for batch in (1, 24, 64, 1 << 20):  # one tensor per batch, a few, all the small ones
+        monkeypatch.setattr(checksum_module, "_SMALL_BATCH_BYTES", batch)
+        for threads in (1, 3):
+            assert checksums(raws, threads=threads) == want, (batch, threads)
+    # Typed tensors as the verify and fingerprint pass them: the bytes decide, not the dtype.
+    values = torch.randn(5).to(torch.bfloat16)
+    flags = torch.tensor([True, False, True])
+    assert checksums([values, flags]) == [
+        _by_definition(values.view(torch.uint8)),
+        _by_definition(flags.view(torch.uint8)),
+    ]
+    counted = checksum_module.checksums_and_non_finite(
+        [torch.tensor([1.0, float("nan"), float("inf")]), torch.arange(3), values]
+    )
+    assert [bad for _, bad in counted] == [2, 0, 0]
+
+
 def test_the_thread_s_kept_scratch_serves_calls_in_and_out_of_inference_mode() -> None:
     # A rollout digests under inference_mode, a trainer outside it, on the same thread.
     values = torch.randn(3 * _CHUNK + 5).to(torch.bfloat16)
