@@ -230,6 +230,18 @@ def _late_view(words: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(at, dtype=torch.int64, count=count)
 
 
+def _late_into(words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`_late_words` written into ``out``. On the host, a copy of :func:`_late_view` and the
+    last word's high half: a copy runs at memory speed, int64 shifts at a fraction of it (a
+    short tensor's span, all of it outside a complete block, went that way)."""
+    count = words.numel()
+    if words.device.type != "cpu" or count < 2:
+        return _late_words(words, out)
+    out[: count - 1].copy_(_late_view(words))
+    _high_half(words[count - 1 :], out[count - 1 :])
+    return out
+
+
 def _weight(k: int, index: int) -> int:
     """Sum ``k``'s weight of word ``index`` of the whole tensor's grid, a_i + m_q * b_j, in
     Python integers (one per region: torch calls would cost more than a block's sums)."""
@@ -382,7 +394,7 @@ def _span(
         whole = full // _BLOCK_ROWS  # complete blocks among the full rows
         used = whole + (1 if full > whole * _BLOCK_ROWS or tail or not whole else 0)
         at, q = start - first_row, block - first_block
-        late = _late_words(words, late_out.view(-1)[: words.numel()])
+        late = _late_into(words, late_out.view(-1)[: words.numel()])
         leads.append(_lead(words, start + block_offset * _BLOCK_ROWS))
         for k in (0, 1):
             read = words if k == 0 else late
