@@ -40,22 +40,26 @@ def loads(tmp_path_factory: pytest.TempPathFactory, llama_checkpoint: Path) -> d
         "int-buffer": [*HAZARD, "--int-buffer"],
         "tamper": [*HAZARD, "--tamper", "lm_head.weight"],
         **{
-            f"tamper-one-{rank}": [
+            f"{ahead}tamper-one-{rank}": [
                 *HAZARD,
                 *("--tamper-one", "model.embed_tokens.weight", "--tamper-rank", str(rank)),
+                *(["--ahead"] if ahead else []),
             ]
             for rank in (0, 1)
+            for ahead in ("", "ahead-")
         },
         # The torchtitan-style model (tests/workers/fused_qkv.py), filled with 7.0, then loaded.
         **{f"fused-{v}": [*HAZARD, "--fused", v] for v in ("fused", "plain", "extra-entry")},
         "fused-fused-dcp": [*HAZARD, "--fused", "fused", "--method", "dcp"],
         "fused-dcp-own": [*HAZARD, "--fused", "fused", "--loader", "dcp"],
+        **{f"ahead-fused-{v}": [*HAZARD, "--fused", v, "--ahead"] for v in ("fused", "plain")},
         # Last: it refuses on every rank.
         "buffer-mismatch": [*HAZARD, "--extra-buffer-on-rank", "1"],
     }
     dumps = [arg for name in DUMPED for arg in ("--dump", name)]
     differ = {  # hash seeds (0, 1): the RoPE buffers in opposite orders
         "odd-params": [*HAZARD, "--odd-params", "--odd-on-meta"],
+        "ahead-odd-params": [*HAZARD, "--odd-params", "--ahead"],
         "llama": ["--model", str(llama_checkpoint), "--timeout", "40", *dumps],
         "dcp-int": [*HAZARD, "--loader", "dcp", "--int-buffer"],
         "dcp-big": [*HAZARD, "--loader", "dcp", "--big-buffer", "--int-buffer"],
@@ -123,6 +127,28 @@ def test_different_orders_and_uneven_shards_load_by_name(loads: dict) -> None:
     assert rank0["load"]["params_loaded"] == rank0["n_params"]
 
 
+def test_verify_digests_ahead_of_the_load_prove_uneven_and_empty_shards(loads: dict) -> None:
+    # Rank 0 digests rank 1's slices (one of them empty) on a thread while it sends them, and
+    # still proves every rank after the load, its own shards compared in place then.
+    result, records = loads["ahead-odd-params"]
+    _assert_loaded_and_verified(result, records)
+    assert [r["ahead_started"] for r in records] == [True, False]  # rank 0's work alone
+
+
+@pytest.mark.parametrize("case", ["fused", "plain"])
+def test_verify_digests_ahead_wait_for_the_load_where_hooks_rewrite_the_source(
+    loads: dict, case: str
+) -> None:
+    # A source the model's load_state_dict hooks fuse is read through them, from the model:
+    # rank 0 digests it after the load instead. The clean twin, with no hooks, goes ahead.
+    result, records = loads[f"ahead-fused-{case}"]
+    assert result.codes == [0, 0], result.output(0) + result.output(1)
+    assert records[0]["ahead_started"] is (case == "plain")
+    for record in records:
+        assert record["still_seven"] == []
+        assert record["verify"]["passed"] is True, record["verify"]
+
+
 def test_buffer_set_mismatch_raises_on_every_rank(loads: dict) -> None:
     result, records = loads["buffer-mismatch"]
     assert not result.timed_out and result.elapsed < 60
@@ -169,9 +195,13 @@ def test_verify_names_a_tampered_shard_and_its_rank(loads: dict) -> None:
 
 
 @pytest.mark.parametrize("rank", [0, 1])  # rank 0 compares in place, rank 1 by checksum
-def test_verify_catches_one_bit_of_one_element_in_a_shard(loads: dict, rank: int) -> None:
-    result, records = loads[f"tamper-one-{rank}"]
+@pytest.mark.parametrize("ahead", ["", "ahead-"])  # rank 1's slices digested during the load
+def test_verify_catches_one_bit_of_one_element_in_a_shard(
+    loads: dict, rank: int, ahead: str
+) -> None:
+    result, records = loads[f"{ahead}tamper-one-{rank}"]
     assert result.codes == [0, 0], result.output(0) + result.output(1)
+    assert records[0]["ahead_started"] is bool(ahead)
     assert [(m["name"], m["ranks"]) for m in records[0]["verify"]["mismatches"]] == [
         ("model.embed_tokens.weight", [rank])
     ]

@@ -395,3 +395,69 @@ def test_flat_pack_and_unpack_round_trip_every_shape() -> None:
     _unpack_flat(flat, targets)
     for got, want in zip(targets, source, strict=True):
         assert torch.equal(got, want)
+
+
+def _verify_parts():
+    """A plain module (no DTensors: every rank's slice of a parameter is the whole of it) and a
+    source for it, keyed as verify pairs them; one parameter converted from float32, one the
+    source lacks."""
+    import torch
+    from torch import nn
+
+    from fsdpcheck.loader.verify import _tensors
+
+    model = nn.Module()
+    model.a = nn.Parameter(torch.randn(40, 3))
+    model.b = nn.Parameter(torch.randn(7).to(torch.bfloat16))
+    model.c = nn.Parameter(torch.randn(5))
+    model.register_buffer("scale", torch.arange(4.0))
+    source = {"a": model.a.detach().clone(), "b": model.b.detach().float(), "scale": model.scale}
+    source["a"][3, 1] += 1.0  # rank 0's own shard differs from the source
+    return _tensors(model), source
+
+
+def test_verify_digests_ahead_of_the_load_are_those_after_it() -> None:
+    # The other ranks' slices digested on a thread before the load, then rank 0's own shards
+    # and the buffers after it: the same expectation as all of it after the load.
+    from fsdpcheck.loader.verify import ExpectedAhead, _expect
+
+    tensors, source = _verify_parts()
+    ranks = [0, 1, 2]
+    whole = _expect(tensors, source, ranks, 0)
+    ahead = ExpectedAhead(tensors, source, ranks, 0)
+    split = _expect(tensors, source, ranks, 0, others=ahead.result())
+    assert split == whole
+    assert {key for key in whole.digests if key[0] == "param"} == {
+        ("param", name, rank) for name in ("a", "b") for rank in (1, 2)
+    }
+    assert whole.problems == {("a", 0): "values differ from the source state dict", ("b", 0): ""}
+
+
+def test_verify_digests_ahead_stop_between_parameters_and_say_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.loader import verify
+
+    tensors, source = _verify_parts()
+    sliced: list[int] = []
+    gate = threading.Event()
+
+    def held(full, param, rank, cache):  # the first slice waits until stop() was called
+        sliced.append(rank)
+        gate.wait(10)
+        return full
+
+    monkeypatch.setattr(verify, "expected_shard", held)
+    ahead = verify.ExpectedAhead(tensors, source, [0, 1], 0)
+    threading.Timer(0.2, gate.set).start()
+    ahead.stop()  # returns once the thread is gone, after the parameter it was on
+    assert sliced == [1]
+    assert not ahead._thread.is_alive()
+    with pytest.raises(FsdpcheckError, match="stopped"):
+        ahead.result()
+    broken = verify.ExpectedAhead(tensors, {**source, "a": "not a tensor"}, [0, 1], 0)
+    with pytest.raises(AttributeError):  # the thread's own error, raised where verify reads it
+        broken.result()

@@ -13,7 +13,7 @@ from torch import nn
 
 from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.loader.load import broadcast_buffers, load_full_state_dict
-from fsdpcheck.loader.verify import verify_load
+from fsdpcheck.loader.verify import expect_ahead, verify_load
 from fsdpcheck.model import wrap
 from fsdpcheck.model.build import build
 from fsdpcheck.model.resolve import resolve
@@ -37,6 +37,14 @@ def _dcp_only(model: nn.Module, source: dict | None) -> None:
     set_model_state_dict(model, dict(source) if source is not None else {}, options=options)
 
 
+def _ahead(args, ctx, model: nn.Module, source: dict | None, record: dict):
+    """``--ahead``: verify's digests of the other ranks' slices started before the load, as the
+    audit does; whether rank 0 started them goes into the record."""
+    ahead = expect_ahead(model, source, group=ctx.side_channel) if args.ahead else None
+    record["ahead_started"] = ahead is not None
+    return ahead
+
+
 def _fused(args, ctx, record: dict) -> None:
     """The torchtitan-style model (tests/workers/fused_qkv.py): every parameter filled with 7.0
     on every rank, each block and the root fully_shard-ed, then rank 0's full state dict (its
@@ -52,15 +60,17 @@ def _fused(args, ctx, record: dict) -> None:
     fully_shard(model, mesh=ctx.mesh)
     source = fused_qkv.build(args.fused, seed=1).state_dict() if ctx.rank == 0 else None
     record["source_keys"] = sorted(source) if source is not None else None
+    ahead = None
     if args.loader == "dcp":  # DCP's own loader, as a training script calls it
         try:
             _dcp_only(model, source)
         except Exception as exc:
             record["dcp_error"] = f"{type(exc).__name__}: {exc}"
     else:
+        ahead = _ahead(args, ctx, model, source, record)
         loaded = load_full_state_dict(model, source, group=ctx.side_channel, method=args.method)
         record["load"] = to_dict(loaded)
-    record["verify"] = to_dict(verify_load(model, source, group=ctx.side_channel))
+    record["verify"] = to_dict(verify_load(model, source, group=ctx.side_channel, ahead=ahead))
     # Read back through the model's own state dict (its hooks split wqkv again), full tensors.
     state = {
         k: v.full_tensor() if hasattr(v, "full_tensor") else v
@@ -87,6 +97,7 @@ def main(argv: list[str]) -> int:
         "--fused", choices=fused_qkv.VARIANTS, default=None, help="the torchtitan-style model"
     )
     parser.add_argument("--method", choices=("bucketed", "dcp"), default="bucketed")
+    parser.add_argument("--ahead", action="store_true", help="verify's digests ahead of the load")
     parser.add_argument("--tamper", default=None, help="rank 1 adds 1.0 to this param's shard")
     parser.add_argument(
         "--tamper-one", default=None, help="flips the lowest bit of one element of this param"
@@ -127,12 +138,14 @@ def main(argv: list[str]) -> int:
         targets = wrap.plan(model).modules
         wrap.apply(targets, ctx.mesh)
 
+        ahead = None
         if args.loader == "dcp":
             # set_model_state_dict alone, checked, then the buffers alone, checked again.
             _dcp_only(model, source)
             record["verify_dcp_only"] = to_dict(verify_load(model, source, group=ctx.side_channel))
             record["broadcast"] = to_dict(broadcast_buffers(model, group=ctx.side_channel))
         else:
+            ahead = _ahead(args, ctx, model, source, record)
             record["load"] = to_dict(load_full_state_dict(model, source, group=ctx.side_channel))
         if args.tamper and ctx.rank == 1:
             with torch.no_grad():
@@ -143,7 +156,7 @@ def main(argv: list[str]) -> int:
             words[words.numel() // 2 + 1] ^= 1  # one element, its least significant bit
         if args.break_verify_source and source is not None:
             source = {**source, args.break_verify_source: "not a tensor"}
-        result = verify_load(model, source, group=ctx.side_channel)
+        result = verify_load(model, source, group=ctx.side_channel, ahead=ahead)
         record["verify"] = to_dict(result)
         record["n_params"] = len(list(model.named_parameters()))
         record["n_buffers"] = len(list(model.named_buffers()))
