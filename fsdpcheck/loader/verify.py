@@ -122,7 +122,7 @@ def verify_load(
             if tensors.where is not None and tensors.where.fused:
                 source = through_hooks_source(tensors.where, model, source)
             source = _keyed_like(tensors, source)
-            others = ahead.result() if ahead is not None else None
+            others = _digested_ahead(ahead, full_state_dict_on_rank0, ranks)
             expected = _expect(tensors, source, ranks, root, others=others)
         except Exception as exc:  # the gather and the verdict broadcast below must still happen
             log.debug("rank %d: the expected digests failed", rank, exc_info=True)
@@ -220,28 +220,37 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _Batches:
     """Rank 0's expected digests, computed in batches (one threaded checksum pass per batch).
     Slices of the source are views; only dtype conversions copy, so a batch closes once those
-    copies reach ``_BATCH_COPY_BYTES``."""
+    copies reach ``_BATCH_COPY_BYTES``. With ``stop`` (the digests ahead of the load), a batch
+    also closes at ``_AHEAD_BATCH_BYTES`` in all, and ``stop`` is looked at before each one."""
 
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
+    def __init__(self, threads: int, stop: threading.Event | None = None) -> None:
+        self.threads, self.stop = threads, stop
         self.pending: list[tuple[Any, torch.Tensor]] = []
-        self.copied = 0
+        self.copied = self.held = 0
         self.done: dict[Any, str | None] = {}
 
     def add(self, key: Any, tensor: torch.Tensor, copied: bool) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
         self.pending.append((key, tensor))
-        self.copied += tensor.numel() * tensor.element_size() if copied else 0
-        if self.copied >= _BATCH_COPY_BYTES:
+        self.copied += nbytes if copied else 0
+        self.held += nbytes
+        if self.copied >= _BATCH_COPY_BYTES or (
+            self.stop is not None and self.held >= _AHEAD_BATCH_BYTES
+        ):
             self.flush()
 
     def flush(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise _Stopped
         if self.pending:
             digests = checksums([t for _, t in self.pending], threads=self.threads)
             self.done.update((key, d) for (key, _), d in zip(self.pending, digests, strict=True))
-        self.pending, self.copied = [], 0
+        self.pending, self.copied, self.held = [], 0, 0
 
 
 _BATCH_COPY_BYTES = 256 * 2**20
+# Ahead of the load: a stopped thread ends within one batch's checksum (tens of ms).
+_AHEAD_BATCH_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -298,7 +307,8 @@ class _Stopped(Exception):
 class _Slices:
     """Every parameter's slice of the source for each of ``ranks``: another rank's slice goes to
     ``batches`` to be digested; rank 0's own is kept to compare in place (or compared at once,
-    where a dtype conversion made it a copy). ``stop``: checked between parameters."""
+    where a dtype conversion made it a copy). Each slice is cut, then converted to the
+    parameter's dtype, so a pass over rank 0's own slices converts only those."""
 
     def __init__(
         self,
@@ -307,41 +317,42 @@ class _Slices:
         ranks: Sequence[int],
         root: int,
         batches: _Batches,
-        stop: threading.Event | None = None,
     ) -> None:
         self.tensors, self.source, self.ranks, self.root = tensors, source, ranks, root
-        self.batches, self.stop = batches, stop
+        self.batches = batches
         self.shapes: dict[Any, tuple[int, ...]] = {}
         self.problems: dict[tuple[str, int], str] = {}
         self.in_place: list[tuple[str, nn.Parameter, torch.Tensor]] = []
 
     def run(self) -> None:
         coordinates: dict = {}
-        root = self.root
+        root, stop = self.root, self.batches.stop
         for name, param in self.tensors.params.items():
-            if self.stop is not None and self.stop.is_set():
+            if stop is not None and stop.is_set():
                 raise _Stopped
             full = self.source.get(name)
             if full is None:
                 continue
-            converted = full.to(param.dtype)
-            copied = converted is not full
+            if not torch.is_tensor(full):
+                raise TypeError(
+                    f"rank {root}'s source entry {name!r} is a {type(full).__name__}, not a tensor"
+                )
             for global_rank in self.ranks:
                 try:
-                    shard = expected_shard(converted, param, global_rank, coordinates)
+                    view = expected_shard(full, param, global_rank, coordinates)
                 except ValueError as exc:
                     self.problems[(name, global_rank)] = str(exc)
                     continue
-                if global_rank == root and converted is not full:  # a copy: compare, let it go
+                shard = view.to(param.dtype)
+                if global_rank == root and shard is not view:  # a copy: compare, let it go
                     self.problems[(name, root)] = _in_place_reason(param, shard) or ""
                     continue
                 if global_rank == root:  # rank 0's own shard, a view of the source: later
                     self.in_place.append((name, param, shard))
                     continue
                 key = ("param", name, global_rank)
-                self.batches.add(key, shard, copied)
+                self.batches.add(key, shard, shard is not view)
                 self.shapes[key] = tuple(shard.shape)
-                copied = False  # one conversion per parameter, sliced for every rank
 
 
 class ExpectedAhead:
@@ -356,11 +367,12 @@ class ExpectedAhead:
         ranks: Sequence[int],
         root: int,
     ) -> None:
+        self._given, self._ranks = source, list(ranks)  # what verify_load must be called with
         self._stop = threading.Event()
         # Its share of the host's cores: the other ranks are receiving, not idle.
-        batches = _Batches(worker_threads())
+        batches = _Batches(worker_threads(), self._stop)
         others = [r for r in ranks if r != root]
-        self._slices = _Slices(tensors, source, others, root, batches, self._stop)
+        self._slices = _Slices(tensors, _keyed_like(tensors, source), others, root, batches)
         self._error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, name="fsdpcheck-verify-ahead", daemon=True
@@ -373,15 +385,23 @@ class ExpectedAhead:
             self._slices.batches.flush()
         except _Stopped:
             log.debug("the digests ahead of verify stopped: no verify follows the load")
-        except BaseException as exc:  # handed to verify_load, which raises it on rank 0
+        except BaseException as exc:  # verify_load digests after the load instead
             log.debug("the digests ahead of verify failed", exc_info=True)
             self._error = exc
 
+    def made_for(self, source: Mapping[str, Any] | None, ranks: Sequence[int]) -> bool:
+        """Whether these digests are of ``source`` (the same object) for ``ranks``."""
+        return source is self._given and list(ranks) == self._ranks
+
     def result(self) -> _Expected:
-        """The other ranks' expected digests, once the thread is done (raising its error)."""
+        """The other ranks' expected digests, once the thread is done; FsdpcheckError where it
+        failed or was stopped."""
         self._thread.join()
         if self._error is not None:
-            raise self._error
+            raise FsdpcheckError(
+                f"verify's digests ahead of the load failed: {type(self._error).__name__}: "
+                f"{self._error}"
+            ) from self._error
         if self._stop.is_set():
             raise FsdpcheckError("verify's digests ahead of the load were stopped")
         slices = self._slices
@@ -389,9 +409,27 @@ class ExpectedAhead:
 
     def stop(self) -> None:
         """No verify follows (the load failed or was refused): the thread stops between
-        parameters and is gone when this returns."""
+        parameters or batches (within one batch's checksum) and is gone when this returns."""
         self._stop.set()
         self._thread.join()
+
+
+def _digested_ahead(
+    ahead: ExpectedAhead | None, source: Mapping[str, Any] | None, ranks: Sequence[int]
+) -> _Expected | None:
+    """``ahead``'s digests where they are of this source and group; None (rank 0 digests every
+    slice after the load) otherwise, or where the thread failed: it was a speed-up only."""
+    if ahead is None:
+        return None
+    if not ahead.made_for(source, ranks):
+        log.debug("verify_load: `ahead` was started for another source or group; not used")
+        ahead.stop()
+        return None
+    try:
+        return ahead.result()
+    except FsdpcheckError:
+        log.debug("verify_load: digesting every slice after the load instead", exc_info=True)
+        return None
 
 
 def expect_ahead(
@@ -403,8 +441,9 @@ def expect_ahead(
     """Call on every rank of ``group`` just before the load, with what :func:`verify_load` will
     be given: rank 0 starts digesting the other ranks' slices of its source on a thread
     (returned, for ``verify_load(..., ahead=...)``). Elsewhere None, and on rank 0 too where it
-    has no source or the model's load_state_dict hooks rewrite it. Every rank lists its tensors
-    here alike, so state-dict hooks that communicate run on all of them."""
+    has no source, no other rank, or the model's load_state_dict hooks rewrite its source.
+    Every rank lists its tensors here alike, so state-dict hooks that communicate run on all of
+    them."""
     ranks = list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     root = ranks[0]
     tensors = _tensors(model)
@@ -413,7 +452,7 @@ def expect_ahead(
         return None
     if tensors.where is not None and tensors.where.fused:
         return None  # the hooks' rewrite reads the model: left to verify_load, after the load
-    return ExpectedAhead(tensors, _keyed_like(tensors, source), ranks, root)
+    return ExpectedAhead(tensors, source, ranks, root)
 
 
 def _judge(

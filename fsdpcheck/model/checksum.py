@@ -71,6 +71,9 @@ _COLUMN_SEEDS = (0x5F3759DF, 0x1B873593)
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 _tables: dict[tuple[int, str], torch.Tensor] = {}
+# _tables' keys past the two sums' column weights (0 and 1): both of them stacked, and the small
+# tensors' weight table.
+_BOTH_COLUMNS, _SMALL_TABLE = 2, 3
 _tables_lock = threading.Lock()
 
 
@@ -123,7 +126,7 @@ def _row_weights(first: int, count: int, device: torch.device) -> torch.Tensor:
 
 def _both_column_weights(device: torch.device) -> torch.Tensor:
     """Both sums' column weights, (2, ``_COLS``)."""
-    key = (2, str(device))
+    key = (_BOTH_COLUMNS, str(device))
     table = _tables.get(key)  # a dict read is atomic: at worst two threads stack it alike
     if table is None:
         table = _tables[key] = torch.stack([_column_weights(k, device) for k in (0, 1)])
@@ -449,16 +452,17 @@ def _small_limit() -> int:
 
 
 def _small_weights() -> torch.Tensor:
-    """Both sums' weights of each word of block 0, (2, ``_BLOCK_ROWS * _COLS``): word n of a
-    tensor of one block weighs a_i + m_0 * b_j, i = n // _COLS, j = n % _COLS."""
-    key = (3, "cpu")
+    """Both sums' weights of the words a small tensor can hold, (2, ``_small_limit() // 8``):
+    word n weighs a_i + m_0 * b_j, i = n // _COLS, j = n % _COLS (all in block 0)."""
+    key = (_SMALL_TABLE, "cpu")
     table = _tables.get(key)  # a dict read is atomic: at worst two threads make it alike
     if table is None:
         cpu = torch.device("cpu")
         rows = torch.stack([_odd_hashes(_ROW_SEEDS[k], 0, _BLOCK_ROWS, cpu) for k in (0, 1)])
         first = torch.stack([_odd_hashes(_BLOCK_SEEDS[k], 0, 1, cpu) for k in (0, 1)])
         table = rows[:, :, None] + first[:, :, None] * _both_column_weights(cpu)[:, None, :]
-        table = _tables[key] = table.reshape(2, -1).contiguous()
+        words = _small_limit() // 8
+        table = _tables[key] = table.reshape(2, -1)[:, :words].contiguous()
     return table
 
 

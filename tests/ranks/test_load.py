@@ -214,7 +214,7 @@ def test_verify_failing_on_rank0_before_the_gather_ends_every_rank_without_a_han
     # still reach the others through the verdict, within the ranks' own collective timeout.
     result, records = run_worker(tmp_path, "hazard", "--break-verify-source", "lm_head.weight")
     assert result.codes[0] not in (0, None) and result.codes[1] not in (0, None), result.codes
-    assert "AttributeError" in result.output(0)
+    assert "TypeError: rank 0's source entry 'lm_head.weight' is a str" in result.output(0)
     assert "verification failed on rank 0" in records[1]["error"]["message"]
     assert max(r["elapsed"] for r in records) < 30  # the verdict, not the 40 s timeout
 

@@ -416,24 +416,39 @@ def _verify_parts():
     return _tensors(model), source
 
 
-def test_verify_digests_ahead_of_the_load_are_those_after_it() -> None:
+def test_verify_digests_ahead_of_the_load_are_those_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # The other ranks' slices digested on a thread before the load, then rank 0's own shards
-    # and the buffers after it: the same expectation as all of it after the load.
-    from fsdpcheck.loader.verify import ExpectedAhead, _expect
+    # and the buffers after it: the same expectation as all of it after the load, and the
+    # pass after the load cuts no other rank's slice.
+    from fsdpcheck.loader import verify
 
     tensors, source = _verify_parts()
     ranks = [0, 1, 2]
-    whole = _expect(tensors, source, ranks, 0)
-    ahead = ExpectedAhead(tensors, source, ranks, 0)
-    split = _expect(tensors, source, ranks, 0, others=ahead.result())
+    whole = verify._expect(tensors, source, ranks, 0)
+    ahead = verify.ExpectedAhead(tensors, source, ranks, 0)
+    assert ahead.made_for(source, ranks)
+    assert not ahead.made_for(dict(source), ranks) and not ahead.made_for(source, [0, 1])
+    others = ahead.result()
+    cut: list[int] = []
+    real_cut = verify.expected_shard
+
+    def counted(full, param, rank, cache):
+        cut.append(rank)
+        return real_cut(full, param, rank, cache)
+
+    monkeypatch.setattr(verify, "expected_shard", counted)
+    split = verify._expect(tensors, source, ranks, 0, others=others)
     assert split == whole
+    assert set(cut) == {0}  # rank 0's own slices only
     assert {key for key in whole.digests if key[0] == "param"} == {
         ("param", name, rank) for name in ("a", "b") for rank in (1, 2)
     }
     assert whole.problems == {("a", 0): "values differ from the source state dict", ("b", 0): ""}
 
 
-def test_verify_digests_ahead_stop_between_parameters_and_say_why(
+def test_verify_digests_ahead_stop_between_parameters_and_batches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import threading
@@ -442,22 +457,47 @@ def test_verify_digests_ahead_stop_between_parameters_and_say_why(
     from fsdpcheck.loader import verify
 
     tensors, source = _verify_parts()
-    sliced: list[int] = []
-    gate = threading.Event()
+    # Held in the first parameter's slice, then in the first batch's checksum (every slice its
+    # own batch): stop() must end the thread there, with nothing more digested.
+    for hold in ("expected_shard", "checksums"):
+        monkeypatch.setattr(verify, "_AHEAD_BATCH_BYTES", 1)
+        entered, gate = threading.Event(), threading.Event()
+        real = getattr(verify, hold)
+        calls: list[object] = []
 
-    def held(full, param, rank, cache):  # the first slice waits until stop() was called
-        sliced.append(rank)
-        gate.wait(10)
-        return full
+        def held(*args, real=real, calls=calls, entered=entered, gate=gate, **kwargs):
+            calls.append(args[0])
+            entered.set()
+            gate.wait(10)
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(verify, "expected_shard", held)
-    ahead = verify.ExpectedAhead(tensors, source, [0, 1], 0)
-    threading.Timer(0.2, gate.set).start()
-    ahead.stop()  # returns once the thread is gone, after the parameter it was on
-    assert sliced == [1]
-    assert not ahead._thread.is_alive()
-    with pytest.raises(FsdpcheckError, match="stopped"):
+        monkeypatch.setattr(verify, hold, held)
+        ahead = verify.ExpectedAhead(tensors, source, [0, 1], 0)
+        assert entered.wait(10)
+        threading.Timer(0.2, gate.set).start()
+        ahead.stop()  # returns once the thread is gone, after the step it was in
+        assert len(calls) == 1, hold
+        assert not ahead._thread.is_alive()
+        assert len(ahead._slices.batches.done) == (1 if hold == "checksums" else 0)
+        with pytest.raises(FsdpcheckError, match="stopped"):
+            ahead.result()
+        monkeypatch.setattr(verify, hold, real)
+
+
+def test_verify_digests_ahead_that_failed_are_worked_out_after_the_load() -> None:
+    # A speed-up only: where the thread failed, verify digests every slice itself, and a
+    # source entry that is no tensor is then named as rank 0's error.
+    from fsdpcheck.errors import FsdpcheckError
+    from fsdpcheck.loader import verify
+
+    tensors, source = _verify_parts()
+    broken = {**source, "a": "not a tensor"}
+    ahead = verify.ExpectedAhead(tensors, broken, [0, 1], 0)
+    with pytest.raises(FsdpcheckError, match="failed: TypeError: rank 0's source entry 'a'"):
         ahead.result()
-    broken = verify.ExpectedAhead(tensors, {**source, "a": "not a tensor"}, [0, 1], 0)
-    with pytest.raises(AttributeError):  # the thread's own error, raised where verify reads it
-        broken.result()
+    assert verify._digested_ahead(ahead, broken, [0, 1]) is None
+    with pytest.raises(TypeError, match="is a str, not a tensor"):
+        verify._expect(tensors, broken, [0, 1], 0)
+    good = verify.ExpectedAhead(tensors, source, [0, 1], 0)
+    assert verify._digested_ahead(good, dict(source), [0, 1]) is None  # not this source
+    assert not good._thread.is_alive()
