@@ -384,7 +384,7 @@ def _span(
                 sums[1][:-1] += bottom
                 sums[1][-1:] += final
             gathered[1].add_(sums[1], alpha=on_host[1][q])
-        if complete:
+        if complete and first_row + block_offset * _BLOCK_ROWS:  # a tensor's first word: none
             leads.append(_lead(flat, first_row + block_offset * _BLOCK_ROWS))
 
     for block in range(begin, last_block, step):
@@ -398,7 +398,8 @@ def _span(
         used = whole + (1 if full > whole * _BLOCK_ROWS or tail or not whole else 0)
         at, q = start - first_row, block - first_block
         late = _late_into(words, late_out.view(-1)[: words.numel()])
-        leads.append(_lead(words, start + block_offset * _BLOCK_ROWS))
+        if start + block_offset * _BLOCK_ROWS:  # a tensor's first word has no lead
+            leads.append(_lead(words, start + block_offset * _BLOCK_ROWS))
         for k in (0, 1):
             read = words if k == 0 else late
             grid = read[: full * _COLS].view(full, _COLS)
