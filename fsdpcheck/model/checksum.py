@@ -176,8 +176,10 @@ def _odd_hashes_at(seed: int, index: torch.Tensor) -> torch.Tensor:
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    # Not contiguous, or one element seen through a stride: torch calls that contiguous, but
+    # view(uint8) refuses it (torch.randn(4)[::4]).
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     return flat.view(torch.uint8)

@@ -217,6 +217,8 @@ def test_checksum_ignores_alignment_threads_and_strides() -> None:
     assert one == many
     matrix = torch.randn(64, 48)
     assert checksum(matrix.t()) == checksum(matrix.t().contiguous())
+    lone = torch.randn(4)[::4]  # one element through a stride of 4
+    assert checksum(lone) == checksum(lone.clone())
     assert checksum(torch.empty(3, device="meta")) is None
     assert checksum(torch.zeros(0)) != checksum(torch.zeros(1))
 
