@@ -87,6 +87,14 @@ def test_checksum_does_not_depend_on_how_the_work_is_split(monkeypatch: pytest.M
         assert checksums(tensors, threads=2) == whole, blocks
 
 
+def _tiny_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4-column grid in blocks of 2 rows (and weight tables made for it), so that a few
+    hundred bytes cross every edge."""
+    monkeypatch.setattr(checksum_module, "_COLS", 4)
+    monkeypatch.setattr(checksum_module, "_BLOCK_ROWS", 2)
+    monkeypatch.setattr(checksum_module, "_tables", {})
+
+
 def _by_definition(raw: torch.Tensor) -> str:
     """The checksum as the module docstring defines it, word by word in Python integers."""
     nbytes = raw.numel()
@@ -123,9 +131,7 @@ def test_checksum_is_its_definition_however_the_work_is_cut(
     # and CUDA's many (with its column sums weighted per step). Scratch starts as garbage, so
     # an entry the code forgets to write shows: a new thread scratch for every call (the CPU
     # loop's is kept between calls, and would hold the previous call's right values).
-    monkeypatch.setattr(checksum_module, "_COLS", 4)
-    monkeypatch.setattr(checksum_module, "_BLOCK_ROWS", 2)
-    monkeypatch.setattr(checksum_module, "_tables", {})
+    _tiny_grid(monkeypatch)
     real_empty = torch.empty
 
     def garbage(*args: object, **kwargs: object) -> torch.Tensor:
@@ -153,9 +159,7 @@ def test_many_small_tensors_digested_together_are_each_their_definition(
     # Tensors of at most one block are laid end to end and summed per tensor: each must still
     # be weighed from its own first word, its last word followed by zeros (not by the next
     # tensor's bytes), however the batches fall and whichever of them are empty or unaligned.
-    monkeypatch.setattr(checksum_module, "_COLS", 4)
-    monkeypatch.setattr(checksum_module, "_BLOCK_ROWS", 2)
-    monkeypatch.setattr(checksum_module, "_tables", {})
+    _tiny_grid(monkeypatch)
     limit = checksum_module._small_limit()
     assert limit == 64
     gen = torch.Generator().manual_seed(5)
@@ -293,9 +297,7 @@ def test_rank0s_in_place_comparison_is_bitwise() -> None:
 def test_shares_cut_anywhere_add_up_to_the_definition(monkeypatch: pytest.MonkeyPatch) -> None:
     # Sum 2 reads each word 4 bytes on, so a part's last word reaches into the next part: each
     # part weighs its own bytes alone and the parts' shares must still add up, at every cut.
-    monkeypatch.setattr(checksum_module, "_COLS", 4)
-    monkeypatch.setattr(checksum_module, "_BLOCK_ROWS", 2)
-    monkeypatch.setattr(checksum_module, "_tables", {})
+    _tiny_grid(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     raw = torch.randint(0, 256, (203,), dtype=torch.uint8, generator=gen)
     want = _by_definition(raw)
