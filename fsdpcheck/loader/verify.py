@@ -9,7 +9,7 @@ Digests are :mod:`fsdpcheck.model.checksum` checksums: every rank digests its ow
 their device) while rank 0 digests its source slices for the other ranks and compares its own
 shards in place, so rank 0's extra work overlaps theirs instead of following it. Those slices are
 read from the source alone, so :func:`expect_ahead` can digest them on a thread while the load
-runs, leaving rank 0 only its in-place compare once the load is done."""
+runs, leaving rank 0 only its in-place compare and the buffers once the load is done."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def verify_load(
 ) -> VerifyResult:
     """Collective over ``group`` (gloo; None: the default group); rank 0 (the group's first rank)
     returns the mismatches. ``ahead``: what :func:`expect_ahead` started before the load, with
-    the same source (rank 0 then digests only what the load may have changed)."""
+    the same source and group (rank 0 then reads only its own shards and the buffers here; with
+    any other source or group, or where that thread failed, it digests every slice itself)."""
     ranks = list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     root = ranks[0]
     rank = dist.get_rank()
