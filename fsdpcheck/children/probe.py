@@ -39,9 +39,10 @@ from fsdpcheck.checks.hash_seed import ProbeResult, SeedError, tensor_names
 from fsdpcheck.children.launch import emit
 from fsdpcheck.children.seeds import check_seeds, compare_builds, over_seeds
 from fsdpcheck.distributed.environment import package_version
-from fsdpcheck.errors import FsdpcheckError
+from fsdpcheck.errors import FsdpcheckError, InputError
 from fsdpcheck.model.builder import BuildContext, builder_spec, call_builder
 from fsdpcheck.model.fingerprint import fingerprint
+from fsdpcheck.model.resolve import resolve
 from fsdpcheck.model.wrap import model_class
 from fsdpcheck.options import BuildSpec
 from fsdpcheck.pipeline import build_or_raise
@@ -96,6 +97,21 @@ def probe(
     """
     check_seeds(seeds)
     start = time.monotonic()
+    refused = None if builder else _refused(model)
+    if refused is not None:  # every child would find it: none is started
+        return ProbeResult(
+            model=model,
+            architecture=None,
+            seeds=tuple(range(seeds)),
+            verdict=Verdict.ERROR,
+            exit_code=ExitCode.BAD_INPUT,
+            reorders=(),
+            errors=tuple(SeedError(seed, SeedFailure.INPUT, refused) for seed in range(seeds)),
+            orders=0,
+            transformers=package_version("transformers"),
+            text_only=text_only,
+            timings={"total": round(time.monotonic() - start, 3), "slowest_child": 0.0},
+        )
     target = ["--builder", builder] if builder else ["--model", model]
     argv = ["-m", "fsdpcheck.children.probe", "--child", *target]
     argv += ["--text-only"] * text_only + ["--trust-remote-code"] * trust_remote_code
@@ -142,6 +158,23 @@ def probe(
     )
 
 
+def _refused(model: str) -> str | None:
+    """Why ``--model`` is bad input (an unknown preset, a directory without config.json, a hub
+    id not in the cache), found here once, where each of the K children would find it after
+    its own interpreter's start-up; None where it resolves. The children resolve it again."""
+    try:
+        resolve(model, allow_pickle=BuildSpec(model).allow_pickle)
+    except InputError as exc:
+        log.debug("probe of %s refused before any child", model, exc_info=True)
+        return _for_seeds(exc)
+    return None
+
+
+def _for_seeds(exc: FsdpcheckError) -> str:
+    """``exc``'s message without resolve()'s rank: a probe has one process per hash seed."""
+    return str(exc).removeprefix("rank 0: ")
+
+
 # ---------------------------------------------------------------- child entry point
 
 
@@ -172,9 +205,7 @@ def _child(argv: Sequence[str]) -> int:
         fp = fingerprint(model, Snapshot.PRE_WRAP, with_values=False)
     except FsdpcheckError as exc:
         log.debug("probe of %s refused", what, exc_info=True)
-        # resolve() speaks to ranks; here there is one process per hash seed.
-        message = str(exc).removeprefix("rank 0: ")
-        emit(SeedBuild(what, failure=SeedFailure(exc.kind), message=message))
+        emit(SeedBuild(what, failure=SeedFailure(exc.kind), message=_for_seeds(exc)))
         return exc.exit_code
     except Exception as exc:
         log.debug("probe of %s failed", what, exc_info=True)

@@ -94,6 +94,19 @@ def test_cli_probe_unknown_preset_is_bad_input(tmp_path: Path) -> None:
     assert "no-such-preset" in result.stdout
 
 
+def test_bad_input_is_refused_before_any_child_starts(tmp_path: Path) -> None:
+    """What resolve() refuses, each child would refuse after its start-up: found once, in the
+    caller, with the same result a child's refusal gives (every seed, kind input, exit 2)."""
+    reported: list[tuple[int, int, str]] = []
+    result = probe(str(tmp_path), seeds=3, progress=lambda *done: reported.append(done))
+    assert (result.verdict, result.exit_code) == ("error", 2)
+    assert result.seeds == (0, 1, 2)
+    assert [(e.seed, e.kind) for e in result.errors] == [(s, "input") for s in range(3)]
+    assert all(f"{tmp_path} has no config.json" in e.message for e in result.errors)
+    assert not result.errors[0].message.startswith("rank"), result.errors[0].message
+    assert reported == []  # no child reported: none was started
+
+
 def test_cli_probe_help_explains_the_seed_count() -> None:
     result = _cli(["probe", "--help"])
     assert result.returncode == 0
