@@ -159,14 +159,18 @@ def probe(
 
 
 def _refused(model: str) -> str | None:
-    """Why ``--model`` is bad input (an unknown preset, a directory without config.json, a hub
-    id not in the cache), found here once, where each of the K children would find it after
-    its own interpreter's start-up; None where it resolves. The children resolve it again."""
+    """Why ``--model`` is bad input (an unknown preset, a directory without a readable
+    config.json, a hub id not in the cache), found here once, where each of the K children
+    would find it after its own interpreter's start-up; None where it resolves, or where
+    resolving fails otherwise (each child then reports its own failure, as before). The
+    config's values are the children's to check: that imports transformers."""
     try:
-        resolve(model, allow_pickle=BuildSpec(model).allow_pickle)
+        resolve(model, allow_pickle=BuildSpec(model).allow_pickle, config_values=False)
     except InputError as exc:
         log.debug("probe of %s refused before any child", model, exc_info=True)
         return _for_seeds(exc)
+    except Exception:  # not bad input as resolve() knows it: the children say what it is
+        log.debug("probe of %s: resolving in the caller failed", model, exc_info=True)
     return None
 
 

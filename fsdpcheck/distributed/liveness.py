@@ -249,6 +249,18 @@ def _counters(store: Any, keys: list[str]) -> list[int]:
     return [int(v) if v else 0 for v in _read_many(store, keys, b"0")]
 
 
+def heartbeats(store: Any, ranks: list[int]) -> list[int]:
+    """How many times each of ``ranks`` has beaten (0: never, or no abort watch runs there).
+    Raises where the store does."""
+    return _counters(store, [_ALIVE_KEY.format(r) for r in ranks])
+
+
+def given_up(store: Any) -> bool:
+    """A rank gave up on this run and left the abort mark (:func:`signal_abort`). Raises where
+    the store does."""
+    return bool(store.check([_ABORT_KEY]))
+
+
 def dead_ranks(ctx: DistContext) -> set[int]:
     """Ranks whose heartbeat does not move over a few intervals (needs the abort watch)."""
     if ctx.store is None or ctx.world_size == 1:
@@ -278,7 +290,7 @@ def last_stages(ctx: DistContext) -> dict[int, str | None]:
 
 
 _COLLECTIVE_WORDS = re.compile(
-    r"timed out|timeout|connection (closed|reset)|broken pipe|peer|socket|gloo|"
+    r"timed out|timeout|connection (closed|reset)|broken pipe|peer|socket|gloo|heartbeat|"
     r"collective mismatch|preamble",
     re.IGNORECASE,
 )

@@ -71,6 +71,7 @@ from fsdpcheck.checks.step import (
     PeerView,
     disagreement,
 )
+from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed.wire import span
 from fsdpcheck.model.writes import site_of
 from fsdpcheck.records import from_dict, to_dict
@@ -155,6 +156,8 @@ _DEADLOCK_GRACE = 0.5  # seconds a peer's batch wait must stay the same to count
 # at the end marks, the longest.
 _PAUSE_FIRST, _PAUSE_ENDS, _PAUSE_MAX = 1e-4, 0.0128, 0.02
 _MASK64 = 2**64 - 1
+# Seconds a waited-for peer's heartbeat must stand still, at least and at most (_gone_after).
+_GONE_FLOOR, _GONE_CAP = 10.0, 30.0
 _ENDED = (FINISHED, RAISED)
 _OWED = b"owed:"  # a peer confirming a send or receive it issued ahead: "owed:<n>:<call>"
 # A descriptor left by a batch that is not yet whole: "held:<batch>:<call>". Its pair waits for
@@ -260,6 +263,11 @@ class CollectiveWatch(TorchDispatchMode):
         self.group_ranks: tuple[int, ...] = ()  # the group where it stopped
         self.peers: tuple[PeerView, ...] = ()  # what this rank saw its members doing there
         self.reason = ""
+        # Each peer's heartbeat count, and since when this rank has seen it there: a peer whose
+        # count stands still while this rank waits for it died (_raise_if_gone).
+        self._beats: dict[int, tuple[int, float]] = {}
+        self._beat_interval = liveness.heartbeat_interval(world_size)
+        self._next_beat_read = 0.0
         self.exchanges = 0
         self.channel_bytes = 0
         self.seconds = 0.0
@@ -397,6 +405,7 @@ class CollectiveWatch(TorchDispatchMode):
                 if other is not None:
                     self._stop(call, n, (PeerView(peer, doing=other),), _deadlock(call, other))
                 self._stop_at_cycle(call, n)
+                self._raise_if_gone((peer,), deadline, f"for the pair of its {call.op}")
                 if time.monotonic() > deadline:
                     raise ChannelLost(
                         TimeoutError(
@@ -537,6 +546,7 @@ class CollectiveWatch(TorchDispatchMode):
                 if self._chain_to_me(peer) is not None:
                     log.debug("rank %d waits on this rank: %s goes ahead", peer, call.op)
                     return
+                self._raise_if_gone((peer,), deadline, f"to release its batch ({_side(call)})")
                 if time.monotonic() > deadline:
                     raise ChannelLost(
                         TimeoutError(
@@ -587,6 +597,7 @@ class CollectiveWatch(TorchDispatchMode):
                     waiting = True
                     self._store.set(wait, json.dumps(to_dict(call)))
                 self._stop_at_cycle(call, n)
+                self._raise_if_gone(tuple(pending), deadline, f"to issue ({_side(call)})")
                 if time.monotonic() > deadline:
                     raise ChannelLost(
                         TimeoutError(
@@ -816,6 +827,8 @@ class CollectiveWatch(TorchDispatchMode):
                             got[peer] = self._store.get(key) if self._store.check([key]) else None
                     if not pending:
                         return got
+                at = f"at {call.op} ({call.where})" if call.where else f"at {call.op}"
+                self._raise_if_gone(tuple(pending), deadline, at)
                 if time.monotonic() > deadline:
                     raise self._silence(call, prefix, tuple(sorted(pending)))
                 time.sleep(pause)
@@ -824,6 +837,60 @@ class CollectiveWatch(TorchDispatchMode):
         except Exception as exc:  # the store's host is gone (ChannelLost is no Exception)
             log.debug("waiting for %s: the store failed", sorted(keys), exc_info=True)
             raise ChannelLost(exc) from exc
+
+    def _raise_if_gone(self, peers: tuple[int, ...], deadline: float, where: str) -> None:
+        """Raise :class:`ChannelLost` naming those of ``peers`` (ranks this rank waits for,
+        none of which ended its step) whose heartbeat has stood still for ``_gone_after``: a
+        rank that died (killed, out of memory) is named within seconds, not at the timeout.
+        Read once per heartbeat interval, and only once this rank has waited that long, so a
+        wait that ends quickly costs nothing. A peer that never beat (no abort watch runs
+        there) is never called gone; a live one beats from a thread of its own, which a
+        collective or the script's own work does not stop."""
+        now = time.monotonic()
+        waited = now - (deadline - self._timeout)
+        if waited < self._beat_interval or now < self._next_beat_read:
+            return
+        self._next_beat_read = now + self._beat_interval
+        peers = tuple(sorted(p for p in peers if p != self._rank))
+        counts = liveness.heartbeats(self._store, list(peers))
+        still = self._gone_after()
+        gone = []
+        for peer, count in zip(peers, counts, strict=True):
+            seen = self._beats.get(peer)
+            if seen is None or seen[0] != count:
+                self._beats[peer] = (count, now)
+            elif count and now - seen[1] >= still and self._end_of(peer) is None:
+                gone.append(peer)
+        if gone and liveness.given_up(self._store):
+            # A rank that gave up (it lost a peer of its own) leaves the watch without an end
+            # mark and stops beating once its call returns: the run is over, and the rank that
+            # gave up first has named the one responsible. This rank gives up too, naming
+            # nobody of its own.
+            raise ChannelLost(
+                ConnectionError(
+                    f"another rank gave up on the run while this rank waited for "
+                    f"{_ranks(tuple(gone))} {where} (its heartbeat stopped after)"
+                )
+            )
+        if gone:
+            silent = tuple(gone)
+            raise ChannelLost(
+                ConnectionError(
+                    f"{_ranks(silent)} stopped beating (no heartbeat for {still:g}s) where "
+                    f"this rank waited for {_them(silent)} {where}: gone (died or killed), or "
+                    "stuck where its heartbeat thread cannot run"
+                ),
+                silent,
+            )
+
+    def _gone_after(self) -> float:
+        """Seconds a peer's heartbeat must stand still to call it gone: a quarter of the
+        timeout, up to 30 s, and at least 10 s and three intervals. A live process's
+        heartbeat thread beats every interval; it stalls only where the process is stopped,
+        or where its main thread holds what the beat needs: the GIL in a long C call, or the
+        store client (a blocking ``store.wait``, as a ``new_group`` rendezvous makes) for as
+        long as its peers take to arrive, which is seconds among ranks that all came."""
+        return max(_GONE_FLOOR, 3 * self._beat_interval, min(self._timeout / 4, _GONE_CAP))
 
     def _silence(self, call: CollectiveCall, prefix: str, waited: tuple[int, ...]) -> ChannelLost:
         """The members that left nothing at this collective and did not end their step (read
@@ -990,6 +1057,8 @@ class CollectiveWatch(TorchDispatchMode):
                     got[peer] = _BLOCKED + mark
                 elif blocked is not None:
                     self._stop_at_cycle(blocked, at)
+        if pending:
+            self._raise_if_gone(tuple(pending), deadline, "at a collective")
         if pending and time.monotonic() > deadline:
             raise _silent(tuple(sorted(pending)), self._timeout)
 

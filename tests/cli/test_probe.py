@@ -107,6 +107,15 @@ def test_bad_input_is_refused_before_any_child_starts(tmp_path: Path) -> None:
     assert reported == []  # no child reported: none was started
 
 
+def test_what_resolve_fails_on_otherwise_is_left_to_the_children() -> None:
+    """An id that looks like a hub id but that huggingface_hub refuses to validate (not an
+    InputError of resolve's): no refusal in the caller, so every child reports its own
+    failure, as before the caller resolved."""
+    from fsdpcheck.children.probe import _refused
+
+    assert _refused("org/name..bad") is None
+
+
 def test_cli_probe_help_explains_the_seed_count() -> None:
     result = _cli(["probe", "--help"])
     assert result.returncode == 0

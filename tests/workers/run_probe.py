@@ -7,7 +7,8 @@ what the script itself sees of fsdpcheck after each step, and its own ways to en
 ``--out``: each rank writes ``rank<r>.json``: its losses, and after each step what is on its
 path (global module and optimizer hooks, dispatch modes, the files ``fully_shard``,
 ``to_empty`` and FSDP2's ``FSDPState.init`` come from, the keys in the job's store).
-``--raise-at``, ``--die-at`` and ``--sigint-at`` act on rank 1 only, at that step (0-based).
+``--raise-at``, ``--die-at``, ``--sigint-at`` and ``--stall-at`` (a sleep of ``--stall-seconds``
+before the forward) act on rank 1 only, at that step (0-based).
 """
 
 import argparse
@@ -16,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -68,6 +70,8 @@ def main() -> None:
     parser.add_argument("--exit-code", type=int, default=None)
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--sigint-at", type=int, default=None)
+    parser.add_argument("--stall-at", type=int, default=None)
+    parser.add_argument("--stall-seconds", type=float, default=5.0)
     args = parser.parse_args()
     if args.exit_code is not None:
         sys.exit(args.exit_code)
@@ -90,6 +94,8 @@ def main() -> None:
             os._exit(9)
         if rank == 1 and step == args.sigint_at:
             os.kill(os.getpid(), signal.SIGINT)
+        if rank == 1 and step == args.stall_at:  # late, alive: a slow data loader
+            time.sleep(args.stall_seconds)
         x = torch.randn(8, 16, generator=data)
         loss = model(x).square().mean()
         loss.backward()
