@@ -841,11 +841,11 @@ class CollectiveWatch(TorchDispatchMode):
     def _raise_if_gone(self, peers: tuple[int, ...], deadline: float, where: str) -> None:
         """Raise :class:`ChannelLost` naming those of ``peers`` (ranks this rank waits for,
         none of which ended its step) whose heartbeat has stood still for ``_gone_after``: a
-        rank that died (killed, out of memory) is named within seconds, not at the timeout.
-        Read once per heartbeat interval, and only once this rank has waited that long, so a
-        wait that ends quickly costs nothing. A peer that never beat (no abort watch runs
-        there) is never called gone; a live one beats from a thread of its own, which a
-        collective or the script's own work does not stop."""
+        rank that died (killed, out of memory) is named before the timeout. Read once per
+        heartbeat interval, and only once this rank has waited that long, so a wait that ends
+        quickly costs nothing. A peer that never beat (no abort watch runs there) is never
+        called gone; a live one beats from a thread of its own, which neither a collective nor
+        the script's own work stops for long (``_gone_after``)."""
         now = time.monotonic()
         waited = now - (deadline - self._timeout)
         if waited < self._beat_interval or now < self._next_beat_read:
