@@ -451,6 +451,9 @@ class ScriptSession:
                     "checks FSDP2 jobs; a DDP, FSDP1 or single-process script runs unchecked)"
                 )
                 return RunOutcome(None, None, "", tuple(self.notes))
+            if isinstance(error, ChannelLost):  # the watch lost a peer: the peer's failure
+                self._leave_watch()
+                return self._conclude_with(self._guarded(_raising(error)), raise_stop=False)
             message = ""
             if error is not None and not isinstance(error, (StepDiverged, SystemExit)):
                 message = f"{type(error).__name__}: {error}"
@@ -464,6 +467,15 @@ class ScriptSession:
             return self._conclude(message)
         finally:
             self.remove()
+
+
+def _raising(error: BaseException) -> Callable[[], AuditResult]:
+    """Work that raises ``error``: a failure already met, given to :meth:`_guarded` to name."""
+
+    def work() -> AuditResult:
+        raise error
+
+    return work
 
 
 class _Nothing(nn.Module):
