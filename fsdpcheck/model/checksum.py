@@ -61,9 +61,6 @@ from fsdpcheck.model.threads import worker_threads
 _COLS = 8192  # words per grid row (64 KiB)
 _BLOCK_ROWS = 16  # rows per block: 1 MiB, read twice (the second time from cache)
 _SPAN_BLOCKS = 64  # blocks per job for the thread pool (64 MiB)
-# Complete blocks reduced per torch call on CPU (4 MiB, still in cache for the next pass): a
-# call per block cost a third more than the reductions themselves (the weight-sync row).
-_GROUP_BLOCKS = 4
 _GPU_CHUNK_BLOCKS = 256  # blocks per kernel on CUDA (256 MiB): few, large kernels
 _MASK64 = (1 << 64) - 1
 # Seeds of the hashed row weights and block multipliers, one pair per sum.
@@ -143,16 +140,15 @@ def _scratch(
     rows: int, blocks: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row sums (2, ``rows``), the gathered column sums (2, ``_COLS``, zeroed), one step's
-    column sums (2, at least ``blocks`` (on CPU ``_GROUP_BLOCKS``), ``_COLS``), sum 2's words of
-    a step where they are computed (:func:`_late_words`)): on CPU a thread's own, kept between
-    spans (a digest of many small shards makes one span each); on a device, new."""
+    column sums (2, ``blocks``, ``_COLS``), sum 2's words of a step where they are computed
+    (:func:`_late_words`)): on CPU a thread's own, kept between spans (a digest of many small
+    shards makes one span each); on a device, new."""
     shape = (min(blocks * _BLOCK_ROWS, rows), _COLS)
     if device.type != "cpu" or blocks != 1 or rows > _SPAN_BLOCKS * _BLOCK_ROWS:
-        steps = blocks if device.type != "cpu" else max(blocks, _GROUP_BLOCKS)
         return (
             torch.empty(2, rows, dtype=torch.int64, device=device),
             torch.zeros(2, _COLS, dtype=torch.int64, device=device),
-            torch.empty(2, steps, _COLS, dtype=torch.int64, device=device),
+            torch.empty(2, blocks, _COLS, dtype=torch.int64, device=device),
             torch.empty(shape, dtype=torch.int64, device=device),
         )
     kept = getattr(_local, "scratch", None)
@@ -163,7 +159,7 @@ def _scratch(
             kept = _local.scratch = (
                 torch.empty(2, _SPAN_BLOCKS * _BLOCK_ROWS, dtype=torch.int64),
                 torch.empty(2, _COLS, dtype=torch.int64),
-                torch.empty(2, _GROUP_BLOCKS, _COLS, dtype=torch.int64),
+                torch.empty(2, 1, _COLS, dtype=torch.int64),
                 torch.empty(_BLOCK_ROWS, _COLS, dtype=torch.int64),
             )
     row_sums, gathered, column_sums, late = kept
@@ -360,39 +356,36 @@ def _span(
         complete = begin - first_block
         at = first_block * _BLOCK_ROWS * _COLS
         flat = _words(raw, at, at + complete * _BLOCK_ROWS * _COLS)
+        grids = flat.view(-1, _BLOCK_ROWS, _COLS)
         # Sum 2's words, 4 bytes on: read in place (no pass of writes), the region's last word
         # alone short of its next (it is weighed below, as the definition's region ends).
         late = _late_view(flat) if complete else flat
         size = _BLOCK_ROWS * _COLS
-        # _GROUP_BLOCKS blocks per call: their row sums, and their column sums, each block's
-        # weighed by its multiplier. Sum 2 of the region's last block is weighed apart below.
-        for q0 in range(0, complete, _GROUP_BLOCKS):
-            n = min(_GROUP_BLOCKS, complete - q0)
+        row_views = [row_sums[k, : complete * _BLOCK_ROWS].view(-1, _BLOCK_ROWS) for k in (0, 1)]
+        sums = [column_sums[k, 0] for k in (0, 1)]
+        for q, grid, rows0, rows1 in zip(
+            range(complete), grids.unbind(0), *(v.unbind(0) for v in row_views), strict=True
+        ):
             if values is not None:  # these bytes are in cache now
-                start = (first_block + q0) * size
-                probes.append(_probe(_elements(values, start, start + n * size)))
-            for k, read in ((0, flat), (1, late)):
-                m = n - 1 if k == 1 and q0 + n == complete else n
-                if not m:
-                    continue
-                grid = read[q0 * size : (q0 + m) * size].view(m, _BLOCK_ROWS, _COLS)
-                rows = row_sums[k, q0 * _BLOCK_ROWS : (q0 + m) * _BLOCK_ROWS]
-                torch.sum(grid, 2, out=rows.view(m, _BLOCK_ROWS))
-                torch.sum(grid, 1, out=column_sums[k, :m])
-                for i in range(m):
-                    gathered[k].add_(column_sums[k, i], alpha=on_host[k][q0 + i])
-        if complete:  # the last block's sum 2: its last word's next lies outside the region
-            q = complete - 1
-            rows1, sums1 = row_sums[1, q * _BLOCK_ROWS : complete * _BLOCK_ROWS], column_sums[1, 0]
-            top = late[q * size : (q + 1) * size - _COLS].view(_BLOCK_ROWS - 1, _COLS)
-            bottom = late[(q + 1) * size - _COLS :]
-            final = _high_half(flat[-1:])
-            torch.sum(top, 1, out=rows1[:-1])
-            rows1[-1:] = bottom.sum() + final
-            torch.sum(top, 0, out=sums1)
-            sums1[:-1] += bottom
-            sums1[-1:] += final
-            gathered[1].add_(sums1, alpha=on_host[1][q])
+                start = (first_block + q) * _BLOCK_ROWS * _COLS
+                probes.append(_probe(_elements(values, start, start + _BLOCK_ROWS * _COLS)))
+            torch.sum(grid, 1, out=rows0)
+            torch.sum(grid, 0, out=sums[0])
+            gathered[0].add_(sums[0], alpha=on_host[0][q])
+            if q + 1 < complete:
+                high = late[q * size : (q + 1) * size].view(_BLOCK_ROWS, _COLS)
+                torch.sum(high, 1, out=rows1)
+                torch.sum(high, 0, out=sums[1])
+            else:  # the last block: its last word's next lies outside the region (zero)
+                top = late[q * size : (q + 1) * size - _COLS].view(_BLOCK_ROWS - 1, _COLS)
+                bottom = late[(q + 1) * size - _COLS :]
+                final = _high_half(flat[-1:])
+                torch.sum(top, 1, out=rows1[:-1])
+                rows1[-1:] = bottom.sum() + final
+                torch.sum(top, 0, out=sums[1])
+                sums[1][:-1] += bottom
+                sums[1][-1:] += final
+            gathered[1].add_(sums[1], alpha=on_host[1][q])
         if complete and first_row + block_offset * _BLOCK_ROWS:  # a tensor's first word: none
             leads.append(_lead(flat, first_row + block_offset * _BLOCK_ROWS))
 

@@ -127,9 +127,8 @@ def test_checksum_is_its_definition_however_the_work_is_cut(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A 4-column grid in blocks of 2 rows, so that a few hundred bytes cross every edge: short
-    # last rows and blocks, unaligned starts, spans of 1..n blocks, CPU's groups of 1, 3 or 4
-    # complete blocks per call (the last group short) and CUDA's many blocks per step (with its
-    # column sums weighted per step). Scratch starts as garbage, so
+    # last rows and blocks, unaligned starts, spans of 1..n blocks, CPU's one block per step
+    # and CUDA's many (with its column sums weighted per step). Scratch starts as garbage, so
     # an entry the code forgets to write shows: a new thread scratch for every call (the CPU
     # loop's is kept between calls, and would hold the previous call's right values).
     _tiny_grid(monkeypatch)
@@ -148,12 +147,10 @@ def test_checksum_is_its_definition_however_the_work_is_cut(
             want = _by_definition(raw)
             for step in (1, 3):
                 monkeypatch.setattr(checksum_module, "_chunk_blocks", lambda device, n=step: n)
-                for span, group in ((1, 4), (2, 4), (64, 1), (64, 3), (64, 4)):
+                for span in (1, 2, 64):
                     monkeypatch.setattr(checksum_module, "_SPAN_BLOCKS", span)
-                    monkeypatch.setattr(checksum_module, "_GROUP_BLOCKS", group)
                     monkeypatch.setattr(checksum_module, "_local", threading.local())
-                    got = checksums([raw], threads=1)[0]
-                    assert got == want, (nbytes, offset, step, span, group)
+                    assert checksums([raw], threads=1)[0] == want, (nbytes, offset, step, span)
 
 
 def test_many_small_tensors_digested_together_are_each_their_definition(

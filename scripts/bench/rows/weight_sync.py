@@ -55,9 +55,8 @@ def row_weight_sync(s: Settings) -> Row:
             None,
             f"int64 sum {fmt_s(slowest['int64 sum'])}: the same bytes read as 64-bit integers "
             "with no conversion (torch.sum of bfloat16 converts to float32 as it goes), the "
-            "least a read costs in torch; the checksum reads 4 MiB (four of its 1 MiB blocks, "
-            "one torch call per pass) from memory once, then makes three more passes over them "
-            "in cache (the row and column sums of its "
+            "least a read costs in torch; the checksum reads each 1 MiB block from memory once, "
+            "then makes three more passes over it in cache (the row and column sums of its "
             "words, and of its words read 4 bytes on through a second view of the same memory, "
             "with no pass of writes)",
             plain,
