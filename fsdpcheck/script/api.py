@@ -11,7 +11,7 @@ from fsdpcheck.options import RunOptions
 from fsdpcheck.records import Report
 from fsdpcheck.script.runner import Target, run
 from fsdpcheck.script.session import RunOutcome, RunStopped, ScriptSession
-from fsdpcheck.step.watch import StepDiverged
+from fsdpcheck.step.watch import ChannelLost, StepDiverged
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +25,8 @@ def watched_run(
 ) -> tuple[RunOutcome, BaseException | None]:
     """Run ``work`` under a :class:`ScriptSession`; this rank's outcome, and how ``work`` ended
     when it did not return: its own exception or ``SystemExit``, a :class:`RunStopped` (the
-    run stopped it), a :class:`StepDiverged` (the watch did). Ctrl-C goes on up at once, as
-    without fsdpcheck."""
+    run stopped it), a :class:`StepDiverged` (the watch did), a ``ChannelLost`` (the watch lost
+    a peer: the outcome names it). Ctrl-C goes on up at once, as without fsdpcheck."""
     session = ScriptSession(options, publish)
     session.install()
     error: BaseException | None = None
@@ -74,6 +74,10 @@ def run_checked(
             return run(script)
 
     outcome, error = watched_run(work, options)
-    if error is not None and not isinstance(error, (RunStopped, StepDiverged, SystemExit)):
+    # The run's own ends (it stopped the script, the watch found a divergence or lost a peer)
+    # are in the outcome, not raised: a library caller sees exit_code 3, not fsdpcheck's error.
+    if error is not None and not isinstance(
+        error, (RunStopped, StepDiverged, ChannelLost, SystemExit)
+    ):
         raise error
     return outcome

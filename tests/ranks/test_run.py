@@ -374,7 +374,8 @@ def test_accelerate_launch_runs_the_script_checked(tmp_path: Path) -> None:
 def test_run_checked_is_the_same_check_as_a_call(tmp_path: Path) -> None:
     """``fsdpcheck.run_checked(train, ...)``, as a Ray actor calls it: the clean function goes on
     after the watched step; its twin that all-reduces on rank 1 only is stopped on both ranks,
-    and neither process is ended by the call."""
+    and neither process is ended by the call. Where rank 1 dies in the watched step, rank 0's
+    call returns the run's outcome naming it (exit code 3), and raises nothing of fsdpcheck's."""
     worker = REPO / "tests" / "workers" / "run_checked_worker.py"
     for variant, code in (("clean", 0), ("extra", 1)):
         out = tmp_path / variant
@@ -383,6 +384,12 @@ def test_run_checked_is_the_same_check_as_a_call(tmp_path: Path) -> None:
         records = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
         assert [r["exit_code"] for r in records] == [code, code], records
         assert [r["report"] for r in records] == [True, False]
+    out = tmp_path / "dies"
+    result = job([str(worker), str(out), "dies"])
+    assert result.codes == [0, 9], result.output(0) + result.output(1)
+    record = json.loads((out / "rank0.json").read_text())
+    assert record["exit_code"] == 3 and record["report"], record
+    assert "rank 1 died" in record["headline"], record
 
 
 def test_ctrl_c_ends_the_script_as_it_would_without_fsdpcheck(tmp_path: Path) -> None:

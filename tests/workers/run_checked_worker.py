@@ -1,8 +1,11 @@
 """``fsdpcheck.run_checked`` on a training function (as a Ray actor would call it), on env://
-ranks: ``clean``, or ``extra`` (rank 1 all-reduces its loss once, a collective rank 0 never
-issues). Each rank writes ``rank<r>.json``: the outcome's exit code, and whether it raised."""
+ranks: ``clean``, ``extra`` (rank 1 all-reduces its loss once, a collective rank 0 never
+issues) or ``dies`` (rank 1's process ends in its first forward). Each rank that lives writes
+``rank<r>.json``: the outcome's exit code, whether it holds the report, and its headline; a rank
+the call raised on writes nothing."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +27,8 @@ def train(steps: int) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(steps):
+        if variant == "dies" and dist.get_rank() == 1:
+            os._exit(9)  # inside the watched step: rank 0 waits in its first all-gather
         loss = model(torch.randn(4, 8)).square().mean()
         loss.backward()
         if variant == "extra" and dist.get_rank() == 1:
@@ -36,7 +41,11 @@ def train(steps: int) -> list[float]:
 
 dist.init_process_group("gloo")
 outcome = fsdpcheck.run_checked(train, 3, timeout=20)
-record = {"exit_code": outcome.exit_code, "report": outcome.report is not None}
+record = {
+    "exit_code": outcome.exit_code,
+    "report": outcome.report is not None,
+    "headline": outcome.headline,
+}
 out.mkdir(parents=True, exist_ok=True)
 (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
 dist.destroy_process_group()
