@@ -9,6 +9,10 @@ from bench.settings import Settings, shown, worker
 from bench.text import fmt_s
 
 GOAL = 1.5  # state_digests / one plain read (torch.sum) of the shards: issue 28, "about one read"
+# torch.sum(bf16, dtype=float32) runs about 10x slower in some processes, for as long as they
+# live (measured: 718-810 ms against 77 ms for the same 512 MiB, 3 of 4 rank processes): past
+# this many times bfloat16's own sum of the same shards, it is no longer "one read".
+SLOW_READ = 3.0
 
 
 def row_weight_sync(s: Settings) -> Row:
@@ -30,20 +34,42 @@ def row_weight_sync(s: Settings) -> Row:
     row.raw = {"ranks": ranks}
     slowest = {
         key: max(median(r["seconds"][key]) for r in ranks)
-        for key in ("state_digests", "torch.sum", "int64 sum", "copy")
+        for key in ("state_digests", "torch.sum", "torch.sum, no dtype", "int64 sum", "copy")
     }
     ratio = slowest["state_digests"] / max(slowest["torch.sum"], 1e-9)
     gb = ranks[0]["shard_bytes"] / 1e9
+    slow = slow_reads(ranks)
+    caveat = (
+        f"; torch.sum ran in its slow mode on rank {', '.join(map(str, slow))} (over "
+        f"{SLOW_READ:g}× bfloat16's own sum of the same shards), so this line is not counted "
+        "as met"
+        if slow
+        else ""
+    )
     row.lines.append(
         Line(
             "state_digests / torch.sum of the shards",
             f"{ratio:.2f}×",
             f"≤ {GOAL:.1f}× (about one read)",
-            ratio <= GOAL,
+            ratio <= GOAL and not slow,
             f"state_digests {fmt_s(slowest['state_digests'])}, torch.sum "
             f"{fmt_s(slowest['torch.sum'])}, copy {fmt_s(slowest['copy'])} for "
-            f"{gb:.2f} GB per rank",
+            f"{gb:.2f} GB per rank{caveat}",
             ratio,
+        )
+    )
+    own = slowest["state_digests"] / max(slowest["torch.sum, no dtype"], 1e-9)
+    row.lines.append(
+        Line(
+            "state_digests / torch.sum of the shards in bfloat16",
+            f"{own:.2f}×",
+            "informational",
+            None,
+            f"torch.sum(shard) {fmt_s(slowest['torch.sum, no dtype'])}: the same read with "
+            "bfloat16's own reduction (it accumulates in float32 too), the check on the line "
+            "above: torch.sum with dtype=float32 runs about 10× slower in some processes, for "
+            "as long as they live",
+            own,
         )
     )
     plain = slowest["state_digests"] / max(slowest["int64 sum"], 1e-9)
@@ -90,7 +116,7 @@ def row_weight_sync(s: Settings) -> Row:
         )
     )
     row.notes.append(
-        f"Median of {repeats} repeats in one launch, the four methods in a seeded order per "
+        f"Median of {repeats} repeats in one launch, the five methods in a seeded order per "
         "repeat (the same on both ranks, which read at once, as a sync does), a barrier "
         "before each; the slower rank's median. "
         "The digest is the verify checksum (fsdpcheck/model/checksum.py); a shard's share is "
@@ -99,3 +125,14 @@ def row_weight_sync(s: Settings) -> Row:
         "with the same checksum and no collective."
     )
     return row
+
+
+def slow_reads(ranks: list[dict]) -> list[int]:
+    """The ranks whose float32 ``torch.sum`` ran in its slow mode (over ``SLOW_READ`` times
+    bfloat16's own sum of the same shards): beside it any checksum would look fast."""
+    return [
+        r["rank"]
+        for r in ranks
+        if median(r["seconds"]["torch.sum"])
+        > SLOW_READ * median(r["seconds"]["torch.sum, no dtype"])
+    ]

@@ -1,9 +1,9 @@
 """One rank of the weight-sync benchmark: a stack of bfloat16 linear layers (``--mb`` MiB in all)
 under FSDP2 on 2 ranks (gloo), then, in a seeded order per repeat,
 ``fsdpcheck.state_digests(model)`` on the shards (each rank its own, combined by position) and
-plain reads of the same shards (``torch.sum`` of each, an int64 sum of each one's bytes, and a
-copy of each). Prints one line ``@bench {json}`` per rank; run by scripts/bench (the weight-sync
-row)."""
+plain reads of the same shards (``torch.sum`` of each, as float32 and as bfloat16, an int64 sum
+of each one's bytes, and a copy of each). Prints one line ``@bench {json}`` per rank; run by
+scripts/bench (the weight-sync row)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def main() -> int:
     seconds: dict[str, list[float]] = {
         "state_digests": [],
         "torch.sum": [],
+        "torch.sum, no dtype": [],
         "int64 sum": [],
         "copy": [],
     }
@@ -73,6 +74,9 @@ def main() -> int:
     methods = {
         "state_digests": lambda: fsdpcheck.state_digests(model, group=side),
         "torch.sum": lambda: each(lambda s: torch.sum(s, dtype=torch.float32)),
+        # the same read with bfloat16's own reduction: a check on the line above, whose
+        # conversion kernel runs about 10x slower in some processes, for as long as they live
+        "torch.sum, no dtype": lambda: each(torch.sum),
         # the same bytes as 64-bit integers: a read with no conversion
         "int64 sum": lambda: each(lambda s: s.reshape(-1).view(torch.int64).sum()),
         "copy": lambda: each(torch.clone),
