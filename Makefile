@@ -39,7 +39,8 @@ demo: install
 
 # Two workers (pytest-xdist), a test file each at a time: a file's module fixtures launch the
 # jobs its tests share. Most tests wait on processes they start, so two workers keep 2 cores
-# busier (CI: 1263 s → 1104 s); more than the cores would slow the jobs that time themselves.
+# busier (measured on 2 cores: 1263 s of pytest alone, 1104 s with two workers). More workers
+# than cores would crowd the jobs whose tests bound their own time.
 TEST_WORKERS ?= 2
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile

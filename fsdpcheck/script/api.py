@@ -75,7 +75,8 @@ def run_checked(
 
     outcome, error = watched_run(work, options)
     # The run's own ends (it stopped the script, the watch found a divergence or lost a peer)
-    # are in the outcome, not raised: a library caller sees exit_code 3, not fsdpcheck's error.
+    # are in the outcome (its exit_code and report), not raised: a library caller never gets
+    # fsdpcheck's internal BaseExceptions.
     if error is not None and not isinstance(
         error, (RunStopped, StepDiverged, ChannelLost, SystemExit)
     ):
