@@ -10,8 +10,8 @@ from bench.text import fmt_s
 
 GOAL = 1.5  # state_digests / one plain read (torch.sum) of the shards: issue 28, "about one read"
 # torch.sum(bf16, dtype=float32) runs about 10x slower in some processes, for as long as they
-# live (measured: 718-810 ms against 77 ms for the same 512 MiB, 3 of 4 rank processes): past
-# this many times bfloat16's own sum of the same shards, it is no longer "one read".
+# live (measured for the same 512 MiB: 718-810 ms in 3 of 4 rank processes, 77 ms in the
+# fourth): past this many times bfloat16's own sum of the same shards, it is not "one read".
 SLOW_READ = 3.0
 
 
