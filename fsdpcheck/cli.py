@@ -345,8 +345,7 @@ def _run_exit_code(error: BaseException | None, verdict: int | None) -> int:
     """The run's exit code: the verdict's when it found something (every rank the same), else
     the script's own, as Python gives it (an uncaught exception, printed here: 1)."""
     from fsdpcheck.script.runner import print_script_error
-    from fsdpcheck.script.session import RunStopped
-    from fsdpcheck.step.watch import ChannelLost, StepDiverged
+    from fsdpcheck.script.session import RunStopped, ended_by_the_run
 
     if isinstance(error, RunStopped):
         return error.exit_code
@@ -359,8 +358,7 @@ def _run_exit_code(error: BaseException | None, verdict: int | None) -> int:
             return code or 0
         sys.stderr.write(f"{code}\n")
         return 1
-    # The watch's own ends (a divergence, a peer lost) unwind the script: not its exception.
-    if error is not None and not isinstance(error, StepDiverged | ChannelLost):
+    if error is not None and not ended_by_the_run(error):
         print_script_error(error)
         return found or 1
     return found

@@ -10,8 +10,7 @@ from typing import Any
 from fsdpcheck.options import RunOptions
 from fsdpcheck.records import Report
 from fsdpcheck.script.runner import Target, run
-from fsdpcheck.script.session import RunOutcome, RunStopped, ScriptSession
-from fsdpcheck.step.watch import ChannelLost, StepDiverged
+from fsdpcheck.script.session import RunOutcome, RunStopped, ScriptSession, ended_by_the_run
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +73,8 @@ def run_checked(
             return run(script)
 
     outcome, error = watched_run(work, options)
-    # The run's own ends (it stopped the script, the watch found a divergence or lost a peer)
-    # are in the outcome (its exit_code and report), not raised: a library caller never gets
-    # fsdpcheck's internal BaseExceptions.
-    if error is not None and not isinstance(
-        error, (RunStopped, StepDiverged, ChannelLost, SystemExit)
-    ):
+    # The run's own ends are in the outcome (its exit_code and report), not raised: a library
+    # caller never gets fsdpcheck's internal BaseExceptions.
+    if error is not None and not (ended_by_the_run(error) or isinstance(error, SystemExit)):
         raise error
     return outcome

@@ -82,6 +82,13 @@ class RunStopped(BaseException):
         self.exit_code = exit_code
 
 
+def ended_by_the_run(error: BaseException | None) -> bool:
+    """``error`` is the run's own end, unwinding the script, not the script's exception: the run
+    stopped it (:class:`RunStopped`), the watch found a divergence (``StepDiverged``) or lost a
+    peer (``ChannelLost``). Its outcome says so; it is never printed or raised as the script's."""
+    return isinstance(error, (RunStopped, StepDiverged, ChannelLost))
+
+
 @dataclass(frozen=True)
 class RunOutcome:
     """How the check of a script ended on this rank."""
@@ -455,7 +462,7 @@ class ScriptSession:
                 self._leave_watch()
                 return self._conclude_with(self._guarded(_raising(error)), raise_stop=False)
             message = ""
-            if error is not None and not isinstance(error, (StepDiverged, SystemExit)):
+            if error is not None and not (ended_by_the_run(error) or isinstance(error, SystemExit)):
                 message = f"{type(error).__name__}: {error}"
             if self._model is None and error is None:
                 self.notes.append("the script ended before any FSDP module's forward")
