@@ -7,6 +7,7 @@ from bench.measure import marked, median, require, run_ranks
 from bench.result import Line, Row
 from bench.settings import Settings, shown, worker
 from bench.text import fmt_s
+from fsdpcheck.text import ranks_label
 
 GOAL = 1.5  # state_digests / one plain read (torch.sum) of the shards: issue 28, "about one read"
 # torch.sum(bf16, dtype=float32) runs about 10x slower in some processes, for as long as they
@@ -40,7 +41,7 @@ def row_weight_sync(s: Settings) -> Row:
     gb = ranks[0]["shard_bytes"] / 1e9
     slow = slow_reads(ranks)
     caveat = (
-        f"; torch.sum ran in its slow mode on rank {', '.join(map(str, slow))} (over "
+        f"; torch.sum ran in its slow mode on {ranks_label(slow)} (over "
         f"{SLOW_READ:g}× bfloat16's own sum of the same shards), so this line is not counted "
         "as met"
         if slow
