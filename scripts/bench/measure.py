@@ -32,6 +32,13 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> float:
+    """The median of ``numerators[i] / denominators[i]``: each ratio between two runs made
+    one right after the other (a round), so the host's slower and faster minutes, which move
+    every run of a round alike, cancel out of it as they do not out of a ratio of medians."""
+    return median([a / b for a, b in zip(numerators, denominators, strict=True)])
+
+
 def run_ranks(argv: list[str], n: int, timeout: float = 600.0, **env: str) -> LaunchResult:
     return launch(argv, n, env={**ENV, **env}, timeout=timeout, cwd=str(REPO))
 

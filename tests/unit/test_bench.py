@@ -151,3 +151,29 @@ def test_rotated_puts_each_variant_first_in_turn_and_varies_successors() -> None
     assert {order[0] for order in three} == {"a", "b", "c"}
     after_a = {order[order.index("a") + 1] for order in three if order[-1] != "a"}
     assert after_a == {"b", "c"}
+
+
+def test_a_paired_ratio_cancels_what_moves_both_launches_of_a_round() -> None:
+    from bench.measure import median, paired_ratio
+
+    # The host was 20 % slower for all of round 3 and for round 2's bare launch: medians taken
+    # apart compare the run's quiet minutes with the bare script's slow ones.
+    bare, run = [1.0, 1.2, 1.2], [1.01, 1.01, 1.212]
+    assert round(paired_ratio(run, bare), 3) == 1.01
+    assert round(median(run) / median(bare), 3) == 0.842
+
+
+def test_detail_costs_nothing_when_its_collectives_add_under_one_percent() -> None:
+    from bench.rows.step import against_detail_met, detail_share
+
+    # DETAIL's job ran 3 % slower than the plain job (launch to launch), its check of each
+    # collective 1.3 ms: 80 collectives are 0.26 % of a 40 s step.
+    share = detail_share(0.0013, 80, 40.0)
+    assert round(share, 4) == 0.0026
+    assert against_detail_met(40.0, 42.4, 41.2, share)  # 1.06x the plain step
+    assert not against_detail_met(40.0, 50.0, 41.2, share)  # 1.25x: past the floor's goal
+    # A DETAIL that costs 5 % of the step: check_step must then match it.
+    costly = detail_share(0.025, 80, 40.0)
+    assert not against_detail_met(40.0, 42.4, 41.2, costly)
+    assert against_detail_met(40.0, 42.4, 42.5, costly)
+    assert detail_share(-0.0001, 80, 40.0) == 0.0

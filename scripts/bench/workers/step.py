@@ -2,7 +2,8 @@
 every decoder layer and the root, the same token batch on every run. Times plain steps and the
 same step under ``fsdpcheck.check_step``, alternating, in this process; under
 TORCH_DISTRIBUTED_DEBUG=DETAIL (set by the caller for the whole job) only plain steps run. Also
-one step under the bare watch, for its counts (collectives, exchanges, side-channel bytes).
+one step under the bare watch, for its counts (collectives, exchanges, side-channel bytes), and
+small all_reduces plain and under the watch (under DETAIL: plain), for the cost per collective.
 Prints one line ``@bench {json}`` per rank; run by scripts/bench (the step row).
 
 float32, not bfloat16: on CPU a bfloat16 matmul has no fast kernel (40x slower than float32
@@ -50,10 +51,11 @@ def peak_mib() -> int:
 SMALL_N = 200  # small all_reduces per run of the per-collective measurement
 
 
-def small_collectives(model, repeats: int = 5) -> dict:
+def small_collectives(model, repeats: int = 5, *, watch: bool = True) -> dict:
     """The watch's cost per collective, measured directly: ``SMALL_N`` all_reduces of 16
     floats, plain and under the watch (as ``check_step`` runs it, each run in a context of its
-    own, as each ``check_step`` call is), alternating."""
+    own, as each ``check_step`` call is), alternating. ``watch=False`` (the DETAIL job): plain
+    only, where DETAIL's own check of each collective is what a plain one costs more."""
     from fsdpcheck.distributed import setup
     from fsdpcheck.step.session import watched_step
 
@@ -69,6 +71,8 @@ def small_collectives(model, repeats: int = 5) -> dict:
         start = time.perf_counter()
         many()
         plain.append(time.perf_counter() - start)
+        if not watch:
+            continue
         ctx = setup.init("auto", 300)
         dist.barrier()
         start = time.perf_counter()
@@ -78,8 +82,8 @@ def small_collectives(model, repeats: int = 5) -> dict:
         "n": SMALL_N,
         "plain": plain,
         "watched": watched,
-        "exchanges": record.exchanges,
-        "channel_bytes": record.channel_bytes,
+        "exchanges": record.exchanges if record else 0,
+        "channel_bytes": record.channel_bytes if record else 0,
     }
 
 
@@ -151,6 +155,8 @@ def main() -> int:
             "watch_seconds": record.watch_seconds,
         }
         counts["small"] = small_collectives(model)
+    else:
+        counts["small"] = small_collectives(model, watch=False)
     params = sum(p.numel() for p in model.parameters())
     out = {"rank": rank, "detail": detail, "seconds": seconds, "params": params, "peak_mib": peak}
     out.update(counts)
