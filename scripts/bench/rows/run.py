@@ -14,7 +14,7 @@ from fsdpcheck.children.launch import LaunchResult  # torch-free
 
 SCRIPT = REPO / "examples" / "scripts" / "fsdp2_train.py"
 FIRST_GOAL, AFTER_GOAL, RSS_GOAL = 1.30, 1.01, 1.10
-ROUNDS_PAST_NOISY = 4  # a warm-up round and 3 more than the noisy rows' count
+WARMUP_AND_EXTRA_ROUNDS = 4  # a warm-up round and 3 more than the noisy rows' count
 _STEP = re.compile(r"^step (\d+) loss \S+ \(([\d.]+) s, at ([\d.]+)\)$", re.M)
 
 
@@ -36,9 +36,13 @@ def row_run(s: Settings) -> Row:
     # moves whole minutes of launches: many short rounds of one launch each, each compared
     # within its round (paired_ratio), where 5 rounds of 24 steps gave 0.90x to 1.03x for
     # code that is not on the step's path.
-    rounds = s.noisy_repeats + (0 if s.quick else ROUNDS_PAST_NOISY)
+    rounds = s.noisy_repeats + (0 if s.quick else WARMUP_AND_EXTRA_ROUNDS)
+    run_first: list[bool] = []  # per measured round: did the run launch first
     for attempt in range(rounds):
-        for variant in rotated(list(variants), attempt):
+        order = rotated(list(variants), attempt)
+        if attempt or s.quick:
+            run_first.append(order[0] == "run")
+        for variant in order:
             started = time.time()
             result = run_ranks([worker("rss"), *variants[variant]], 2)
             found = [(int(n), float(took), float(at)) for n, took, at in _STEP.findall(
@@ -56,7 +60,7 @@ def row_run(s: Settings) -> Row:
             figures[variant]["first"].append(found[0][2] - started)
             figures[variant]["after"].append(median([took for _, took, _ in found[1:]]))
             figures[variant]["rss"].append(max(u["maxrss"] for u in usage))
-    row.raw = {**figures, "aborted_at_exit": aborts}
+    row.raw = {**figures, "aborted_at_exit": aborts, "run_first": run_first}
     bare, run = figures["bare"], figures["run"]
     first = paired_ratio(run["first"], bare["first"])
     after = paired_ratio(run["after"], bare["after"])
@@ -67,8 +71,10 @@ def row_run(s: Settings) -> Row:
             f"{first:.2f}×",
             f"≤ {FIRST_GOAL:.2f}×",
             first <= FIRST_GOAL,
-            f"run {fmt_s(median(run['first']))}, bare {fmt_s(median(bare['first']))} (medians); "
-            f"{_higher(run['first'], bare['first'])}",
+            f"run {fmt_s(median(run['first']))}, bare {fmt_s(median(bare['first']))} (medians, "
+            f"{median(run['first']) / median(bare['first']):.2f}×); "
+            f"{_higher(run['first'], bare['first'])}; "
+            f"{_by_order(run['first'], bare['first'], run_first)}",
             first,
         )
     )
@@ -99,8 +105,10 @@ def row_run(s: Settings) -> Row:
         f"{len(run['first'])} rounds"
         + ("" if s.quick else " after one warm-up round")
         + ", each one launch of the bare script and one under `fsdpcheck run`, which goes "
-        "first alternating; each ratio is the median of the rounds' own ratios (a round's two "
-        "launches run one after the other, so the host's load moves both alike). The time to "
+        "first alternating; each time ratio is the median of the rounds' own ratios (a round's "
+        "two launches run one after the other, so the host's load moves both alike), and the "
+        "line shows the ratio of the medians beside it; peak RSS is the ratio of the medians. "
+        "The time to "
         "step 1's end counts from the launch: it includes "
         "fsdpcheck's own imports, the side channel, the model check before the first forward "
         "and the watched step. After it no fsdpcheck code is on the step's path: no hook, "
@@ -137,6 +145,21 @@ def _aborted_at_exit(result: LaunchResult, found: list, usage: list, steps: int)
 def _higher(run: list[float], bare: list[float]) -> str:
     higher = sum(a > b for a, b in zip(run, bare, strict=True))
     return f"the run took longer in {higher} of {len(run)} rounds"
+
+
+def _by_order(run: list[float], bare: list[float], run_first: list[bool]) -> str:
+    """The rounds' ratios by which launch went first: where they part, the order moves the
+    figure more than the host does."""
+    ratios = list(zip([a / b for a, b in zip(run, bare, strict=True)], run_first, strict=True))
+    parts = [
+        f"{who} first: {median(group):.2f}×"
+        for who, group in (
+            ("the run", [r for r, was in ratios if was]),
+            ("the bare script", [r for r, was in ratios if not was]),
+        )
+        if group
+    ]
+    return "by the launch that went first, " + ", ".join(parts)
 
 
 def _spread(values: list[float]) -> str:
