@@ -177,3 +177,17 @@ def test_detail_costs_nothing_when_its_collectives_add_under_one_percent() -> No
     assert not against_detail_met(40.0, 42.4, 41.2, costly)
     assert against_detail_met(40.0, 42.4, 42.5, costly)
     assert detail_share(-0.0001, 80, 40.0) == 0.0
+
+
+def test_detail_s_cost_per_collective_compares_the_two_jobs_small_all_reduces() -> None:
+    from bench.rows.step import detail_per_collective
+
+    def job(rank: int, small_plain: list[float]) -> dict:  # workers/step.py's record, in part
+        return {"rank": rank, "small": {"n": 200, "plain": small_plain, "watched": []}}
+
+    # The slower rank's time per repeat, then the median: 0.11 s plain, 0.37 s under DETAIL.
+    ours = [job(0, [0.10, 0.11, 0.12]), job(1, [0.09, 0.11, 0.13])]
+    theirs = [job(0, [0.36, 0.37, 0.40]), job(1, [0.37, 0.35, 0.38])]
+    total, per = detail_per_collective(ours, theirs)
+    assert round(total, 3) == 0.37
+    assert round(per * 1e6) == 1300  # (0.37 - 0.11) s over 200 all_reduces
