@@ -40,7 +40,8 @@ def row_run(s: Settings) -> Row:
     run_first: list[bool] = []  # per measured round: did the run launch first
     for attempt in range(rounds):
         order = rotated(list(variants), attempt)
-        if attempt or s.quick:
+        warm_up = attempt == 0 and not s.quick  # page cache, .pyc files: not counted
+        if not warm_up:
             run_first.append(order[0] == "run")
         for variant in order:
             started = time.time()
@@ -55,8 +56,8 @@ def row_run(s: Settings) -> Row:
                 require(result, [0, 0], f"{variant} script")
             if len(found) != steps:
                 raise RuntimeError(f"{variant}: {len(found)} step lines of {steps}")
-            if attempt == 0 and not s.quick:
-                continue  # the warm-up round: page cache, .pyc files
+            if warm_up:
+                continue
             figures[variant]["first"].append(found[0][2] - started)
             figures[variant]["after"].append(median([took for _, took, _ in found[1:]]))
             figures[variant]["rss"].append(max(u["maxrss"] for u in usage))

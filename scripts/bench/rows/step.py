@@ -60,7 +60,7 @@ def row_step(s: Settings) -> Row:
     # by a few percent from launch to launch here (0.97x to 1.03x), which hides a cost of 1 %.
     # The small all_reduces differ across jobs too (plain: 0.5 to 1.4 ms each from bench to
     # bench), but by far less than the 1 % allows per collective.
-    debug_small, debug_per = detail_per_collective(ours, theirs)
+    debug_small, debug_per = detail_per_collective(plain_small, theirs)
     debug_share = detail_share(debug_per, counts["collectives"], plain)
     allowed = DETAIL_FREE * plain / counts["collectives"]  # per collective, within the 1 %
     debug_words = (
@@ -135,13 +135,12 @@ def row_step(s: Settings) -> Row:
     return row
 
 
-def detail_per_collective(ours: list[dict], theirs: list[dict]) -> tuple[float, float]:
-    """The DETAIL job's small all_reduces (seconds for all of them, the slower rank's median)
-    and what DETAIL added to each, against the plain job's (``ours``: workers/step.py's
-    records of the plain and watched job; ``theirs``: the DETAIL job's)."""
-    small = [r["small"] for r in ours]
-    plain_small = _slower(small, "plain", key=None)
-    debug_small = _slower([r["small"] for r in theirs], "plain", key=None)
+def detail_per_collective(plain_small: float, theirs: list[dict]) -> tuple[float, float]:
+    """The DETAIL job's small all_reduces (seconds for all of them, the slower rank's median;
+    ``theirs``: that job's workers/step.py records) and what DETAIL added to each, against
+    ``plain_small``, the same all_reduces' seconds in the plain job."""
+    small = [r["small"] for r in theirs]
+    debug_small = _slower(small, "plain", key=None)
     return debug_small, (debug_small - plain_small) / small[0]["n"]
 
 
