@@ -35,11 +35,11 @@ stop there: a stage running fewer microbatches than the next one is a finding, n
 gloo.
 
 DTensor's redistributions (``clip_grad_norm_`` over FSDP2 gradients, tensor parallelism) issue
-functional collectives inside DTensor's own dispatch, where a mode is off: for an op on a
-DTensor the watch steps aside and lets DTensor run with the watch on again, so those are seen
-too. A ``torch.compile``d step runs eagerly under the watch (torch 2.13: dynamo compiles no frame
-and runs no cached graph while a dispatch mode is active), so its collectives are seen; what is
-checked is the eager form of the step. Not seen: collectives from other threads (the mode is
+functional collectives inside DTensor's own dispatch: for an op on a DTensor the watch answers
+``NotImplemented``, so DTensor dispatches it with the watch still on, and those are seen too. A
+``torch.compile``d step runs eagerly under the watch (torch 2.13: dynamo compiles no frame and
+runs no cached graph while a dispatch mode is active), so its collectives are seen; what is checked
+is the eager form of the step. Not seen: collectives from other threads (the mode is
 thread-local; FSDP2 on CPU issues its own from the step's thread) and the ops :data:`UNWATCHED`
 lists. A divergence there is caught by the timeout.
 """
@@ -51,6 +51,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -247,8 +248,6 @@ class CollectiveWatch(TorchDispatchMode):
         self._timeout = timeout
         self._groups: dict[int, tuple[str, tuple[int, ...]]] = {}
         self._counts: dict[str, int] = {}  # collectives agreed per group (or p2p channel)
-        self._stepping_aside: Any = None  # the DTensor op handed back to DTensor's dispatch
-        self._in_dtensor = 0  # depth of DTensor dispatches the watch is inside
         self._agreed_ahead = 0  # sends and receives of a batch agreed before it was issued
         self._blocked_seen: dict[int, tuple[bytes, float]] = {}  # a peer's batch wait, since
         self._owed: list[_Owed] = []  # sends and receives issued ahead of their pair
@@ -286,8 +285,11 @@ class CollectiveWatch(TorchDispatchMode):
         if self.diverged:
             return func(*args, **kwargs)
         if spec is None:
-            if _on_dtensor(args, kwargs):
-                return self._through_dtensor(func, args, kwargs)
+            if any(issubclass(t, DTensor) for t in types):
+                # DTensor's own dispatch runs it with this mode back on: the functional
+                # collectives of its redistributions come here too. (Calling func here would
+                # run DTensor with the mode off, unseen.)
+                return NotImplemented
             return func(*args, **kwargs)
         if self._agreed_ahead and spec[1] in (_SEND, _RECV):
             self._agreed_ahead -= 1  # one of a batch the members agreed on as a whole
@@ -663,22 +665,6 @@ class CollectiveWatch(TorchDispatchMode):
             return partners
         finally:
             self.seconds += time.perf_counter() - start
-
-    def _through_dtensor(self, func, args, kwargs):
-        """DTensor redistributes inside its own dispatch, where this mode is off: hand the op
-        to DTensor (``NotImplemented`` the second time it comes here) with the mode back on,
-        so the functional collectives it issues are agreed on like any other."""
-        if self._stepping_aside is func:
-            self._stepping_aside = None
-            return NotImplemented
-        self._stepping_aside = func
-        self._in_dtensor += 1
-        try:
-            with self:
-                return func(*args, **kwargs)
-        finally:
-            self._stepping_aside = None
-            self._in_dtensor -= 1
 
     def finish(self, raised: bool) -> None:
         """Tell the others this rank's step is over (returned or raised): a member still
@@ -1143,7 +1129,7 @@ class CollectiveWatch(TorchDispatchMode):
         pipeline = self._pipeline_fields(tensors[0]) if peer is not None and tensors else {}
         owner = self._owner()
         where = "" if owner is not None else _script_line()
-        if where and self._in_dtensor:
+        if where and _inside_dtensor():
             where += " (a DTensor redistribution)"
         return CollectiveCall(
             seq=len(self.calls),
@@ -1525,11 +1511,18 @@ def _a2a_dtype(bound: dict[str, Any]) -> str:
     return str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
 
 
-def _on_dtensor(args: tuple, kwargs: dict) -> bool:
-    return any(
-        isinstance(a, DTensor) or (isinstance(a, (list, tuple)) and _on_dtensor(tuple(a), {}))
-        for a in (*args, *kwargs.values())
-    )
+_DTENSOR_CODE = os.path.dirname(torch.distributed.tensor.__file__) + os.sep
+
+
+def _inside_dtensor() -> bool:
+    """Called from inside DTensor's code: a collective of its redistributions, not the
+    script's own (looked at only for a collective no FSDP module owns)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_DTENSOR_CODE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _tensors(arg: Any) -> list[torch.Tensor]:
