@@ -153,12 +153,15 @@ _DIVERGED = "diverged"  # a rank's end mark when it stopped at a divergence
 _AHEAD = "ahead"  # a point-to-point peer waiting in the watch itself: it compares the pair
 _BLOCKED = b"blocked:"  # a peer stuck in a batch of its own that this rank's batch cannot serve
 _DEADLOCK_GRACE = 0.5  # seconds a peer's batch wait must stay the same to count as stuck
-# A tree wait's pauses between polls (seconds): the first, the one from which it also looks
-# at the end marks (after about 25 ms), the longest; each pause is the last one times
-# _PAUSE_GROWTH, so a wait ends at most 25 % after its peer arrived. (Doubling, up to 100 %:
-# over a 2-rank FSDP2 first step the waits' last pauses came to a third of the time waited,
-# 23-75 ms per rank; with 1.25, to a sixth.)
-_PAUSE_FIRST, _PAUSE_ENDS, _PAUSE_MAX, _PAUSE_GROWTH = 1e-4, 0.005, 0.02, 1.25
+# A tree wait's pauses between polls (seconds): the first and the longest; it looks at the end
+# marks too once it has paused _ENDS_AFTER in all. In a group of up to _SMALL_GROUP members
+# each pause is the last one times _PAUSE_GROWTH, so a wait ends at most 25 % after its peer
+# arrived: doubling allows 100 %, and over a 2-rank FSDP2 first step the waits' last pauses
+# came to a third of the time waited (23-75 ms per rank), with 1.25 to a sixth. Larger groups
+# double, as each poll is a call to the one store host, and 1.25 makes about three times as
+# many.
+_PAUSE_FIRST, _PAUSE_MAX, _ENDS_AFTER = 1e-4, 0.02, 0.0125
+_PAUSE_GROWTH, _SMALL_GROUP = 1.25, 8
 _MASK64 = 2**64 - 1
 # Seconds a waited-for peer's heartbeat must stand still, at least and at most (_gone_after).
 _GONE_FLOOR, _GONE_CAP = 10.0, 30.0
@@ -797,10 +800,11 @@ class CollectiveWatch(TorchDispatchMode):
         """Each rank's key, or None for a rank that ended its step without leaving it. Polls
         with a growing pause (a blocking ``wait`` that times out logs a C++ warning each time,
         and holds the store client the heartbeat thread shares); the end marks are looked at
-        only once the pause has grown, so members that arrive together cost a call or two."""
+        only once it has waited a while, so members that arrive together cost a call or two."""
         got: dict[int, bytes | None] = {}
         pending = dict(keys)
-        pause = _PAUSE_FIRST
+        pause, paused = _PAUSE_FIRST, 0.0
+        growth = _PAUSE_GROWTH if len(call.group_ranks) <= _SMALL_GROUP else 2.0
         try:
             while pending:
                 if self._store.check(list(pending.values())):
@@ -808,7 +812,7 @@ class CollectiveWatch(TorchDispatchMode):
                         zip(pending, self._store.multi_get(list(pending.values())), strict=True)
                     )
                     return got
-                if pause >= _PAUSE_ENDS:
+                if paused >= _ENDS_AFTER:
                     for peer in list(pending):
                         # A peer leaves its keys before its end mark: read the key after it.
                         if self._store.check([f"step/end/{peer}"]):
@@ -821,7 +825,8 @@ class CollectiveWatch(TorchDispatchMode):
                 if time.monotonic() > deadline:
                     raise self._silence(call, prefix, tuple(sorted(pending)))
                 time.sleep(pause)
-                pause = min(pause * _PAUSE_GROWTH, _PAUSE_MAX)
+                paused += pause
+                pause = min(pause * growth, _PAUSE_MAX)
             return got
         except Exception as exc:  # the store's host is gone (ChannelLost is no Exception)
             log.debug("waiting for %s: the store failed", sorted(keys), exc_info=True)
