@@ -79,6 +79,20 @@ def site_of(skip: int = 2) -> tuple[str, str]:
     return "", ""
 
 
+def passes_through(path: str, skip: int = 2) -> bool:
+    """Whether code of the file ``path`` runs between the caller's ``skip``-th frame and the
+    first frame outside torch and fsdpcheck (the one :func:`site_of` names)."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        here = frame.f_code.co_filename
+        if here == path:
+            return True
+        if not any(part in here for part in _SKIP_FRAMES):
+            return False
+        frame = frame.f_back
+    return False
+
+
 class WriteLog:
     """Tracks the tensors of every module ``to_empty()`` ran on until :meth:`unwritten` reads
     them. :meth:`saw` is the dispatch mode's observer: cheap for ops that write nothing."""

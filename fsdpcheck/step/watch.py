@@ -14,7 +14,7 @@ Agreement costs each member the same whatever the group's size: a binary tree ov
 sorted members, through the rendezvous store. Each member leaves a digest of what must agree
 (and, for an all_to_all, its share of a sum that is zero when the splits pair); each member of
 the tree leaves the least and greatest digest of its subtree, the root the verdict, and every
-member reads the verdict: at most four sets and reads (and a poll or two while a member is
+member reads the verdict: at most four sets and reads (and polls while a member is
 late) and about 150 bytes per member, log2(group) levels. Only a verdict of "differ" (or a
 member that has finished, raised in, or stopped in its step) fetches the full descriptors,
 every member's from every member, to name the difference.
@@ -49,9 +49,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -74,7 +74,7 @@ from fsdpcheck.checks.step import (
 )
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed.wire import span
-from fsdpcheck.model.writes import site_of
+from fsdpcheck.model.writes import passes_through, site_of
 from fsdpcheck.records import from_dict, to_dict
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,23 @@ UNWATCHED: dict[str, str] = {
     "_c10d_functional::_wrap_tensor_autograd": "not a collective (wraps a result for autograd)",
     "_dtensor::mesh_get_process_group": "not a collective (looks a mesh's group up)",
 }
+
+
+def _dtensor_dispatch_file() -> str | None:
+    """The file of DTensor's op dispatcher (``tensor/_dispatch.py`` in torch 2.13), where it
+    redistributes an op's arguments; None where DTensor has none to find."""
+    dispatcher = getattr(DTensor, "_op_dispatcher", None)
+    try:
+        return inspect.getfile(type(dispatcher)) if dispatcher is not None else None
+    except TypeError:  # a class defined outside Python source
+        return None
+
+
+# A collective issued from it, not from the script's own DTensor call, is a redistribution of
+# an op's arguments. The watch answers DTensor ops NotImplemented and so no longer wraps their
+# dispatch to count its depth: it looks for the dispatcher's frames instead (torch 2.13 enters
+# them from C++, with no __torch_dispatch__ frame above them).
+_DTENSOR_DISPATCH = _dtensor_dispatch_file()
 _REDUCE_OPS = {int(v): n.lower() for n, v in dist.ReduceOp.RedOpType.__members__.items()}
 
 # The world-wide fallback (no rendezvous store): eight int64 words, the same on every rank.
@@ -154,14 +171,13 @@ _AHEAD = "ahead"  # a point-to-point peer waiting in the watch itself: it compar
 _BLOCKED = b"blocked:"  # a peer stuck in a batch of its own that this rank's batch cannot serve
 _DEADLOCK_GRACE = 0.5  # seconds a peer's batch wait must stay the same to count as stuck
 # A tree wait's pauses between polls (seconds): the first and the longest; it looks at the end
-# marks too once it has paused _ENDS_AFTER in all. In a group of up to _SMALL_GROUP members
-# each pause is the last one times _PAUSE_GROWTH, so a wait ends at most 25 % after its peer
-# arrived: doubling allows 100 %, and over a 2-rank FSDP2 first step the waits' last pauses
-# came to a third of the time waited (23-75 ms per rank), with 1.25 to a sixth. Larger groups
-# double, as each poll is a call to the one store host, and 1.25 makes about three times as
-# many.
+# marks too once it has paused _ENDS_AFTER in all. Each pause is the last one times the growth:
+# 1.25 lets a wait end at most a quarter after its peer arrived, once past its first
+# milliseconds, where doubling allows as much again. In a world of more than _SMALL_WORLD ranks
+# the pauses double: every rank's polls are calls to the one store host, and 1.25 makes 1.4 to
+# 2 times as many over waits of 1 to 100 ms.
 _PAUSE_FIRST, _PAUSE_MAX, _ENDS_AFTER = 1e-4, 0.02, 0.0125
-_PAUSE_GROWTH, _SMALL_GROUP = 1.25, 8
+_PAUSE_GROWTH, _PAUSE_GROWTH_LARGE, _SMALL_WORLD = 1.25, 2.0, 8
 _MASK64 = 2**64 - 1
 # Seconds a waited-for peer's heartbeat must stand still, at least and at most (_gone_after).
 _GONE_FLOOR, _GONE_CAP = 10.0, 30.0
@@ -804,7 +820,7 @@ class CollectiveWatch(TorchDispatchMode):
         got: dict[int, bytes | None] = {}
         pending = dict(keys)
         pause, paused = _PAUSE_FIRST, 0.0
-        growth = _PAUSE_GROWTH if len(call.group_ranks) <= _SMALL_GROUP else 2.0
+        growth = _PAUSE_GROWTH if self._world <= _SMALL_WORLD else _PAUSE_GROWTH_LARGE
         try:
             while pending:
                 if self._store.check(list(pending.values())):
@@ -1137,7 +1153,7 @@ class CollectiveWatch(TorchDispatchMode):
         pipeline = self._pipeline_fields(tensors[0]) if peer is not None and tensors else {}
         owner = self._owner()
         where = "" if owner is not None else _script_line()
-        if where and _inside_dtensor():
+        if where and _DTENSOR_DISPATCH is not None and passes_through(_DTENSOR_DISPATCH):
             where += " (a DTensor redistribution)"
         return CollectiveCall(
             seq=len(self.calls),
@@ -1517,20 +1533,6 @@ def _splits(op: str, bound: dict[str, Any], members: int) -> tuple[tuple[int, ..
 def _a2a_dtype(bound: dict[str, Any]) -> str:
     tensors = _tensors(bound.get("input", bound.get("input_tensors")))
     return str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
-
-
-_DTENSOR_CODE = os.path.dirname(torch.distributed.tensor.__file__) + os.sep
-
-
-def _inside_dtensor() -> bool:
-    """Called from inside DTensor's code: a collective of its redistributions, not the
-    script's own (looked at only for a collective no FSDP module owns)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(_DTENSOR_CODE):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _tensors(arg: Any) -> list[torch.Tensor]:
