@@ -9,6 +9,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,12 +25,25 @@ def write_json(record: Any, path: str | Path) -> None:
     write_text(json.dumps(to_dict(record), indent=2) + "\n", path)
 
 
+# Ranks that check and write paths in one new folder at once make it at once, and each check
+# removes the folders it made: a folder that appears or vanishes under a check or a write is
+# a sibling rank's doing, looked at again up to this many times.
+_FOLDER_RACES = 5
+
+
 def write_text(text: str, path: str | Path) -> None:
     """Write ``text`` (UTF-8) atomically, so a reader never sees half a file; makes the
     missing folders."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    for attempt in range(_FOLDER_RACES):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            break
+        except FileNotFoundError:
+            if attempt == _FOLDER_RACES - 1:
+                raise
+            log.debug("%s vanished under the write: made again", path.parent)
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from CI artifact collectors
         with os.fdopen(fd, "w", encoding="utf-8") as out:
@@ -44,7 +58,15 @@ def unwritable(path: str | Path) -> OSError | None:
     """Why :func:`write_text` to ``path`` would fail, or None when it would not: tries what the
     write will do (make the missing folders, create a file next to the target) and removes
     what it made. ``strerror`` says why in words."""
-    path = Path(path)
+    for _ in range(_FOLDER_RACES):
+        problem = _try_writing(Path(path))
+        # A folder made or removed by a sibling rank's check between two looks: look again.
+        if not isinstance(problem, (FileExistsError, FileNotFoundError)):
+            return problem
+    return problem
+
+
+def _try_writing(path: Path) -> OSError | None:
     if path.is_dir():
         return IsADirectoryError(errno.EISDIR, "is a directory", str(path))
     parent = path.parent if str(path.parent) else Path(".")
@@ -55,12 +77,22 @@ def unwritable(path: str | Path) -> OSError | None:
         if existing.parent == existing:
             break
         existing = existing.parent
-    if existing.exists() and not existing.is_dir():
-        return NotADirectoryError(errno.ENOTDIR, f"{existing} is a file, not a folder", str(path))
+    try:
+        if not stat.S_ISDIR(existing.stat().st_mode):
+            return NotADirectoryError(
+                errno.ENOTDIR, f"{existing} is a file, not a folder", str(path)
+            )
+    except FileNotFoundError as exc:  # gone since it was seen (a sibling's check removed it)
+        return exc
     made: list[Path] = []
     try:
         for folder in reversed(missing):
-            folder.mkdir()
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                if not folder.is_dir():  # gone again, or a file: the next look tells which
+                    raise
+                continue  # a sibling rank's check or write made it: not this one's to remove
             made.append(folder)
         fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".check")
         os.close(fd)

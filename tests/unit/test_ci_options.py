@@ -94,3 +94,28 @@ def test_progress_is_silent_off_a_terminal() -> None:
     with CountProgress("scan", console=Console(file=out, width=100)) as bar:
         bar.update(1, 4, "llama (seed 0)")
     assert out.getvalue() == ""
+
+
+def test_ranks_checking_one_missing_folder_at_once_both_find_it_writable(tmp_path: Path) -> None:
+    # Every rank checks its fingerprint path before work; ranks writing into one folder that
+    # does not exist yet make and remove it at once (tests/cli/test_offline_cli.py failed on
+    # "File exists"). Threads race here as the ranks' processes do.
+    import threading
+
+    from fsdpcheck.output import unwritable
+
+    problems: list[OSError] = []
+
+    def check(rank: int) -> None:
+        for round_ in range(300):
+            problem = unwritable(tmp_path / f"r{round_}" / "fp" / f"rank{rank}.json")
+            if problem is not None:
+                problems.append(problem)
+
+    threads = [threading.Thread(target=check, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # A folder one check made while the other was using it stays (the write makes it anyway).
+    assert problems == []
