@@ -59,4 +59,6 @@ def test_on_an_all_gather_the_smaller_slot_aborts_and_the_larger_shard_is_never_
     if 1 in held:
         assert result.codes[1] == 0 and held[1] != SENT + [-1.0] * 8
     else:
-        assert "Connection reset by peer" in result.output(1), result.output(1)[-2000:]
+        # gloo words a vanished peer either way, by whether the socket saw a reset or an EOF
+        gone = ("Connection reset by peer", "Connection closed by peer")
+        assert any(m in result.output(1) for m in gone), result.output(1)[-2000:]
