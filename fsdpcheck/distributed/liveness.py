@@ -194,7 +194,7 @@ class AbortWatch:
             self._thread.join(timeout=self._interval + 5)
 
     def _run(self) -> None:
-        store, alive = self._ctx.store, _ALIVE_KEY.format(self._ctx.rank)
+        store, alive = own_client(self._ctx.store), _ALIVE_KEY.format(self._ctx.rank)
         unreachable_since = None
         while True:
             try:
@@ -235,6 +235,22 @@ class AbortWatch:
             except Exception:  # the exit below matters more than the report
                 log.debug("publishing on abort failed", exc_info=True)
         os._exit(ExitCode.RUNTIME)
+
+
+def own_client(store: Any) -> Any:
+    """A client of ``store``'s server for one thread alone (``Store.clone``). A TCPStore client
+    serves one call at a time: beats sent through the client the main thread uses would wait
+    behind any blocking call it makes (a ``store.wait``, a ``new_group`` rendezvous in the
+    script), and its peers, watching the heartbeats, would take this live rank for dead. The
+    shared client where this torch or store cannot clone."""
+    clone = getattr(store, "clone", None)
+    if clone is None:
+        return store
+    try:
+        return clone()
+    except Exception:  # an older torch, or a store type without its own connections
+        log.debug("store not cloned: the heartbeat shares the main thread's client", exc_info=True)
+        return store
 
 
 def _read_many(store: Any, keys: list[str], default: bytes | None) -> list[bytes | None]:
@@ -351,6 +367,7 @@ def diagnose_peers(
             log.debug("could not publish the diagnosis", exc_info=True)
         return errors
     try:
+        # A blocking wait: the heartbeat thread beats through a client of its own (own_client).
         ctx.store.wait([_DIAGNOSIS_KEY], timedelta(seconds=diagnosis_wait(ctx.world_size)))
         published = _abort_errors(ctx.store.get(_DIAGNOSIS_KEY))
     except Exception:

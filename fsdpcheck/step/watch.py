@@ -814,8 +814,8 @@ class CollectiveWatch(TorchDispatchMode):
         self, call: CollectiveCall, prefix: str, keys: dict[int, str], deadline: float
     ) -> dict[int, bytes | None]:
         """Each rank's key, or None for a rank that ended its step without leaving it. Polls
-        with a growing pause (a blocking ``wait`` that times out logs a C++ warning each time,
-        and holds the store client the heartbeat thread shares); the end marks are looked at
+        with a growing pause, not a blocking ``wait`` (which logs a C++ warning each time it
+        times out, and sees no end mark while it waits); the end marks are looked at
         only once it has waited a while, so members that arrive together cost a call or two."""
         got: dict[int, bytes | None] = {}
         pending = dict(keys)
@@ -896,10 +896,11 @@ class CollectiveWatch(TorchDispatchMode):
     def _gone_after(self) -> float:
         """Seconds a peer's heartbeat must stand still to call it gone: a quarter of the
         timeout, up to 30 s, and at least 10 s and three intervals. A live process's
-        heartbeat thread beats every interval; it stalls only where the process is stopped,
-        or where its main thread holds what the beat needs: the GIL in a long C call, or the
-        store client (a blocking ``store.wait``, as a ``new_group`` rendezvous makes) for as
-        long as its peers take to arrive, which is seconds among ranks that all came."""
+        heartbeat thread beats every interval, through a store client of its own
+        (``liveness.own_client``); it stalls only where the process is stopped, or where its
+        main thread holds what the beat needs: the GIL in a long C call, or, with a store that
+        cannot be cloned, the one client (a blocking ``store.wait``, as a ``new_group``
+        rendezvous makes) for as long as its peers take to arrive."""
         return max(_GONE_FLOOR, 3 * self._beat_interval, min(self._timeout / 4, _GONE_CAP))
 
     def _silence(self, call: CollectiveCall, prefix: str, waited: tuple[int, ...]) -> ChannelLost:

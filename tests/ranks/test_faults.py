@@ -66,6 +66,10 @@ def test_killed_rank_is_named_and_the_others_exit(tmp_path: Path) -> None:
     named = {(e["rank"], e["stage"]) for e in report["errors"]}
     assert (2, "build") in named, report["errors"]
     assert "rank 2 died during stage 'build'" in json.dumps(report["errors"])
+    # Ranks 0 and 1 both gave up: the one that diagnosed watched the heartbeats while the other
+    # waited in the store for its findings, beating all along (through its own store client).
+    died = {e["rank"] for e in report["errors"] if "died" in e["message"]}
+    assert died == {2}, report["errors"]
 
 
 def test_rank_killed_during_the_gather(tmp_path: Path) -> None:
