@@ -61,13 +61,14 @@ def plain_finished(result: LaunchResult) -> None:
 
 
 def plain_launch_finished(done: subprocess.CompletedProcess) -> None:
-    """``plain_finished`` for a launcher's job: exit 0, or the launcher's exit 1 where every
-    failed rank in its summary is that teardown abort (-6, torch's words on stderr)."""
+    """``plain_finished`` for a launcher's job: exit 0, or the launcher's exit 1 where the
+    failed ranks in its summary are that teardown abort (-6, torch's words on stderr) and the
+    ranks the launcher then ended with SIGTERM (-15) while they were still tearing down."""
     output = done.stdout[-3000:] + done.stderr[-3000:]
     if done.returncode == 0:
         return
-    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", done.stderr)
-    teardown = codes and set(codes) == {"-6"} and TEARDOWN_ABORT in done.stderr
+    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", done.stderr))
+    teardown = "-6" in codes and codes <= {"-6", "-15"} and TEARDOWN_ABORT in done.stderr
     assert done.returncode == 1 and teardown, output
 
 
