@@ -119,3 +119,35 @@ def test_ranks_checking_one_missing_folder_at_once_both_find_it_writable(tmp_pat
         thread.join()
     # A folder one check made while the other was using it stays (the write makes it anyway).
     assert problems == []
+
+
+def test_a_folder_removed_under_the_write_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A sibling rank's check removes a folder it made (unwritable) right between this write's
+    # mkdir and its temporary file: too narrow a window for threads to hit on purpose, so the
+    # folder is removed at that moment, for real, before the temporary file is made.
+    import os
+    import tempfile
+
+    from fsdpcheck import output
+
+    real_mkstemp, removed = tempfile.mkstemp, []
+
+    def sibling_removes_the_folder_first(*args, **kwargs):
+        folder = Path(kwargs["dir"])
+        if not removed:
+            os.rmdir(folder)
+            removed.append(folder)
+        return real_mkstemp(*args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", sibling_removes_the_folder_first)
+    target = tmp_path / "new" / "report.json"
+    output.write_text('{"ok": true}', target)
+    assert removed == [target.parent] and target.read_text() == '{"ok": true}'
+    assert [p.name for p in target.parent.iterdir()] == ["report.json"]  # no temporary left
+    # Without the second look the write fails as it did.
+    removed.clear()
+    monkeypatch.setattr(output, "_FOLDER_RACES", 1)
+    with pytest.raises(FileNotFoundError):
+        output.write_text("{}", tmp_path / "other" / "report.json")
