@@ -276,7 +276,7 @@ def test_a_rank_that_dies_in_the_watched_step_is_named(tmp_path: Path, ranks: in
     loss unwound rank 0's script, but it is no exception of the script's (no traceback).
     On 3 ranks rank 1 alone is named, and rank 2 ends with exit 3 too (where rank 0, which
     hosts the store under env:// ranks, concluded first, rank 2's own message is the store's
-    loss, not the diagnosis: measured so in 5 runs of 5)."""
+    loss, not the diagnosis: so in each of the 3 runs looked at)."""
     out, report = tmp_path / "out", tmp_path / "report.json"
     result = checked(PROBE, ["--out", str(out), "--die-at", "0"], report, ranks=ranks)
     assert result.codes[1] == 9
