@@ -136,16 +136,27 @@ def exit_skipping_teardown(code: int | str | None) -> NoReturn:
     elif not isinstance(code, int):  # sys.exit("message"): printed, exit 1, as Python does
         sys.stderr.write(f"{code}\n")
         code = 1
+    if threading.current_thread() is threading.main_thread():
+        # The command is over: a SIGTERM now (torchrun ending the job because a rank that
+        # finished first exited non-zero) ends this exit with its own code, where the
+        # handler's exception would leave a traceback and exit 1.
+        signal.signal(signal.SIGTERM, lambda *_: _flush_and_exit(code))
     # What the interpreter's own exit does before its teardown: wait for non-daemon threads
     # (and run what they registered), then the exit handlers.
     wait_for_threads = getattr(threading, "_shutdown", None)
     if wait_for_threads is not None:
         wait_for_threads()
     atexit._run_exitfuncs()
+    _flush_and_exit(code)
+
+
+def _flush_and_exit(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+        # a closed pipe: nothing more can reach it; a SIGTERM's flush inside the exit's own
+        # flush of that stream: the exit's own finishes it
+        except (OSError, ValueError, RuntimeError):
             log.debug("could not flush %s", stream, exc_info=True)
     os._exit(code)
 

@@ -194,8 +194,12 @@ class AbortWatch:
             self._thread.join(timeout=self._interval + 5)
 
     def _run(self) -> None:
-        store, alive = own_client(self._ctx.store), _ALIVE_KEY.format(self._ctx.rank)
-        unreachable_since = None
+        began, alive = time.monotonic(), _ALIVE_KEY.format(self._ctx.rank)
+        store = own_client(self._ctx.store)
+        # Not cloned: maybe after waiting out the store's timeout to connect to a host that is
+        # gone. Counted unreachable from the start, so that wait is not paid twice (a beat
+        # that goes through clears it).
+        unreachable_since = began if store is self._ctx.store else None
         while True:
             try:
                 store.add(alive, 1)
@@ -248,7 +252,7 @@ def own_client(store: Any) -> Any:
         return store
     try:
         return clone()
-    except Exception:  # an older torch, or a store type without its own connections
+    except Exception:  # a store that cannot clone (a script's own), or its host is gone
         log.debug("store not cloned: the heartbeat shares the main thread's client", exc_info=True)
         return store
 

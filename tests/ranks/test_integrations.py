@@ -43,7 +43,11 @@ def _run(worker: str, out: Path) -> list[dict]:
         timeout=300,
         cwd=str(REPO),
     )
-    assert result.codes == [0, 0], result.output(0)[-3000:] + result.output(1)[-3000:]
+    # Each rank's record is written before its process ends; torch's teardown abort after it
+    # ("terminate called without an active exception", a gloo group that DTensor's caches keep
+    # alive past destroy_process_group) is torch's, as for the plain runs in test_run.py.
+    for rank, code in enumerate(result.codes):
+        assert code == 0 or result.aborted_in_teardown(rank), result.output(rank)[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

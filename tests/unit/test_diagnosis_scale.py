@@ -1,5 +1,6 @@
 """After a failure, one rank diagnoses and the others read its findings: O(world) store calls in
-all, not O(world^2). Threads stand in for ranks on one real in-process store (HashStore)."""
+all, not O(world^2), and none of them is taken for dead while it waits. Threads stand in for
+ranks on one real store: in-process (HashStore), or a TCPStore with a client per rank."""
 
 from __future__ import annotations
 
@@ -106,3 +107,21 @@ def test_a_rank_waiting_for_the_diagnosis_beats_on_and_is_not_named() -> None:
         for watch in watches:
             watch.__exit__(None, None, None)
     assert found == {0: [(dead, "build")], 1: [(dead, "build")]}, found
+
+
+def test_the_heartbeat_s_own_client_and_its_fallbacks() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30), wait_for_workers=False)
+    shared = dist.PrefixStore("run", server)
+    own = liveness.own_client(shared)
+    assert own is not shared
+    own.add("beats", 1)  # the same server and prefix: the shared client sees it
+    assert shared.get("beats") == b"1"
+
+    class Unclonable(dist.Store):  # a store of the script's own: clone() is not implemented
+        pass
+
+    class NoClone:  # not a torch Store at all
+        pass
+
+    for store in (Unclonable(), NoClone()):
+        assert liveness.own_client(store) is store

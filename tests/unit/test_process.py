@@ -124,3 +124,28 @@ def test_a_launch_tells_torch_s_teardown_abort_from_other_exits() -> None:
     results = [launch(["-c", code], 1, timeout=60) for code in ends]
     assert [r.codes for r in results] == [[-6], [-6], [1], [0]]
     assert [r.aborted_in_teardown(0) for r in results] == [True, False, False, False]
+
+
+SIGTERM_SCRIPT = """
+import os, signal, threading, time
+from fsdpcheck import process
+process.raise_on_sigterm()
+def launcher_ends_the_job():  # a thread the exit waits for; torchrun's SIGTERM comes meanwhile
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+threading.Thread(target=launcher_ends_the_job).start()
+print("report written", flush=True)
+process.exit_skipping_teardown(2)
+"""
+
+
+def test_a_sigterm_during_the_exit_keeps_the_command_s_code_and_prints_no_traceback() -> None:
+    # torchrun ends the job when one rank exits non-zero: a rank already on its way out with
+    # the same verdict gets the SIGTERM there (test_torchrun_summary_shows_the_cause failed
+    # once in make test on the handler's traceback through cli.py).
+    done = subprocess.run(
+        [sys.executable, "-c", SIGTERM_SCRIPT], capture_output=True, text=True, timeout=25
+    )
+    assert done.returncode == 2, done
+    assert done.stdout == "report written\n" and "Traceback" not in done.stderr, done
