@@ -136,16 +136,25 @@ def exit_skipping_teardown(code: int | str | None) -> NoReturn:
     elif not isinstance(code, int):  # sys.exit("message"): printed, exit 1, as Python does
         sys.stderr.write(f"{code}\n")
         code = 1
-    if threading.current_thread() is threading.main_thread():
+    handlers_started = False
+
+    def terminated(*_: object) -> None:
         # The command is over: a SIGTERM now (torchrun ending the job because a rank that
-        # finished first exited non-zero) ends this exit with its own code, where the
-        # handler's exception would leave a traceback and exit 1.
-        signal.signal(signal.SIGTERM, lambda *_: _flush_and_exit(code))
+        # finished first exited non-zero) stops the wait for threads but still runs the exit
+        # handlers (a script's logger flushing its run, say) and keeps the command's code,
+        # where raise_on_sigterm's exception would leave a traceback and exit 1.
+        if not handlers_started:
+            atexit._run_exitfuncs()
+        _flush_and_exit(code)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, terminated)
     # What the interpreter's own exit does before its teardown: wait for non-daemon threads
     # (and run what they registered), then the exit handlers.
     wait_for_threads = getattr(threading, "_shutdown", None)
     if wait_for_threads is not None:
         wait_for_threads()
+    handlers_started = True
     atexit._run_exitfuncs()
     _flush_and_exit(code)
 

@@ -16,7 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from hooked import Tokens, end_group, tiny_llama, twins, write
+from hooked import Tokens, tiny_llama, twins, write
 from torch.distributed.tensor import DTensor
 
 from fsdpcheck.integrations.accelerate import check_first_step, check_prepared
@@ -93,5 +93,4 @@ accelerator.state.distributed_type = PartialState().distributed_type = Distribut
 accelerator.state.fsdp_plugin = plugin
 record["fsdp2"] = twins(out, hooked_fsdp2, prefix="fsdp2-")
 write(out, record)
-end_group()
 print("done")

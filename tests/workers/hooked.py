@@ -78,19 +78,6 @@ def write(out: Path, record: dict) -> None:
     (out / f"rank{rank()}.json").write_text(json.dumps(record))
 
 
-def end_group() -> None:
-    """The worker's last step: its default process group destroyed. The frameworks leave it to
-    the interpreter's teardown, where gloo's threads can abort a process whose work is done
-    ("terminate called without an active exception", pytorch/pytorch#190489: rank 1 of
-    lightning_step_worker.py, once in a make test), a torch matter these tests do not check.
-    Fewer such aborts, not none (DTensor's caches can keep a destroyed group's threads alive):
-    test_integrations.py also accepts one after a rank's record is written."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def run_twins(
     out: Path,
     hooked: Callable[[bool], Callable[[str, Path], Callable[[], Any]]],
@@ -102,7 +89,6 @@ def run_twins(
     record = {} if record is None else record
     record.update(twins(out, hooked))
     write(out, record)
-    end_group()
     print(f"rank {rank()} done")
 
 

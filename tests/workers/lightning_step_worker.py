@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from hooked import Tokens, end_group, outcome, tiny_llama, write
+from hooked import Tokens, outcome, tiny_llama, write
 
 from fsdpcheck.integrations.lightning import FsdpcheckCallback
 
@@ -60,5 +60,4 @@ def fit(variant: str):
 
 
 write(out, {variant: fit(variant) for variant in ("labels", "ignored")})
-end_group()
 print("done")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from hooked import Tokens, end_group, outcome, rank, tiny_llama, twins, write
+from hooked import Tokens, outcome, rank, tiny_llama, twins, write
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -183,5 +183,4 @@ record["ddp-resumed"] = ddp_resume()
 record["fsdp2"] = twins(out, hooked_fsdp2, prefix="fsdp2-")
 record["resumed"] = resumes()
 write(out, record)
-end_group()
 print("done")
