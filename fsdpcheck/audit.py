@@ -520,15 +520,16 @@ def _conclude(
         return decide(ctx, report, state.publish, own_error=stages.error)
     except Exception as exc:  # a peer died or timed out: name it from heartbeats and marks
         log.debug("rank %d: gave up in %s", ctx.rank, stages.current, exc_info=True)
-        watch.disarm()
+        aborted = watch.disarm()
         _received(state)
         own = stages.error
         if own is None and not liveness.is_collective_failure(exc):  # this rank's own failure
             message = f"{type(exc).__name__}: {exc}"
             own = RankError(ctx.rank, stages.current, message, ErrorKind.RUNTIME)
         # Under --step: each rank's own exception in the step, the first raised first.
-        known = step_raises(ctx) if options is not None and options.step else ()
-        return give_up(ctx, exc, own, options, state.publish, known=known)
+        step = options is not None and options.step and not aborted
+        known = step_raises(ctx) if step else ()
+        return give_up(ctx, exc, own, options, state.publish, known=known, aborted=aborted)
 
 
 def _rank0_extras(

@@ -67,15 +67,25 @@ def give_up(
     *,
     stage: Stage = Stage.GATHER,
     known: Sequence[RankError] = (),
+    aborted: Sequence[RankError] | None = None,
 ) -> AuditResult:
     """A peer died or stopped answering: name it from heartbeats and stage marks, end the
     others, and give rank 0 an error report (exit 3 everywhere). ``own``: this rank's own
     failure, if it had one; else it gave up waiting in ``stage``. ``known``: failures the
-    ranks left for each other (each rank's own exception in its step), listed first."""
-    errors = liveness.diagnose_peers(ctx, exc, own=own)
-    errors = [*known, *(e for e in errors if e not in known)]
-    liveness.signal_abort(ctx, errors)
-    return ended(ctx, errors, own, options, publish, stage=stage)
+    ranks left for each other (each rank's own exception in its step), listed first.
+    ``aborted``: the abort mark's errors, where this rank's watch took them before it gave up
+    (``AbortWatch.disarm``): the run's conclusion, read from no store (its host may be gone).
+    The store's host waits for the others to take the end of the run before it returns."""
+    if aborted:  # the watch marked this rank's end when it took them
+        errors = [*(e for e in [own] if e is not None), *(e for e in aborted if e != own)]
+    else:
+        errors = liveness.diagnose_peers(ctx, exc, own=own)
+        errors = [*known, *(e for e in errors if e not in known)]
+        liveness.signal_abort(ctx, errors)
+        liveness.mark_ended(ctx)
+    result = ended(ctx, errors, own, options, publish, stage=stage)
+    liveness.linger(ctx)
+    return result
 
 
 def ended(

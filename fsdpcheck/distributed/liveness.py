@@ -14,6 +14,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
 from fsdpcheck.distributed import setup
 from fsdpcheck.distributed.setup import DistContext
 from fsdpcheck.records import RankError, from_dict, to_dict
@@ -55,6 +57,72 @@ def _abort_errors(payload: bytes) -> list[RankError]:
     except (ValueError, TypeError, KeyError):
         log.debug("abort mark is not a list of errors; passing it on as text", exc_info=True)
         return [RankError(-1, Stage.ABORT, payload.decode(errors="replace"), ErrorKind.RUNTIME)]
+
+
+_ENDED_KEY = "fsdpcheck/ended/{}"
+_DEAD_KEY = "fsdpcheck/dead"
+
+
+def mark_ended(ctx: DistContext, store: Any = None) -> None:
+    """This rank holds all it will report of a failed run (it concluded, or its abort watch took
+    the abort mark): the store's host need not stay up for it (:func:`linger`). ``store``: a
+    client of the store's other than ``ctx.store`` (the watch thread's own)."""
+    store = ctx.store if store is None else store
+    if store is None:
+        return
+    try:
+        store.set(_ENDED_KEY.format(ctx.rank), "1")
+    except Exception:  # the store's host is gone: nobody waits for the mark
+        log.debug("could not mark rank %d's end of the run", ctx.rank, exc_info=True)
+
+
+def _agent_hosts_store() -> bool:
+    """torchrun's agent serves the rendezvous store, not rank 0."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def hosts_store(ctx: DistContext) -> bool:
+    """This process serves the rendezvous store: rank 0 over a TCPStore (env:// or tcp://
+    ranks), unless a launcher's agent serves it. A FileStore has no host."""
+    if ctx.rank != 0 or ctx.store is None or _agent_hosts_store():
+        return False
+    store = ctx.store
+    while hasattr(store, "underlying_store"):  # a PrefixStore: fsdpcheck's own, torch's
+        store = store.underlying_store
+    return isinstance(store, dist.TCPStore)
+
+
+def linger_bound(world_size: int) -> float:
+    """The longest the store's host waits for the other ranks to take the end of a failed
+    run: two heartbeat intervals (a live rank's watch reads the abort mark once in each) and
+    room for a rank that reads the published diagnosis."""
+    return 2 * heartbeat_interval(world_size) + 3.0
+
+
+def linger(ctx: DistContext, store: Any = None) -> None:
+    """On the store's host (:func:`hosts_store`), once it concluded a failed run: wait, at most
+    :func:`linger_bound`, until every rank not found dead has taken the end of the run
+    (:func:`mark_ended`). The store ends with this process; a rank still waiting in a
+    collective or its step when it goes would learn of the run's end only the store's loss,
+    not the diagnosis. ``store``: as in :func:`mark_ended`."""
+    if ctx.world_size == 1 or not hosts_store(ctx):
+        return
+    store = ctx.store if store is None else store
+    deadline = time.monotonic() + linger_bound(ctx.world_size)
+    pause = 0.005
+    try:
+        dead = set(json.loads(store.get(_DEAD_KEY))) if store.check([_DEAD_KEY]) else set()
+        others = [r for r in range(ctx.world_size) if r != ctx.rank and r not in dead]
+        keys = [_ENDED_KEY.format(r) for r in others]
+        # Polled, not a blocking wait, which logs a C++ warning when it times out.
+        while keys and not store.check(keys):
+            if time.monotonic() > deadline:
+                log.info("rank %d: ending before every rank took the end of the run", ctx.rank)
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+    except Exception:
+        log.debug("rank %d: the store failed while it lingered", ctx.rank, exc_info=True)
 
 
 _ALIVE_KEY = "fsdpcheck/alive/{}"
@@ -124,8 +192,7 @@ def arrival_errors(ctx: DistContext, store: Any, exc: BaseException) -> list[Ran
     except Exception:
         log.debug("arrival marks unreadable: the store's host is gone", exc_info=True)
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        host, named = ("the launcher's agent", -1) if agent else ("rank 0", 0)
+        host, named = ("the launcher's agent", -1) if _agent_hosts_store() else ("rank 0", 0)
         message = (
             f"the rendezvous store's host ({host}, at {where}) is unreachable: it died or ended "
             f"before the check (rank {ctx.rank} saw: {cause})"
@@ -174,6 +241,7 @@ class AbortWatch:
         self._interval = heartbeat_interval(ctx.world_size)
         self._done = threading.Event()
         self._armed = True
+        self._lock = threading.Lock()  # disarm() against _abort's record
         self.aborted: list[RankError] | None = None  # what the abort mark said, once seen
         self._thread = threading.Thread(target=self._run, name="fsdpcheck-abort-watch", daemon=True)
 
@@ -182,9 +250,14 @@ class AbortWatch:
             self._thread.start()
         return self
 
-    def disarm(self) -> None:
-        """Keep beating but never abort: this rank is concluding the run itself."""
-        self._armed = False
+    def disarm(self) -> list[RankError] | None:
+        """Keep beating but never abort: this rank is concluding the run itself. Returns the
+        abort mark's errors where the watch took them first (the run is over: conclude with
+        them, since the store's host may be gone once the watch has told it so), else None:
+        the watch will not take them now."""
+        with self._lock:
+            self._armed = False
+            return self.aborted
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
@@ -221,23 +294,28 @@ class AbortWatch:
             if self._done.is_set():
                 return
             if errors and self._armed:
-                self._abort(errors)
+                self._abort(errors, store)
             if self._done.wait(self._interval):
                 return
 
-    def _abort(self, errors: list[RankError]) -> None:
+    def _abort(self, errors: list[RankError], store: Any) -> None:
         if not self._end_process:  # the caller's process: the call returns exit 3 instead
-            if self.aborted is None:
+            with self._lock:
+                if not self._armed or self.aborted is not None:
+                    return
                 log.info("rank %d: the run is over: %s", self._ctx.rank, errors[0].message)
                 self.aborted = errors
+            mark_ended(self._ctx, store)  # the call concludes with these (disarm)
             return
         sys.stderr.write(f"fsdpcheck: rank {self._ctx.rank} aborting: {errors[0].message}\n")
         sys.stderr.flush()
+        mark_ended(self._ctx, store)
         if self._on_abort is not None:
             try:  # rank 0 publishes what the rank that gave up found, then goes
                 self._on_abort(errors)
             except Exception:  # the exit below matters more than the report
                 log.debug("publishing on abort failed", exc_info=True)
+        linger(self._ctx, store)
         os._exit(ExitCode.RUNTIME)
 
 
@@ -393,6 +471,11 @@ def _diagnose(ctx: DistContext, exc: BaseException, *, own: RankError | None) ->
     stages = last_stages(ctx)
     mine = stages.get(ctx.rank) or Stage.GATHER
     dead = dead_ranks(ctx)
+    if dead and ctx.store is not None:
+        try:  # the store's host waits for no dead rank before it goes (linger)
+            ctx.store.set(_DEAD_KEY, json.dumps(sorted(dead)))
+        except Exception:
+            log.debug("could not publish the dead ranks", exc_info=True)
     errors = [own] if own is not None else []
     for r in sorted(dead):
         stage = stages.get(r) or Stage.LAUNCH

@@ -370,13 +370,12 @@ class ScriptSession:
             return work()
         except (Exception, ChannelLost) as exc:
             log.debug("rank %d: fsdpcheck run gave up", ctx.rank, exc_info=True)
-            if self._abort is not None:
-                self._abort.disarm()
+            aborted = self._abort.disarm() if self._abort is not None else None
             # Each rank's own exception, left in the store: the rank that raised is named,
-            # not the one left waiting for it.
-            raises = step_raises(ctx)
+            # not the one left waiting for it (the abort mark's errors name it already).
+            raises = () if aborted else step_raises(ctx)
             own = next((e for e in raises if e.rank == ctx.rank), None)
-            return give_up(ctx, exc, own, stage=Stage.STEP, known=raises)
+            return give_up(ctx, exc, own, stage=Stage.STEP, known=raises, aborted=aborted)
 
     def _conclude(self, message: str) -> RunOutcome:
         """Collective: the watch ends, every rank's step record is judged with the model's

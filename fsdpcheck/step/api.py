@@ -56,9 +56,9 @@ def check_step(model: Any, step: Callable[[], Any], *, timeout: float = 60.0) ->
             # swallow it): caught by name, or a side-channel timeout escapes as a raw error.
             except (Exception, ChannelLost) as exc:  # a peer stopped answering: name it
                 log.debug("rank %d: check_step gave up", ctx.rank, exc_info=True)
-                watch.disarm()
-                raises = step_raises(ctx)
+                aborted = watch.disarm()
+                raises = () if aborted else step_raises(ctx)
                 own = next((e for e in raises if e.rank == ctx.rank), None)
-                return give_up(ctx, exc, own, stage=Stage.STEP, known=raises)
+                return give_up(ctx, exc, own, stage=Stage.STEP, known=raises, aborted=aborted)
     finally:
         distributed.shutdown(ctx)

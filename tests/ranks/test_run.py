@@ -274,15 +274,17 @@ def test_a_rank_that_dies_in_the_watched_step_is_named(tmp_path: Path, ranks: in
     gone before the timeout (after 10 s, the least a heartbeat must stand still), and rank 0
     exits 3. The report blames the dead rank, not the one that waited for it: the watch's
     loss unwound rank 0's script, but it is no exception of the script's (no traceback).
-    On 3 ranks rank 1 alone is named, and rank 2 ends with exit 3 too (where rank 0, which
-    hosts the store under env:// ranks, concluded first, rank 2's own message is the store's
-    loss, not the diagnosis: so in each of the 3 runs looked at)."""
+    On 3 ranks rank 1 alone is named, and rank 2 ends with exit 3 too, with the diagnosis as
+    its own message: rank 0 hosts the store under env:// ranks, and it concludes first, so it
+    waits for rank 2 to take the diagnosis before it goes (the store's loss was rank 2's
+    message before)."""
     out, report = tmp_path / "out", tmp_path / "report.json"
     result = checked(PROBE, ["--out", str(out), "--die-at", "0"], report, ranks=ranks)
     assert result.codes[1] == 9
     assert result.codes[0] == 3, result.output(0)
     if ranks == 3:
         assert result.codes[2] == 3, result.output(2)
+        assert "rank 1 died during stage 'step'" in result.output(2), result.output(2)
     assert result.elapsed < WATCH_TIMEOUT * 2.5
     (died,) = json.loads(report.read_text())["errors"]
     assert died["rank"] == 1 and "rank 1 died during stage 'step'" in died["message"], died

@@ -1,0 +1,131 @@
+"""The store's host (rank 0 under env:// ranks) stays, after it concluded a failed run, until
+the other live ranks took the end of the run: the store ends with its process, and a rank that
+finds it gone learns only that, not the diagnosis. Threads stand in for ranks, each with its
+own client of one real TCPStore that rank 0 serves."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from fsdpcheck.distributed import liveness
+from fsdpcheck.distributed.setup import DistContext
+from fsdpcheck.records import RankError
+from fsdpcheck.vocab import ErrorKind, Stage
+
+
+def _context(rank: int, world: int, store: object) -> DistContext:
+    return DistContext(
+        rank=rank, local_rank=rank, world_size=world, backend="gloo", device_type="cpu",
+        timeout=30.0, side_channel=None, owns_default_group=False, store=store,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def ranks(monkeypatch: pytest.MonkeyPatch):
+    """Three ranks' contexts: rank 0 serves the store, ranks 1 and 2 are its clients."""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    world = 3
+    server = dist.TCPStore(
+        "127.0.0.1", 0, world, True, timedelta(seconds=30), wait_for_workers=False
+    )
+
+    def client() -> dist.Store:
+        return dist.TCPStore("127.0.0.1", server.port, world, False, timedelta(seconds=30))
+
+    stores = [server, client(), client()]
+    return [_context(r, world, dist.PrefixStore("run", s)) for r, s in enumerate(stores)]
+
+
+def _later(seconds: float, work) -> threading.Thread:
+    def run() -> None:
+        time.sleep(seconds)
+        work()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _lingered(ctx: DistContext) -> float:
+    start = time.monotonic()
+    liveness.linger(ctx)
+    return time.monotonic() - start
+
+
+def test_the_host_waits_for_the_live_rank_and_not_for_the_dead_one(ranks) -> None:
+    host, dead, live = ranks
+    assert liveness.hosts_store(host) and not liveness.hosts_store(live)
+    liveness.mark_stage(dead, "build")
+    for ctx in (host, live):
+        liveness.mark_stage(ctx, "gather")
+    watches = [liveness.AbortWatch(ctx).__enter__() for ctx in (host, live)]  # rank 1: dead
+    try:
+        errors = liveness.diagnose_peers(host, TimeoutError("gather"), own=None)
+        assert [(e.rank, str(e.stage)) for e in errors] == [(1, "build")]
+        ended = _later(0.5, lambda: liveness.mark_ended(live))
+        waited = _lingered(host)
+        ended.join()
+    finally:
+        for watch in watches:
+            watch.__exit__(None, None, None)
+    # Until rank 2 took the end of the run, and never for rank 1, whose heartbeat stopped.
+    assert 0.5 <= waited < liveness.linger_bound(3), waited
+
+
+def test_the_host_goes_at_its_bound_when_a_live_rank_never_comes(
+    ranks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host, _, live = ranks
+    monkeypatch.setattr(liveness, "linger_bound", lambda world: 0.5)
+    liveness.mark_ended(live)  # rank 1 is not known dead: waited for
+    waited = _lingered(host)
+    assert 0.5 <= waited < 3, waited
+
+
+def test_nobody_else_lingers(ranks, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another rank, or a host whose store a launcher's agent serves (torchrun), or a FileStore
+    # (no host): none waits for the others, who take nothing from it.
+    host, live, _ = ranks
+    assert _lingered(live) < 0.5
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert not liveness.hosts_store(host)
+    assert _lingered(host) < 0.5
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    file_store = _context(0, 3, dist.PrefixStore("run", dist.HashStore()))
+    assert not liveness.hosts_store(file_store)
+
+
+def test_a_library_watch_takes_the_abort_mark_and_disarm_hands_it_over(ranks) -> None:
+    host, giver, rank2 = ranks
+    watch = liveness.AbortWatch(rank2).__enter__()  # a library call's: it never ends the process
+    try:
+        error = RankError(1, Stage.GATHER, "rank 1 died during stage 'gather'", ErrorKind.RUNTIME)
+        liveness.signal_abort(giver, [error])  # rank 1 gave up (give_up's steps)
+        liveness.mark_ended(giver)
+        deadline = time.monotonic() + 10
+        while watch.aborted is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Taken: the watch marked rank 2's end, so the host goes without waiting for it.
+        assert _lingered(host) < 0.5
+        assert watch.disarm() == [error]
+    finally:
+        watch.__exit__(None, None, None)
+
+
+def test_a_watch_disarmed_first_never_takes_the_mark(ranks) -> None:
+    host, giver, rank2 = ranks
+    watch = liveness.AbortWatch(rank2).__enter__()
+    try:
+        assert watch.disarm() is None  # this rank concludes by itself: it reads the diagnosis
+        error = RankError(1, Stage.GATHER, "rank 1 died", ErrorKind.RUNTIME)
+        liveness.signal_abort(giver, [error])
+        time.sleep(2.5 * liveness.heartbeat_interval(3))  # two beats read the mark
+        assert watch.aborted is None
+    finally:
+        watch.__exit__(None, None, None)
+    assert not host.store.check(["fsdpcheck/ended/2"])
