@@ -74,18 +74,14 @@ def give_up(
     failure, if it had one; else it gave up waiting in ``stage``. ``known``: failures the
     ranks left for each other (each rank's own exception in its step), listed first.
     ``aborted``: the abort mark's errors, where this rank's watch took them before it gave up
-    (``AbortWatch.disarm``): the run's conclusion, read from no store (its host may be gone).
-    The store's host waits for the others to take the end of the run before it returns."""
-    if aborted:  # the watch marked this rank's end when it took them
+    (``AbortWatch.disarm``): the run's conclusion, read from no store (its host may be gone)."""
+    if aborted:
         errors = [*(e for e in [own] if e is not None), *(e for e in aborted if e != own)]
     else:
         errors = liveness.diagnose_peers(ctx, exc, own=own)
         errors = [*known, *(e for e in errors if e not in known)]
         liveness.signal_abort(ctx, errors)
-        liveness.mark_ended(ctx)
-    result = ended(ctx, errors, own, options, publish, stage=stage)
-    liveness.linger(ctx)
-    return result
+    return ended(ctx, errors, own, options, publish, stage=stage)
 
 
 def ended(
@@ -105,4 +101,7 @@ def ended(
     own = own or next((e for e in errors if e.rank == ctx.rank), None)
     first = min(errors, key=lambda e: waited_on_another(e.message))  # stable: a cause first
     own = own or RankError(ctx.rank, stage, f"{GAVE_UP} {first.message}", ErrorKind.RUNTIME)
+    # Nothing more is read from the store; its host (rank 0 under env:// ranks) keeps it up at
+    # exit until every other rank has said the same.
+    liveness.mark_ended(ctx)
     return AuditResult(ctx.rank, ExitCode.RUNTIME, report, own, first.message)

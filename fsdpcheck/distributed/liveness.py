@@ -3,6 +3,7 @@ gives up can name the rank responsible instead of leaving everyone waiting."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -39,6 +40,9 @@ def mark_stage(ctx: DistContext, stage: str) -> None:
 
 
 _ABORT_KEY = "fsdpcheck/abort"
+# Errors kept in the abort mark and the published diagnosis: a rank that concludes from either
+# reports what the diagnosing rank found (a few KiB in the store at most).
+_ERRORS_KEPT = 64
 
 
 def signal_abort(ctx: DistContext, errors: list[RankError]) -> None:
@@ -46,7 +50,7 @@ def signal_abort(ctx: DistContext, errors: list[RankError]) -> None:
     if ctx.store is None:
         return
     try:
-        ctx.store.set(_ABORT_KEY, json.dumps([to_dict(e) for e in errors[:16]]))
+        ctx.store.set(_ABORT_KEY, json.dumps([to_dict(e) for e in errors[:_ERRORS_KEPT]]))
     except Exception:  # the store's host is gone too: the others' own timeouts end them
         log.debug("could not leave the abort mark", exc_info=True)
 
@@ -60,20 +64,36 @@ def _abort_errors(payload: bytes) -> list[RankError]:
 
 
 _ENDED_KEY = "fsdpcheck/ended/{}"
-_DEAD_KEY = "fsdpcheck/dead"
+# Ranks the store's host does not wait for (linger): found dead, or never arrived.
+_GONE_KEY = "fsdpcheck/gone"
 
 
 def mark_ended(ctx: DistContext, store: Any = None) -> None:
-    """This rank holds all it will report of a failed run (it concluded, or its abort watch took
-    the abort mark): the store's host need not stay up for it (:func:`linger`). ``store``: a
-    client of the store's other than ``ctx.store`` (the watch thread's own)."""
+    """This rank concluded a failed run (or its abort watch took the abort mark, which it will
+    conclude with): it says so in the store, once, and needs nothing more from it. Where it
+    hosts the store (:func:`hosts_store`), it keeps it up at exit until the others have said so
+    too (:func:`linger`, an exit handler: the report is out by then, and a process that goes
+    on running keeps its store anyway). ``store``: a client of the store's other than
+    ``ctx.store`` (the watch thread's own)."""
     store = ctx.store if store is None else store
-    if store is None:
+    if ctx.ended or store is None:
         return
+    ctx.ended = True
     try:
         store.set(_ENDED_KEY.format(ctx.rank), "1")
     except Exception:  # the store's host is gone: nobody waits for the mark
         log.debug("could not mark rank %d's end of the run", ctx.rank, exc_info=True)
+    if ctx.world_size > 1 and hosts_store(ctx):
+        atexit.register(linger, ctx, store)
+
+
+def _leave_gone(store: Any, ranks: set[int] | list[int]) -> None:
+    if not ranks or store is None:
+        return
+    try:
+        store.set(_GONE_KEY, json.dumps(sorted(ranks)))
+    except Exception:
+        log.debug("could not leave the ranks found gone", exc_info=True)
 
 
 def _agent_hosts_store() -> bool:
@@ -94,25 +114,25 @@ def hosts_store(ctx: DistContext) -> bool:
 
 def linger_bound(world_size: int) -> float:
     """The longest the store's host waits for the other ranks to take the end of a failed
-    run: two heartbeat intervals (a live rank's watch reads the abort mark once in each) and
-    room for a rank that reads the published diagnosis."""
+    run: two heartbeat intervals (a live rank's watch reads the abort mark once in each) plus
+    3 s for a rank that reads the published diagnosis."""
     return 2 * heartbeat_interval(world_size) + 3.0
 
 
 def linger(ctx: DistContext, store: Any = None) -> None:
-    """On the store's host (:func:`hosts_store`), once it concluded a failed run: wait, at most
-    :func:`linger_bound`, until every rank not found dead has taken the end of the run
-    (:func:`mark_ended`). The store ends with this process; a rank still waiting in a
-    collective or its step when it goes would learn of the run's end only the store's loss,
-    not the diagnosis. ``store``: as in :func:`mark_ended`."""
+    """On the store's host (:func:`hosts_store`), once it concluded a failed run and before its
+    process ends: wait, at most :func:`linger_bound`, until every rank not found gone has taken
+    the end of the run (:func:`mark_ended`). The store ends with this process; a rank still
+    waiting in a collective or its step when it goes would learn of the run's end only the
+    store's loss, not the diagnosis. ``store``: as in :func:`mark_ended`."""
     if ctx.world_size == 1 or not hosts_store(ctx):
         return
     store = ctx.store if store is None else store
     deadline = time.monotonic() + linger_bound(ctx.world_size)
     pause = 0.005
     try:
-        dead = set(json.loads(store.get(_DEAD_KEY))) if store.check([_DEAD_KEY]) else set()
-        others = [r for r in range(ctx.world_size) if r != ctx.rank and r not in dead]
+        gone = set(json.loads(store.get(_GONE_KEY))) if store.check([_GONE_KEY]) else set()
+        others = [r for r in range(ctx.world_size) if r != ctx.rank and r not in gone]
         keys = [_ENDED_KEY.format(r) for r in others]
         # Polled, not a blocking wait, which logs a C++ warning when it times out.
         while keys and not store.check(keys):
@@ -199,6 +219,7 @@ def arrival_errors(ctx: DistContext, store: Any, exc: BaseException) -> list[Ran
         )
         return [RankError(named, Stage.LAUNCH, message, ErrorKind.RUNTIME)]
     missing = [r for r, mark in enumerate(marks) if mark is None and r != ctx.rank]
+    _leave_gone(store, missing)  # the store's host waits for none of them before it goes
     errors = [
         RankError(
             r,
@@ -305,7 +326,7 @@ class AbortWatch:
                     return
                 log.info("rank %d: the run is over: %s", self._ctx.rank, errors[0].message)
                 self.aborted = errors
-            mark_ended(self._ctx, store)  # the call concludes with these (disarm)
+                mark_ended(self._ctx, store)  # the call concludes with these (disarm)
             return
         sys.stderr.write(f"fsdpcheck: rank {self._ctx.rank} aborting: {errors[0].message}\n")
         sys.stderr.flush()
@@ -315,7 +336,7 @@ class AbortWatch:
                 self._on_abort(errors)
             except Exception:  # the exit below matters more than the report
                 log.debug("publishing on abort failed", exc_info=True)
-        linger(self._ctx, store)
+        linger(self._ctx, store)  # os._exit runs no exit handler
         os._exit(ExitCode.RUNTIME)
 
 
@@ -444,7 +465,7 @@ def diagnose_peers(
     if first:
         errors = _diagnose(ctx, exc, own=own)
         try:
-            ctx.store.set(_DIAGNOSIS_KEY, json.dumps([to_dict(e) for e in errors[:64]]))
+            ctx.store.set(_DIAGNOSIS_KEY, json.dumps([to_dict(e) for e in errors[:_ERRORS_KEPT]]))
         except Exception:  # the others wait in vain, then diagnose alone
             log.debug("could not publish the diagnosis", exc_info=True)
         return errors
@@ -471,11 +492,7 @@ def _diagnose(ctx: DistContext, exc: BaseException, *, own: RankError | None) ->
     stages = last_stages(ctx)
     mine = stages.get(ctx.rank) or Stage.GATHER
     dead = dead_ranks(ctx)
-    if dead and ctx.store is not None:
-        try:  # the store's host waits for no dead rank before it goes (linger)
-            ctx.store.set(_DEAD_KEY, json.dumps(sorted(dead)))
-        except Exception:
-            log.debug("could not publish the dead ranks", exc_info=True)
+    _leave_gone(ctx.store, dead)  # the store's host waits for none of them before it goes
     errors = [own] if own is not None else []
     for r in sorted(dead):
         stage = stages.get(r) or Stage.LAUNCH

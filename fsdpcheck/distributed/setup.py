@@ -40,6 +40,7 @@ class DistContext:
     mesh: Any = None
     store: Any = None  # the default group's store, for stage marks; None when unavailable
     ep_meshes: Any = None  # model.parallel.EpMeshes: the views --ep shards over, built with mesh
+    ended: bool = False  # this rank concluded a failed run and said so (liveness.mark_ended)
 
     @property
     def device(self) -> torch.device:

@@ -70,6 +70,8 @@ def test_killed_rank_is_named_and_the_others_exit(tmp_path: Path) -> None:
     # waited in the store for its findings, beating all along (through its own store client).
     died = {e["rank"] for e in report["errors"] if "died" in e["message"]}
     assert died == {2}, report["errors"]
+    for rank in (0, 1):  # each live rank's own message names it too
+        assert "rank 2 died during stage 'build'" in result.output(rank), result.output(rank)
 
 
 def test_rank_killed_during_the_gather(tmp_path: Path) -> None:

@@ -73,8 +73,9 @@ def test_the_host_waits_for_the_live_rank_and_not_for_the_dead_one(ranks) -> Non
     finally:
         for watch in watches:
             watch.__exit__(None, None, None)
-    # Until rank 2 took the end of the run, and never for rank 1, whose heartbeat stopped.
-    assert 0.5 <= waited < liveness.linger_bound(3), waited
+    # Until rank 2 took the end of the run (0.5 s, less the moment the thread took to start),
+    # and never for rank 1, whose heartbeat stopped.
+    assert 0.4 <= waited < liveness.linger_bound(3), waited
 
 
 def test_the_host_goes_at_its_bound_when_a_live_rank_never_comes(
@@ -87,7 +88,7 @@ def test_the_host_goes_at_its_bound_when_a_live_rank_never_comes(
     assert 0.5 <= waited < 3, waited
 
 
-def test_nobody_else_lingers(ranks, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nobody_else_lingers(ranks, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     # Another rank, or a host whose store a launcher's agent serves (torchrun), or a FileStore
     # (no host): none waits for the others, who take nothing from it.
     host, live, _ = ranks
@@ -96,7 +97,7 @@ def test_nobody_else_lingers(ranks, monkeypatch: pytest.MonkeyPatch) -> None:
     assert not liveness.hosts_store(host)
     assert _lingered(host) < 0.5
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
-    file_store = _context(0, 3, dist.PrefixStore("run", dist.HashStore()))
+    file_store = _context(0, 3, dist.PrefixStore("run", dist.FileStore(str(tmp_path / "s"), 3)))
     assert not liveness.hosts_store(file_store)
 
 
@@ -129,3 +130,52 @@ def test_a_watch_disarmed_first_never_takes_the_mark(ranks) -> None:
     finally:
         watch.__exit__(None, None, None)
     assert not host.store.check(["fsdpcheck/ended/2"])
+
+
+# Rank 0 of two, serving the store: it concluded a failed run (mark_ended), and its process
+# ends; rank 1 (a thread on a client of its own) takes the end of the run DELAY s later.
+_HOST_EXITS = """
+import sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from fsdpcheck.distributed import liveness
+from fsdpcheck.distributed.setup import DistContext
+
+delay = float(sys.argv[1])
+server = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=30), wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", server.port, 2, False, timedelta(seconds=30))
+
+def ctx(rank, store):
+    return DistContext(rank=rank, local_rank=rank, world_size=2, backend="gloo",
+                       device_type="cpu", timeout=30.0, owns_default_group=False,
+                       store=dist.PrefixStore("run", store))
+
+host, peer = ctx(0, server), ctx(1, client)
+liveness.mark_ended(host)
+liveness.mark_ended(host)  # once: a second conclusion adds no second wait
+later = threading.Timer(delay, liveness.mark_ended, args=(peer,))
+later.daemon = True
+later.start()
+print(time.monotonic(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 1.5])
+def test_the_host_keeps_the_store_up_at_exit_until_the_other_rank_took_the_end(
+    delay: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _HOST_EXITS, str(delay)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    stayed = time.monotonic() - float(done.stdout.split()[0])
+    # The exit handler waited for rank 1's mark: until it came, and hardly at all once it had.
+    if delay:
+        assert delay - 0.1 <= stayed < liveness.linger_bound(2), stayed
+    else:
+        assert stayed < 1.0, stayed
