@@ -274,8 +274,8 @@ class AbortWatch:
     def disarm(self) -> list[RankError] | None:
         """Keep beating but never abort: this rank is concluding the run itself. Returns the
         abort mark's errors where the watch took them first (the run is over: conclude with
-        them, since the store's host may be gone once the watch has told it so), else None:
-        the watch will not take them now."""
+        them, since the store's host may be gone once the watch has told it so; the watch
+        beats no more), else None: the watch will not take them now."""
         with self._lock:
             self._armed = False
             return self.aborted
@@ -316,6 +316,10 @@ class AbortWatch:
                 return
             if errors and self._armed:
                 self._abort(errors, store)
+            if self.aborted is not None:
+                # The run is over and this rank concludes with the mark's errors: nobody reads
+                # its beats again, and beats to a store whose host went fail noisily in C++.
+                return
             if self._done.wait(self._interval):
                 return
 

@@ -114,6 +114,10 @@ def test_a_library_watch_takes_the_abort_mark_and_disarm_hands_it_over(ranks) ->
         # Taken: the watch marked rank 2's end, so the host goes without waiting for it.
         assert _lingered(host) < 0.5
         assert watch.disarm() == [error]
+        # And it beats no more: the run is over, and the store's host may go.
+        before = liveness.heartbeats(host.store, [2])
+        time.sleep(2.5 * liveness.heartbeat_interval(3))
+        assert liveness.heartbeats(host.store, [2]) == before
     finally:
         watch.__exit__(None, None, None)
 
