@@ -67,30 +67,25 @@ def _storage(tensor: torch.Tensor) -> int:
 
 def site_of(skip: int = 2) -> tuple[str, str]:
     """The first frame outside torch and fsdpcheck: its function and its ``file:line``."""
+    function, line, _ = script_frame(skip + 1)
+    return function, line
+
+
+def script_frame(skip: int = 2, through: str | None = None) -> tuple[str, str, bool]:
+    """The first frame outside torch and fsdpcheck, from the caller's ``skip``-th on: its
+    function, its ``file:line``, and whether code of the file ``through`` runs between (one
+    walk of the stack for both: the watch asks both of a collective no FSDP module issued)."""
     frame = sys._getframe(skip)
+    passed = False
     while frame is not None:
-        path = frame.f_code.co_filename
+        code = frame.f_code
+        path = code.co_filename
+        passed = passed or path == through
         if not any(part in path for part in _SKIP_FRAMES):
-            code = frame.f_code
-            return getattr(code, "co_qualname", code.co_name), (
-                f"{os.path.basename(path)}:{frame.f_lineno}"
-            )
+            function = getattr(code, "co_qualname", code.co_name)
+            return function, f"{os.path.basename(path)}:{frame.f_lineno}", passed
         frame = frame.f_back
-    return "", ""
-
-
-def passes_through(path: str, skip: int = 2) -> bool:
-    """Whether code of the file ``path`` runs between the caller's ``skip``-th frame and the
-    first frame outside torch and fsdpcheck (the one :func:`site_of` names)."""
-    frame = sys._getframe(skip)
-    while frame is not None:
-        here = frame.f_code.co_filename
-        if here == path:
-            return True
-        if not any(part in here for part in _SKIP_FRAMES):
-            return False
-        frame = frame.f_back
-    return False
+    return "", "", passed
 
 
 class WriteLog:

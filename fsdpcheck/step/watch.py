@@ -74,7 +74,7 @@ from fsdpcheck.checks.step import (
 )
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed.wire import span
-from fsdpcheck.model.writes import passes_through, site_of
+from fsdpcheck.model.writes import script_frame, site_of
 from fsdpcheck.records import from_dict, to_dict
 
 log = logging.getLogger(__name__)
@@ -1153,9 +1153,11 @@ class CollectiveWatch(TorchDispatchMode):
             tag = int(bound.get("tag", 0) or 0)
         pipeline = self._pipeline_fields(tensors[0]) if peer is not None and tensors else {}
         owner = self._owner()
-        where = "" if owner is not None else _script_line()
-        if where and _DTENSOR_DISPATCH is not None and passes_through(_DTENSOR_DISPATCH):
-            where += " (a DTensor redistribution)"
+        where = ""
+        if owner is None:  # the script's line that issued it, above this method's caller
+            _, where, redistributes = script_frame(3, _DTENSOR_DISPATCH)
+            if where and redistributes:
+                where += " (a DTensor redistribution)"
         return CollectiveCall(
             seq=len(self.calls),
             op=op,

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsdpcheck.checks.groups import group_ranks
 from fsdpcheck.checks.uninitialized import owning_modules, uninitialized_findings
 from fsdpcheck.errors import InputError
-from fsdpcheck.model.writes import WriteLog, passes_through
+from fsdpcheck.model.writes import WriteLog, script_frame
 from fsdpcheck.options import RunOptions
 from fsdpcheck.records import BufferProblem, RankRecord
 from fsdpcheck.script.runner import Target
@@ -87,18 +87,20 @@ def test_the_write_log_sees_every_way_a_tensor_is_written() -> None:
     assert "test_the_write_log_sees_every_way_a_tensor_is_written" in unwritten[0].detail
 
 
-def test_passes_through_looks_only_between_the_call_and_the_script() -> None:
+def test_script_frame_looks_only_between_the_call_and_the_script() -> None:
     # How the watch tells DTensor's redistributions from the script's own collectives: torch's
-    # code (here pytree calling back) counts, the script's callers (pytest) do not.
+    # code (here pytree calling back, the lambda standing for the watch) counts, the script's
+    # callers (pytest) do not; the frame it stops at is the script's (``looks``).
     import _pytest.python
     import torch.utils._pytree as pytree
 
-    def looks(path: str) -> list[bool]:
-        return pytree.tree_map(lambda _: passes_through(path, skip=2), [0])
+    def looks(path: str) -> list[tuple[str, str, bool]]:
+        return pytree.tree_map(lambda _: script_frame(2, path), [0])
 
-    assert looks(pytree.__file__) == [True]
-    assert looks(nn.modules.module.__file__) == [False]  # torch, but not on the way
-    assert looks(_pytest.python.__file__) == [False]  # above the script: never reached
+    [(function, line, passed)] = looks(pytree.__file__)
+    assert passed and function.endswith("looks") and line.startswith("test_run_parts.py:")
+    assert looks(nn.modules.module.__file__)[0][2] is False  # torch, but not on the way
+    assert looks(_pytest.python.__file__)[0][2] is False  # above the script: never reached
 
 
 def test_the_write_log_without_the_mode_still_reads_version_counters() -> None:
