@@ -509,7 +509,7 @@ def _conclude(
         if options is not None and options.step:  # collective: one step (the builder's), watched
             forget: list = []
             report = audit_step(
-                ctx, state.env, built, load, report, seed=options.seed, forget=forget
+                ctx, state.env, built, load, report, seed=options.seed, forget=forget, abort=watch
             )
             decided = decide(ctx, report, state.publish, own_error=stages.error)
             # Every rank is past its step (the decision is collective): nobody reads the

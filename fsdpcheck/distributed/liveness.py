@@ -280,6 +280,13 @@ class AbortWatch:
             self._armed = False
             return self.aborted
 
+    def guarded(self, store: Any) -> Any:
+        """``store`` for work that must stop once this watch took the abort mark (a library
+        call's: a step under the watch): from then on each call raises ConnectionError without
+        reaching the store, whose host may be gone, so the work ends at once and the rank
+        concludes with the mark's errors (:meth:`disarm`). None stays None."""
+        return None if store is None else _UntilAborted(store, self)
+
     def __exit__(self, *exc: object) -> None:
         self._done.set()
         # Joined, not abandoned: a daemon thread still inside a store call when the
@@ -342,6 +349,26 @@ class AbortWatch:
                 log.debug("publishing on abort failed", exc_info=True)
         linger(self._ctx, store)  # os._exit runs no exit handler
         os._exit(ExitCode.RUNTIME)
+
+
+class _UntilAborted:
+    """A store whose calls raise once ``watch`` took the abort mark (:meth:`AbortWatch.guarded`)."""
+
+    def __init__(self, store: Any, watch: AbortWatch):
+        self._store, self._watch = store, watch
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+        if not callable(method):
+            return method
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            errors = self._watch.aborted
+            if errors is not None:  # worded as a peer's failure (is_collective_failure)
+                raise ConnectionError(f"a peer gave up on the run: {errors[0].message}")
+            return method(*args, **kwargs)
+
+        return call
 
 
 def own_client(store: Any) -> Any:

@@ -252,7 +252,7 @@ class ScriptSession:
             ctx.side_channel,
             ctx.world_size,
             self._owners,
-            store=ctx.store,
+            store=self._abort.guarded(ctx.store),
             rank=ctx.rank,
             timeout=ctx.timeout,
         )

@@ -43,7 +43,7 @@ def check_step(model: Any, step: Callable[[], Any], *, timeout: float = 60.0) ->
             env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
             try:
                 forget: list = []
-                record, seconds = watched_step(ctx, model, step, forget=forget)
+                record, seconds = watched_step(ctx, model, step, forget=forget, abort=watch)
                 outcome = conclude_step(ctx, model, env, record, seconds)
                 report = step_report(outcome, ctx.world_size) if outcome is not None else None
                 decided = decide(ctx, report)

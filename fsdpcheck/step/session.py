@@ -65,10 +65,12 @@ def watched_step(
     step: Callable[[], Any],
     *,
     forget: list[Callable[[], Any]] | None = None,
+    abort: liveness.AbortWatch | None = None,
 ) -> tuple[StepRecord, float]:
     """Collective: run ``step`` once under the watch; this rank's record and the seconds the
     step took, watch included. ``forget``: gets the call that deletes what the watch left in
-    the store, for the caller to make once every rank has concluded.
+    the store, for the caller to make once every rank has concluded. ``abort``: the rank's
+    abort watch; the step stops once it took the abort mark (``AbortWatch.guarded``).
 
     Raises :class:`ChannelLost` when a peer stopped answering (the caller names it)."""
     liveness.mark_stage(ctx, Stage.STEP)
@@ -76,7 +78,7 @@ def watched_step(
         ctx.side_channel,
         ctx.world_size,
         fsdp_owners(model),
-        store=ctx.store,
+        store=abort.guarded(ctx.store) if abort is not None else ctx.store,
         rank=ctx.rank,
         timeout=ctx.timeout,
     )

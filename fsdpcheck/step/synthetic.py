@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed.gather import gather_slots
 from fsdpcheck.distributed.setup import DistContext
 from fsdpcheck.distributed.wire import span
@@ -78,13 +79,14 @@ def audit_step(
     *,
     seed: int = 0,
     forget: list[Callable[[], Any]] | None = None,
+    abort: liveness.AbortWatch | None = None,
 ) -> Report | None:
     """Collective: one watched step, its findings merged into rank 0's ``report``, when every
     rank holds weights (the load ran, or nothing was to be loaded and each rank holds its own:
     a builder without a state dict, ``--init all --no-load``) and has a step (the builder's
     own, or a transformers forward for the synthetic one). Otherwise a note on rank 0 naming
     the ranks and why. A peer that stops answering raises, as any failed collective does.
-    ``forget``: as :func:`~fsdpcheck.step.session.watched_step`'s."""
+    ``forget``, ``abort``: as :func:`~fsdpcheck.step.session.watched_step`'s."""
     mine = _readiness(built, load, report, rank=ctx.rank)
     if span([mine], ctx.side_channel, size=ctx.world_size).high[0] != _READY:
         # Someone cannot step: rank 0 learns who and why (the others' report is None).
@@ -95,7 +97,7 @@ def audit_step(
         return replace(report, warnings=(*report.warnings, _why_not(codes, load)))
     step, ran = _step_for(ctx, built, seed=seed)
     try:
-        record, seconds = watched_step(ctx, built.model, step, forget=forget)
+        record, seconds = watched_step(ctx, built.model, step, forget=forget, abort=abort)
         outcome = conclude_step(ctx, built.model, env, record, seconds)
     except ChannelLost as exc:  # the audit's own handler names the peer
         raise exc.cause from None

@@ -104,7 +104,10 @@ def test_nobody_else_lingers(ranks, monkeypatch: pytest.MonkeyPatch, tmp_path) -
 def test_a_library_watch_takes_the_abort_mark_and_disarm_hands_it_over(ranks) -> None:
     host, giver, rank2 = ranks
     watch = liveness.AbortWatch(rank2).__enter__()  # a library call's: it never ends the process
+    guarded = watch.guarded(rank2.store)  # what the rank's step watch reads the store through
     try:
+        guarded.set("step/end/2", "1")
+        assert guarded.check(["step/end/2"])
         error = RankError(1, Stage.GATHER, "rank 1 died during stage 'gather'", ErrorKind.RUNTIME)
         liveness.signal_abort(giver, [error])  # rank 1 gave up (give_up's steps)
         liveness.mark_ended(giver)
@@ -114,6 +117,10 @@ def test_a_library_watch_takes_the_abort_mark_and_disarm_hands_it_over(ranks) ->
         # Taken: the watch marked rank 2's end, so the host goes without waiting for it.
         assert _lingered(host) < 0.5
         assert watch.disarm() == [error]
+        # The step stops at its next store call, which never reaches the (live) store.
+        with pytest.raises(ConnectionError, match="a peer gave up on the run: rank 1 died"):
+            guarded.check(["step/end/2"])
+        assert liveness.is_collective_failure(ConnectionError("a peer gave up on the run: x"))
         # And it beats no more: the run is over, and the store's host may go.
         before = liveness.heartbeats(host.store, [2])
         time.sleep(2.5 * liveness.heartbeat_interval(3))
@@ -139,7 +146,7 @@ def test_a_watch_disarmed_first_never_takes_the_mark(ranks) -> None:
 # Rank 0 of two, serving the store: it concluded a failed run (mark_ended), and its process
 # ends; rank 1 (a thread on a client of its own) takes the end of the run DELAY s later.
 _HOST_EXITS = """
-import sys, threading, time
+import atexit, sys, threading, time
 from datetime import timedelta
 import torch.distributed as dist
 from fsdpcheck.distributed import liveness
@@ -155,6 +162,8 @@ def ctx(rank, store):
                        store=dist.PrefixStore("run", store))
 
 host, peer = ctx(0, server), ctx(1, client)
+# Exit handlers run last registered first: this one after the linger mark_ended registers.
+atexit.register(lambda: print(time.monotonic(), flush=True))
 liveness.mark_ended(host)
 liveness.mark_ended(host)  # once: a second conclusion adds no second wait
 later = threading.Timer(delay, liveness.mark_ended, args=(peer,))
@@ -177,7 +186,8 @@ def test_the_host_keeps_the_store_up_at_exit_until_the_other_rank_took_the_end(
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    stayed = time.monotonic() - float(done.stdout.split()[0])
+    ended, after_linger = map(float, done.stdout.split())
+    stayed = after_linger - ended  # the exit handlers before the last one: the linger
     # The exit handler waited for rank 1's mark: until it came, and hardly at all once it had.
     if delay:
         assert delay - 0.1 <= stayed < liveness.linger_bound(2), stayed
