@@ -30,7 +30,13 @@ from fsdpcheck.vocab import BufferReason, Snapshot
 
 log = logging.getLogger(__name__)
 
-_SKIP_FRAMES = (os.sep + "torch" + os.sep, os.sep + "fsdpcheck" + os.sep)
+# Frames that are not the script's: code of the torch and fsdpcheck packages, by where they are
+# installed, so a script under a folder that happens to be called torch or fsdpcheck (a CI
+# checkout of this repository, ~/torch/train.py) is still the script.
+_SKIP_DIRS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(__file__)) + os.sep,  # fsdpcheck/, from fsdpcheck/model/
+)
 _FIRST_VALUES = 3
 _WRITERS_LISTED = 3
 # Every tensor argument of a collective is taken as written: c10d's schemas do not annotate
@@ -81,7 +87,7 @@ def script_frame(skip: int = 2, through: str | None = None) -> tuple[str, str, b
         code = frame.f_code
         path = code.co_filename
         passed = passed or path == through
-        if not any(part in path for part in _SKIP_FRAMES):
+        if not path.startswith(_SKIP_DIRS):
             function = getattr(code, "co_qualname", code.co_name)
             return function, f"{os.path.basename(path)}:{frame.f_lineno}", passed
         frame = frame.f_back

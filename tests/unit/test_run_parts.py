@@ -3,6 +3,8 @@ process, no ranks), and how unwritten tensors are named (synthetic records)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -101,6 +103,22 @@ def test_script_frame_looks_only_between_the_call_and_the_script() -> None:
     assert passed and function.endswith("looks") and line.startswith("test_run_parts.py:")
     assert looks(nn.modules.module.__file__)[0][2] is False  # torch, but not on the way
     assert looks(_pytest.python.__file__)[0][2] is False  # above the script: never reached
+
+
+def test_a_script_under_a_folder_called_torch_is_still_the_script(tmp_path: Path) -> None:
+    # Frames are skipped by the package they belong to, not by a folder name in their path: a
+    # script at ~/torch/train.py (or a checkout of this repository under .../fsdpcheck/) is
+    # the script.
+    import torch.utils._pytree as pytree
+
+    source = "def looks(path):\n    return pytree.tree_map(lambda _: script_frame(2, path), [0])\n"
+    for folder in ("torch", "fsdpcheck"):
+        script = tmp_path / folder / "train.py"
+        code = compile(source, str(script), "exec")
+        space = {"pytree": pytree, "script_frame": script_frame}
+        exec(code, space)
+        [(function, line, passed)] = space["looks"](pytree.__file__)
+        assert (function, line, passed) == ("looks", "train.py:2", True), folder
 
 
 def test_the_write_log_without_the_mode_still_reads_version_counters() -> None:
