@@ -4,6 +4,7 @@ gives up can name the rank responsible instead of leaving everyone waiting."""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -84,7 +85,11 @@ def mark_ended(ctx: DistContext, store: Any = None) -> None:
     except Exception:  # the store's host is gone: nobody waits for the mark
         log.debug("could not mark rank %d's end of the run", ctx.rank, exc_info=True)
     if ctx.world_size > 1 and hosts_store(ctx):
-        atexit.register(linger, ctx, store)
+        # The context without its groups and mesh, and the main client, not the watch thread's
+        # own: a process that checks many times keeps no more than the store it has anyway.
+        atexit.register(
+            linger, dataclasses.replace(ctx, side_channel=None, mesh=None, ep_meshes=None)
+        )
 
 
 def _leave_gone(store: Any, ranks: set[int] | list[int]) -> None:
@@ -280,6 +285,14 @@ class AbortWatch:
             self._armed = False
             return self.aborted
 
+    def stop_if_over(self) -> None:
+        """Raise ConnectionError where this watch took the abort mark: before a collective
+        the ranks that gave up will never join (a step's conclusion), as :meth:`guarded`'s
+        store does before each call."""
+        errors = self.aborted
+        if errors is not None:  # worded as a peer's failure (is_collective_failure)
+            raise ConnectionError(f"a peer gave up on the run: {errors[0].message}")
+
     def guarded(self, store: Any) -> Any:
         """``store`` for work that must stop once this watch took the abort mark (a library
         call's: a step under the watch): from then on each call raises ConnectionError without
@@ -337,7 +350,9 @@ class AbortWatch:
                     return
                 log.info("rank %d: the run is over: %s", self._ctx.rank, errors[0].message)
                 self.aborted = errors
-                mark_ended(self._ctx, store)  # the call concludes with these (disarm)
+            # The call concludes with these (disarm). Outside the lock: a store whose host hangs
+            # must not hold up the rank's own conclusion in disarm().
+            mark_ended(self._ctx, store)
             return
         sys.stderr.write(f"fsdpcheck: rank {self._ctx.rank} aborting: {errors[0].message}\n")
         sys.stderr.flush()
@@ -363,9 +378,7 @@ class _UntilAborted:
             return method
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            errors = self._watch.aborted
-            if errors is not None:  # worded as a peer's failure (is_collective_failure)
-                raise ConnectionError(f"a peer gave up on the run: {errors[0].message}")
+            self._watch.stop_if_over()
             return method(*args, **kwargs)
 
         return call
@@ -423,7 +436,13 @@ def dead_ranks(ctx: DistContext) -> set[int]:
     except Exception:
         log.debug("heartbeats unreadable: no rank is called dead", exc_info=True)
         return set()
-    return {r for r in range(ctx.world_size) if r != ctx.rank and before[r] == after[r]}
+    still = [r for r in range(ctx.world_size) if r != ctx.rank and before[r] == after[r]]
+    # A rank that took the end of the run stops beating, alive (AbortWatch): not dead.
+    try:
+        return {r for r in still if not ctx.store.check([_ENDED_KEY.format(r)])}
+    except Exception:
+        log.debug("ended marks unreadable: the stopped heartbeats decide", exc_info=True)
+        return set(still)
 
 
 def last_stages(ctx: DistContext) -> dict[int, str | None]:

@@ -392,6 +392,8 @@ class ScriptSession:
 
             def judged() -> AuditResult:
                 watch.finish(raised=bool(message))
+                if self._abort is not None:  # the ranks that gave up will not join the gather
+                    self._abort.stop_if_over()
                 record = step_record(watch, model, None, message)
                 seconds = time.perf_counter() - (self._step_start or time.perf_counter())
                 env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)

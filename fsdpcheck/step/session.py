@@ -70,7 +70,8 @@ def watched_step(
     """Collective: run ``step`` once under the watch; this rank's record and the seconds the
     step took, watch included. ``forget``: gets the call that deletes what the watch left in
     the store, for the caller to make once every rank has concluded. ``abort``: the rank's
-    abort watch; the step stops once it took the abort mark (``AbortWatch.guarded``).
+    abort watch; the step stops once it took the abort mark (``AbortWatch.guarded``), and no
+    record is returned (ConnectionError) where it took it by the step's end.
 
     Raises :class:`ChannelLost` when a peer stopped answering (the caller names it)."""
     liveness.mark_stage(ctx, Stage.STEP)
@@ -100,6 +101,8 @@ def watched_step(
         leave_raise(ctx, message)
     watch.finish(raised=bool(message))
     seconds = time.perf_counter() - start
+    if abort is not None:  # the ranks that gave up will not join the conclusion's gather
+        abort.stop_if_over()
     return step_record(watch, model, returned, message), seconds
 
 

@@ -109,14 +109,17 @@ def test_a_library_watch_takes_the_abort_mark_and_disarm_hands_it_over(ranks) ->
         guarded.set("step/end/2", "1")
         assert guarded.check(["step/end/2"])
         error = RankError(1, Stage.GATHER, "rank 1 died during stage 'gather'", ErrorKind.RUNTIME)
+        watch.stop_if_over()  # not over yet: nothing raised
         liveness.signal_abort(giver, [error])  # rank 1 gave up (give_up's steps)
         liveness.mark_ended(giver)
         deadline = time.monotonic() + 10
-        while watch.aborted is None and time.monotonic() < deadline:
+        while not host.store.check(["fsdpcheck/ended/2"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         # Taken: the watch marked rank 2's end, so the host goes without waiting for it.
         assert _lingered(host) < 0.5
         assert watch.disarm() == [error]
+        with pytest.raises(ConnectionError, match="a peer gave up on the run"):
+            watch.stop_if_over()  # before a collective the ranks that gave up will not join
         # The step stops at its next store call, which never reaches the (live) store.
         with pytest.raises(ConnectionError, match="a peer gave up on the run: rank 1 died"):
             guarded.check(["step/end/2"])
@@ -165,7 +168,6 @@ host, peer = ctx(0, server), ctx(1, client)
 # Exit handlers run last registered first: this one after the linger mark_ended registers.
 atexit.register(lambda: print(time.monotonic(), flush=True))
 liveness.mark_ended(host)
-liveness.mark_ended(host)  # once: a second conclusion adds no second wait
 later = threading.Timer(delay, liveness.mark_ended, args=(peer,))
 later.daemon = True
 later.start()
@@ -193,3 +195,12 @@ def test_the_host_keeps_the_store_up_at_exit_until_the_other_rank_took_the_end(
         assert delay - 0.1 <= stayed < liveness.linger_bound(2), stayed
     else:
         assert stayed < 1.0, stayed
+
+
+def test_a_rank_that_took_the_end_of_the_run_is_not_called_dead(ranks) -> None:
+    # Its abort watch stops beating once it took the mark (alive, concluding): a rank that
+    # diagnoses late, from the heartbeats alone, must not name it dead. A rank that never beat
+    # again and said nothing is.
+    host, concluded, dead = ranks
+    liveness.mark_ended(concluded)
+    assert liveness.dead_ranks(host) == {2}
