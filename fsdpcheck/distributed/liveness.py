@@ -287,8 +287,8 @@ class AbortWatch:
 
     def stop_if_over(self) -> None:
         """Raise ConnectionError where this watch took the abort mark: before a collective
-        the ranks that gave up will never join (a step's conclusion), as :meth:`guarded`'s
-        store does before each call."""
+        the ranks that gave up will never join (a step's conclusion), and before each call of
+        :meth:`guarded`'s store."""
         errors = self.aborted
         if errors is not None:  # worded as a peer's failure (is_collective_failure)
             raise ConnectionError(f"a peer gave up on the run: {errors[0].message}")
@@ -381,6 +381,7 @@ class _UntilAborted:
             self._watch.stop_if_over()
             return method(*args, **kwargs)
 
+        setattr(self, name, call)  # made once: the watch calls the store on its hot path
         return call
 
 

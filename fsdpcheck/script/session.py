@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fsdpcheck.audit import check_live
 from fsdpcheck.checks.step import MARKS
-from fsdpcheck.decision import AuditResult, decide, give_up, never_met
+from fsdpcheck.decision import AuditResult, decide, never_met
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed.environment import env_record
 from fsdpcheck.distributed.setup import DistContext
@@ -52,9 +52,9 @@ from fsdpcheck.records import Report
 from fsdpcheck.step.session import (
     conclude_step,
     forget_raise,
+    give_up_on_step,
     leave_raise,
     merged,
-    step_raises,
     step_record,
     step_report,
 )
@@ -370,12 +370,7 @@ class ScriptSession:
             return work()
         except (Exception, ChannelLost) as exc:
             log.debug("rank %d: fsdpcheck run gave up", ctx.rank, exc_info=True)
-            aborted = self._abort.disarm() if self._abort is not None else None
-            # Each rank's own exception, left in the store: the rank that raised is named,
-            # not the one left waiting for it (the abort mark's errors name it already).
-            raises = () if aborted else step_raises(ctx)
-            own = next((e for e in raises if e.rank == ctx.rank), None)
-            return give_up(ctx, exc, own, stage=Stage.STEP, known=raises, aborted=aborted)
+            return give_up_on_step(ctx, exc, self._abort)
 
     def _conclude(self, message: str) -> RunOutcome:
         """Collective: the watch ends, every rank's step record is judged with the model's
@@ -392,12 +387,10 @@ class ScriptSession:
 
             def judged() -> AuditResult:
                 watch.finish(raised=bool(message))
-                if self._abort is not None:  # the ranks that gave up will not join the gather
-                    self._abort.stop_if_over()
                 record = step_record(watch, model, None, message)
                 seconds = time.perf_counter() - (self._step_start or time.perf_counter())
                 env = env_record(ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend)
-                outcome = conclude_step(ctx, model, env, record, seconds)
+                outcome = conclude_step(ctx, model, env, record, seconds, abort=self._abort)
                 report = None
                 if outcome is not None:
                     base = self._model_report

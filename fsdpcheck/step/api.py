@@ -6,13 +6,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fsdpcheck.decision import AuditResult, decide, give_up, never_met
+from fsdpcheck.decision import AuditResult, decide, never_met
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed import setup as distributed
 from fsdpcheck.distributed.environment import env_record
-from fsdpcheck.step.session import conclude_step, step_raises, step_report, watched_step
+from fsdpcheck.step.session import conclude_step, give_up_on_step, step_report, watched_step
 from fsdpcheck.step.watch import ChannelLost
-from fsdpcheck.vocab import Stage
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ def check_step(model: Any, step: Callable[[], Any], *, timeout: float = 60.0) ->
             try:
                 forget: list = []
                 record, seconds = watched_step(ctx, model, step, forget=forget, abort=watch)
-                outcome = conclude_step(ctx, model, env, record, seconds)
+                outcome = conclude_step(ctx, model, env, record, seconds, abort=watch)
                 report = step_report(outcome, ctx.world_size) if outcome is not None else None
                 decided = decide(ctx, report)
                 # Every rank is past its step (the decision is collective): nobody reads the
@@ -56,9 +55,6 @@ def check_step(model: Any, step: Callable[[], Any], *, timeout: float = 60.0) ->
             # swallow it): caught by name, or a side-channel timeout escapes as a raw error.
             except (Exception, ChannelLost) as exc:  # a peer stopped answering: name it
                 log.debug("rank %d: check_step gave up", ctx.rank, exc_info=True)
-                aborted = watch.disarm()
-                raises = () if aborted else step_raises(ctx)
-                own = next((e for e in raises if e.rank == ctx.rank), None)
-                return give_up(ctx, exc, own, stage=Stage.STEP, known=raises, aborted=aborted)
+                return give_up_on_step(ctx, exc, watch)
     finally:
         distributed.shutdown(ctx)

@@ -26,6 +26,7 @@ from fsdpcheck.checks.step import (
     loss_word,
     raised_errors,
 )
+from fsdpcheck.decision import AuditResult, give_up
 from fsdpcheck.distributed import liveness
 from fsdpcheck.distributed.gather import gather_distinct, gather_records
 from fsdpcheck.distributed.setup import DistContext
@@ -70,8 +71,7 @@ def watched_step(
     """Collective: run ``step`` once under the watch; this rank's record and the seconds the
     step took, watch included. ``forget``: gets the call that deletes what the watch left in
     the store, for the caller to make once every rank has concluded. ``abort``: the rank's
-    abort watch; the step stops once it took the abort mark (``AbortWatch.guarded``), and no
-    record is returned (ConnectionError) where it took it by the step's end.
+    abort watch; the step stops once it took the abort mark (``AbortWatch.guarded``).
 
     Raises :class:`ChannelLost` when a peer stopped answering (the caller names it)."""
     liveness.mark_stage(ctx, Stage.STEP)
@@ -101,8 +101,6 @@ def watched_step(
         leave_raise(ctx, message)
     watch.finish(raised=bool(message))
     seconds = time.perf_counter() - start
-    if abort is not None:  # the ranks that gave up will not join the conclusion's gather
-        abort.stop_if_over()
     return step_record(watch, model, returned, message), seconds
 
 
@@ -189,10 +187,19 @@ def step_raises(ctx: DistContext) -> tuple[RankError, ...]:
 
 
 def conclude_step(
-    ctx: DistContext, model: Any, env: EnvRecord, record: StepRecord, seconds: float
+    ctx: DistContext,
+    model: Any,
+    env: EnvRecord,
+    record: StepRecord,
+    seconds: float,
+    abort: liveness.AbortWatch | None = None,
 ) -> StepOutcome | None:
     """Collective: every rank's state after the step and its step record, judged on rank 0
-    (``None`` elsewhere). Replicas (HSDP) are compared only after a step every rank finished."""
+    (``None`` elsewhere). Replicas (HSDP) are compared only after a step every rank finished.
+    Raises ConnectionError where ``abort`` (the rank's abort watch) took the abort mark: the
+    ranks that gave up will never join the gather."""
+    if abort is not None:
+        abort.stop_if_over()
     liveness.mark_stage(ctx, Stage.STEP_REPORT)
     state = RankRecord(env=env)
     if record.outcome == "finished" and _has_replicas(model):
@@ -214,6 +221,18 @@ def conclude_step(
         for r, message in raised_errors(records).items()
     )
     return StepOutcome(tuple(findings), errors, gathered, seconds, record.watch_seconds)
+
+
+def give_up_on_step(
+    ctx: DistContext, exc: BaseException, abort: liveness.AbortWatch | None
+) -> AuditResult:
+    """A watched step's exchange failed (``check_step``, ``fsdpcheck run``): the run ends
+    naming the rank responsible, each rank's own exception in its step first, or with the
+    abort mark's errors where this rank's watch took them (read from no store)."""
+    aborted = abort.disarm() if abort is not None else None
+    raises = () if aborted else step_raises(ctx)
+    own = next((e for e in raises if e.rank == ctx.rank), None)
+    return give_up(ctx, exc, own, stage=Stage.STEP, known=raises, aborted=aborted)
 
 
 def merged(report: Report, outcome: StepOutcome) -> Report:

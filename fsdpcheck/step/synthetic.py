@@ -98,7 +98,7 @@ def audit_step(
     step, ran = _step_for(ctx, built, seed=seed)
     try:
         record, seconds = watched_step(ctx, built.model, step, forget=forget, abort=abort)
-        outcome = conclude_step(ctx, built.model, env, record, seconds)
+        outcome = conclude_step(ctx, built.model, env, record, seconds, abort=abort)
     except ChannelLost as exc:  # the audit's own handler names the peer
         raise exc.cause from None
     if report is None or outcome is None:
