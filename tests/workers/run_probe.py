@@ -108,6 +108,9 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
+    # Rank 0 serves the store under env:// ranks: it waits for every rank's last look at the
+    # store (fsdpcheck_on_path, after the last step's collectives) before its process ends.
+    dist.barrier()
     # DDP's reducer destroyed after its process group hangs on gloo now and then (torch's own,
     # seen without fsdpcheck): the model goes first.
     del model, optimizer
