@@ -170,7 +170,9 @@ def chain_step(rank: int, world: int, broken: bool):
     sends on to rank 2, which receives that and (``broken``) one more from rank 0 that rank 0
     never sends. Rank 1's batch is whole; rank 2's never is."""
     group = dist.new_group(list(range(world)), group_desc="chain")
-    box = torch.empty(4)
+    # Zeros: rank 0 only sends, and the step's loss is this box's sum on every rank (memory
+    # torch.empty left unwritten held NaN once: a true non-finite finding on the clean twin).
+    box = torch.zeros(4)
     ops = {
         0: [dist.P2POp(dist.isend, torch.ones(4), 1, group)],
         1: [dist.P2POp(dist.irecv, box, 0, group), dist.P2POp(dist.isend, torch.ones(4), 2, group)],
@@ -192,7 +194,7 @@ def lone_against_batch_step(rank: int, world: int, pairs: bool):
     (``isend``, ``irecv``), waiting for both after: it pairs, and unwatched it runs. Not
     ``pairs``: rank 1 never receives."""
     group = dist.new_group(list(range(world)), group_desc="lone-batch")
-    box = torch.empty(4)
+    box = torch.zeros(4)  # a rank that receives nothing returns its sum too (chain_step)
 
     def step():
         if rank == 0:
